@@ -1,0 +1,51 @@
+# Two commands on a fresh machine: `make demo` (run every notebook headless on the tiny model)
+# and `make test` (the test suite). Both set up .venv first and are no-ops when nothing changed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.oomkit-installed
+TINY   := data/tiny/BUILD.json
+
+.PHONY: setup demo test test-browser bench lint format sync-notebooks clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: a bare `pip install torch` would pull gigabytes of CUDA wheels.
+$(STAMP): requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(TINY): data/build_tiny_models.py $(wildcard data/corpus/*.txt) $(STAMP)
+	$(BIN)/python data/build_tiny_models.py
+
+demo: setup $(TINY)
+	$(BIN)/python scripts/run_notebooks.py
+
+test: setup $(TINY)
+	$(BIN)/python -m pytest -q
+
+test-browser: setup $(TINY)
+	$(BIN)/python -m pytest -q -m browser tests
+
+bench: setup $(TINY)
+	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+lint: setup
+	$(BIN)/ruff check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format helpers tests bench scripts data
+
+# Edit either side of a notebook pair (.ipynb or .py), then sync; outputs are never stored.
+sync-notebooks: setup
+	$(BIN)/jupytext --sync notebooks/*.py
+	$(BIN)/python scripts/strip_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf runs data/tiny

@@ -1,0 +1,221 @@
+"""Give memory back: drop what silently pins tensors in notebooks, collect, empty the CUDA cache.
+
+Why memory "never comes back" after an OOM in a notebook: the stored traceback
+(``sys.last_traceback`` and IPython's last execution result) keeps every frame alive, and each
+frame keeps its tensors; the output history (``Out``, ``_``, ``_5``) keeps every displayed value.
+``gc.collect(); torch.cuda.empty_cache()`` alone frees neither.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from .units import format_bytes
+
+__all__ = ["CleanupReport", "cleanup", "free", "unload", "drop_exception_state", "drop_output_history"]
+
+
+@dataclass
+class CleanupReport:
+    """What a cleanup gave back. Positive numbers are bytes freed."""
+
+    gpu_allocated_freed: int
+    gpu_reserved_freed: int
+    rss_freed: int
+    objects_collected: int
+    dropped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        what = f" (dropped {', '.join(self.dropped)})" if self.dropped else ""
+        gpu = (f"GPU {format_bytes(self.gpu_allocated_freed)} allocated / "
+               f"{format_bytes(self.gpu_reserved_freed)} reserved freed, "
+               if torch.cuda.is_available() else "")
+        return (f"cleanup: {gpu}RAM {format_bytes(self.rss_freed)} freed, "
+                f"{self.objects_collected} objects collected in {self.seconds:.2f} s{what}")
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        return f"<div style='font-family:monospace'>{escape(str(self))}</div>"
+
+
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def drop_exception_state() -> list[str]:
+    """Forget the last exception everywhere Python and IPython keep it, so its frames can die."""
+    dropped = []
+    for name in ("last_traceback", "last_value", "last_type", "last_exc"):
+        if getattr(sys, name, None) is not None:
+            setattr(sys, name, None)
+            dropped.append(f"sys.{name}")
+    ip = _ipython()
+    if ip is not None:
+        # IPython's traceback formatter keeps the last traceback it printed
+        for name in ("InteractiveTB", "SyntaxTB"):
+            formatter = getattr(ip, name, None)
+            if getattr(formatter, "tb", None) is not None:
+                formatter.tb = None
+                dropped.append(f"IPython {name}.tb")
+    result = getattr(ip, "last_execution_result", None) if ip is not None else None
+    if result is not None:
+        if getattr(result, "error_in_exec", None) is not None:
+            result.error_in_exec = None
+            dropped.append("IPython last error")
+        if getattr(result, "result", None) is not None:
+            result.result = None
+    return dropped
+
+
+def drop_output_history() -> list[str]:
+    """Clear IPython's ``Out``/``_oh``, ``_``, ``__``, ``___`` and the numbered ``_N`` outputs."""
+    ip = _ipython()
+    if ip is None:
+        return []
+    out = ip.user_ns.get("_oh") or {}
+    n = len(out)
+    hook = getattr(ip, "displayhook", None)
+    if hook is not None and getattr(hook, "do_full_cache", False):
+        hook.flush()  # clears _oh (== Out), _N, and the displayhook's own _ / __ / ___
+    else:
+        out.clear()
+    for ns in (ip.user_ns, getattr(ip, "user_ns_hidden", {})):
+        for name in ("_", "__", "___"):
+            if name in ns and not isinstance(ns[name], str):
+                ns[name] = ""
+    return [f"Out ({n} outputs)"] if n else []
+
+
+def _readout() -> tuple[int, int, int]:
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), psutil.Process().memory_info().rss
+    return 0, 0, psutil.Process().memory_info().rss
+
+
+def _collect_and_empty() -> int:
+    collected = gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
+    mps = getattr(torch, "mps", None)
+    if mps is not None and torch.backends.mps.is_available():
+        mps.empty_cache()
+    return collected
+
+
+def _report(before: tuple[int, int, int], started: float, collected: int, dropped: list[str]) -> CleanupReport:
+    after = _readout()
+    return CleanupReport(
+        gpu_allocated_freed=before[0] - after[0],
+        gpu_reserved_freed=before[1] - after[1],
+        rss_freed=before[2] - after[2],
+        objects_collected=collected,
+        dropped=dropped,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def cleanup(*, drop_history: bool = True, drop_traceback: bool = True) -> CleanupReport:
+    """Free what can be freed without touching your variables, and report how much came back.
+
+    Drops the stored exception and (inside IPython) the output history, runs the garbage
+    collector, then returns cached CUDA blocks to the driver.
+    """
+    started = time.perf_counter()
+    before = _readout()
+    dropped: list[str] = []
+    if drop_traceback:
+        dropped += drop_exception_state()
+    if drop_history:
+        dropped += drop_output_history()
+    return _report(before, started, _collect_and_empty(), dropped)
+
+
+def _caller_namespace(namespace: dict | None, depth: int = 2) -> dict:
+    if namespace is not None:
+        return namespace
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back
+        return frame.f_globals
+    finally:
+        del frame
+
+
+def free(*names: str, namespace: dict | None = None) -> CleanupReport:
+    """Delete ``names`` from the notebook's namespace (or ``namespace``), then :func:`cleanup`.
+
+    >>> free("model", "trainer")   # doctest: +SKIP
+    """
+    ns = _caller_namespace(namespace)
+    missing = [n for n in names if n not in ns]
+    if missing:
+        raise NameError(f"free(): no variable named {', '.join(map(repr, missing))} here; "
+                        f"pass the names as strings, e.g. free('model')")
+    started = time.perf_counter()
+    before = _readout()
+    for n in names:
+        del ns[n]
+    report = cleanup()
+    return _report(before, started, report.objects_collected, [f"del {n}" for n in names] + report.dropped)
+
+
+def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_weights: bool = True) -> CleanupReport:
+    """Take a model out of memory for good and report what came back.
+
+    Removes accelerate's dispatch hooks (they hold references to offloaded weights), deletes
+    every name in the caller's namespace bound to ``model``, and with ``release_weights``
+    swaps each parameter and buffer for an empty tensor on the same device, so memory comes
+    back even when something else (a Trainer, a pipeline, ``Out``) still holds the module.
+    Nothing is copied back to the CPU first. The model object is unusable afterwards.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"unload() takes a torch.nn.Module, got {type(model).__name__}; "
+                        f"to drop other objects use free('name')")
+    started = time.perf_counter()
+    before = _readout()
+    dropped: list[str] = []
+    try:
+        from accelerate.hooks import remove_hook_from_module
+
+        remove_hook_from_module(model, recurse=True)
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        pass
+    if release_weights:
+        with torch.no_grad():
+            for module in model.modules():
+                for store in (module._parameters, module._buffers):
+                    for t in store.values():
+                        if t is not None and t.numel():
+                            # new empty storage on the same device: nothing moves to the CPU
+                            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                            t.grad = None
+                # bitsandbytes keeps quantization state (absmax, scales) beside the weight
+                w = module._parameters.get("weight")
+                if w is not None and hasattr(w, "quant_state"):
+                    w.quant_state = None
+                if hasattr(module, "state") and hasattr(module.state, "reset_grads"):
+                    module.state.CB = module.state.SCB = None
+        dropped.append("weights")
+    ns = _caller_namespace(namespace)
+    for name in [k for k, v in ns.items() if v is model and not k.startswith("__")]:
+        del ns[name]
+        dropped.append(f"del {name}")
+    del model
+    report = cleanup()
+    return _report(before, started, report.objects_collected, dropped + report.dropped)

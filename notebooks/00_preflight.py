@@ -1,0 +1,66 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Preflight: will it fit?
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/00_preflight.ipynb)
+#
+# Run this **before loading anything**. It checks the GPU, package versions, free GPU memory,
+# system RAM, disk space, and whether the model you name will fit, and gives the fix for every
+# problem it finds. Nothing is downloaded except (for a hub id) the model's small `config.json`.
+
+# %%
+# Install oomkit (in Colab only; locally the package is already installed by `make`).
+import sys
+
+if "google.colab" in sys.modules:
+    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+
+# %% tags=["parameters"]
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
+LOAD = "auto"  # auto, fp16, bf16, fp32, int8, nf4, fp4
+MAX_NEW_TOKENS = 256
+
+# %%
+from helpers import preflight, snapshot
+
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+report
+
+# %% [markdown]
+# Each line is **pass**, **info**, **WARN** or **FAIL**, with the fix. A FAIL means loading as
+# planned would crash (for example the kernel dying because a weight file is larger than free RAM);
+# a WARN means it will work but slowly or tightly.
+#
+# ## Reading the memory figures
+#
+# - **allocated**: bytes held by live tensors.
+# - **reserved**: what PyTorch's caching allocator holds from the driver. Freed tensors return
+#   their blocks to this cache, not to the GPU; `reserved - allocated` is cache or fragmentation.
+#   `helpers.cleanup()` gives it back.
+# - **outside PyTorch** (the "non-PyTorch memory" of OOM messages): CUDA context, cuBLAS workspace,
+#   and memory of *other processes*: a previous kernel that still holds the GPU shows up here.
+#   Only restarting that runtime frees it.
+# - **RAM**: loading streams weight files through system RAM. On Colab (12.7 GB) a file bigger than
+#   free RAM kills the kernel without an error message.
+
+# %%
+snap = snapshot()
+snap
+
+# %% [markdown]
+# The same report as text, to paste into a bug report or a forum question:
+
+# %%
+print(report)

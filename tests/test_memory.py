@@ -1,0 +1,64 @@
+import psutil
+import pytest
+import torch
+
+from helpers.memory import GPUProcess, GPUReadout, MemorySnapshot, RAMReadout, snapshot
+from helpers.units import GiB, MiB
+
+
+def test_snapshot_on_cpu_says_there_is_no_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    snap = snapshot()
+    assert snap.backend in ("cpu", "mps") and snap.gpus == [] and snap.gpu is None
+    assert "no CUDA" in str(snap) or "MPS" in str(snap)
+
+
+def test_snapshot_ram_matches_psutil():
+    snap = snapshot()
+    vm = psutil.virtual_memory()
+    assert snap.ram.total == vm.total
+    assert abs(snap.ram.available - vm.available) < 512 * MiB
+    rss = psutil.Process().memory_info().rss
+    assert abs(snap.ram.process_rss - rss) < 256 * MiB
+
+
+def test_snapshot_disks_cover_hf_cache_and_working_dir():
+    labels = {d.label for d in snapshot().disks}
+    assert labels == {"HF cache", "working dir"}
+    assert all(0 < d.free <= d.total for d in snapshot().disks)
+
+
+def t4(allocated=0, reserved=0, free=None, processes=None) -> GPUReadout:
+    total = int(14.74 * GiB)
+    return GPUReadout(0, "Tesla T4", (7, 5), total, free if free is not None else total - reserved - 300 * MiB,
+                      allocated, reserved, allocated, reserved, processes)
+
+
+def test_gpu_readout_derived_figures():
+    g = t4(allocated=2 * GiB, reserved=3 * GiB, free=int(14.74 * GiB) - 3 * GiB - 5 * GiB)
+    assert g.reserved_unallocated == 1 * GiB
+    assert g.non_pytorch == 5 * GiB  # total - free - reserved
+    assert g.used == 8 * GiB
+    assert not g.supports_bf16
+
+
+def test_snapshot_str_and_html_show_gpu_figures():
+    snap = MemorySnapshot("cuda", [t4(1 * GiB, 2 * GiB, processes=[GPUProcess(42, 3 * GiB, "python")])],
+                          RAMReadout(12 * GiB, 10 * GiB, 2 * GiB, 1 * GiB))
+    text = str(snap)
+    assert "Tesla T4" in text and "1.00 GiB allocated" in text and "process 42 python: 3.00 GiB" in text
+    html = snap._repr_html_()
+    assert "Tesla T4" in html and "System RAM" in html
+    assert len(text.splitlines()) < 25  # fits one screen
+    assert snap.to_dict()["gpus"][0]["reserved_unallocated"] == 1 * GiB
+
+
+@pytest.mark.cuda
+def test_snapshot_on_cuda_tracks_an_allocation():
+    before = snapshot().gpu.allocated
+    x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    after = snapshot()
+    assert after.gpu.allocated - before >= 256 * MiB
+    assert after.gpu.free <= after.gpu.total
+    del x

@@ -1,0 +1,120 @@
+"""Preflight verdicts on simulated machines: readouts are passed in, torch is never patched."""
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from helpers.memory import DiskReadout, GPUProcess, GPUReadout, MemorySnapshot, RAMReadout
+from helpers.preflight import COLAB_GPU_FIX, checkpoint_size, preflight
+from helpers.units import GiB, MiB
+
+VERSIONS = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2",
+            "bitsandbytes": "0.50.2", "cuda": "12.4", "python": "3.11.7"}  # fmt: skip
+T4_TOTAL = int(14.74 * GiB)
+
+
+def machine(gpu=True, free=None, reserved=0, processes=None, ram_avail=11 * GiB, disk_free=80 * GiB):
+    gpus = []
+    if gpu:
+        free = T4_TOTAL - reserved - 400 * MiB if free is None else free
+        gpus = [GPUReadout(0, "Tesla T4", (7, 5), T4_TOTAL, free, 0, reserved, 0, reserved, processes)]
+    return MemorySnapshot(
+        "cuda" if gpu else "cpu", gpus, RAMReadout(int(12.7 * GiB), ram_avail, 1 * GiB, 500 * MiB),
+        [DiskReadout("HF cache", "/root/.cache/huggingface/hub", 100 * GiB, disk_free)],
+    )
+
+
+def run(snap, model=None, checkpoint=None, **kw):
+    return preflight(model, snapshot=snap, package_versions=VERSIONS, bnb=(True, "ok"), colab=True,
+                     checkpoint=checkpoint, **kw)
+
+
+def test_no_gpu_on_colab_warns_with_runtime_fix():
+    report = run(machine(gpu=False))
+    gpu = report.check("GPU")
+    assert gpu.status == "warn" and gpu.fix == COLAB_GPU_FIX
+    assert report.ok
+
+
+def test_fresh_t4_passes_and_says_fp16_not_bf16():
+    report = run(machine())
+    assert report.check("GPU").status == "pass"
+    assert report.check("bf16").status == "info" and "fp16" in report.check("bf16").summary
+    assert report.check("free GPU memory").status == "pass"
+    assert report.status == "pass"
+
+
+def test_gpu_held_by_previous_kernel_is_named():
+    snap = machine(free=T4_TOTAL - 9 * GiB, processes=[GPUProcess(19585, 9 * GiB, "python3")])
+    report = run(snap)
+    held = report.check("GPU memory held elsewhere")
+    assert held.status == "warn" and "19585" in held.summary and "Restart" in held.fix
+    assert report.check("free GPU memory").status == "warn"
+
+
+def test_checkpoint_shard_larger_than_ram_fails_before_the_kernel_dies():
+    report = run(machine(ram_avail=3 * GiB), model="some/model", checkpoint=(14 * GiB, 10 * GiB, "hub"))
+    ram = report.check("RAM for loading")
+    assert ram.status == "fail" and "kernel would die" in ram.summary
+    assert not report.ok
+
+
+def test_sharded_checkpoint_fits_ram_but_warns_about_offload():
+    report = run(machine(ram_avail=11 * GiB), model="some/model", checkpoint=(13 * GiB, 5 * GiB, "hub"))
+    assert report.check("RAM for loading").status == "warn"
+
+
+def test_disk_too_small_for_download_fails():
+    report = run(machine(disk_free=5 * GiB), model="some/model", checkpoint=(13 * GiB, 5 * GiB, "hub"))
+    assert report.check("disk").status == "fail"
+
+
+def test_missing_bitsandbytes_warns_with_install_line():
+    vers = dict(VERSIONS, bitsandbytes=None)
+    report = preflight(snapshot=machine(), package_versions=vers, bnb=(False, "bitsandbytes is not installed"),
+                       colab=True)
+    assert report.check("versions").status == "warn" and "pip install bitsandbytes" in report.check("versions").fix
+    assert report.check("bitsandbytes").status == "warn"
+
+
+def test_report_renders_as_text_html_and_json():
+    report = run(machine(gpu=False))
+    assert str(report).startswith("oomkit preflight")
+    assert "<table" in report._repr_html_()
+    assert json.loads(report.to_json())["checks"][0]["name"] == "GPU"
+
+
+def test_negative_max_new_tokens_is_rejected():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        run(machine(), max_new_tokens=-1)
+
+
+def test_checkpoint_size_of_local_dir(tiny_llama):
+    total, largest, source = checkpoint_size(str(tiny_llama))
+    assert total == (tiny_llama / "model.safetensors").stat().st_size == largest
+    assert source == "local files"
+
+
+def test_real_machine_bitsandbytes_runs_on_cpu():
+    report = preflight()
+    assert report.check("bitsandbytes").status == "pass"
+
+
+def test_cli_json_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "helpers", "preflight", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["GPU"]["status"] == "warn" and "T4 GPU" in checks["GPU"]["fix"]
+    ram = data["snapshot"]["ram"]
+    assert ram["total"] == psutil.virtual_memory().total
+    assert abs(ram["available"] - psutil.virtual_memory().available) < 1 * GiB
+    assert {d["label"] for d in data["snapshot"]["disks"]} == {"HF cache", "working dir"}
+
+
+def test_cli_unknown_command_fails_clearly():
+    r = subprocess.run([sys.executable, "-m", "helpers", "frobnicate"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown command" in r.stderr
