@@ -1,0 +1,666 @@
+"""Load a model by plan: check first, refuse with the reason and the fix, then report what landed where.
+
+A :class:`LoadPlan` says what to load and how (load mode, compute dtype, generation budget,
+placement). ``plan.from_pretrained_kwargs()`` turns it into the current transformers API
+(``quantization_config=BitsAndBytesConfig(...)``, ``dtype=``). :func:`load` checks the plan
+against this machine before touching any weights (the model exists, bitsandbytes can run, the
+estimate fits, RAM can hold the largest weight file) and returns ``(model, tokenizer, LoadReport)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .html import table
+from .memory import MemorySnapshot, in_colab
+from .units import GiB, MiB, format_bytes, percent
+
+__all__ = [
+    "LOAD_MODES", "QUANTIZED", "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
+    "load", "check_plan", "setup_tokenizer", "generate_batched", "placement",
+]  # fmt: skip
+
+LOAD_MODES = ("fp16", "bf16", "fp32", "int8", "nf4", "fp4")
+QUANTIZED = ("int8", "nf4", "fp4")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+BNB_INSTALL = 'pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)'
+DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
+TOKEN_HELP = ("Accept the model's licence on its Hugging Face page, then give this runtime a token: in Colab, "
+              "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
+              "HF_TOKEN environment variable or run `huggingface-cli login`")
+# Leave this much of the GPU free beyond the estimate when capping device_map's GPU share: the
+# allocator's rounding and the first kernels' workspaces are not in the weights.
+GPU_MARGIN = 256 * MiB
+# Offloaded weights cross PCIe on every forward pass; a T4 in Colab sees roughly this much.
+PCIE_BYTES_PER_S = 8 * GiB
+DISK_BYTES_PER_S = 300 * MiB
+
+
+class LoadError(RuntimeError):
+    """A load refused before it started: ``reason`` says why, ``fix`` what to do."""
+
+    def __init__(self, reason: str, fix: str | None = None):
+        self.reason, self.fix = reason, fix
+        super().__init__(reason + (f"\nfix: {fix}" if fix else ""))
+
+
+class ModelNotFoundError(LoadError, FileNotFoundError):
+    """The model (or adapter) path does not exist, or the hub id is unknown."""
+
+
+class LoadRefused(LoadError):
+    """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""
+
+
+def _device_kind() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else "cpu"
+
+
+def auto_compute_dtype(device: str | None = None) -> str:
+    """fp16 on pre-Ampere GPUs (T4, V100), bf16 on Ampere and later, fp16 on MPS, fp32 on CPU."""
+    device = device or _device_kind()
+    if device == "cuda":
+        return "bf16" if torch.cuda.get_device_capability() >= (8, 0) else "fp16"
+    return "fp16" if device == "mps" else "fp32"
+
+
+@dataclass
+class LoadPlan:
+    """What to load and how. Every field has the safe default; change the few you care about.
+
+    Args:
+        model: hub id (``"codellama/CodeLlama-7b-Instruct-hf"``) or local directory.
+        load: ``fp16``, ``bf16``, ``fp32``, ``int8`` (LLM.int8), ``nf4`` or ``fp4`` (4-bit).
+        double_quant: 4-bit only: quantize the per-block scales too (saves ~0.4 bit/parameter).
+        compute_dtype: ``"auto"`` (fp16 on T4/V100, bf16 on Ampere+, fp32 on CPU) or a dtype name.
+        max_new_tokens, batch_size, prompt_tokens: the generation budget the KV cache is sized for.
+        device_map: ``"auto"`` lets accelerate place modules (GPU first, then CPU, then disk).
+        max_memory: per-device caps for ``device_map``; ``None`` = computed at load time from the
+            estimate so the KV cache and activations keep their room on the GPU.
+        offload_folder: where modules go when even CPU RAM is full (slow; see the report).
+        adapter: optional PEFT adapter directory (LoRA) to attach after loading.
+        token: Hugging Face token for gated models; ``None`` = ``HF_TOKEN`` / Colab secret / login.
+    """
+
+    model: str
+    load: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "auto"
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    prompt_tokens: int = 512
+    device_map: str | dict | None = "auto"
+    max_memory: dict | None = None
+    offload_folder: str | None = None
+    low_cpu_mem_usage: bool = True
+    attn_implementation: str | None = "sdpa"
+    trust_remote_code: bool = False
+    adapter: str | None = None
+    token: str | None = field(default=None, repr=False)  # never shown
+
+    def __post_init__(self):
+        self.model = str(self.model)
+        if self.load not in LOAD_MODES:
+            raise ValueError(f"unknown load mode {self.load!r}; valid: {', '.join(LOAD_MODES)}")
+        if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
+            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "max_new_tokens" else 1):
+                raise ValueError(f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, "
+                                 f"got {value!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.load in QUANTIZED
+
+    def replace(self, **changes) -> LoadPlan:
+        """A copy with ``changes`` applied (validated like a new plan)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved_compute_dtype(self, device: str | None = None) -> str:
+        """The compute dtype name this plan uses on ``device`` (default: this machine)."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        if self.load in DTYPES:
+            return self.load
+        return auto_compute_dtype(device)
+
+    def weights_dtype(self, device: str | None = None) -> torch.dtype:
+        """dtype of the unquantized tensors: the load mode itself, or the compute dtype for int8/4-bit."""
+        return DTYPES[self.load] if self.load in DTYPES else DTYPES[self.resolved_compute_dtype(device)]
+
+    def quantization_config(self, device: str | None = None):
+        """``BitsAndBytesConfig`` for int8/nf4/fp4, ``None`` otherwise."""
+        if not self.quantized:
+            return None
+        from transformers import BitsAndBytesConfig
+
+        if self.load == "int8":
+            # fp32 CPU offload lets device_map put the modules that do not fit on the CPU
+            # instead of failing; the report warns about the speed.
+            offload = self.device_map == "auto" and _device_kind() == "cuda"
+            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.load,
+            bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=DTYPES[self.resolved_compute_dtype(device)],
+        )
+
+    def from_pretrained_kwargs(self, device: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)``.
+
+        Uses the current API: ``quantization_config=BitsAndBytesConfig(...)`` and ``dtype=``
+        (not the deprecated ``load_in_8bit=`` / ``torch_dtype=`` keywords of older guides).
+        """
+        kwargs: dict[str, Any] = {"dtype": self.weights_dtype(device), "trust_remote_code": self.trust_remote_code}
+        if self.device_map is not None:
+            kwargs["device_map"] = self.device_map
+        qc = self.quantization_config(device)
+        if qc is not None:
+            kwargs["quantization_config"] = qc
+        if self.max_memory is not None:
+            kwargs["max_memory"] = self.max_memory
+        if self.offload_folder is not None:
+            kwargs["offload_folder"] = self.offload_folder
+        if self.attn_implementation is not None:
+            kwargs["attn_implementation"] = self.attn_implementation
+        if self.token is not None:
+            kwargs["token"] = self.token
+        if _transformers_major() < 5:  # transformers 5 always loads shard by shard and ignores the flag
+            kwargs["low_cpu_mem_usage"] = self.low_cpu_mem_usage
+        return kwargs
+
+    def estimate(self, device=None):
+        """The :func:`helpers.estimate.estimate` of this plan (weights, KV cache, activations, overheads)."""
+        from .estimate import estimate
+
+        return estimate(self.model, load=self.load, double_quant=self.double_quant,
+                        compute_dtype=self.compute_dtype, batch_size=self.batch_size,
+                        prompt_tokens=self.prompt_tokens, max_new_tokens=self.max_new_tokens, device=device)
+
+    def __str__(self) -> str:
+        dq = " + double quant" if self.load in ("nf4", "fp4") and self.double_quant else ""
+        return (f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
+                f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "
+                f"device_map={self.device_map!r})")
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _looks_like_path(model: str) -> bool:
+    """True for strings that can only be paths: absolute, ./, ../, ~, Windows drives, or 3+ parts."""
+    return (model.startswith(("/", "./", "../", "~", "\\")) or (len(model) > 1 and model[1] == ":")
+            or model.count("/") >= 2 or model.endswith((".safetensors", ".bin", ".json")))
+
+
+def _drive_hint(path: str) -> str:
+    """What to check on Colab when a path is missing (Drive not mounted, or a typo under MyDrive)."""
+    if not in_colab() and not path.startswith("/content"):
+        return ""
+    if path.startswith("/content/drive") and not Path("/content/drive/MyDrive").exists():
+        return f" Google Drive is not mounted: run `{DRIVE_MOUNT}` first."
+    if path.startswith("/content/drive"):
+        return " Google Drive is mounted: check the folder name under /content/drive/MyDrive (it is case-sensitive)."
+    return (" Files under /content are deleted when the Colab runtime restarts; keep models and adapters on "
+            f"Google Drive (`{DRIVE_MOUNT}`).")
+
+
+def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
+    p = Path(path).expanduser()
+    parent = next((q for q in p.parents if q.exists()), None)
+    near = ""
+    if parent is not None and parent != Path("/") and parent.is_dir():
+        names = sorted(c.name for c in parent.iterdir())[:8]
+        near = f" {parent} exists and holds: {', '.join(names) or '(nothing)'}."
+    return ModelNotFoundError(f"{kind} file not found: {path} does not exist ({what}).{near}{_drive_hint(path)}",
+                              f"Pass the directory that holds {what}, or a hub id such as 'org/name'")
+
+
+def check_model_source(model: str, token: str | None = None) -> str:
+    """Where ``model`` comes from (``"local"``, ``"cache"``, ``"hub"``); raises :class:`LoadError` if unusable."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            raise ModelNotFoundError(f"Model file not found: {p} has no config.json, so it is not a saved model "
+                                     f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+                                     "Point at the folder written by save_pretrained() (it has config.json)")
+        return "local"
+    if _looks_like_path(model):
+        raise _missing_path_error("Model", model, "config.json and the weight files")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return "cache"
+    except Exception:  # an invalid repo id: the hub check below says so
+        pass
+    return _check_hub(model, token)
+
+
+def _hub_offline_reason() -> str | None:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return "HF_HUB_OFFLINE is set"
+    try:  # a quick probe: huggingface_hub itself retries for ~30 s before giving up
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError as e:
+        return f"huggingface.co cannot be reached ({type(e).__name__})"
+    return None
+
+
+def _hub_access(model: str, token: str | None) -> None:
+    from huggingface_hub import auth_check
+
+    auth_check(model, token=token)
+
+
+def _check_hub(model: str, token: str | None) -> str:
+    offline = _hub_offline_reason()
+    if offline:
+        raise ModelNotFoundError(
+            f"{model!r} is not a local path and is not in the Hugging Face cache, and this machine is offline "
+            f"({offline}), so the hub cannot be asked whether the model exists",
+            "Pass a local directory with config.json and the weights, or go online once to download it")
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        _hub_access(model, token)
+    except GatedRepoError:
+        have = "the token this runtime has is not allowed" if token else "no Hugging Face token was found"
+        raise LoadRefused(f"{model} is a gated model and {have}", TOKEN_HELP) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"Unknown model id {model!r}: the Hugging Face Hub has no such model (or it is private)",
+            "Check the spelling (org/name, case-sensitive) on huggingface.co; for a private model, log in: "
+            + TOKEN_HELP) from None
+    except HFValidationError as e:
+        raise ModelNotFoundError(f"{model!r} is neither an existing path nor a valid hub id: {e}",
+                                 "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory") from None
+    return "hub"
+
+
+def check_adapter(adapter: str) -> None:
+    """Raise :class:`ModelNotFoundError` unless ``adapter`` is a PEFT adapter directory."""
+    p = Path(adapter).expanduser()
+    if not p.exists():
+        if not _looks_like_path(adapter) and "/" in adapter:
+            return  # a hub adapter id; PEFT resolves it
+        raise _missing_path_error("Adapter", adapter, "adapter_config.json and adapter_model.safetensors")
+    if not (p / "adapter_config.json").exists():
+        raise ModelNotFoundError(f"Adapter file not found: {p} has no adapter_config.json "
+                                 f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+                                 "Point at the folder written by model.save_pretrained() after LoRA training")
+
+
+def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None = None) -> None:
+    """Refuse 8-bit/4-bit when bitsandbytes is missing or cannot run on ``device``."""
+    if load not in QUANTIZED:
+        return
+    if status is None:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            status = (False, "bitsandbytes is not installed")
+        else:
+            from .preflight import bitsandbytes_status
+
+            status = bitsandbytes_status(device)
+    ok, why = status
+    if ok:
+        return
+    bits = "8-bit" if load == "int8" else "4-bit"
+    if "not installed" in why:
+        raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, which is not installed", BNB_INSTALL)
+    raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, but it cannot run here: {why}",
+                      "Use a CUDA GPU runtime (Colab: Runtime > Change runtime type > T4 GPU) and "
+                      f"{BNB_INSTALL}; or load in fp16/bf16 instead")
+
+
+def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
+    """Refuse plans that cannot fit; return warnings for plans that only fit by offloading.
+
+    On a GPU the estimate must fit the free GPU memory, or (with ``device_map="auto"``) what
+    does not fit must fit in RAM. Without a GPU everything lives in RAM.
+    """
+    from .estimate import fit
+
+    warnings: list[str] = []
+    ram = snap.ram.available
+    g = snap.gpu
+    if g is None:
+        if estimate.total > ram:
+            verdict = fit(estimate, device=ram)
+            raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) is more than the "
+                              f"{format_bytes(ram)} of RAM available: the process would be killed",
+                              _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4")
+        return warnings
+    verdict = fit(estimate, device=g.free)
+    if verdict.verdict != "does not fit":
+        return warnings
+    extra = estimate.total - g.free
+    fix = _top_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+    if plan.device_map != "auto":
+        raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the "
+                          f"{format_bytes(g.free)} free on {g.name}", fix)
+    if extra > ram * 0.8 and not plan.offload_folder:
+        raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
+                          f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "
+                          f"the {format_bytes(ram)} of RAM available either", fix)
+    warnings.append(f"about {format_bytes(extra)} of weights will be offloaded to "
+                    f"{'CPU RAM' if extra <= ram * 0.8 else 'disk'}: generation will be much slower. Better: {fix}")
+    return warnings
+
+
+def _top_fix(verdict) -> str | None:
+    sugg = getattr(verdict, "suggestions", None) or []
+    if not sugg:
+        return None
+    s = sugg[0]
+    return f"{s.change} (saves {format_bytes(s.saving)})"
+
+
+def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
+    """Refuse when the largest weight file does not fit in RAM (the Colab kernel would die silently)."""
+    from .preflight import _check_ram, checkpoint_size
+
+    p = Path(model).expanduser()
+    if not p.exists():
+        return  # a hub model: preflight asks the hub for file sizes; loading should not wait for that
+    check = _check_ram(snap, *checkpoint_size(model))
+    if check.status == "fail":
+        raise LoadRefused(check.summary, check.fix)
+
+
+def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
+    """``max_memory`` for ``device_map="auto"`` that keeps room on the GPU for KV cache and activations."""
+    g = snap.gpu
+    if g is None:
+        return None
+    runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
+    gpu_cap = max(0, g.free - runtime - GPU_MARGIN)
+    return {g.index: gpu_cap, "cpu": int(snap.ram.available * 0.8)}
+
+
+@dataclass
+class PlanCheck:
+    """The outcome of :func:`check_plan`: the estimate, where the model comes from, warnings."""
+
+    plan: LoadPlan
+    source: str
+    estimate: Any = None
+    warnings: list[str] = field(default_factory=list)
+    max_memory: dict | None = None
+
+
+def check_plan(plan: LoadPlan, *, snapshot: MemorySnapshot | None = None, bnb: tuple[bool, str] | None = None,
+               estimate=None) -> PlanCheck:
+    """Every check :func:`load` runs before loading; raises :class:`LoadError` with the reason and fix.
+
+    ``snapshot``, ``bnb`` (``(usable, why)``) and ``estimate`` replace what would be measured,
+    so tests can simulate a T4 or a machine without bitsandbytes.
+    """
+    from .memory import snapshot as take_snapshot
+
+    token = plan.token or _find_token()
+    source = check_model_source(plan.model, token)
+    if plan.adapter:
+        check_adapter(plan.adapter)
+    snap = snapshot if snapshot is not None else take_snapshot()
+    device = "cuda" if snap.backend == "cuda" else ("mps" if snap.backend == "mps" else "cpu")
+    check_bitsandbytes(plan.load, device, bnb)
+    check_ram_for_loading(plan.model, snap)
+    est = estimate if estimate is not None else plan.estimate(device="current")
+    warnings = check_fit(plan, est, snap)
+    mm = plan.max_memory
+    if mm is None and plan.device_map == "auto":
+        mm = max_memory_for(est, snap)
+    return PlanCheck(plan=plan, source=source, estimate=est, warnings=warnings, max_memory=mm)
+
+
+def _find_token() -> str | None:
+    try:
+        from huggingface_hub import get_token  # reads HF_TOKEN, the login file and Colab secrets
+
+        return get_token()
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def placement(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of parameters and buffers per device (``"cuda:0"``, ``"cpu"``, ``"disk"``, ``"meta"``)."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    out: dict[str, int] = {}
+    if len(set(map(str, device_map.values()))) > 1:
+        for name, dev in device_map.items():
+            sub = model.get_submodule(name) if name else model
+            key = f"cuda:{dev}" if isinstance(dev, int) else str(dev)
+            out[key] = out.get(key, 0) + _module_bytes(sub)
+        return out
+    for t in [*model.parameters(), *model.buffers()]:
+        key = str(t.device)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def _offload_warnings(where: dict[str, int]) -> list[str]:
+    warnings = []
+    on_cpu, on_disk = where.get("cpu", 0), where.get("disk", 0)
+    if any(k.startswith("cuda") for k in where) and on_cpu:
+        ms = on_cpu / PCIE_BYTES_PER_S * 1000
+        warnings.append(f"{format_bytes(on_cpu)} of weights were offloaded to CPU RAM: every generated token "
+                        f"copies them to the GPU (~{ms:.0f} ms per token at {format_bytes(PCIE_BYTES_PER_S)}/s "
+                        "PCIe, typically 5-20x slower generation). Quantize (int8/nf4) to keep it all on the GPU.")
+    if on_disk:
+        s = on_disk / DISK_BYTES_PER_S
+        warnings.append(f"{format_bytes(on_disk)} of weights were offloaded to disk: ~{s:.1f} s per generated "
+                        "token just to read them back. This is not a fix; use a smaller model or nf4.")
+    return warnings
+
+
+@dataclass
+class LoadReport:
+    """Estimated vs measured memory of a load, how long it took, where modules went, and warnings."""
+
+    plan: LoadPlan
+    estimated_weights: int
+    measured_weights: int
+    estimated_total: int
+    load_seconds: float
+    placement: dict[str, int]
+    cuda_allocated: int | None = None  # memory_allocated() growth during the load (CUDA only)
+    adapter_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+    estimate: Any = field(default=None, repr=False)
+    tokenizer_note: str = ""
+
+    @property
+    def weights_error(self) -> float | None:
+        """(measured - estimated) / estimated weights, in percent."""
+        return percent(self.measured_weights - self.estimated_weights, self.estimated_weights)
+
+    def rows(self) -> list[list[str]]:
+        err = self.weights_error
+        rows = [["weights", format_bytes(self.estimated_weights), format_bytes(self.measured_weights),
+                 "n/a" if err is None else f"{err:+.2f} %"]]
+        if self.cuda_allocated is not None:
+            rows.append(["CUDA allocated by the load", format_bytes(self.estimated_weights),
+                         format_bytes(self.cuda_allocated),
+                         f"{percent(self.cuda_allocated - self.estimated_weights, self.estimated_weights):+.2f} %"])
+        if self.adapter_bytes:
+            rows.append(["adapter", "", format_bytes(self.adapter_bytes), ""])
+        rows.append(["total while generating (estimate)", format_bytes(self.estimated_total), "", ""])
+        return rows
+
+    def __str__(self) -> str:
+        head = f"loaded {self.plan.model} as {self.plan.load} in {self.load_seconds:.1f} s"
+        lines = [head]
+        for name, est, meas, err in self.rows():
+            lines.append(f"  {name:<36} estimated {est or '-':>11}  measured {meas or '-':>11}  {err}")
+        lines.append("  placement: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.placement.items()))
+        if self.tokenizer_note:
+            lines.append(f"  tokenizer: {self.tokenizer_note}")
+        lines += [f"  WARNING: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        title = f"{self.plan.model} as {self.plan.load}, loaded in {self.load_seconds:.1f} s"
+        html = table(["", "estimated", "measured", "difference"], self.rows(), title=title)
+        html += table(["device", "bytes"], [[k, format_bytes(v)] for k, v in self.placement.items()],
+                      title="where the weights went")
+        for w in self.warnings:
+            html += f"<div style='font-family:monospace;color:#b06000'>&#9888; {escape(w)}</div>"
+        return html
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def setup_tokenizer(tokenizer, model=None):
+    """Make a tokenizer ready for batched generation: a pad token and left padding (decoder-only).
+
+    Returns a one-line note of what was changed.
+    """
+    notes = []
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            tokenizer.add_special_tokens({"pad_token": "<pad>"})
+            notes.append("added a <pad> token")
+        else:
+            tokenizer.pad_token = fallback
+            notes.append(f"pad token = {fallback!r} (it had none)")
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if not encoder_decoder and tokenizer.padding_side != "left":
+        # right padding puts pad tokens between a prompt and its continuation
+        tokenizer.padding_side = "left"
+        notes.append("left padding for batched generation")
+    if model is not None and getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return "; ".join(notes) or "ready (pad token and padding side already set)"
+
+
+def _attn_supported(model: str, attn: str | None, trust_remote_code: bool) -> str | None:
+    """Keep ``attn`` (``"sdpa"``) when the architecture supports it, else let transformers pick."""
+    if attn != "sdpa":
+        return attn
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        return "sdpa" if getattr(cls, "_supports_sdpa", False) else None
+    except Exception:
+        return None
+
+
+def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot | None = None,
+         bnb: tuple[bool, str] | None = None, **plan_changes):
+    """Check ``plan``, load the model and tokenizer, and report estimated vs measured memory.
+
+    Args:
+        plan: a :class:`LoadPlan` (or a model id/path, with ``plan_changes`` as its fields).
+        check: run the pre-load checks (model exists, bitsandbytes, fit, RAM); ``False`` skips
+            the fit and RAM refusals (you accept the risk) but still checks paths and bitsandbytes.
+        snapshot, bnb: simulate a device (see :func:`check_plan`).
+
+    Returns:
+        ``(model, tokenizer, LoadReport)``.
+
+    Raises:
+        LoadError (``ModelNotFoundError`` or ``LoadRefused``) with the reason and the fix.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .estimate import footprint
+
+    if isinstance(plan, str | os.PathLike):
+        plan = LoadPlan(str(plan), **plan_changes)
+    elif plan_changes:
+        plan = plan.replace(**plan_changes)
+    if check:
+        checked = check_plan(plan, snapshot=snapshot, bnb=bnb)
+    else:
+        token = plan.token or _find_token()
+        checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate(device="current"))
+        if plan.adapter:
+            check_adapter(plan.adapter)
+        check_bitsandbytes(plan.load, _device_kind(), bnb)
+    est = checked.estimate
+    run_plan = plan.replace(max_memory=checked.max_memory,
+                            attn_implementation=_attn_supported(plan.model, plan.attn_implementation,
+                                                                plan.trust_remote_code))
+    if run_plan.token is None:
+        run_plan.token = _find_token()
+    kwargs = run_plan.from_pretrained_kwargs()
+    if _device_kind() != "cuda" and kwargs.get("device_map") == "auto":
+        kwargs["device_map"] = None  # nothing to place on a CPU-only machine; keeps module devices simple
+    cuda = torch.cuda.is_available()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(plan.model, token=run_plan.token,
+                                              trust_remote_code=plan.trust_remote_code)
+    measured = footprint(model)
+    where = placement(model)
+    adapter_bytes = 0
+    if plan.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, plan.adapter)
+        adapter_bytes = footprint(model) - measured
+    seconds = time.perf_counter() - started
+    note = setup_tokenizer(tokenizer, model)
+    model.eval()
+    report = LoadReport(
+        plan=plan, estimated_weights=est.weights, measured_weights=measured, estimated_total=est.total,
+        load_seconds=seconds, placement=where,
+        cuda_allocated=(torch.cuda.memory_allocated() - before) if cuda else None,
+        adapter_bytes=adapter_bytes, warnings=[*checked.warnings, *_offload_warnings(where)], estimate=est,
+        tokenizer_note=note,
+    )
+    return model, tokenizer, report
+
+
+@torch.inference_mode()
+def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 32, batch_size: int = 4,
+                     progress: bool = True, **generate_kwargs) -> list[str]:
+    """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
+    from tqdm.auto import tqdm
+
+    out: list[str] = []
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    device = next(model.parameters()).device
+    for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+        enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+        ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             **generate_kwargs)
+        out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return out
