@@ -185,13 +185,27 @@ class LoadPlan:
             kwargs["low_cpu_mem_usage"] = self.low_cpu_mem_usage
         return kwargs
 
-    def estimate(self, device=None):
-        """The :func:`helpers.estimate.estimate` of this plan (weights, KV cache, activations, overheads)."""
+    def estimate(self, device: Any = "current", model: Any = None):
+        """The :func:`helpers.estimate.estimate` of this plan (weights, KV cache, activations, overheads).
+
+        Args:
+            device: ``"current"`` (this machine: the GPU, or the CPU), a preset such as ``"t4"``, or bytes.
+            model: what to estimate instead of ``self.model`` (a resolved config, to skip re-reading it).
+        """
         from .estimate import estimate
 
-        return estimate(self.model, load=self.load, double_quant=self.double_quant,
-                        compute_dtype=self.compute_dtype, batch_size=self.batch_size,
-                        prompt_tokens=self.prompt_tokens, max_new_tokens=self.max_new_tokens, device=device)
+        return estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
+                        compute_dtype=self.estimate_compute_dtype(device), batch_size=self.batch_size,
+                        prompt_tokens=self.prompt_tokens, max_new_tokens=self.max_new_tokens,
+                        device="cpu" if device == "current" and _device_kind() != "cuda" else device)
+
+    def estimate_compute_dtype(self, device: Any = "current") -> str:
+        """The compute dtype to estimate with: this machine's for ``"current"``, else the estimator's auto."""
+        if self.compute_dtype != "auto" or self.load in DTYPES:
+            return self.resolved_compute_dtype()
+        if device in ("current", None, "cpu"):
+            return auto_compute_dtype("cpu" if device == "cpu" else None)
+        return "auto"  # a preset or a byte count: the estimator picks fp16 or bf16 for that GPU
 
     def __str__(self) -> str:
         dq = " + double quant" if self.load in ("nf4", "fp4") and self.double_quant else ""
@@ -428,7 +442,7 @@ def check_plan(plan: LoadPlan, *, snapshot: MemorySnapshot | None = None, bnb: t
     device = "cuda" if snap.backend == "cuda" else ("mps" if snap.backend == "mps" else "cpu")
     check_bitsandbytes(plan.load, device, bnb)
     check_ram_for_loading(plan.model, snap)
-    est = estimate if estimate is not None else plan.estimate(device="current")
+    est = estimate if estimate is not None else plan.estimate("current")
     warnings = check_fit(plan, est, snap)
     mm = plan.max_memory
     if mm is None and plan.device_map == "auto":
@@ -609,7 +623,7 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
         checked = check_plan(plan, snapshot=snapshot, bnb=bnb)
     else:
         token = plan.token or _find_token()
-        checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate(device="current"))
+        checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate("current"))
         if plan.adapter:
             check_adapter(plan.adapter)
         check_bitsandbytes(plan.load, _device_kind(), bnb)
