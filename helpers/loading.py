@@ -375,6 +375,10 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     if plan.device_map != "auto":
         raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the "
                           f"{format_bytes(g.free)} free on {g.name}", fix)
+    runtime = estimate.total - estimate.weights
+    if runtime > g.free:
+        raise LoadRefused(f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
+                          f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help", fix)
     if extra > ram * 0.8 and not plan.offload_folder:
         raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
                           f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "

@@ -1,0 +1,403 @@
+"""The load panel: choose load mode, ``max_new_tokens`` and batch with widgets, see the fit at once, load.
+
+``LoadPanel(model)`` shows a dropdown, a checkbox and sliders; every change re-estimates memory
+(cached: the model's layout is counted once on the meta device, and each setting combination is
+computed once), redraws a bar of the breakdown against the device, states the fit verdict and the
+top fix, and ``panel.plan`` is always the matching :class:`~helpers.loading.LoadPlan`. Without a
+widget front end (papermill, plain Python, no ipywidgets) the panel is a printed summary and the
+notebook's parameters decide.
+
+DOM hooks for browser tests: every control has a stable ``description`` ("Load mode", "Double
+quant", "max_new_tokens", "Batch size", "Prompt tokens", button "Load") and CSS classes
+``oomkit-panel``, ``oomkit-estimate`` (the bar), ``oomkit-verdict`` (verdict + fix text, with
+``data-verdict``), ``oomkit-load`` (button) and ``oomkit-report`` (output after loading).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from .html import COLORS
+from .loading import LOAD_MODES, LoadError, LoadPlan, load
+from .units import format_bytes
+
+__all__ = ["LoadPanel", "PanelState", "widgets_available"]
+
+VERDICT_STATUS = {"fits": "pass", "tight": "warn", "does not fit": "fail"}
+SEGMENTS = [  # (label, row-name test, opacity) in bar order
+    ("weights", lambda n: n.startswith("weights"), 1.0),
+    ("KV cache", lambda n: n == "KV cache", 0.7),
+    ("activations", lambda n: "activations" in n or n.startswith("logits"), 0.5),
+    ("overheads", lambda n: True, 0.3),
+]
+MAX_NEW_TOKENS_RANGE = (16, 4096, 16)  # min, max, step: every multiple of 16, so 16/32/64 are reachable
+PROMPT_TOKENS_RANGE = (16, 8192, 16)
+BATCH_RANGE = (1, 64, 1)
+
+
+def _ipywidgets():
+    try:
+        import ipywidgets
+    except ImportError:
+        return None
+    return ipywidgets
+
+
+def widgets_available() -> bool:
+    """True inside an IPython kernel with ipywidgets installed (a front end may still be absent)."""
+    if _ipywidgets() is None:
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def _enable_colab_widgets() -> None:
+    """Colab renders ipywidgets 8 only through its custom widget manager."""
+    from .memory import in_colab
+
+    if not in_colab():
+        return
+    try:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    except Exception:  # older Colab images: their built-in manager handles ipywidgets 7
+        pass
+
+
+@dataclass
+class PanelState:
+    """What the panel shows for one setting: the estimate, the verdict, the top fix, how long it took."""
+
+    plan: LoadPlan
+    estimate: Any
+    verdict: str
+    capacity: int
+    device: str
+    suggestion: Any = None
+    seconds: float = 0.0
+    cached: bool = False
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.estimate.total
+
+    def segments(self) -> list[tuple[str, int]]:
+        """Bytes per bar segment: weights, KV cache, activations, overheads."""
+        out = {label: 0 for label, _, _ in SEGMENTS}
+        for row in self.estimate.rows:
+            label = next(lbl for lbl, test, _ in SEGMENTS if test(row.name))
+            out[label] += row.bytes
+        return list(out.items())
+
+    def verdict_text(self) -> str:
+        text = (f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} "
+                f"on {self.device} (headroom {format_bytes(self.headroom)})")
+        if self.suggestion is not None:
+            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)})"
+        return text
+
+    def bar_html(self, width: int = 420) -> str:
+        color = COLORS[VERDICT_STATUS[self.verdict]]
+        scale = max(self.capacity, self.estimate.total) or 1
+        spans, legend = [], []
+        for (label, nbytes), (_, _, alpha) in zip(self.segments(), SEGMENTS, strict=True):
+            pct = 100 * nbytes / scale
+            spans.append(f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
+                         f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>")
+            legend.append(f"<span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> {escape(label)} "
+                          f"{format_bytes(nbytes)}")
+        cap_mark = 100 * self.capacity / scale
+        return (
+            "<div style='font-family:monospace'>"
+            f"<div style='position:relative;width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
+            f"overflow:hidden'>{''.join(spans)}"
+            f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
+            "</span></div>"
+            f"<div style='color:{color}'>{' &nbsp; '.join(legend)}</div>"
+            f"<div>total {format_bytes(self.estimate.total)} / {format_bytes(self.capacity)} ({escape(self.device)})"
+            "</div></div>"
+        )
+
+    def verdict_html(self) -> str:
+        color = COLORS[VERDICT_STATUS[self.verdict]]
+        fix = ""
+        if self.suggestion is not None:
+            fix = (f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
+                   f"(saves {format_bytes(self.suggestion.saving)})</div>")
+        return (f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
+                f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
+                f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on {escape(self.device)} "
+                f"(headroom {format_bytes(self.headroom)}){fix}</div>")
+
+
+class LoadPanel:
+    """Widgets that build a :class:`LoadPlan`, show whether it fits, and load it with one click.
+
+    Args:
+        model: hub id, shipped config name or local directory (only its config is read here).
+        device: ``"current"`` (this GPU; without one, this machine's free RAM), a preset such as
+            ``"t4"``, or a capacity in bytes.
+        load, double_quant, max_new_tokens, batch_size, prompt_tokens: starting values (from the
+            notebook's parameters cell, which decides when there is no widget front end).
+        **plan_fields: any other :class:`LoadPlan` field (``adapter``, ``device_map``, ...).
+
+    ``panel.plan`` is the current plan; ``panel.set(load="int8")`` changes values from code;
+    ``panel.load()`` loads it (or returns what the Load button already loaded for that plan).
+    """
+
+    def __init__(self, model: str, device: Any = "current", *, load: str = "nf4", double_quant: bool = True,
+                 max_new_tokens: int = 256, batch_size: int = 1, prompt_tokens: int = 512,
+                 widgets: bool | None = None, **plan_fields):
+        from .estimate import resolve_config
+
+        self._base = LoadPlan(str(model), load=load, double_quant=double_quant, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, prompt_tokens=prompt_tokens, **plan_fields)
+        self.device = device
+        # Read the config once; the estimator then caches the meta-device layout for it, so a
+        # slider move only redoes arithmetic.
+        self._config = resolve_config(str(model))[0]
+        self._capacity, self._device_label, self._est_device = self._resolve_device(device)
+        self._cache: dict[tuple, PanelState] = {}
+        self._values = {"load": load, "double_quant": double_quant, "max_new_tokens": max_new_tokens,
+                        "batch_size": batch_size, "prompt_tokens": prompt_tokens}
+        self.loaded: tuple | None = None  # (model, tokenizer, report) after Load
+        self._loaded_plan: LoadPlan | None = None
+        self.error: Exception | None = None
+        self._quiet = False
+        use = widgets_available() if widgets is None else widgets
+        self.controls: dict[str, Any] | None = self._build() if use and _ipywidgets() is not None else None
+        self.state = self.refresh()
+
+    # -- device -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_device(device: Any) -> tuple[int, str, Any]:
+        """(capacity bytes, label, device argument for the estimator)."""
+        import torch
+
+        from .estimate import _device
+
+        if device == "current" and not torch.cuda.is_available():
+            from .memory import ram_readout
+
+            return ram_readout().available, "CPU RAM (no GPU)", "cpu"
+        label, dev = _device(device)
+        return dev["capacity"], label, device
+
+    # -- widgets ------------------------------------------------------------------------------
+
+    def _build(self) -> dict[str, Any]:
+        w = _ipywidgets()
+        _enable_colab_widgets()
+        style = {"description_width": "initial"}
+        v = self._values
+
+        def slider(rng, value, description):
+            lo, hi, step = rng
+            return w.IntSlider(value=value, min=min(lo, value), max=max(hi, value), step=step,
+                               description=description, continuous_update=True, style=style,
+                               layout=w.Layout(width="480px"))
+
+        c = {
+            "load": w.Dropdown(options=list(LOAD_MODES_ORDER), value=v["load"], description="Load mode", style=style),
+            "double_quant": w.Checkbox(value=v["double_quant"], description="Double quant", indent=False),
+            "max_new_tokens": slider(MAX_NEW_TOKENS_RANGE, v["max_new_tokens"], "max_new_tokens"),
+            "batch_size": slider(BATCH_RANGE, v["batch_size"], "Batch size"),
+            "prompt_tokens": slider(PROMPT_TOKENS_RANGE, v["prompt_tokens"], "Prompt tokens"),
+            "estimate": w.HTML(),
+            "verdict": w.HTML(),
+            "button": w.Button(description="Load", button_style="primary", icon="download",
+                               tooltip="load(panel.plan) and show the LoadReport"),
+            "output": w.Output(),
+        }
+        for key, cls in (("estimate", "oomkit-estimate"), ("verdict", "oomkit-verdict"), ("button", "oomkit-load"),
+                         ("output", "oomkit-report")):
+            c[key].add_class(cls)
+        for key in ("load", "double_quant", "max_new_tokens", "batch_size", "prompt_tokens"):
+            c[key].observe(self._on_change, names="value")
+        c["button"].on_click(lambda _: self._on_load())
+        title = w.HTML(f"<b>oomkit load panel</b>: {escape(self._base.model)}")
+        c["box"] = w.VBox([title, w.HBox([c["load"], c["double_quant"]]), c["max_new_tokens"], c["batch_size"],
+                           c["prompt_tokens"], c["estimate"], c["verdict"], c["button"], c["output"]])
+        c["box"].add_class("oomkit-panel")
+        return c
+
+    def _on_change(self, change) -> None:
+        owner = change["owner"]
+        key = next(k for k, wdg in self.controls.items() if wdg is owner)
+        self._values[key] = change["new"]
+        if not self._quiet:
+            self.refresh()
+
+    def _on_load(self) -> None:
+        out, button = self.controls["output"], self.controls["button"]
+        button.disabled = True
+        out.clear_output()
+        from IPython.display import display
+
+        with out:
+            print(f"loading {self.plan} ...")
+            try:
+                _, _, report = self.load()
+                out.clear_output()
+                display(report)
+            except LoadError as e:
+                out.clear_output()
+                print(f"Not loaded: {e}")
+            except Exception as e:  # keep the panel usable; the message says what happened
+                out.clear_output()
+                from .oom import is_oom
+
+                kind = "out of memory" if is_oom(e) else type(e).__name__
+                print(f"Not loaded ({kind}): {str(e).splitlines()[0][:400] if str(e) else ''}")
+            finally:
+                button.disabled = False
+
+    # -- the plan and its estimate -------------------------------------------------------------
+
+    @property
+    def plan(self) -> LoadPlan:
+        """The :class:`LoadPlan` matching the current widget values."""
+        return self._base.replace(**self._values)
+
+    def set(self, **values) -> PanelState:
+        """Change panel values from code (``panel.set(load="int8", max_new_tokens=128)``)."""
+        unknown = set(values) - set(self._values)
+        if unknown:
+            raise TypeError(f"unknown panel value(s) {sorted(unknown)}; valid: {sorted(self._values)}")
+        self._base.replace(**{**self._values, **values})  # validate before changing anything
+        if self.controls is None:
+            self._values.update(values)
+            return self.refresh()
+        self._quiet = True  # one refresh for all values, not one per widget
+        try:
+            for k, v in values.items():
+                self.controls[k].value = v
+        finally:
+            self._quiet = False
+        self._values.update(values)
+        return self.refresh()
+
+    def _key(self) -> tuple:
+        v = self._values
+        dq = v["double_quant"] if v["load"] in ("nf4", "fp4") else None
+        return (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
+
+    def compute(self, plan: LoadPlan | None = None, *, use_cache: bool = True) -> PanelState:
+        """Estimate and judge ``plan`` (default: the current one); cached per setting."""
+        from .estimate import fit
+
+        started = time.perf_counter()
+        key = self._key() if plan is None else None  # only the panel's own settings are cached
+        plan = plan or self.plan
+        if use_cache and key in self._cache:
+            return self._cache[key]
+        est = plan.estimate(self._est_device, model=self._config)
+        verdict = _verdict(est.total, self._capacity)
+        suggestion = None
+        if verdict != "fits":
+            target = self._capacity if self._est_device == "cpu" else self._est_device
+            sugg = fit(est, target).suggestions
+            suggestion = sugg[0] if sugg else None
+        state = PanelState(plan, est, verdict, self._capacity, self._device_label, suggestion,
+                           time.perf_counter() - started)
+        if use_cache and key is not None:
+            self._cache[key] = state
+        return state
+
+    def refresh(self) -> PanelState:
+        """Recompute (or fetch) the state for the current values and redraw the widgets."""
+        started = time.perf_counter()
+        cached = self._key() in self._cache
+        state = self.compute()
+        if self.controls is not None:
+            c = self.controls
+            c["double_quant"].disabled = self._values["load"] not in ("nf4", "fp4")
+            c["estimate"].value = state.bar_html()
+            c["verdict"].value = state.verdict_html()
+        state.cached = cached
+        state.seconds = time.perf_counter() - started
+        self.state = state
+        return state
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, **load_kwargs):
+        """``load(panel.plan)``; returns the Load button's result if it already loaded this plan."""
+        plan = self.plan
+        if self.loaded is not None and self._loaded_plan == plan:
+            return self.loaded
+        self.error = None
+        try:
+            self.loaded = load(plan, **load_kwargs)
+        except Exception as e:
+            self.error = e
+            raise
+        self._loaded_plan = plan
+        return self.loaded
+
+    @property
+    def report(self):
+        return None if self.loaded is None else self.loaded[2]
+
+    # -- display -------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        s = self.state
+        est = s.estimate
+        segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
+        lines = [f"oomkit load panel: {self._base.model}", f"  plan: {self.plan}",
+                 f"  estimate: {segs}", f"  {s.verdict_text()}"]
+        if est.warnings:
+            lines += [f"  note: {m}" for m in est.warnings]
+        if self.controls is None:
+            lines.append("  (no widgets here: the parameters cell decides; change values with panel.set(...))")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        if self.controls is not None:
+            bundle = self.controls["box"]._repr_mimebundle_(include=include, exclude=exclude)
+            if isinstance(bundle, tuple):  # (data, metadata)
+                bundle = bundle[0]
+            return {**bundle, "text/plain": self.summary()}
+        html = (f"<div style='font-family:monospace'><b>oomkit load panel</b>: {escape(self._base.model)}<br>"
+                f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html())
+        return {"text/plain": self.summary(), "text/html": html}
+
+    def show(self) -> None:
+        """Display the panel in a notebook, or print the summary in plain Python."""
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:
+            print(self.summary())
+            return
+        if get_ipython() is None:
+            print(self.summary())
+        else:
+            display(self)
+
+
+LOAD_MODES_ORDER = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
+assert set(LOAD_MODES_ORDER) == set(LOAD_MODES)
+
+
+def _verdict(total: int, capacity: int) -> str:
+    from .estimate import TIGHT_FRACTION
+
+    if total > capacity:
+        return "does not fit"
+    return "tight" if total > capacity * TIGHT_FRACTION else "fits"

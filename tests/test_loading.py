@@ -1,0 +1,264 @@
+"""Load plans, pre-load refusals with their messages, and real int8/nf4 loads of the tiny model."""
+
+import httpx2
+import pytest
+import torch
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from transformers import BitsAndBytesConfig
+
+import helpers.loading as loading
+from helpers.estimate import estimate
+from helpers.loading import (
+    LoadPlan,
+    LoadRefused,
+    ModelNotFoundError,
+    check_plan,
+    generate_batched,
+    load,
+    max_memory_for,
+)  # fmt: skip
+from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.units import GiB, MiB
+
+T4_TOTAL = int(14.74 * GiB)
+BNB_OK = (True, "bitsandbytes quantizes")
+
+
+def machine(gpu=True, free=T4_TOTAL - 400 * MiB, ram_avail=11 * GiB):
+    gpus = [GPUReadout(0, "Tesla T4", (7, 5), T4_TOTAL, free, 0, 0, 0, 0, [])] if gpu else []
+    return MemorySnapshot("cuda" if gpu else "cpu", gpus, RAMReadout(int(12.7 * GiB), ram_avail, GiB, 500 * MiB))
+
+
+def hub_error(cls, status):
+    request = httpx2.Request("GET", "https://huggingface.co/api/models/org/model")
+    return cls(f"{status} error", response=httpx2.Response(status, request=request))
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,quant_type", [("nf4", "nf4"), ("fp4", "fp4")])
+def test_4bit_kwargs_use_quantization_config_not_deprecated_keywords(mode, quant_type):
+    kw = LoadPlan("org/model", load=mode, double_quant=True, compute_dtype="fp16").from_pretrained_kwargs()
+    qc = kw["quantization_config"]
+    assert isinstance(qc, BitsAndBytesConfig) and qc.load_in_4bit and not qc.load_in_8bit
+    assert qc.bnb_4bit_quant_type == quant_type and qc.bnb_4bit_use_double_quant
+    assert qc.bnb_4bit_compute_dtype == torch.float16 and kw["dtype"] == torch.float16
+    assert not {"load_in_8bit", "load_in_4bit", "torch_dtype"} & set(kw)
+    assert kw["device_map"] == "auto" and kw["attn_implementation"] == "sdpa" and kw["trust_remote_code"] is False
+
+
+def test_int8_and_half_precision_kwargs():
+    kw = LoadPlan("org/model", load="int8").from_pretrained_kwargs()
+    assert kw["quantization_config"].load_in_8bit and "load_in_8bit" not in kw
+    kw = LoadPlan("org/model", load="bf16", max_memory={0: GiB}, offload_folder="off").from_pretrained_kwargs()
+    assert "quantization_config" not in kw and kw["dtype"] == torch.bfloat16
+    assert kw["max_memory"] == {0: GiB} and kw["offload_folder"] == "off"
+
+
+def test_auto_compute_dtype_follows_the_device(monkeypatch):
+    assert LoadPlan("m", load="nf4").resolved_compute_dtype("cpu") == "fp32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    assert loading.auto_compute_dtype("cuda") == "fp16"  # T4: no bf16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert loading.auto_compute_dtype("cuda") == "bf16"
+    assert LoadPlan("m", load="fp16").resolved_compute_dtype("cuda") == "fp16"
+
+
+def test_bad_plan_values_list_the_valid_ones():
+    with pytest.raises(ValueError, match="valid: fp16, bf16, fp32, int8, nf4, fp4"):
+        LoadPlan("m", load="int4")
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0"):
+        LoadPlan("m", max_new_tokens=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        LoadPlan("m", batch_size=0)
+
+
+def test_token_is_never_shown():
+    plan = LoadPlan("org/model", token="hf_SECRETsecret")
+    assert "hf_SECRET" not in repr(plan) and "hf_SECRET" not in str(plan)
+
+
+# -- real loads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_load_reports_measured_within_1_percent_of_estimated_weights(tiny_llama, mode):
+    model, tok, report = load(LoadPlan(str(tiny_llama), load=mode, max_new_tokens=16, prompt_tokens=32))
+    assert report.measured_weights > 0
+    assert abs(report.weights_error) <= 1.0, str(report)
+    assert report.estimated_weights == report.estimate.weights
+    assert sum(report.placement.values()) > 0 and report.load_seconds > 0
+    assert "weights" in str(report) and "estimated" in report._repr_html_()
+    # quantized for real: bitsandbytes layers, not fp32 linears
+    layer = model.model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == ("Linear8bitLt" if mode == "int8" else "Linear4bit")
+    # tokenizer ready for batched generation
+    assert tok.pad_token is not None and tok.padding_side == "left"
+    outs = generate_batched(model, tok, ["hello", "the memory of a small GPU is"], max_new_tokens=4,
+                            batch_size=2, progress=False)
+    assert len(outs) == 2 and all(isinstance(o, str) for o in outs)
+
+
+def test_load_accepts_a_path_and_field_changes(tiny_qwen2):
+    model, tok, report = load(str(tiny_qwen2), load="fp32", max_new_tokens=8)
+    assert report.plan.load == "fp32" and abs(report.weights_error) <= 1.0  # tied embeddings counted once
+    assert next(model.parameters()).dtype == torch.float32
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_missing_model_path_names_it(tmp_path):
+    missing = tmp_path / "models" / "codellama-gis"
+    with pytest.raises(ModelNotFoundError, match="Model file not found") as e:
+        load(LoadPlan(str(missing), load="fp32"))
+    assert str(missing) in str(e.value) and isinstance(e.value, FileNotFoundError)
+    assert e.value.fix
+
+
+def test_missing_path_on_colab_says_drive_is_not_mounted(monkeypatch):
+    monkeypatch.setattr(loading, "in_colab", lambda: True)
+    path = "/content/drive/MyDrive/adapters/gis-lora"
+    with pytest.raises(ModelNotFoundError, match="Google Drive is not mounted") as e:
+        check_plan(LoadPlan("/content/drive/MyDrive/models/codellama", load="fp32"), snapshot=machine(False))
+    assert "drive.mount('/content/drive')" in str(e.value)
+    with pytest.raises(ModelNotFoundError, match="Adapter file not found: " + path):
+        loading.check_adapter(path)
+
+
+def test_missing_adapter_dir_is_refused_before_loading(tiny_llama, tmp_path):
+    plan = LoadPlan(str(tiny_llama), load="fp32", adapter=str(tmp_path / "lora-out"))
+    with pytest.raises(ModelNotFoundError, match="Adapter file not found") as e:
+        load(plan)
+    assert str(tmp_path / "lora-out") in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no adapter_config.json"):
+        load(plan.replace(adapter=str(tmp_path / "empty")))
+
+
+def test_folder_without_config_is_not_a_model(tmp_path):
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(ModelNotFoundError, match="has no config.json.*weights.txt"):
+        load(LoadPlan(str(tmp_path), load="fp32"))
+
+
+def test_unknown_model_id_offline_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="offline") as e:
+        load(LoadPlan("nobody-xyz/no-such-model-123", load="fp32"))
+    assert "not in the Hugging Face cache" in str(e.value) and "local directory" in e.value.fix
+
+
+def test_unknown_model_id_online(monkeypatch):
+    monkeypatch.setattr(loading, "_hub_offline_reason", lambda: None)
+
+    def missing(model, token):
+        raise hub_error(RepositoryNotFoundError, 404)
+
+    monkeypatch.setattr(loading, "_hub_access", missing)
+    with pytest.raises(ModelNotFoundError, match="Unknown model id 'nobody-xyz/no-such-model'") as e:
+        load(LoadPlan("nobody-xyz/no-such-model", load="fp32"))
+    assert "spelling" in e.value.fix
+
+
+@pytest.mark.parametrize("token", [None, "hf_SECRETsecret"])
+def test_gated_model_explains_hf_token_and_never_prints_it(monkeypatch, token):
+    monkeypatch.setattr(loading, "_hub_offline_reason", lambda: None)
+    monkeypatch.setattr(loading, "_find_token", lambda: None)
+
+    def gated(model, tok):
+        raise hub_error(GatedRepoError, 403)
+
+    monkeypatch.setattr(loading, "_hub_access", gated)
+    with pytest.raises(LoadRefused, match="meta-llama/Llama-2-7b-hf is a gated model") as e:
+        load(LoadPlan("meta-llama/Llama-2-7b-hf", load="nf4", token=token))
+    msg = str(e.value)
+    assert "HF_TOKEN" in msg and "Colab" in msg
+    assert ("no Hugging Face token" in msg) == (token is None)
+    assert "hf_SECRET" not in msg
+
+
+def test_bitsandbytes_missing_gives_the_install_line(tiny_llama, monkeypatch):
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n))
+    with pytest.raises(LoadRefused, match="needs bitsandbytes, which is not installed") as e:
+        load(LoadPlan(str(tiny_llama), load="nf4"))
+    assert "pip install -U bitsandbytes" in str(e.value)
+    load(LoadPlan(str(tiny_llama), load="fp32", max_new_tokens=4))  # fp32 does not need it
+
+
+def test_quantized_load_where_bitsandbytes_cannot_run(tiny_llama):
+    why = "bitsandbytes cannot run on mps: no kernel image is available"
+    with pytest.raises(LoadRefused, match="int8 \\(8-bit\\) loading needs bitsandbytes, but it cannot run here") as e:
+        load(LoadPlan(str(tiny_llama), load="int8"), bnb=(False, why))
+    assert why in str(e.value) and "fp16" in e.value.fix and "T4 GPU" in e.value.fix
+
+
+def test_plan_that_does_not_fit_the_gpu_is_refused_with_the_top_fix(tiny_llama):
+    big = estimate("mistralai/Mistral-7B-v0.1", load="fp32", device="t4", max_new_tokens=2048, batch_size=4)
+    plan = LoadPlan(str(tiny_llama), load="fp16", device_map={"": 0})
+    with pytest.raises(LoadRefused, match="does not fit the .* free on Tesla T4") as e:
+        check_plan(plan, snapshot=machine(), bnb=BNB_OK, estimate=big)
+    assert e.value.fix.startswith(("load=", "max_new_tokens=", "batch_size=", "prompt_tokens=", "a smaller"))
+    assert "saves" in e.value.fix
+    # device_map="auto" could offload, but not into 2 GiB of RAM
+    with pytest.raises(LoadRefused, match="does not fit the .* of RAM available either"):
+        check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=2 * GiB), bnb=BNB_OK, estimate=big)
+    # offloading weights does not shrink the KV cache
+    huge_cache = big.replace(max_new_tokens=4096, batch_size=64)
+    with pytest.raises(LoadRefused, match="KV cache, activations and overheads alone .* offloading weights cannot"):
+        check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK,
+                   estimate=huge_cache)
+    # with enough RAM it loads, warned that generation will be slow
+    checked = check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK,
+                         estimate=big)
+    assert any("offloaded" in w and "slower" in w for w in checked.warnings)
+
+
+def test_cpu_only_plan_larger_than_ram_is_refused(tiny_llama):
+    big = estimate("mistralai/Mistral-7B-v0.1", load="fp32", device="cpu")
+    with pytest.raises(LoadRefused, match="RAM available: the process would be killed"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=machine(gpu=False), bnb=BNB_OK, estimate=big)
+
+
+def test_weight_file_larger_than_ram_is_refused_before_the_kernel_dies(tiny_llama):
+    with pytest.raises(LoadRefused, match="the kernel would die while loading"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=machine(gpu=False, ram_avail=64 * 1024),
+                   bnb=BNB_OK)
+
+
+def test_max_memory_keeps_room_for_the_kv_cache():
+    est = estimate("mistralai/Mistral-7B-v0.1", load="nf4", compute_dtype="fp16", device="t4", max_new_tokens=1024)
+    snap = machine()
+    mm = max_memory_for(est, snap)
+    assert mm[0] == snap.gpu.free - (est.total - est.weights) - loading.GPU_MARGIN
+    assert mm["cpu"] == int(11 * GiB * 0.8)
+    assert max_memory_for(est, machine(gpu=False)) is None
+
+
+def test_offload_warnings_say_how_slow():
+    (cpu,) = loading._offload_warnings({"cuda:0": 10 * GiB, "cpu": 2 * GiB})
+    assert "2.00 GiB" in cpu and "ms per token" in cpu and "Quantize" in cpu
+    (disk,) = loading._offload_warnings({"cuda:0": 10 * GiB, "disk": 3 * GiB})
+    assert "s per generated token" in disk
+    assert loading._offload_warnings({"cuda:0": GiB}) == []
+
+
+def test_placement_sums_modules_per_device():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
+    model.hf_device_map = {"0": 0, "1": "cpu"}
+    assert loading.placement(model) == {"cuda:0": (16 + 4) * 4, "cpu": 16 * 4}
+    del model.hf_device_map
+    assert loading.placement(model) == {"cpu": 36 * 4}
+
+
+def test_tokenizer_setup_for_batched_generation(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.padding_side = "right"
+    tok.pad_token = None
+    note = loading.setup_tokenizer(tok)
+    assert tok.pad_token == tok.eos_token and tok.padding_side == "left"
+    assert "pad token" in note and "left padding" in note
