@@ -276,12 +276,12 @@ def _walk(namespace: dict, max_objects: int = 200_000) -> Iterator[tuple[str, ob
         path, obj = queue.popleft()
         if isinstance(obj, _ATOMS):
             continue
-        yield path, obj
-        visited += 1
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor):  # tensors: every path is a holder name; others: once
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
+        yield path, obj
+        visited += 1
         try:
             queue.extend(_children(obj, path))
         except Exception:  # an object whose attributes cannot be read: skip it, keep walking
@@ -833,7 +833,8 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
             items = list(obj.items())
             if all(_shape_key(k) and _holds_tensor(v) for k, v in items):
                 caches.append((path, obj))
-        elif isinstance(obj, (BaseException, types.TracebackType)) and not path.startswith("Out["):
+        elif (isinstance(obj, (BaseException, types.TracebackType)) and not path.startswith("Out[")
+              and "__traceback__" not in path and " local " not in path):  # outermost holder only
             exceptions.append((path, obj))
 
     found: list[Check] = []
