@@ -814,7 +814,8 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
     seen_params: set[int] = set()
     for path, obj in _walk(ns):
         if isinstance(obj, torch.Tensor):
-            if obj.grad_fn is not None and "[" in path and not path.startswith("Out["):
+            if (obj.grad_fn is not None and "[" in path and not path.startswith("Out[")
+                    and "__traceback__" not in path):  # those belong to the traceback check
                 graph_holders.setdefault(_container_of(path), []).append((path, obj))
         elif isinstance(obj, torch.nn.Module):
             for kind in _HOOK_DICTS:
@@ -825,7 +826,7 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
                     hooks.append((path, f"{len(fns)} {kind.strip('_').replace('_', ' ')[:-1]}"
                                         f"{'s' if len(fns) > 1 else ''} ({', '.join(names)})", len(fns)))
             if not obj.training:
-                for name, p in obj.named_parameters():
+                for p in obj.parameters():
                     if p.grad is not None and id(p) not in seen_params:
                         seen_params.add(id(p))
                         eval_grads.setdefault(path, []).append(p.grad)
