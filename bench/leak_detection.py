@@ -222,6 +222,8 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
         "holder_named": named if kind == "leak" else None, "expected_holder": holder,
         "suspect": suspect, "check_holders": check_holders[:3],
         "steps_to_detect": min(detected_steps) if detected_steps else None,
+        "detector_step": report.detected_at, "check_step": check_step,
+        "check_warned": bool(check_name) and check_name in warned_checks,
         "bytes_per_step": int(report.bytes_per_step), "false_positive": false_positive,
         "seconds": round(seconds, 2),
     }
@@ -236,17 +238,17 @@ def main() -> int:
     clean = [r for r in results if r["kind"] == "clean"]
     rows = []
     for r in results:
+        trend = f"{r['bytes_per_step'] / 1024:.1f} KiB"
         if r["kind"] == "leak":
-            how = "detector" + (" + check" if r["checks_warned"] else "") if r["flagged_by_detector"] else "check"
             who = r["suspect"] if r["suspect"] and r["suspect"].startswith(r["expected_holder"]) else \
                 (r["check_holders"][0] if r["check_holders"] else r["suspect"])
-            rows.append([r["scenario"], "leak", "yes" if r["found"] else "NO", how if r["found"] else "-",
-                         who or "-", r["steps_to_detect"] or "-", f"{r['bytes_per_step'] / 1024:.1f} KiB"])
+            rows.append([r["scenario"], "leak", "yes" if r["found"] else "NO", r["detector_step"] or "-",
+                         r["check_step"] or ("end" if r["check_warned"] else "-"), who or "-", trend])
         else:
-            rows.append([r["scenario"], "clean", "FALSE POSITIVE" if r["false_positive"] else "no flag", "-", "-",
-                         "-", f"{r['bytes_per_step'] / 1024:.1f} KiB"])
-    table = format_table(["scenario", "kind", "flagged", "by", "holder named", "steps to detect", "trend/step"],
-                         rows)
+            rows.append([r["scenario"], "clean", "FALSE POSITIVE" if r["false_positive"] else "no flag",
+                         r["detector_step"] or "-", ", ".join(r["checks_warned"]) or "-", "-", trend])
+    table = format_table(["scenario", "kind", "flagged", "detector at step", "check at step", "holder named",
+                          "trend/step"], rows)
     steps = [r["steps_to_detect"] for r in leaks_ if r["steps_to_detect"]]
     summary = {
         "recall": sum(bool(r["found"]) for r in leaks_) / len(leaks_),

@@ -884,16 +884,20 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
     else:
         found.append(Check("output history", "pass", "no tensors in IPython's output history"))
 
-    tb_rows = []
+    by_holder: dict[str, list] = {}  # errors[0], errors[1] -> errors
     for path, obj in exceptions:
-        nbytes, n = _bytes_of(obj)
+        by_holder.setdefault(_container_of(path) if path.endswith("]") else path, []).append(obj)
+    tb_rows = []
+    for holder, objs in by_holder.items():
+        nbytes, n = _bytes_of(objs)
         if n:
-            tb_rows.append((nbytes, path, n))
+            what = f"{holder} ({len(objs)} exceptions)" if len(objs) > 1 else holder
+            tb_rows.append((nbytes, holder, what))
     if tb_rows:
         tb_rows.sort(reverse=True)
         total = sum(r[0] for r in tb_rows)
         found.append(Check("stored traceback", "warn",
-                           f"{_names([p for _, p, _ in tb_rows])} keep{'s' if len(tb_rows) == 1 else ''} frames alive "
+                           f"{_names([w for _, _, w in tb_rows])} keep{'s' if len(tb_rows) == 1 else ''} frames alive "
                            f"with {format_bytes(total)} of tensors in their local variables",
                            "keep the message, not the exception: errors.append(repr(e)) or "
                            "traceback.format_exc(); after an OOM in a notebook run helpers.cleanup()",
