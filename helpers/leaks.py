@@ -456,6 +456,8 @@ def census(namespace: dict | None = None) -> TensorCensus:
         g.with_graph += e.grad_fn
         if e.holders:
             g.holders.append(e.holders[0])
+    for g in groups.values():  # losses[2] before losses[10]
+        g.holders.sort(key=lambda h: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", h)])
     ordered = sorted(groups.values(), key=lambda g: -g.nbytes)
     return TensorCensus(entries, ordered, time.perf_counter() - started)
 
