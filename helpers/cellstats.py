@@ -34,13 +34,15 @@ class CellRecord:
     growing_runs: int = 0  # consecutive re-runs of this cell that each left memory behind
     growth_per_run: int = 0
     tensor_change: int | None = None  # without CUDA: change in live tensor bytes
+    peak_new: bool = True  # False: the cell stayed below an earlier cell's peak (gpu_peak is that bound)
 
     @property
     def growing(self) -> bool:
         return self.growing_runs >= CellStats.flag_after
 
     def __str__(self) -> str:
-        gpu = (f"GPU {_signed(self.gpu_change)} (peak {format_bytes(self.gpu_peak)})"
+        peak = f"peak {format_bytes(self.gpu_peak)}" if self.peak_new else f"peak under {format_bytes(self.gpu_peak)}"
+        gpu = (f"GPU {_signed(self.gpu_change)} ({peak})"
                if self.gpu_change is not None else f"tensors {_signed(self.tensor_change or 0)} (no GPU)")
         line = f"[oomkit] {gpu} · RAM {_signed(self.ram_change)} · {self.seconds:.2f} s"
         if self.growing:
@@ -58,6 +60,7 @@ class CellStats:
     enabled: bool = True
     records: list[CellRecord] = field(default_factory=list)
     _start: tuple | None = None
+    _peak_before: int | None = None
     _history: dict = field(default_factory=dict)  # cell source hash -> consecutive growing runs
 
     flag_after = 3
@@ -82,10 +85,9 @@ class CellStats:
         if not self.enabled:
             self._start = None
             return
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         src = getattr(info, "raw_cell", "") or ""
-        self._start = (time.perf_counter(), self._gpu()[0], psutil.Process().memory_info().rss,
+        gpu0, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
+        self._start = (time.perf_counter(), gpu0, psutil.Process().memory_info().rss,
                        hashlib.sha1(src.encode()).hexdigest(), src, self._tensors())
 
     def post_run_cell(self, result=None) -> None:
@@ -105,8 +107,10 @@ class CellStats:
         runs, total = (runs + 1, total + left) if left >= self.threshold else (0, 0)
         self._history[key] = (runs, total)
         cell = getattr(result, "execution_count", None)
+        # below an earlier cell's peak, this cell's own peak is only known to be under it
+        peak_new = peak is None or peak > (self._peak_before or 0)
         rec = CellRecord(cell, gpu_change, peak, rss1 - rss0, time.perf_counter() - started,
-                         runs, total // runs if runs else 0, tensor_change)
+                         runs, total // runs if runs else 0, tensor_change, peak_new)
         self.records.append(rec)
         print(rec)
 

@@ -217,3 +217,9 @@ if torch.cuda.is_available():
     print(rec)
 else:
     print("no CUDA GPU: allocation history needs one (census() and watch() work everywhere)")
+
+# %% [markdown]
+# The per-cell line can be switched off (and back on with `%oomkit on`):
+
+# %%
+# %oomkit off

@@ -66,3 +66,19 @@ def test_in_a_real_kernel(tmp_path):
     assert "WARN" not in text(3) and "WARN: each of the last 3 runs" in text(5)
     assert "WARN: each of the last 4 runs" in text(6)
     assert "[oomkit]" not in text(8)
+
+
+def test_gpu_line_reads_change_and_peak():
+    rec = cellstats.CellRecord(3, gpu_change=-2 * 2**20, gpu_peak=3 * 2**30, ram_change=0, seconds=1.5)
+    assert "GPU -2.00 MiB (peak 3.00 GiB)" in str(rec)
+    rec.peak_new = False
+    assert "peak under 3.00 GiB" in str(rec)
+
+
+@pytest.mark.cuda
+def test_gpu_accounting_on_cuda(shell):
+    shell.run_cell("import torch\nkeep = []")
+    for _ in range(3):
+        shell.run_cell("keep.append(torch.ones(4_000_000, device='cuda'))")
+    rec = cellstats.CellStats.active.records[-1]
+    assert rec.gpu_change >= 16_000_000 and rec.gpu_peak >= rec.gpu_change and rec.growing
