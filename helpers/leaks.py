@@ -972,7 +972,7 @@ def _site(frames: list[dict]) -> str:
     if pick is None:
         pick = next((f for f in frames if f.get("filename", "").endswith(".py")), frames[0] if frames else None)
     if pick is None:
-        return "(no stack recorded)"
+        return "(allocated before recording started)"
     return f"{pick.get('filename')}:{pick.get('line')} {pick.get('name')}"
 
 
