@@ -73,7 +73,7 @@ from helpers.estimate import estimate, fit
 
 est = estimate(MODEL, load=report.check("fit").data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
 display(est)
-fit(est, "t4")
+fit(est, "current" if snap.gpu else "t4")  # no GPU here: judged against a Colab T4
 
 # %% [markdown]
 # The same report as text, to paste into a bug report or a forum question:
