@@ -214,18 +214,24 @@ def _shipped(name: str) -> Path | None:
 
 
 def _config_from_dict(d: dict, where: str):
-    from transformers import AutoConfig
+    """A transformers config for a config.json dict; an unknown or missing ``model_type`` gives a
+    generic config (counted from its dimensions, marked approximate) instead of an error."""
+    from transformers import AutoConfig, PretrainedConfig
 
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
     model_type = d.pop("model_type", None)
+    why = None
     if model_type is None:
-        raise EstimateError(f"{where} has no 'model_type' field, so the architecture is unknown; "
-                            "pass a config.json from the model's hub page")
-    try:
-        return AutoConfig.for_model(model_type, **d)
-    except ValueError as e:
-        raise EstimateError(f"{where}: model_type {model_type!r} is not known to this transformers version "
-                            f"({str(e).splitlines()[0][:120]})") from None
+        why = f"{where} has no 'model_type' field, so the architecture is unknown"
+    else:
+        try:
+            return AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError) as e:
+            why = (f"model_type {model_type!r} in {where} is not known to this transformers version "
+                   f"({str(e).splitlines()[0][:100]})")
+    config = PretrainedConfig(**d)
+    config.oomkit_unknown = why
+    return config
 
 
 def resolve_config(model: Any):
@@ -261,13 +267,31 @@ def resolve_config(model: Any):
     if shipped is not None:
         return _config_from_dict(json.loads(shipped.read_text()), str(shipped)), shipped.stem.replace("--", "/", 1), None
     try:
-        return AutoConfig.from_pretrained(name), name, None
+        return AutoConfig.from_pretrained(name, local_files_only=not _hub_reachable()), name, None
     except Exception as e:
         known = ", ".join(shipped_configs()) or "none"
         raise EstimateError(
             f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
             f"Offline or private? Pass a local folder or config.json, or one of the configs in "
             f"{CONFIG_DIR} that work offline: {known}") from None
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub answers at all: without a network, only the local cache is read (in
+    milliseconds, instead of a minute of download retries)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -321,6 +345,9 @@ def _layout(config, loaded: torch.nn.Module | None = None) -> _Layout:
 def _meta_model(config):
     import transformers
     from transformers import AutoModelForCausalLM
+
+    if getattr(config, "oomkit_unknown", None):
+        raise ValueError(config.oomkit_unknown)
 
     with torch.device("meta"):
         try:
@@ -385,8 +412,8 @@ def _dimension_layout(config, why: str) -> _Layout:
         v = next((d[a] for a in alts if d.get(a)), None)
         (got.__setitem__(k, v) if v else missing.append(k))
     if missing:
-        raise EstimateError(f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)} "
-                            "needed for a dimension-based count; pass the model's full config.json")
+        raise EstimateError(f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
+                            "needed for the fallback dimension-based count; pass the model's full config.json")
     h, n, v = got["hidden_size"], got["num_hidden_layers"], got["vocab_size"]
     inter = d.get("intermediate_size") or d.get("n_inner") or 4 * h
     heads = d.get("num_attention_heads") or d.get("n_head") or max(1, h // 64)
@@ -949,6 +976,8 @@ def preflight_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 25
     if gpu is not None:
         # What this process can still use: free memory plus what it already holds.
         capacity = gpu.free + gpu.allocated
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            capacity += CUDA_CONTEXT + CUBLAS_WORKSPACE  # already paid: free memory excludes it
         device = {"capacity": capacity}
         where = f"{gpu.name} ({format_bytes(capacity)} usable)"
         dev_arg: Any = capacity

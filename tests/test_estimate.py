@@ -229,13 +229,18 @@ def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
         estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=-1)
     with pytest.raises(EstimateError, match="unknown device"):
         estimate("Llama-2-7b-hf", load="fp16", device="tpu")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(EstimateError, match="data/configs"):
+    with pytest.raises(EstimateError, match="data/configs"):  # no network here, and none needed
         estimate("someone/not-a-real-model-xyz", load="fp16")
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({"hidden_size": 64}))
-    with pytest.raises(EstimateError, match="model_type"):
+    with pytest.raises(EstimateError, match="no 'model_type'.*lacks num_hidden_layers, vocab_size"):
         estimate(bad, load="fp16")
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "brand-new-arch", "hidden_size": 256, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000}))
+    est = estimate(unknown, load="fp16")
+    assert est.approximate and "brand-new-arch" in str(est)
+    assert est.params == 2 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256 + 1000 * 256  # tied by default
 
 
 def test_unknown_architecture_falls_back_to_approximate_count(monkeypatch):
