@@ -559,7 +559,10 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         per_param = OPTIMIZERS.get(tr.optimizer)
         rows.append(EstimateRow(f"optimizer states ({tr.optimizer})", (8 if per_param is None else per_param) * n_lora,
                                 "formula", "AdamW 32-bit 8 bytes/param, 8-bit 2"))
-        per_tok_lora = sum(e.linear[1] for e in adapted) / max(1, d["layers"]) if tr.lora_dropout > 0 else 0
+        # peft casts each adapted layer's input to the fp32 adapter dtype and, with dropout, keeps the
+        # dropped copy (4 B) and its mask (1 B) for backward: per adapted layer, per token.
+        lora_in = sum(e.linear[1] for e in adapted) // max(1, d["layers"])
+        per_tok_lora = lora_in * ((5 if tr.lora_dropout > 0 else 4) if b < 4 or tr.lora_dropout > 0 else 0)
     else:
         if load in QUANTIZED:
             raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
@@ -573,12 +576,14 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         if tr.master_weights and load != "fp32":
             rows.append(EstimateRow("fp32 master weights", 4 * trainable, "exact"))
         per_tok_lora = 0
-    # Saved activations per layer (bytes per token): Llama-like block in compute dtype, counting the
-    # tensors autograd keeps for backward (norm inputs/outputs incl. fp32 upcast, q/k/v, attention
-    # output, MLP gate/up/act/product) plus LoRA dropout copies.
-    h, inter = d["h"], d["inter"]
-    per_tok = (8 * h + 2 * d["heads"] * d["hd"] + 4 * d["kv"] * d["hd"]) * b + 4 * inter * b + 8 * h
-    per_tok += per_tok_lora * (b + 1)
+    # Saved activations per layer (bytes per token) of a Llama-like block: each RMSNorm keeps its
+    # fp32 upcast, the normalized fp32 value and the cast-back output; attention keeps q and k before
+    # and after rotary, v, the GQA-expanded k/v, its output and the o_proj input; the MLP keeps
+    # gate, act(gate), up and their product. Measured on CPU with live-tensor tracking (see
+    # bench/estimate_accuracy.py).
+    h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
+    attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
+    per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
     if tr.gradient_checkpointing:
         saved = d["layers"] * mb * seq * h * b + mb * seq * per_tok
         rows.append(EstimateRow("activations (gradient checkpointing)", saved, "formula",
@@ -586,8 +591,9 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
     else:
         saved = d["layers"] * mb * seq * per_tok
         rows.append(EstimateRow("activations (no checkpointing)", saved, "formula", "tensors kept for backward"))
-    # Logits of every position, upcast to fp32 for the loss, and their gradient.
-    logits = mb * seq * d["vocab"] * (b + 4 + 4)
+    # Logits of every position: the model's output, its fp32 upcast, log-softmax, and the gradient
+    # in fp32 and in the compute dtype.
+    logits = mb * seq * d["vocab"] * (2 * b + 12)
     rows.append(EstimateRow("logits + loss (fp32)", logits, "formula", "batch x seq x vocab"))
     if load in QUANTIZED:
         biggest = max((e.linear[0] * e.linear[1] for e in lay.entries if e.linear), default=0)
