@@ -1,0 +1,258 @@
+"""Estimator accuracy: predicted weight bytes vs what is really loaded, for 7 families x 7 load modes.
+
+Each family is built from its shipped real config scaled down (2 layers, narrow widths, same
+structure: GQA ratios, tied embeddings, biases, Conv1D, explicit head_dim), saved with random
+weights, then loaded for real in fp32, fp16, bf16, int8, nf4, nf4 + double quant and fp4. Measured
+= ``footprint(model)`` (parameters + buffers + bitsandbytes state). Side by side: transformers'
+``get_memory_footprint()`` and accelerate's ``estimate-memory`` arithmetic (its own
+``calculate_maximum_sizes`` on an empty fp32 model, divided by 2/4/8 for fp16/int8/int4 as its
+``gather_data`` does). Also checks that full-size parameter counts of every shipped config are exact.
+
+Usage: ``python bench/estimate_accuracy.py`` (about a minute on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench._common import format_table, write_results  # noqa: E402
+from helpers.estimate import CONFIG_DIR, estimate, footprint  # noqa: E402
+
+FAMILIES = {  # family -> (shipped config, scaled-down overrides)
+    "Llama-2": ("meta-llama--Llama-2-7b-hf", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=4)),
+    "Mistral (GQA)": ("mistralai--Mistral-7B-v0.1", dict(hidden_size=256, intermediate_size=896, num_hidden_layers=2,
+                                                          num_attention_heads=8, num_key_value_heads=2)),
+    "Qwen2.5 (tied, bias)": ("Qwen--Qwen2.5-0.5B", dict(hidden_size=256, intermediate_size=1344, num_hidden_layers=2,
+                                                          num_attention_heads=8, num_key_value_heads=2)),
+    "Gemma-2 (head_dim)": ("google--gemma-2-2b", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2, head_dim=128)),
+    "Phi-2": ("microsoft--phi-2", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4)),
+    "GPT-2 (Conv1D)": ("openai-community--gpt2", dict(n_embd=256, n_layer=2, n_head=4)),
+    "OPT": ("facebook--opt-1.3b", dict(hidden_size=256, ffn_dim=1024, num_hidden_layers=2, num_attention_heads=4,
+                                        word_embed_proj_dim=256)),
+}  # fmt: skip
+VOCAB = 4096  # scaled from 32k-256k; multiple of 64 like the real ones
+MODES = ["fp32", "fp16", "bf16", "int8", "nf4", "nf4+dq", "fp4"]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build(family: str, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from helpers.estimate import resolve_config
+
+    name, overrides = FAMILIES[family]
+    d = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+    d.update(overrides, vocab_size=VOCAB)
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if k in d:
+            d[k] = 1024
+    config, _, _ = resolve_config(d)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = out / name
+    model.save_pretrained(path)
+    return path
+
+
+def load(path: Path, mode: str):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if mode in DTYPES:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[mode])
+    if mode == "int8":
+        q = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode[:3],
+                               bnb_4bit_use_double_quant=mode.endswith("+dq"), bnb_4bit_compute_dtype=torch.float16)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, quantization_config=q)
+
+
+def accelerate_estimate(path: Path, mode: str) -> int:
+    """accelerate estimate-memory's arithmetic, with its own size function."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    total, _ = calculate_maximum_sizes(model)
+    divisor = {"fp32": 1, "fp16": 2, "bf16": 2, "int8": 4}.get(mode, 8)  # as in accelerate's gather_data
+    return int(total / divisor)
+
+
+class PeakTracker:
+    """Peak bytes of live tensors created while active (CPU has no ``max_memory_allocated``): every
+    op's outputs are recorded by storage and dropped when the storage dies."""
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._record(out)
+                return out
+
+        self.mode, self.live, self.current, self.peak = _Mode(), {}, 0, 0
+        # Views of the weights (w.t(), reshapes) are not allocations: footprint() counts them.
+        self.known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        for p in model.parameters():
+            qs = getattr(p, "quant_state", None)
+            while qs is not None:
+                self.known |= {t.untyped_storage().data_ptr() for t in (qs.absmax, qs.code, qs.offset)
+                               if isinstance(t, torch.Tensor)}
+                qs = qs.state2
+
+    def _record(self, out):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st.data_ptr() and st.data_ptr() not in self.live and st.data_ptr() not in self.known:
+                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                    self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+PEAK_CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False)  # fmt: skip
+OVERHEAD_ROWS = ("allocator rounding", "fragmentation margin")
+
+
+def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
+    """Predicted vs measured peak (weights + every live tensor) for generation and LoRA/QLoRA steps."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from helpers.estimate import LoraTraining
+
+    cfg = LlamaConfig(**PEAK_CONFIG)
+    out = []
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp)
+        cases = [("generate (bf16, 32 new tokens)", "bf16", None), ("LoRA step (bf16, checkpointing)", "bf16", True),
+                 ("LoRA step (bf16, no checkpointing)", "bf16", False),
+                 ("QLoRA step (nf4, checkpointing)", "nf4", True)]  # fmt: skip
+        for label, load, ckpt in cases:
+            kw = {"dtype": torch.bfloat16}
+            if load == "nf4":
+                kw["quantization_config"] = BitsAndBytesConfig(
+                    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                    bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+            model = AutoModelForCausalLM.from_pretrained(tmp, **kw)
+            if ckpt is None:
+                pred = estimate(tmp, load=load, batch_size=batch, prompt_tokens=seq, max_new_tokens=32, device="cpu")
+                base = footprint(model)
+                with torch.no_grad(), PeakTracker(model) as pt:
+                    model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            else:
+                if ckpt:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    model.enable_input_require_grads()
+                model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                         lora_dropout=0.05))
+                model.train()
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+                pred = estimate(tmp, load=load, compute_dtype="bf16", device="cpu", training=LoraTraining(
+                    r=16, optimizer="adamw_torch", gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch))
+                base = footprint(model)
+                with PeakTracker(model) as pt:
+                    for _ in range(2):  # the second step has optimizer states
+                        model(input_ids=ids, labels=ids).loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            predicted = sum(r.bytes for r in pred.rows if r.name not in OVERHEAD_ROWS)
+            measured = base + pt.peak
+            out.append(dict(case=label, measured=measured, predicted=predicted, error_pct=err(predicted, measured)))
+            del model
+    return out
+
+
+def err(pred: int, meas: int) -> float:
+    return 100.0 * (pred - meas) / meas
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    t0 = time.time()
+    rows, records = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in FAMILIES:
+            path = build(family, Path(tmp))
+            for mode in MODES:
+                model = load(path, mode)
+                measured = footprint(model)
+                hf = model.get_memory_footprint()
+                load_mode = mode.replace("+dq", "")
+                pred = estimate(path, load=load_mode, double_quant=mode.endswith("+dq"),
+                                compute_dtype="fp16" if load_mode in ("int8", "nf4", "fp4") else "auto").weights
+                acc = accelerate_estimate(path, mode)
+                rec = dict(family=family, load=mode, measured=measured, predicted=pred, error_pct=err(pred, measured),
+                           transformers=hf, transformers_error_pct=err(hf, measured), accelerate=acc,
+                           accelerate_error_pct=err(acc, measured))  # fmt: skip
+                records.append(rec)
+                rows.append([family, mode, f"{measured:,}", f"{pred:,}", f"{rec['error_pct']:+.2f} %",
+                             f"{rec['transformers_error_pct']:+.1f} %", f"{rec['accelerate_error_pct']:+.1f} %"])
+                del model
+    counts = []
+    known = {"meta-llama/Llama-2-7b-hf": 6_738_415_616, "mistralai/Mistral-7B-v0.1": 7_241_732_096,
+             "Qwen/Qwen2.5-0.5B": 494_032_768, "openai-community/gpt2": 124_439_808,
+             "TinyLlama/TinyLlama-1.1B-Chat-v1.0": 1_100_048_384, "meta-llama/Llama-3.1-8B": 8_030_261_248,
+             "Qwen/Qwen2.5-7B": 7_615_616_512, "microsoft/phi-2": 2_779_683_840, "google/gemma-2-2b": 2_614_341_888,
+             "facebook/opt-1.3b": 1_315_758_080, "Qwen/Qwen2.5-1.5B": 1_543_714_304,
+             "codellama/CodeLlama-7b-hf": 6_738_546_688}  # fmt: skip
+    for hub_id, n in known.items():
+        got = estimate(hub_id, load="fp16").params
+        counts.append([hub_id, f"{n:,}", f"{got:,}", "exact" if got == n else f"off by {got - n:+,}"])
+    print(format_table(["family", "load", "measured bytes", "oomkit", "oomkit err", "get_memory_footprint err",
+                        "accelerate err"], rows))
+    print()
+    print(format_table(["shipped config", "published parameters", "oomkit count", ""], counts))
+    peaks = peak_rows()
+    print()
+    print(format_table(["CPU peak (weights + live tensors)", "measured", "oomkit", "error"],
+                       [[p["case"], f"{p['measured']:,}", f"{p['predicted']:,}", f"{p['error_pct']:+.1f} %"]
+                        for p in peaks]))  # fmt: skip
+    worst = max(abs(r["error_pct"]) for r in records)
+    all_exact = all(c[3] == "exact" for c in counts)
+    print(f"\nworst oomkit weight error {worst:.3f} % over {len(records)} loads; parameter counts "
+          f"{'all exact' if all_exact else 'NOT all exact'}; {time.time() - t0:.0f} s")
+    write_results("estimate_accuracy", {"rows": records, "param_counts": counts, "worst_error_pct": worst,
+                                        "peaks": peaks,
+                                        "counts_exact": all_exact})
+    return 0 if worst < 1.0 and all_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
