@@ -69,7 +69,7 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
     ("cuda_legacy", "CUDA caching allocator (PyTorch < 2.1 wording)",
      r"cuda out of memory\..*\(gpu \d+; .*total capacity"),
-    ("cuda", "CUDA caching allocator", r"(cuda|torch\.outofmemoryerror).*out of memory|out of memory\. tried to allocate"),
+    ("cuda", "CUDA caching allocator", r"cuda out of memory|out of memory\. tried to allocate"),
     ("bitsandbytes", "bitsandbytes kernel or paged optimizer",
      r"bitsandbytes|bnb|cget_managed_ptr|paged"),
     ("cublas", "cuBLAS could not allocate its workspace", r"cublas_status_alloc_failed"),
@@ -293,7 +293,8 @@ def _classify(f: dict) -> list[str]:
         causes.append("fragmentation")
     held = f.get("held_elsewhere")
     if held is not None and total and held >= max(req or 0, 0.05 * total):
-        causes.append("held_elsewhere")
+        # a quarter of the card in someone else's hands outranks how this process's cache is cut up
+        causes.insert(0 if held >= 0.25 * total else len(causes), "held_elsewhere")
     if form == "mps" and f.get("other_allocations") and total and f["other_allocations"] >= 0.25 * total:
         causes.append("held_elsewhere")
     if form in ("cublas", "cudnn", "cuda_error"):
@@ -331,32 +332,35 @@ def _estimator_fixes() -> list[str]:
         return []
 
 
-def largest_tensors(n: int = 5, frames=None) -> list[tuple[str, int, str]]:
+def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
     """The ``n`` largest live tensors as (name, bytes, description), counting shared storage once.
 
-    Names come from the given frames' locals (e.g. a traceback's) and the notebook's namespace.
+    Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames) and the
+    notebook's namespace.
     """
     import gc
+    import warnings
 
-    names: dict[int, str] = {}
-    for label, ns in list(frames or []) + [("", _user_namespace())]:
-        for var, value in list((ns or {}).items()):
-            if isinstance(value, torch.Tensor) and not var.startswith("_"):
-                names.setdefault(id(value), f"{label}{var}")
+    names = dict(names or {})
+    for var, value in list(_user_namespace().items()):
+        if isinstance(value, torch.Tensor) and not var.startswith("_"):
+            names.setdefault(id(value), var)
     seen, found = set(), []
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                    continue
+                storage = obj.untyped_storage()
+                ptr = (storage.data_ptr(), obj.device.type)
+                if ptr in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(ptr)
+                desc = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {obj.device}"
+                found.append((names.get(id(obj), "(unnamed)"), storage.nbytes(), desc))
+            except Exception:  # noqa: BLE001 - exotic tensor subclasses
                 continue
-            storage = obj.untyped_storage()
-            ptr = (storage.data_ptr(), obj.device.type)
-            if ptr in seen or storage.nbytes() == 0:
-                continue
-            seen.add(ptr)
-            desc = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {obj.device}"
-            found.append((names.get(id(obj), "(unnamed)"), storage.nbytes(), desc))
-        except Exception:  # noqa: BLE001 - exotic tensor subclasses
-            continue
     return sorted(found, key=lambda t: -t[1])[:n]
 
 
@@ -369,14 +373,21 @@ def _user_namespace() -> dict:
     return ip.user_ns if ip is not None else {}
 
 
-def _frame_locals(tb) -> list[tuple[str, dict]]:
-    out = []
+def _traceback_names(tb) -> dict[int, str]:
+    """``id(tensor) -> "function().name"`` for the tensors local to the traceback's function frames."""
+    names: dict[int, str] = {}
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_name != "<module>":
-            out.append((f"{frame.f_code.co_name}().", dict(frame.f_locals)))
+            local = frame.f_locals
+            for var, value in local.items():
+                if isinstance(value, torch.Tensor):
+                    names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
+            # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
+            local.clear()
+            del local
         tb = tb.tb_next
-    return out
+    return names
 
 
 def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None) -> OOMReport:
@@ -426,7 +437,7 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
         from .memory import snapshot
 
         report.snapshot = snapshot()
-        report.tensors = largest_tensors(frames=_frame_locals(exc.__traceback__) if exc is not None else None)
+        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
     return report
 
 
@@ -465,24 +476,26 @@ _INSTALLED: dict = {}
 def _handler(shell, etype, value, tb, tb_offset=None):
     """IPython custom exception handler: OOMs get a diagnosis and their memory back; others the usual traceback."""
     if not is_oom(value):
-        return shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        return None
     from .cleanup import _readout, cleanup
 
     before = _readout()
-    short = traceback.format_exception(etype, value, tb, limit=-3)
+    short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
     report = explain_oom(value)
-    lines = ["".join(short).rstrip(), "", str(report)]
-    # the traceback's frames keep every tensor the failed code created: clear them, then forget it
+    # the traceback's frames keep every tensor the failed code created: clear them, then collect
     traceback.clear_frames(tb)
-    del value, tb
-    freed = cleanup(drop_history=False)
+    del tb
+    freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
     after = _readout()
-    rss_back = before[2] - after[2]
-    gpu_back = before[0] - after[0]
-    lines += ["", f"Released what the traceback pinned: RAM {format_bytes(max(rss_back, 0))} back"
-              + (f", GPU {format_bytes(max(gpu_back, 0))} back" if torch.cuda.is_available() else "")
-              + f" ({freed})"]
-    return ["\n".join(lines)]
+    readout = (f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
+               + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")
+               + f"; now {format_bytes(after[2])} RSS"
+               + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
+               + f" ({freed.objects_collected} objects collected)")
+    stb = ["".join(short).rstrip(), "", str(report), "", readout]
+    shell._showtraceback(etype, value, stb)  # shown as the cell's error, so "run all" still stops here
+    return None
 
 
 def install(shell=None) -> bool:
