@@ -92,6 +92,109 @@ def accelerate_estimate(path: Path, mode: str) -> int:
     return int(total / divisor)
 
 
+class PeakTracker:
+    """Peak bytes of live tensors created while active (CPU has no ``max_memory_allocated``): every
+    op's outputs are recorded by storage and dropped when the storage dies."""
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._record(out)
+                return out
+
+        self.mode, self.live, self.current, self.peak = _Mode(), {}, 0, 0
+        # Views of the weights (w.t(), reshapes) are not allocations: footprint() counts them.
+        self.known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        for p in model.parameters():
+            qs = getattr(p, "quant_state", None)
+            while qs is not None:
+                self.known |= {t.untyped_storage().data_ptr() for t in (qs.absmax, qs.code, qs.offset)
+                               if isinstance(t, torch.Tensor)}
+                qs = qs.state2
+
+    def _record(self, out):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st.data_ptr() and st.data_ptr() not in self.live and st.data_ptr() not in self.known:
+                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                    self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+PEAK_CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False)  # fmt: skip
+OVERHEAD_ROWS = ("allocator rounding", "fragmentation margin")
+
+
+def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
+    """Predicted vs measured peak (weights + every live tensor) for generation and LoRA/QLoRA steps."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from helpers.estimate import LoraTraining
+
+    cfg = LlamaConfig(**PEAK_CONFIG)
+    out = []
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp)
+        cases = [("generate (bf16, 32 new tokens)", "bf16", None), ("LoRA step (bf16, checkpointing)", "bf16", True),
+                 ("LoRA step (bf16, no checkpointing)", "bf16", False),
+                 ("QLoRA step (nf4, checkpointing)", "nf4", True)]  # fmt: skip
+        for label, load, ckpt in cases:
+            kw = {"dtype": torch.bfloat16}
+            if load == "nf4":
+                kw["quantization_config"] = BitsAndBytesConfig(
+                    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                    bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+            model = AutoModelForCausalLM.from_pretrained(tmp, **kw)
+            if ckpt is None:
+                pred = estimate(tmp, load=load, batch_size=batch, prompt_tokens=seq, max_new_tokens=32, device="cpu")
+                base = footprint(model)
+                with torch.no_grad(), PeakTracker(model) as pt:
+                    model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            else:
+                if ckpt:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    model.enable_input_require_grads()
+                model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                         lora_dropout=0.05))
+                model.train()
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+                pred = estimate(tmp, load=load, compute_dtype="bf16", device="cpu", training=LoraTraining(
+                    r=16, optimizer="adamw_torch", gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch))
+                base = footprint(model)
+                with PeakTracker(model) as pt:
+                    for _ in range(2):  # the second step has optimizer states
+                        model(input_ids=ids, labels=ids).loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            predicted = sum(r.bytes for r in pred.rows if r.name not in OVERHEAD_ROWS)
+            measured = base + pt.peak
+            out.append(dict(case=label, measured=measured, predicted=predicted, error_pct=err(predicted, measured)))
+            del model
+    return out
+
+
 def err(pred: int, meas: int) -> float:
     return 100.0 * (pred - meas) / meas
 
@@ -136,11 +239,17 @@ def main() -> int:
                         "accelerate err"], rows))
     print()
     print(format_table(["shipped config", "published parameters", "oomkit count", ""], counts))
+    peaks = peak_rows()
+    print()
+    print(format_table(["CPU peak (weights + live tensors)", "measured", "oomkit", "error"],
+                       [[p["case"], f"{p['measured']:,}", f"{p['predicted']:,}", f"{p['error_pct']:+.1f} %"]
+                        for p in peaks]))  # fmt: skip
     worst = max(abs(r["error_pct"]) for r in records)
     all_exact = all(c[3] == "exact" for c in counts)
     print(f"\nworst oomkit weight error {worst:.3f} % over {len(records)} loads; parameter counts "
           f"{'all exact' if all_exact else 'NOT all exact'}; {time.time() - t0:.0f} s")
     write_results("estimate_accuracy", {"rows": records, "param_counts": counts, "worst_error_pct": worst,
+                                        "peaks": peaks,
                                         "counts_exact": all_exact})
     return 0 if worst < 1.0 and all_exact else 1
 

@@ -214,18 +214,24 @@ def _shipped(name: str) -> Path | None:
 
 
 def _config_from_dict(d: dict, where: str):
-    from transformers import AutoConfig
+    """A transformers config for a config.json dict; an unknown or missing ``model_type`` gives a
+    generic config (counted from its dimensions, marked approximate) instead of an error."""
+    from transformers import AutoConfig, PretrainedConfig
 
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
     model_type = d.pop("model_type", None)
+    why = None
     if model_type is None:
-        raise EstimateError(f"{where} has no 'model_type' field, so the architecture is unknown; "
-                            "pass a config.json from the model's hub page")
-    try:
-        return AutoConfig.for_model(model_type, **d)
-    except ValueError as e:
-        raise EstimateError(f"{where}: model_type {model_type!r} is not known to this transformers version "
-                            f"({str(e).splitlines()[0][:120]})") from None
+        why = f"{where} has no 'model_type' field, so the architecture is unknown"
+    else:
+        try:
+            return AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError) as e:
+            why = (f"model_type {model_type!r} in {where} is not known to this transformers version "
+                   f"({str(e).splitlines()[0][:100]})")
+    config = PretrainedConfig(**d)
+    config.oomkit_unknown = why
+    return config
 
 
 def resolve_config(model: Any):
@@ -261,13 +267,31 @@ def resolve_config(model: Any):
     if shipped is not None:
         return _config_from_dict(json.loads(shipped.read_text()), str(shipped)), shipped.stem.replace("--", "/", 1), None
     try:
-        return AutoConfig.from_pretrained(name), name, None
+        return AutoConfig.from_pretrained(name, local_files_only=not _hub_reachable()), name, None
     except Exception as e:
         known = ", ".join(shipped_configs()) or "none"
         raise EstimateError(
             f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
             f"Offline or private? Pass a local folder or config.json, or one of the configs in "
             f"{CONFIG_DIR} that work offline: {known}") from None
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub answers at all: without a network, only the local cache is read (in
+    milliseconds, instead of a minute of download retries)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -321,6 +345,9 @@ def _layout(config, loaded: torch.nn.Module | None = None) -> _Layout:
 def _meta_model(config):
     import transformers
     from transformers import AutoModelForCausalLM
+
+    if getattr(config, "oomkit_unknown", None):
+        raise ValueError(config.oomkit_unknown)
 
     with torch.device("meta"):
         try:
@@ -385,8 +412,8 @@ def _dimension_layout(config, why: str) -> _Layout:
         v = next((d[a] for a in alts if d.get(a)), None)
         (got.__setitem__(k, v) if v else missing.append(k))
     if missing:
-        raise EstimateError(f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)} "
-                            "needed for a dimension-based count; pass the model's full config.json")
+        raise EstimateError(f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
+                            "needed for the fallback dimension-based count; pass the model's full config.json")
     h, n, v = got["hidden_size"], got["num_hidden_layers"], got["vocab_size"]
     inter = d.get("intermediate_size") or d.get("n_inner") or 4 * h
     heads = d.get("num_attention_heads") or d.get("n_head") or max(1, h // 64)
@@ -532,7 +559,10 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         per_param = OPTIMIZERS.get(tr.optimizer)
         rows.append(EstimateRow(f"optimizer states ({tr.optimizer})", (8 if per_param is None else per_param) * n_lora,
                                 "formula", "AdamW 32-bit 8 bytes/param, 8-bit 2"))
-        per_tok_lora = sum(e.linear[1] for e in adapted) / max(1, d["layers"]) if tr.lora_dropout > 0 else 0
+        # peft casts each adapted layer's input to the fp32 adapter dtype and, with dropout, keeps the
+        # dropped copy (4 B) and its mask (1 B) for backward: per adapted layer, per token.
+        lora_in = sum(e.linear[1] for e in adapted) // max(1, d["layers"])
+        per_tok_lora = lora_in * ((5 if tr.lora_dropout > 0 else 4) if b < 4 or tr.lora_dropout > 0 else 0)
     else:
         if load in QUANTIZED:
             raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
@@ -546,12 +576,14 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         if tr.master_weights and load != "fp32":
             rows.append(EstimateRow("fp32 master weights", 4 * trainable, "exact"))
         per_tok_lora = 0
-    # Saved activations per layer (bytes per token): Llama-like block in compute dtype, counting the
-    # tensors autograd keeps for backward (norm inputs/outputs incl. fp32 upcast, q/k/v, attention
-    # output, MLP gate/up/act/product) plus LoRA dropout copies.
-    h, inter = d["h"], d["inter"]
-    per_tok = (8 * h + 2 * d["heads"] * d["hd"] + 4 * d["kv"] * d["hd"]) * b + 4 * inter * b + 8 * h
-    per_tok += per_tok_lora * (b + 1)
+    # Saved activations per layer (bytes per token) of a Llama-like block: each RMSNorm keeps its
+    # fp32 upcast, the normalized fp32 value and the cast-back output; attention keeps q and k before
+    # and after rotary, v, the GQA-expanded k/v, its output and the o_proj input; the MLP keeps
+    # gate, act(gate), up and their product. Measured on CPU with live-tensor tracking (see
+    # bench/estimate_accuracy.py).
+    h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
+    attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
+    per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
     if tr.gradient_checkpointing:
         saved = d["layers"] * mb * seq * h * b + mb * seq * per_tok
         rows.append(EstimateRow("activations (gradient checkpointing)", saved, "formula",
@@ -559,8 +591,9 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
     else:
         saved = d["layers"] * mb * seq * per_tok
         rows.append(EstimateRow("activations (no checkpointing)", saved, "formula", "tensors kept for backward"))
-    # Logits of every position, upcast to fp32 for the loss, and their gradient.
-    logits = mb * seq * d["vocab"] * (b + 4 + 4)
+    # Logits of every position: the model's output, its fp32 upcast, log-softmax, and the gradient
+    # in fp32 and in the compute dtype.
+    logits = mb * seq * d["vocab"] * (2 * b + 12)
     rows.append(EstimateRow("logits + loss (fp32)", logits, "formula", "batch x seq x vocab"))
     if load in QUANTIZED:
         biggest = max((e.linear[0] * e.linear[1] for e in lay.entries if e.linear), default=0)
@@ -949,6 +982,8 @@ def preflight_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 25
     if gpu is not None:
         # What this process can still use: free memory plus what it already holds.
         capacity = gpu.free + gpu.allocated
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            capacity += CUDA_CONTEXT + CUBLAS_WORKSPACE  # already paid: free memory excludes it
         device = {"capacity": capacity}
         where = f"{gpu.name} ({format_bytes(capacity)} usable)"
         dev_arg: Any = capacity

@@ -6,7 +6,16 @@ The signatures are data (message fragments), not a chain of ``if``s. Diagnosis
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+
 import torch
+
+from .units import format_bytes, parse_bytes
 
 __all__ = ["OOM_SIGNATURES", "is_oom"]
 
@@ -41,3 +50,488 @@ def is_oom(exc: BaseException) -> bool:
                 return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnosis: explain_oom(error_or_text) -> OOMReport
+# ---------------------------------------------------------------------------------------------
+
+__all__ += ["OOM_FORMS", "OOMReport", "explain_oom", "largest_tensors", "install", "uninstall", "main"]
+
+_SIZE = r"(\d+(?:\.\d+)?\s*(?:[KMGT]i?B|bytes|B)\b)"
+
+# Each message form: (form, what it is, a regex that recognizes it). First match wins, so the more
+# specific forms come first. Figures are pulled out separately by _FIGURES (any form may carry them).
+OOM_FORMS: tuple[tuple[str, str, str], ...] = (
+    ("colab_ram", "Colab ran out of system RAM and restarted the runtime",
+     r"session crashed after using all available ram"),
+    ("mps", "Apple MPS allocator", r"mps backend out of memory"),
+    ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
+    ("cuda_legacy", "CUDA caching allocator (PyTorch < 2.1 wording)",
+     r"cuda out of memory\..*\(gpu \d+; .*total capacity"),
+    ("cuda", "CUDA caching allocator", r"cuda out of memory|out of memory\. tried to allocate"),
+    ("bitsandbytes", "bitsandbytes kernel or paged optimizer",
+     r"bitsandbytes|bnb|cget_managed_ptr|paged"),
+    ("cublas", "cuBLAS could not allocate its workspace", r"cublas_status_alloc_failed"),
+    ("cudnn", "cuDNN could not allocate its workspace",
+     r"cudnn_status_alloc_failed|cudnn_status_not_supported\. this error may appear if you passed in a non-contiguous"),
+    ("cuda_error", "the CUDA driver itself (outside PyTorch's allocator)", r"cuda error: out of memory"),
+    ("cpu", "CPU allocator (system RAM)",
+     r"defaultcpuallocator|can't allocate memory|cannot allocate memory|\bmemoryerror"),
+)
+
+# Figures and the patterns that carry them, in any of the forms above.
+_FIGURES: tuple[tuple[str, str], ...] = (
+    ("requested", rf"tried to allocate {_SIZE}"),
+    ("requested", r"you tried to allocate (\d+) bytes"),
+    ("device", r"\bgpu (\d+)"),
+    ("total", rf"total capacity of {_SIZE}"),
+    ("total", rf"{_SIZE} total capacity"),
+    ("free", rf"of which {_SIZE} is free"),
+    ("free", rf"{_SIZE} free"),
+    ("this_process", rf"this process has {_SIZE} memory in use"),
+    ("allocated", rf"{_SIZE} is allocated by pytorch"),
+    ("allocated", rf"{_SIZE} already allocated"),
+    ("reserved_unallocated", rf"{_SIZE} is reserved by pytorch but unallocated"),
+    ("reserved", rf"{_SIZE} reserved in total by pytorch"),
+    ("mps_allocated", rf"mps allocated: {_SIZE}"),
+    ("other_allocations", rf"other allocations: {_SIZE}"),
+    ("max_allowed", rf"max allowed: {_SIZE}"),
+)
+_PROCESS = re.compile(rf"process (\d+) has {_SIZE} memory in use", re.I)
+
+# Cause classes, each with its fixes in the order to try them.
+CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "request_too_large": ("a single allocation is larger than the whole card", (
+        "This one tensor can never fit: shrink the dimension that made it (batch size, sequence length, "
+        "vocabulary-sized logits; e.g. compute the loss in chunks or keep only the last token's logits)",
+        "Load the model quantized (4-bit or 8-bit) or offload layers with device_map='auto'",
+    )),
+    "fragmentation": ("fragmentation: PyTorch holds enough free cache, but not in one piece", (
+        "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch touches the GPU (first cell, "
+        "then restart): segments grow in place instead of leaving holes between fixed blocks",
+        "Call helpers.cleanup() to return the cached blocks, then retry",
+        "Keep batch shapes steady (pad to a few fixed lengths): changing shapes fragment the cache",
+    )),
+    "held_elsewhere": ("memory is held outside this process's PyTorch tensors (another process, an old "
+                       "kernel, or CUDA context/library workspaces)", (
+        "Find who holds it: `nvidia-smi` (or helpers.snapshot()); kill the other process, or shut down the "
+        "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
+        "Restart this runtime if the holder is this process's earlier state",
+        "Then retry; if it still fails, follow the steady-state fixes",
+    )),
+    "steady_state": ("the model, activations and optimizer state together do not fit the card", (
+        "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
+        "Use a smaller batch (helpers.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
+        "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
+        "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
+    )),
+    "system_ram": ("system RAM, not GPU memory, ran out", (
+        "Load with low_cpu_mem_usage=True / device_map='auto' so weights go straight to the GPU",
+        "Load a safetensors checkpoint in a smaller dtype (torch_dtype=torch.float16 / bfloat16)",
+        "Free what the notebook holds: helpers.free('name'), helpers.cleanup(); keep datasets streamed",
+        "Check the requested size: a huge request usually means a wrong shape, not a small machine",
+    )),
+    "library_workspace": ("a CUDA library (cuBLAS/cuDNN) or the driver could not get memory for its workspace", (
+        "The GPU is full; the library just hit it first: free memory (helpers.cleanup()) and follow the "
+        "steady-state fixes",
+        "If it happens at the first matmul, another process may hold the card: check nvidia-smi",
+    )),
+    "unknown": ("the message does not say enough to tell", (
+        "Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",
+    )),
+}
+
+
+@dataclass
+class OOMReport:
+    """What ran out, by how much, why, and what to do, in that order.
+
+    Every figure is bytes, or None when the message does not state it (``unknown`` lists those).
+    """
+
+    form: str
+    source: str
+    cause: str
+    fixes: list[str]
+    causes: list[str] = field(default_factory=list)
+    device: int | None = None
+    requested: int | None = None
+    total: int | None = None
+    free: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    reserved_unallocated: int | None = None
+    this_process: int | None = None
+    held_elsewhere: int | None = None
+    processes: list[tuple[int, int]] = field(default_factory=list)
+    mps_allocated: int | None = None
+    other_allocations: int | None = None
+    max_allowed: int | None = None
+    unknown: list[str] = field(default_factory=list)
+    message: str = ""
+    exception_type: str | None = None
+    snapshot: object | None = None
+    tensors: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @property
+    def explanation(self) -> str:
+        return CAUSES[self.cause][0]
+
+    def figures(self) -> list[tuple[str, str]]:
+        """(label, value) for every figure, 'unknown' where the message lacks it."""
+        names = [("requested", "tried to allocate"), ("total", "GPU capacity" if self.form != "cpu" else "capacity"),
+                 ("free", "free"), ("allocated", "allocated by PyTorch"), ("reserved_unallocated",
+                 "reserved but unallocated"), ("reserved", "reserved by PyTorch"), ("this_process",
+                 "this process in total"), ("held_elsewhere", "held outside this process's PyTorch")]
+        if self.form == "mps":
+            names = [("requested", "tried to allocate"), ("mps_allocated", "MPS allocated"),
+                     ("other_allocations", "other allocations"), ("max_allowed", "max allowed")]
+        if self.form in ("cpu", "colab_ram"):
+            names = [("requested", "tried to allocate")]
+        return [(label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown")
+                for n, label in names]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["snapshot"] = None if self.snapshot is None else str(self.snapshot)
+        d["explanation"] = self.explanation
+        return d
+
+    def __str__(self) -> str:
+        where = f" on GPU {self.device}" if self.device is not None else ""
+        lines = [f"Out of memory{where}: {self.source}", f"Cause: {self.explanation}"]
+        lines += [f"  {label}: {value}" for label, value in self.figures()]
+        for pid, used in self.processes:
+            lines.append(f"  process {pid}: {format_bytes(used)}")
+        if self.unknown:
+            lines.append(f"  (the message does not state: {', '.join(self.unknown)})")
+        lines.append("Fixes, in order:")
+        lines += [f"  {i}. {fix}" for i, fix in enumerate(self.fixes, 1)]
+        if self.tensors:
+            lines.append("Largest live tensors:")
+            lines += [f"  {format_bytes(n):>11}  {name}  {desc}" for name, n, desc in self.tensors]
+        if self.snapshot is not None:
+            lines.append(f"Now: {self.snapshot}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        from .html import bar, table
+
+        parts = [f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
+                 f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"]
+        if self.total and self.free is not None:
+            parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
+        rows = [[label, value] for label, value in self.figures()]
+        rows += [[f"process {pid}", format_bytes(used)] for pid, used in self.processes]
+        parts.append(table(["figure", "value"], rows, title="What the message says"))
+        parts.append("<ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
+        if self.tensors:
+            parts.append(table(["tensor", "size", "shape / dtype / device"],
+                               [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
+                               title="Largest live tensors"))
+        if self.snapshot is not None and hasattr(self.snapshot, "_repr_html_"):
+            parts.append(self.snapshot._repr_html_())
+        return "<div>" + "".join(parts) + "</div>"
+
+
+def _exception_text(exc: BaseException) -> str:
+    """The messages of ``exc`` and everything it wraps, outermost first."""
+    texts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
+def _parse(text: str) -> dict:
+    flat = " ".join(text.split())  # messages arrive wrapped across lines
+    low = flat.lower()
+    form, source = "unknown", "an error that does not look like an out-of-memory message"
+    for name, what, pattern in OOM_FORMS:
+        if re.search(pattern, low):
+            form, source = name, what
+            break
+    if form == "bitsandbytes" and not (is_oom_text(low) or "paged" in low):
+        form, source = "unknown", "an error that does not look like an out-of-memory message"
+    figures: dict = {}
+    for name, pattern in _FIGURES:
+        if name in figures:
+            continue
+        m = re.search(pattern, flat, re.I)
+        if m:
+            value = m.group(1)
+            figures[name] = int(value) if name == "device" or value.isdigit() else parse_bytes(value)
+    figures["processes"] = [(int(pid), parse_bytes(size)) for pid, size in _PROCESS.findall(flat)]
+    return {"form": form, "source": source, **figures}
+
+
+def is_oom_text(text: str) -> bool:
+    """True when ``text`` reads like an out-of-memory message (any form in OOM_FORMS)."""
+    low = " ".join(text.split()).lower()
+    return any(sig in low for sig in OOM_SIGNATURES) or "session crashed after using all available ram" in low
+
+
+def _classify(f: dict) -> list[str]:
+    """Every cause the figures support, most likely first."""
+    form = f["form"]
+    if form in ("cpu", "colab_ram"):
+        return ["system_ram"]
+    causes = []
+    req, total = f.get("requested"), f.get("total")
+    if form == "mps":
+        total = f.get("max_allowed")
+    if req is not None and total is not None and req > total:
+        causes.append("request_too_large")
+    if req is not None and f.get("reserved_unallocated") is not None and f["reserved_unallocated"] >= req:
+        causes.append("fragmentation")
+    if (form == "cuda_legacy" and req is not None and f.get("reserved") is not None
+            and f.get("allocated") is not None and f["reserved"] - f["allocated"] >= req):
+        causes.append("fragmentation")
+    held = f.get("held_elsewhere")
+    if held is not None and total and held >= max(req or 0, 0.05 * total):
+        # a quarter of the card in someone else's hands outranks how this process's cache is cut up
+        causes.insert(0 if held >= 0.25 * total else len(causes), "held_elsewhere")
+    if form == "mps" and f.get("other_allocations") and total and f["other_allocations"] >= 0.25 * total:
+        causes.append("held_elsewhere")
+    if form in ("cublas", "cudnn", "cuda_error"):
+        causes.append("library_workspace")
+    if "request_too_large" not in causes and (total is not None or form in ("cuda", "hip", "mps", "cuda_legacy",
+                                                                           "bitsandbytes")):
+        causes.append("steady_state")
+    if not causes:
+        causes.append("unknown")
+    return list(dict.fromkeys(causes))
+
+
+def _held_elsewhere(f: dict) -> int | None:
+    total, free = f.get("total"), f.get("free")
+    if total is None or free is None:
+        return None
+    if f.get("this_process") is not None:  # current wording: everything not in this process
+        return max(0, total - free - f["this_process"])
+    if f.get("reserved") is not None:  # older wording: CUDA context and other processes included
+        return max(0, total - free - f["reserved"])
+    return None
+
+
+def _estimator_fixes() -> list[str]:
+    """The estimator's fix ladder (issue 3), when that module is present; otherwise nothing."""
+    try:
+        from . import estimate
+    except ImportError:
+        return []
+    ladder = getattr(estimate, "FIX_LADDER", None) or getattr(estimate, "fix_ladder", None)
+    try:
+        ladder = ladder() if callable(ladder) else ladder
+        return [str(x) for x in ladder or []]
+    except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
+        return []
+
+
+def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
+    """The ``n`` largest live tensors as (name, bytes, description), counting shared storage once.
+
+    Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames) and the
+    notebook's namespace.
+    """
+    import gc
+    import warnings
+
+    names = dict(names or {})
+    for var, value in list(_user_namespace().items()):
+        if isinstance(value, torch.Tensor) and not var.startswith("_"):
+            names.setdefault(id(value), var)
+    seen, found = set(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                    continue
+                storage = obj.untyped_storage()
+                ptr = (storage.data_ptr(), obj.device.type)
+                if ptr in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(ptr)
+                desc = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {obj.device}"
+                found.append((names.get(id(obj), "(unnamed)"), storage.nbytes(), desc))
+            except Exception:  # noqa: BLE001 - exotic tensor subclasses
+                continue
+    return sorted(found, key=lambda t: -t[1])[:n]
+
+
+def _user_namespace() -> dict:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    ip = get_ipython()
+    return ip.user_ns if ip is not None else {}
+
+
+def _traceback_names(tb) -> dict[int, str]:
+    """``id(tensor) -> "function().name"`` for the tensors local to the traceback's function frames."""
+    names: dict[int, str] = {}
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name != "<module>":
+            local = frame.f_locals
+            for var, value in local.items():
+                if isinstance(value, torch.Tensor):
+                    names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
+            # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
+            local.clear()
+            del local
+        tb = tb.tb_next
+    return names
+
+
+def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None) -> OOMReport:
+    """Explain an out-of-memory error or message: what ran out, why, and the fixes in order.
+
+    Args:
+        error_or_text: the exception (also when the OOM is wrapped inside another one) or its text,
+            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/CPU/cuBLAS/cuDNN/bitsandbytes/Colab
+            form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
+        live: add a current ``snapshot()`` and the largest live tensors (default: when given an
+            exception).
+    """
+    if isinstance(error_or_text, BaseException):
+        text, exc = _exception_text(error_or_text), error_or_text
+    elif isinstance(error_or_text, str):
+        text, exc = error_or_text, None
+    else:
+        raise TypeError(f"explain_oom() takes an exception or its message text, got {type(error_or_text).__name__}")
+    f = _parse(text)
+    if exc is not None and f["form"] == "unknown" and isinstance(exc, MemoryError):
+        f.update(form="cpu", source="Python MemoryError (system RAM)")
+    if f.get("reserved") is None and f.get("allocated") is not None and f.get("reserved_unallocated") is not None:
+        f["reserved"] = f["allocated"] + f["reserved_unallocated"]  # stated as its two parts
+    f["held_elsewhere"] = _held_elsewhere(f)
+    causes = _classify(f)
+    fixes: list[str] = []
+    for c in causes:
+        fixes += [x for x in CAUSES[c][1] if x not in fixes]
+    if "steady_state" in causes:
+        fixes += [x for x in _estimator_fixes() if x not in fixes]
+    wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
+        f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"])
+    if f["form"] in ("cuda_error", "cublas", "cudnn", "unknown", "bitsandbytes") and "total" not in f:
+        wanted = ["requested", "total", "free"]
+    unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
+    if f["form"] == "cuda_legacy":
+        unknown = [u for u in unknown if u != "reserved unallocated"]
+    report = OOMReport(
+        form=f["form"], source=f["source"], cause=causes[0], causes=causes, fixes=fixes, unknown=unknown,
+        message=text.strip(), exception_type=type(exc).__name__ if exc is not None else None,
+        **{k: f.get(k) for k in ("device", "requested", "total", "free", "allocated", "reserved",
+                                 "reserved_unallocated", "this_process", "held_elsewhere", "mps_allocated",
+                                 "other_allocations", "max_allowed")},
+        processes=f.get("processes", []),
+    )
+    if live if live is not None else exc is not None:
+        from .memory import snapshot
+
+        report.snapshot = snapshot()
+        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file or stdin."""
+    parser = argparse.ArgumentParser(prog="python -m helpers explain",
+                                     description="Explain an out-of-memory message: cause, figures, fixes.")
+    parser.add_argument("file", nargs="?", help="a file holding the message or log (default: stdin)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.file and args.file != "-":
+        try:
+            text = open(args.file, encoding="utf-8", errors="replace").read()
+        except OSError as e:
+            print(f"cannot read {args.file}: {e.strerror}", file=sys.stderr)
+            return 2
+    else:
+        if sys.stdin.isatty():
+            print("paste the error message, then Ctrl-D", file=sys.stderr)
+        text = sys.stdin.read()
+    if not text.strip():
+        print("no message given: pass a file or pipe the error text in", file=sys.stderr)
+        return 2
+    report = explain_oom(text)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0 if report.form != "unknown" else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook integration: show the diagnosis under a short traceback and give the memory back
+# ---------------------------------------------------------------------------------------------
+
+_INSTALLED: dict = {}
+
+
+def _handler(shell, etype, value, tb, tb_offset=None):
+    """IPython custom exception handler: OOMs get a diagnosis and their memory back; others the usual traceback."""
+    if not is_oom(value):
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        return None
+    from .cleanup import _readout, cleanup
+
+    before = _readout()
+    short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
+    report = explain_oom(value)
+    # the traceback's frames keep every tensor the failed code created: clear them, then collect
+    traceback.clear_frames(tb)
+    del tb
+    freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
+    after = _readout()
+    readout = (f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
+               + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")
+               + f"; now {format_bytes(after[2])} RSS"
+               + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
+               + f" ({freed.objects_collected} objects collected)")
+    stb = ["".join(short).rstrip(), "", str(report), "", readout]
+    shell._showtraceback(etype, value, stb)  # shown as the cell's error, so "run all" still stops here
+    return None
+
+
+def install(shell=None) -> bool:
+    """Show a diagnosis for every OOM in this notebook and free what its traceback pins.
+
+    Returns False outside IPython. ``uninstall()`` restores the previous handler.
+    """
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return False
+        shell = get_ipython()
+    if shell is None:
+        return False
+    if id(shell) not in _INSTALLED:
+        _INSTALLED[id(shell)] = (shell.custom_exceptions, shell.CustomTB)
+    shell.set_custom_exc((torch.OutOfMemoryError, MemoryError, RuntimeError), _handler)
+    return True
+
+
+def uninstall(shell=None) -> bool:
+    """Restore the handler that was there before :func:`install`."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    if shell is None or id(shell) not in _INSTALLED:
+        return False
+    shell.custom_exceptions, shell.CustomTB = _INSTALLED.pop(id(shell))
+    return True
+
+
+def _load_ipython_extension(ip) -> None:
+    install(ip)
+
+
+def _unload_ipython_extension(ip) -> None:
+    uninstall(ip)

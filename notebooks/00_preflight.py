@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -58,6 +60,20 @@ report
 # %%
 snap = snapshot()
 snap
+
+# %% [markdown]
+# ## How much memory will it need?
+#
+# The estimate behind the **fit** line: exact weight bytes for the load mode (counted layer by
+# layer, including bitsandbytes' quantization state), then the KV cache, activations and overheads.
+# Each row says whether it is exact, a formula or a rule of thumb; the fixes are re-estimates.
+
+# %%
+from helpers.estimate import estimate, fit
+
+est = estimate(MODEL, load=report.check("fit").data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
+display(est)
+fit(est, "current" if snap.gpu else "t4")  # no GPU here: judged against a Colab T4
 
 # %% [markdown]
 # The same report as text, to paste into a bug report or a forum question:

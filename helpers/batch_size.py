@@ -1,0 +1,349 @@
+"""Find the largest batch that fits, and adapt a loop's batch size when it runs out of memory.
+
+``find_max_batch_size(step)`` grows the batch geometrically, then bisects between the largest size
+that ran and the smallest that ran out of memory, until the two are within ``tolerance`` of each
+other. A known ``limit`` is an upper bound that never has to be tried, so most searches need only
+a few failing tries. Between tries it drops the exception (its traceback pins every tensor of the
+failed step: the usual reason a retry runs out of memory again) and empties the cache.
+
+``@adaptive_batch(start=...)`` is the decorator form, in the style of accelerate's
+``find_executable_batch_size``; unlike it, it remembers what worked across calls, falls back to a
+known-good size instead of shrinking by 10 % per failure, and grows back towards the largest size
+that fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cleanup import _collect_and_empty, drop_exception_state
+from .oom import is_oom
+
+__all__ = ["Trial", "BatchSearch", "find_max_batch_size", "adaptive_batch", "clear_cache", "BatchSizeError"]
+
+
+class BatchSizeError(torch.OutOfMemoryError):
+    """Even the smallest batch runs out of memory (a ``torch.OutOfMemoryError``, so OOM handlers see it)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One try: the batch size, whether ``step`` ran, how long it took, and the error in one line."""
+
+    size: int
+    ok: bool
+    seconds: float = 0.0
+    error: str | None = None
+
+    # a Trial unpacks and compares like the tuple (size, ok)
+    def __iter__(self):
+        return iter((self.size, self.ok))
+
+    def __eq__(self, other):
+        if isinstance(other, tuple):
+            return (self.size, self.ok) == other
+        return NotImplemented if not isinstance(other, Trial) else (self.size, self.ok) == (other.size, other.ok)
+
+    def __hash__(self):
+        return hash((self.size, self.ok))
+
+
+@dataclass
+class BatchSearch:
+    """The outcome of a search.
+
+    Attributes:
+        max_ok: the largest size that ran (0 when none did).
+        batch_size: ``max_ok`` after the safety margin (at least 1): the size to use.
+        trials: every size tried, in order, and whether it ran.
+        first_failed: the smallest size that ran out of memory (None when none did, or ``limit + 1``
+            when only the limit bounded the search).
+        limit, margin, key, cached: the search's settings; ``cached`` is True when it started from
+            a previous result for ``key``.
+    """
+
+    max_ok: int
+    batch_size: int
+    trials: list[Trial] = field(default_factory=list)
+    first_failed: int | None = None
+    limit: int | None = None
+    margin: float = 0.9
+    key: Hashable | None = None
+    cached: bool = False
+    seconds: float = 0.0
+
+    @property
+    def oom_trials(self) -> int:
+        return sum(not t.ok for t in self.trials)
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in self.trials)
+        bound = f"; {self.first_failed} ran out of memory" if self.first_failed else ""
+        if self.limit and self.max_ok >= self.limit:
+            bound = f"; the limit {self.limit} fits"
+        return (f"batch size {self.batch_size} (largest that ran: {self.max_ok}{bound}; "
+                f"margin {self.margin:.0%}) after {len(self.trials)} tries, {self.oom_trials} out of memory "
+                f"[{tried}]{' (started from cache)' if self.cached else ''}")
+
+    def _repr_html_(self) -> str:
+        from .html import badge, table
+
+        rows = [[t.size, badge("pass" if t.ok else "fail"), f"{t.seconds:.2f} s", t.error or ""] for t in self.trials]
+        return table(["batch size", "ran", "time", "error"], rows, title=str(self))
+
+
+_CACHE: dict[Hashable, BatchSearch] = {}
+
+
+def clear_cache(key: Hashable | None = None) -> None:
+    """Forget cached searches (all of them, or the one for ``key``)."""
+    if key is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(key, None)
+
+
+def _try(step: Callable[[int], Any], size: int) -> Trial:
+    """Run ``step(size)``; an OOM becomes a failed Trial (and its memory is given back), anything else propagates."""
+    started = time.perf_counter()
+    try:
+        step(size)
+    except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
+        if not is_oom(e):
+            raise
+        message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        del e  # the traceback pins the failed step's tensors
+        drop_exception_state()
+        _collect_and_empty()
+        return Trial(size, False, time.perf_counter() - started, message)
+    return Trial(size, True, time.perf_counter() - started)
+
+
+def _next_size(lo: int, hi: int) -> int:
+    """The next size to try strictly between ``lo`` (ran) and ``hi`` (failed): log-midpoint on wide ranges."""
+    base = max(lo, 1)
+    if hi > 4 * base:
+        mid = round(math.sqrt(base * hi))
+    else:
+        mid = (lo + hi) // 2
+    return min(max(mid, lo + 1), hi - 1)
+
+
+def _done(lo: int, hi: int, tolerance: float) -> bool:
+    # the true maximum is at most hi - 1, so lo >= tolerance * (hi - 1) bounds what is left on the table
+    return hi - lo <= 1 or (lo > 0 and lo >= tolerance * (hi - 1))
+
+
+def find_max_batch_size(
+    step: Callable[[int], Any],
+    *,
+    start: int = 1,
+    limit: int | None = None,
+    margin: float = 0.9,
+    key: Hashable | None = None,
+    growth: int = 4,
+    tolerance: float = 0.92,
+) -> BatchSearch:
+    """Find the largest batch size for which ``step(batch_size)`` runs without running out of memory.
+
+    Args:
+        step: runs one representative step (forward, or forward + backward + optimizer step) at a
+            batch size. An OOM (``torch.OutOfMemoryError``, a ``RuntimeError`` with OOM text such as
+            cuBLAS/cuDNN allocation failures, the CPU allocator's) marks the size as too big;
+            any other exception propagates.
+        start: the first size to try.
+        limit: the largest size worth having (e.g. the dataset size); never exceeded, never tried
+            unless the search reaches it.
+        margin: ``batch_size = floor(max_ok * margin)``: headroom for longer sequences and
+            fragmentation later.
+        key: caches the result (e.g. ``(model_name, seq_len, device)``); a later search with the
+            same key starts from the cached size and usually needs one try.
+        growth: factor by which the size grows while nothing has failed yet (no ``limit``).
+        tolerance: stop once the largest size that ran is within this fraction of the smallest
+            that failed.
+
+    Returns:
+        A :class:`BatchSearch`.
+
+    Raises:
+        BatchSizeError: even batch size 1 (or ``start`` and below) runs out of memory.
+
+    >>> search = find_max_batch_size(lambda b: model(batch[:b]).loss.backward(), limit=256)  # doctest: +SKIP
+    >>> search.batch_size  # doctest: +SKIP
+    """
+    if start < 1:
+        raise ValueError(f"start must be a positive batch size, got {start}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive batch size or None, got {limit}")
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
+    started = time.perf_counter()
+    lo, hi = 0, (limit + 1 if limit is not None else None)
+    trials: list[Trial] = []
+    cached = _CACHE.get(key) if key is not None else None
+    size = min(start, limit) if limit is not None else start
+    if cached is not None and cached.max_ok > 0:
+        size = min(cached.max_ok, limit) if limit is not None else cached.max_ok
+
+    while True:
+        trial = _try(step, size)
+        trials.append(trial)
+        if trial.ok:
+            lo = size
+            if cached is not None and size == cached.max_ok and cached.first_failed:
+                # the cached bound still holds unless memory got tighter: trust it
+                hi = min(hi, cached.first_failed) if hi is not None else cached.first_failed
+            if hi is None:
+                size = size * growth
+                continue
+        else:
+            hi = size
+            if size == 1:
+                raise BatchSizeError(
+                    "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
+                    "sequence, quantize the model or enable gradient checkpointing. Tries: "
+                    + ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials))
+            if lo == 0:
+                # nothing has run yet: shrink as fast as we grew
+                size = max(1, size // growth)
+                continue
+        if hi is None or _done(lo, hi, tolerance):
+            break
+        size = _next_size(lo, hi)
+
+    result = BatchSearch(
+        max_ok=lo, batch_size=max(1, math.floor(lo * margin)), trials=trials, first_failed=hi,
+        limit=limit, margin=margin, key=key, cached=cached is not None, seconds=time.perf_counter() - started)
+    if key is not None:
+        _CACHE[key] = result
+    return result
+
+
+class _AdaptiveState:
+    """What an ``@adaptive_batch`` function has learned: the largest size that ran, the smallest that failed."""
+
+    def __init__(self, start: int, limit: int | None, tolerance: float, grow: bool):
+        self.start, self.limit, self.tolerance, self.grow = start, limit, tolerance, grow
+        self.reset()
+
+    def reset(self) -> None:
+        self.lo, self.hi = 0, (self.limit + 1 if self.limit is not None else None)
+        self.batch_size = min(self.start, self.limit) if self.limit is not None else self.start
+        self.trials: list[Trial] = []
+
+    def after_success(self, size: int) -> None:
+        self.lo = max(self.lo, size)
+        if not self.grow:
+            self.batch_size = size
+        elif self.hi is None:
+            # nothing failed yet and no limit: keep the size (growing blindly would invite an OOM)
+            self.batch_size = size
+        elif _done(self.lo, self.hi, self.tolerance):
+            self.batch_size = self.lo
+        else:
+            self.batch_size = _next_size(self.lo, self.hi)  # probe upwards on the next call
+
+    def after_oom(self, size: int) -> int:
+        self.hi = size if self.hi is None else min(self.hi, size)
+        if self.lo >= self.hi:  # memory got tighter than before: what ran is no longer known to run
+            self.lo = 0
+        if self.lo > 0:
+            self.batch_size = self.lo  # known to run: no second failure
+        elif size == 1:
+            raise BatchSizeError("even batch size 1 runs out of memory: free memory (helpers.cleanup()), "
+                                 "shorten the sequence, quantize the model or enable gradient checkpointing")
+        else:
+            self.batch_size = max(1, size // 2)
+        return self.batch_size
+
+
+def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: float = 0.92, grow: bool = True):
+    """Decorator: call ``fn(batch_size, *args, **kwargs)``, retrying with a smaller batch on OOM.
+
+    Like accelerate's ``find_executable_batch_size``, the function takes the batch size as its first
+    argument and the decorator supplies it. On OOM it drops the exception's references, frees
+    memory and retries with the largest size known to run (or half the failed size when none is
+    known yet). It remembers across calls: when called repeatedly (per chunk, per epoch) it
+    probes between the largest size that ran and the smallest that failed, so it converges on
+    the largest batch that fits instead of only ever shrinking. Non-OOM errors propagate.
+
+    Args:
+        start: the first batch size.
+        limit: never go above this.
+        tolerance: stop probing once the working size is within this fraction of the failing one.
+        grow: probe upwards after a failure (False: only ever shrink, like accelerate).
+
+    The wrapper exposes ``.batch_size`` (the size the next call uses), ``.trials`` and ``.reset()``.
+
+    >>> @adaptive_batch(start=64)
+    ... def evaluate(batch_size, rows):
+    ...     return [len(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+    >>> evaluate(list(range(100)))[:2]
+    [64, 36]
+    """
+    if start < 1:
+        raise ValueError(f"start must be a positive batch size, got {start}")
+
+    def decorate(fn):
+        state = _AdaptiveState(start, limit, tolerance, grow)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            while True:
+                size = state.batch_size
+                started = time.perf_counter()
+                try:
+                    result = fn(size, *args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
+                    if not is_oom(e):
+                        raise
+                    message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                    del e
+                    drop_exception_state()
+                    _collect_and_empty()
+                    state.trials.append(Trial(size, False, time.perf_counter() - started, message))
+                    state.after_oom(size)
+                    continue
+                state.trials.append(Trial(size, True, time.perf_counter() - started))
+                state.after_success(size)
+                return result
+
+        return _Adaptive(wrapper, state)
+
+    return decorate
+
+
+class _Adaptive:
+    """The decorated function: callable, with ``batch_size``, ``trials`` and ``reset()``."""
+
+    def __init__(self, fn, state: _AdaptiveState):
+        self._fn, self._state = fn, state
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    @property
+    def batch_size(self) -> int:
+        return self._state.batch_size
+
+    @property
+    def max_ok(self) -> int:
+        return self._state.lo
+
+    @property
+    def trials(self) -> list[Trial]:
+        return self._state.trials
+
+    def reset(self) -> None:
+        self._state.reset()
+
+    def __repr__(self) -> str:
+        return f"<adaptive_batch {getattr(self._fn, '__name__', 'fn')}: next batch size {self.batch_size}>"

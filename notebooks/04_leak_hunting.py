@@ -1,0 +1,227 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Leak hunting: who holds the memory?
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/04_leak_hunting.ipynb)
+#
+# Memory that creeps up step after step until an OOM at step 1000, or memory that does not come
+# back after `del model`, is held by *something*. This notebook plants each classic leak in a small
+# loop, lets oomkit catch the growth within a few steps and **name the variable** that holds it,
+# applies the fix, and shows the curve going flat.
+#
+# - `watch(step, steps)`: memory per step, trend, acceleration, predicted OOM step, and who grew.
+# - `census()`: every live tensor, grouped, with the variable path that holds it.
+# - `checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
+
+# %%
+# Install oomkit (in Colab only; locally the package is already installed by `make`).
+import sys
+
+if "google.colab" in sys.modules:
+    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+
+# %% tags=["parameters"]
+MODEL = "Qwen/Qwen2.5-0.5B"  # hub id or local path; a small model is enough to see leaks
+STEPS = 25  # steps per experiment: growth is caught within about 15
+BATCH = 2
+SEQ = 64
+
+# %% [markdown]
+# `%load_ext helpers` adds one line after every cell: GPU allocated change and peak (or, without a
+# GPU, the change in live tensor bytes), RAM change and time. A cell whose re-runs keep leaving
+# memory behind gets a warning. `%oomkit off` turns the line off.
+
+# %%
+# %load_ext helpers
+
+# %%
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import cleanup, leaks
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32 if device == "cpu" else torch.float16)
+model = model.to(device)
+x = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), device=device)
+
+# %% [markdown]
+# ## 1. Keeping the loss tensor instead of the number
+#
+# An evaluation loop without `torch.no_grad()` that appends `out.loss` keeps each step's whole
+# autograd graph, with every activation, alive.
+
+# %%
+val_losses = []
+
+
+def eval_step():
+    val_losses.append(model(x, labels=x).loss)  # the leak: a tensor with grad_fn
+
+
+report = leaks.watch(eval_step, STEPS)
+report
+
+# %% [markdown]
+# The detector flags steady growth, gives the bytes per step and when the card runs out, and the
+# census diff names `val_losses[…] (autograd graph)`: the activations belong to the losses in that
+# list. The fix: keep a number, and evaluate without a graph.
+
+# %%
+val_losses = []
+
+
+def eval_step():
+    with torch.inference_mode():
+        val_losses.append(model(x, labels=x).loss.item())
+
+
+fixed = leaks.watch(eval_step, STEPS)
+fixed
+
+# %% [markdown]
+# ## 2. A hook that is never removed
+#
+# A forward hook that collects activations keeps every one of them, and re-running the cell adds
+# another hook each time.
+
+# %%
+feats = []
+handle = model.model.layers[0].register_forward_hook(lambda mod, inp, out: feats.append(out[0] if isinstance(out, tuple) else out))
+report = leaks.watch(lambda: model(x).logits.sum().item(), STEPS)
+report
+
+# %%
+handle.remove()  # the fix: keep the handle, remove it when done
+feats.clear()
+leaks.watch(lambda: model(x).logits.sum().item(), STEPS)
+
+# %% [markdown]
+# ## 3. A cache keyed by input shape
+#
+# Caching a mask per sequence length looks harmless, until every batch has a new length.
+
+# %%
+mask_cache = {}
+
+
+def step_with_cache(i):
+    n = 8 + i  # every batch a new length
+    if n not in mask_cache:
+        mask_cache[n] = torch.ones(BATCH, 1, n, n, device=device).tril()
+    with torch.inference_mode():
+        model(x[:, :n])
+
+
+report = leaks.watch(step_with_cache, STEPS)
+report
+
+# %% [markdown]
+# The fix: pad to a few bucket lengths, so the cache holds a handful of entries and then stays flat
+# (a cache that fills and stabilizes is **not** flagged).
+
+# %%
+mask_cache = {}
+
+
+def step_with_buckets(i):
+    n = 16 * (1 + i % 3)  # three padded lengths
+    if n not in mask_cache:
+        mask_cache[n] = torch.ones(BATCH, 1, n, n, device=device).tril()
+    with torch.inference_mode():
+        model(x[:, :n])
+
+
+leaks.watch(step_with_buckets, STEPS)
+
+# %% [markdown]
+# ## 4. Stored exceptions, IPython's `Out`, and gradients after evaluation
+#
+# These hold memory without growing every step, so `checks()` looks for them directly.
+#
+# - An exception kept in a list keeps its traceback, every frame, and their local tensors.
+# - A cell ending in an expression puts its value in `Out[n]`, for the rest of the session.
+# - A training loop that ends without `zero_grad` leaves a gradient on every parameter.
+
+# %%
+errors = []
+
+
+def risky_forward(x):
+    hidden = model.get_input_embeddings()(x).repeat(1, 8, 1)
+    raise RuntimeError(f"bad batch {tuple(hidden.shape)}")
+
+
+for _ in range(3):
+    try:
+        risky_forward(x)
+    except RuntimeError as e:
+        errors.append(e)  # the leak: keep repr(e) instead
+
+model.eval()  # on to evaluation (a cell ending in `model.eval()` would put the model in Out)
+model(x, labels=x).loss.backward()  # ...right after a last training step without zero_grad
+
+# %%
+model(x).logits
+
+# %%
+found = leaks.checks()
+found
+
+# %% [markdown]
+# Each finding names the holder and says the fix. Applying them:
+
+# %%
+errors = [repr(e) for e in errors]
+model.zero_grad(set_to_none=True)
+cleanup()  # drops the Out history and the stored traceback, collects, empties the CUDA cache
+
+# %%
+leaks.checks()
+
+# %% [markdown]
+# ## 5. The census: everything that is still alive, and who holds it
+#
+# After the fixes only the model's own weights should remain. Views are counted once (by storage);
+# tensors kept alive only by an autograd graph are attributed to the tensor that carries the graph.
+
+# %%
+leaks.census()
+
+# %% [markdown]
+# ## On a GPU: the allocation history
+#
+# `record_allocations()` records every CUDA allocation in the block, writes a snapshot you can drop
+# on <https://pytorch.org/memory_viz>, and lists the lines of code that allocated what is still
+# alive.
+
+# %%
+if torch.cuda.is_available():
+    kept_logits = []
+    with leaks.record_allocations("leak_hunt.pickle") as rec:
+        for _ in range(5):
+            kept_logits.append(model(x).logits)  # leaking on purpose: the site shows up on top
+    print(rec)
+    del kept_logits
+else:
+    print("no CUDA GPU: allocation history needs one (census() and watch() work everywhere)")
+
+# %% [markdown]
+# The per-cell line can be switched off (and back on with `%oomkit on`):
+
+# %%
+# %oomkit off

@@ -1,0 +1,115 @@
+"""find_max_batch_size and @adaptive_batch against steps whose memory limit is known."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from helpers.batch_size import BatchSizeError, Trial, adaptive_batch, clear_cache, find_max_batch_size
+
+
+def budget_step(max_ok: int, calls: list | None = None, error=torch.OutOfMemoryError):
+    def step(batch_size: int):
+        if calls is not None:
+            calls.append(batch_size)
+        if batch_size > max_ok:
+            raise error(f"CUDA out of memory. Tried to allocate {batch_size} MiB")
+    return step
+
+
+@pytest.mark.parametrize("limit", [16, 100, 1024])
+def test_finds_near_maximum_within_trial_budget(limit):
+    budget = math.ceil(math.log2(limit)) + 2
+    for true_max in sorted({1, 2, 3, limit // 3, limit - 1, limit, limit + 50, 7}):
+        s = find_max_batch_size(budget_step(true_max), limit=limit)
+        best = min(true_max, limit)
+        assert s.max_ok <= best and s.max_ok >= 0.9 * best
+        assert len(s.trials) <= budget
+        assert s.batch_size == max(1, math.floor(s.max_ok * 0.9))
+
+
+def test_grows_without_limit_and_records_trials():
+    s = find_max_batch_size(budget_step(300), margin=1.0)
+    assert 0.9 * 300 <= s.max_ok <= 300 and s.batch_size == s.max_ok
+    assert s.trials[0] == (1, True) and isinstance(s.trials[0], Trial)
+    assert any(not ok for _, ok in s.trials)
+    assert "out of memory" in str(s) and "<table" in s._repr_html_()
+
+
+def test_start_above_maximum_shrinks():
+    s = find_max_batch_size(budget_step(10), start=512)
+    assert 9 <= s.max_ok <= 10 and s.trials[0] == (512, False)
+
+
+def test_cache_per_key_starts_there():
+    clear_cache()
+    calls: list[int] = []
+    first = find_max_batch_size(budget_step(77), limit=256, key=("tiny", 128, "cpu"))
+    second = find_max_batch_size(budget_step(77, calls), limit=256, key=("tiny", 128, "cpu"))
+    assert second.cached and calls == [first.max_ok] and second.max_ok == first.max_ok
+    other = find_max_batch_size(budget_step(77), limit=256, key=("tiny", 512, "cpu"))
+    assert not other.cached
+    clear_cache()
+
+
+def test_runtime_error_ooms_and_real_cpu_oom_are_caught():
+    for error in (lambda m: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+                  lambda m: RuntimeError("CUDA error: out of memory")):
+        assert find_max_batch_size(budget_step(20, error=error), limit=64).max_ok >= 18
+
+    def real(batch_size):
+        torch.empty(batch_size << 42 if batch_size > 5 else batch_size)  # a real allocator failure past 5
+    assert find_max_batch_size(real, limit=64, tolerance=1.0).max_ok == 5
+
+
+def test_other_errors_propagate():
+    def step(batch_size):
+        raise ValueError("bad shape")
+    with pytest.raises(ValueError, match="bad shape"):
+        find_max_batch_size(step)
+
+
+def test_batch_of_one_does_not_fit():
+    with pytest.raises(BatchSizeError, match="even batch size 1"):
+        find_max_batch_size(budget_step(0), start=8)
+
+
+def test_failed_step_memory_is_released_before_retry():
+    refs = []
+
+    def step(batch_size):
+        held = torch.ones(1 << 20)
+        refs.append(weakref.ref(held))
+        if batch_size > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    find_max_batch_size(step, limit=8)
+    assert all(r() is None for r in refs)
+
+
+def test_adaptive_batch_falls_back_then_grows_back():
+    calls: list[int] = []
+    step = budget_step(37, calls)
+
+    @adaptive_batch(start=128)
+    def run(batch_size, tag):
+        step(batch_size)
+        return batch_size, tag
+
+    assert run("a") == (32, "a")  # 128 and 64 fail, 32 runs
+    sizes = [run("b")[0] for _ in range(6)]
+    assert sizes[-1] == run.batch_size and 34 <= sizes[-1] <= 37  # grew back toward 37
+    assert sum(not ok for _, ok in run.trials) <= 5
+    assert all(s <= 37 for s in sizes)
+
+
+def test_adaptive_batch_non_oom_propagates():
+    @adaptive_batch(start=4)
+    def run(batch_size):
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError):
+        run()

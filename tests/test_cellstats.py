@@ -1,0 +1,84 @@
+"""Per-cell memory accounting: in-process shell and a real notebook kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from helpers import cellstats
+
+REPO = Path(__file__).resolve().parents[1]
+GROW = "keep.append(torch.ones(4_000_000))  # 16 MB more on every run"
+
+
+@pytest.fixture
+def shell(ipython_shell):
+    ipython_shell.run_cell("%load_ext helpers")
+    yield ipython_shell
+    ipython_shell.run_cell("%unload_ext helpers")
+
+
+def test_each_cell_gets_a_line_and_growing_reruns_are_flagged(shell, capsys):
+    shell.run_cell("import torch\nkeep = []")
+    for _ in range(4):
+        shell.run_cell(GROW)
+    out = capsys.readouterr().out
+    recs = cellstats.CellStats.active.records
+    assert "[oomkit]" in out and "RAM" in out
+    assert recs[-1].growing and recs[-1].growth_per_run >= 8 * 1024 * 1024
+    assert "WARN: each of the last" in out
+
+
+def test_a_cell_that_gives_memory_back_is_not_flagged(shell):
+    shell.run_cell("import torch")
+    for _ in range(4):
+        shell.run_cell("tmp = torch.ones(4_000_000); del tmp")
+    assert not any(r.growing for r in cellstats.CellStats.active.records)
+
+
+def test_oomkit_off_silences_the_line(shell, capsys):
+    shell.run_cell("%oomkit off")
+    capsys.readouterr()
+    n = len(cellstats.CellStats.active.records)
+    shell.run_cell("x = 1")
+    assert "[oomkit] " not in capsys.readouterr().out.replace("[oomkit] per", "")
+    assert len(cellstats.CellStats.active.records) == n
+    shell.run_cell("%oomkit on")
+    shell.run_cell("y = 2")
+    assert len(cellstats.CellStats.active.records) == n + 1
+
+
+def test_in_a_real_kernel(tmp_path):
+    """A notebook executed by a Jupyter kernel: %load_ext helpers, a growing cell re-run, %oomkit off."""
+    from nbclient import NotebookClient
+
+    cells = [f"import sys\nsys.path.insert(0, {str(REPO)!r})", "%load_ext helpers", "import torch\nkeep = []",
+             GROW, GROW, GROW, GROW, "%oomkit off", "z = 3"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    def text(i):
+        return "".join(o.get("text", "") for o in nb.cells[i].outputs if o.get("output_type") == "stream")
+
+    assert "[oomkit] tensors" in text(2) or "[oomkit] GPU" in text(2)
+    assert "WARN" not in text(3) and "WARN: each of the last 3 runs" in text(5)
+    assert "WARN: each of the last 4 runs" in text(6)
+    assert "[oomkit]" not in text(8)
+
+
+def test_gpu_line_reads_change_and_peak():
+    rec = cellstats.CellRecord(3, gpu_change=-2 * 2**20, gpu_peak=3 * 2**30, ram_change=0, seconds=1.5)
+    assert "GPU -2.00 MiB (peak 3.00 GiB)" in str(rec)
+    rec.peak_new = False
+    assert "peak under 3.00 GiB" in str(rec)
+
+
+@pytest.mark.cuda
+def test_gpu_accounting_on_cuda(shell):
+    shell.run_cell("import torch\nkeep = []")
+    for _ in range(3):
+        shell.run_cell("keep.append(torch.ones(4_000_000, device='cuda'))")
+    rec = cellstats.CellStats.active.records[-1]
+    assert rec.gpu_change >= 16_000_000 and rec.gpu_peak >= rec.gpu_change and rec.growing

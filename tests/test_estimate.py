@@ -1,0 +1,261 @@
+"""The estimator: exact weight layout per load mode (against real loaded tiny models), GQA, tied
+embeddings, KV cache arithmetic, fit verdicts and fixes, preflight, CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import helpers.estimate as E
+from helpers.estimate import (
+    DEVICES,
+    EstimateError,
+    FullTraining,
+    LoraTraining,
+    estimate,
+    fit,
+    footprint,
+    kv_cache_bytes,
+    max_batch_that_fits,
+    max_new_tokens_that_fit,
+    preflight_checks,
+    shipped_configs,
+)
+from helpers.units import GiB, MiB
+
+QUANT = {"int8": dict(load_in_8bit=True)}
+for _qt in ("nf4", "fp4"):
+    for _dq in (False, True):
+        QUANT[f"{_qt}{'+dq' if _dq else ''}"] = dict(load_in_4bit=True, bnb_4bit_quant_type=_qt,
+                                                     bnb_4bit_use_double_quant=_dq,
+                                                     bnb_4bit_compute_dtype=torch.float16)  # fmt: skip
+
+
+def _load(path, mode):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")
+    if mode in ("fp32", "fp16", "bf16"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype={"fp32": torch.float32, "fp16": torch.float16,
+                                                                 "bf16": torch.bfloat16}[mode])
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16,
+                                                quantization_config=BitsAndBytesConfig(**QUANT[mode]))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "int8", "nf4", "nf4+dq", "fp4", "fp4+dq"])
+def test_predicted_weights_equal_real_loaded_bytes(tiny_llama, tiny_qwen2, mode):
+    for path in (tiny_llama, tiny_qwen2):
+        model = _load(path, mode)
+        load = mode.split("+")[0]
+        est = estimate(path, load=load, double_quant=mode.endswith("+dq"),
+                       compute_dtype="fp16" if load in ("int8", "nf4", "fp4") else "auto")
+        assert est.weights == footprint(model), (path.name, mode)
+        assert est.params == sum(p.numel() for p in _load(path, "fp32").parameters())
+        # the same layout read from the loaded (quantized) model itself
+        assert estimate(model, load=load, double_quant=mode.endswith("+dq"), compute_dtype="fp16").weights == \
+            est.weights if load in ("int8", "nf4", "fp4") else True
+
+
+def test_layout_arithmetic_by_hand(tiny_llama):
+    # Llama tiny: hidden 128, inter 256, 4 layers, 4 heads, 2 kv heads (head_dim 32), vocab 1024, untied.
+    h, i, n, kv, v = 128, 256, 4, 2 * 32, 1024
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # (out, in) per layer
+    q_numel = n * sum(o * k for o, k in linears)
+    plain = v * h * 2 + n * 2 * h + h  # embeddings + lm_head (unquantized), 2 norms per layer, final norm
+    assert estimate(tiny_llama, load="fp16").params == q_numel + plain
+    int8 = estimate(tiny_llama, load="int8", compute_dtype="fp16")
+    assert int8.row("weights: int8 linear layers").bytes == q_numel
+    assert int8.row("weights: quantization state").bytes == 4 * n * sum(o for o, _ in linears)
+    nf4 = estimate(tiny_llama, load="nf4", double_quant=False, compute_dtype="fp16")
+    assert nf4.row("weights: 4-bit nf4 linear layers").bytes == q_numel // 2
+    blocks = [o * k // 64 for o, k in linears]
+    assert nf4.row("weights: quantization state").bytes == n * sum(4 * b + 64 for b in blocks)
+    dq = estimate(tiny_llama, load="nf4", double_quant=True, compute_dtype="fp16")
+    assert dq.row("weights: quantization state").bytes == n * sum(
+        b + 4 * math.ceil(b / 256) + 4 + 1024 + 64 for b in blocks)
+    assert dq.row("weights: unquantized (embeddings, norms, lm_head)").bytes == plain * 2
+
+
+def test_tied_embeddings_counted_once(tiny_qwen2):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_qwen2)
+    tied = estimate(cfg, load="fp16").params
+    cfg_untied = AutoConfig.from_pretrained(tiny_qwen2, tie_word_embeddings=False)
+    assert estimate(cfg_untied, load="fp16").params == tied + cfg.vocab_size * cfg.hidden_size
+    assert estimate("Qwen2.5-0.5B", load="fp16").params == 494_032_768  # tied, published count
+
+
+def test_gqa_kv_cache_uses_kv_heads():
+    est = estimate("Mistral-7B-v0.1", load="fp16", batch_size=2, prompt_tokens=1000, max_new_tokens=24)
+    # 32 layers x 2 (k, v) x batch 2 x 1024 tokens x 8 kv heads x 128 x 2 bytes
+    assert est.row("KV cache").bytes == 32 * 2 * 2 * 1024 * 8 * 128 * 2
+    llama2 = estimate("Llama-2-7b-hf", load="fp16", batch_size=2, prompt_tokens=1000, max_new_tokens=24)
+    assert llama2.row("KV cache").bytes == 4 * est.row("KV cache").bytes  # MHA: 32 kv heads
+
+
+def test_kv_cache_sliding_window_and_explicit_head_dim():
+    from helpers.estimate import resolve_config
+
+    gemma, _, _ = resolve_config("gemma-2-2b")
+    # alternating sliding (4096) and global layers; head_dim 256 is explicit (2304 / 8 = 288 is wrong)
+    short = kv_cache_bytes(gemma, 1, 4096)
+    assert short == 26 * 2 * 4096 * 4 * 256 * 2
+    long = kv_cache_bytes(gemma, 1, 8192)
+    assert long == 13 * 2 * 8192 * 4 * 256 * 2 + 13 * 2 * 4096 * 4 * 256 * 2
+
+
+def test_shipped_configs_give_published_counts():
+    expected = {"meta-llama/Llama-2-7b-hf": 6_738_415_616, "mistralai/Mistral-7B-v0.1": 7_241_732_096,
+                "Qwen/Qwen2.5-0.5B": 494_032_768, "openai-community/gpt2": 124_439_808,
+                "TinyLlama/TinyLlama-1.1B-Chat-v1.0": 1_100_048_384, "meta-llama/Llama-3.1-8B": 8_030_261_248,
+                "Qwen/Qwen2.5-7B": 7_615_616_512, "microsoft/phi-2": 2_779_683_840,
+                "google/gemma-2-2b": 2_614_341_888, "facebook/opt-1.3b": 1_315_758_080}  # fmt: skip
+    assert set(expected) <= set(shipped_configs())
+    for hub_id, n in expected.items():
+        assert estimate(hub_id, load="fp16").params == n, hub_id
+
+
+def test_rows_are_labelled_and_add_up():
+    est = estimate("Llama-2-7b-hf", load="nf4")
+    assert {r.kind for r in est.rows} <= {"exact", "formula", "rule of thumb"}
+    assert est.total == sum(r.bytes for r in est.rows)
+    assert all(r.kind == "exact" for r in est.rows if r.name.startswith("weights"))
+    assert "total" in str(est) and "<table" in est._repr_html_()
+
+
+def test_reestimating_is_cached_and_fast():
+    import time
+
+    estimate("TinyLlama-1.1B-Chat-v1.0", load="nf4")
+    t = time.perf_counter()
+    for n in range(20):
+        estimate("TinyLlama-1.1B-Chat-v1.0", load="nf4", max_new_tokens=n)
+    assert (time.perf_counter() - t) / 20 < 0.05
+
+
+def test_fit_verdicts_and_ranked_fixes():
+    est = estimate("Llama-2-7b-hf", load="fp16", batch_size=2, max_new_tokens=1024, prompt_tokens=1024)
+    v = fit(est, "t4")
+    assert v.verdict == "does not fit" and v.headroom < 0 and v.capacity == DEVICES["t4"]["capacity"]
+    assert v.suggestions and v.suggestions[0].estimate.total <= v.capacity
+    changes = [s.change for s in v.suggestions]
+    assert "load=int8" in changes and "load=nf4" in changes
+    for s in v.suggestions:  # savings are re-estimates, not percentages
+        assert s.saving == est.total - s.estimate.total
+    assert fit(estimate("Llama-2-7b-hf", load="nf4"), "t4").verdict == "fits"
+    assert fit(est, 80 * GiB).verdict == "fits"
+    assert "DOES NOT FIT" in str(v) and "<table" in v._repr_html_()
+
+
+def test_training_estimates_and_fixes():
+    qlora = estimate("Llama-2-7b-hf", load="nf4", training=LoraTraining(r=16))
+    # all-linear LoRA on Llama-2-7B: 32 layers x r=16 x (in+out) summed over the 7 linears
+    n = 32 * 16 * (3 * (4096 + 4096) + (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert qlora.row("LoRA adapters (fp32)").bytes == 4 * n
+    assert qlora.row("optimizer states (paged_adamw_8bit)").bytes == 2 * n
+    no_ckpt = qlora.replace(training=LoraTraining(r=16, gradient_checkpointing=False))
+    assert no_ckpt.total > qlora.total
+    full = estimate("Llama-2-7b-hf", load="bf16", training=FullTraining())
+    v = fit(full, "t4")
+    assert v.verdict == "does not fit"
+    assert any("LoRA" in s.change for s in v.suggestions)
+
+
+def test_inverse_questions():
+    n = max_new_tokens_that_fit("Llama-2-7b-hf", load="fp16", device="t4")
+    assert fit(estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=n), "t4").verdict != "does not fit"
+    assert fit(estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=n + 1), "t4").verdict == "does not fit"
+    b = max_batch_that_fits("Llama-2-7b-hf", load="nf4", device="t4")
+    assert b > 1 and estimate("Llama-2-7b-hf", load="nf4", batch_size=b + 1).total > DEVICES["t4"]["capacity"]
+    assert max_batch_that_fits("Llama-3.1-8B", load="fp32", device="t4") == 0
+
+
+def test_footprint_counts_quant_state_that_transformers_misses(tiny_llama):
+    model = _load(tiny_llama, "nf4+dq")
+    assert footprint(model) > model.get_memory_footprint()
+
+
+def test_preflight_check_without_gpu_says_t4(tiny_llama):
+    from helpers.preflight import preflight
+
+    report = preflight(str(tiny_llama), snapshot=_cpu_snapshot(), package_versions={}, bnb=(True, "ok"),
+                       colab=False, checkpoint=(1, 1, "test"))
+    check = report.check("fit")
+    assert check.status == "pass" and "T4" in check.summary and check.data["load"] == "fp16"
+
+
+def test_preflight_auto_picks_a_mode_that_fits():
+    checks = preflight_checks("Llama-2-7b-hf", load="auto", max_new_tokens=256, snapshot=_cpu_snapshot())
+    assert checks[0].data["load"] == "int8" and checks[0].status == "pass"
+    fp16 = preflight_checks("Llama-2-7b-hf", load="fp16", max_new_tokens=4096, snapshot=_cpu_snapshot())[0]
+    assert fp16.status == "fail" and fp16.fix
+
+
+def _cpu_snapshot():
+    from helpers.memory import MemorySnapshot, RAMReadout
+
+    return MemorySnapshot("cpu", [], RAMReadout(12 * GiB, 11 * GiB, GiB, 500 * MiB), [])
+
+
+@pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
+def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert E.main([hub_id, "--load", "nf4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] > 0 and out["total"] == sum(r["bytes"] for r in out["rows"])
+    assert out["fit"]["verdict"] in ("fits", "tight", "does not fit")
+
+
+def test_cli_text_lora_and_bad_input(capsys):
+    assert E.main(["Llama-3.1-8B", "--load", "fp16", "--max-new-tokens", "4096", "--lora", "r=8"]) == 0
+    assert "LoRA adapters" in capsys.readouterr().out
+    assert E.main(["Llama-2-7b-hf", "--load", "int3"]) == 2
+    assert "fp32, fp16, bf16, int8, nf4, fp4" in capsys.readouterr().err
+    assert E.main(["Llama-2-7b-hf", "--max-new-tokens", "-5"]) == 2
+    assert E.main(["Llama-2-7b-hf", "--lora", "rank"]) == 2
+
+
+def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
+    with pytest.raises(EstimateError, match="fp32, fp16, bf16, int8, nf4, fp4"):
+        estimate("Llama-2-7b-hf", load="int3")
+    with pytest.raises(EstimateError, match="max_new_tokens must be an integer >= 0"):
+        estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=-1)
+    with pytest.raises(EstimateError, match="unknown device"):
+        estimate("Llama-2-7b-hf", load="fp16", device="tpu")
+    with pytest.raises(EstimateError, match="data/configs"):  # no network here, and none needed
+        estimate("someone/not-a-real-model-xyz", load="fp16")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(EstimateError, match="no 'model_type'.*lacks num_hidden_layers, vocab_size"):
+        estimate(bad, load="fp16")
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "brand-new-arch", "hidden_size": 256, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000}))
+    est = estimate(unknown, load="fp16")
+    assert est.approximate and "brand-new-arch" in str(est)
+    assert est.params == 2 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256 + 1000 * 256  # tied by default
+
+
+def test_unknown_architecture_falls_back_to_approximate_count(monkeypatch):
+    from transformers import LlamaConfig
+
+    def boom(config):
+        raise NotImplementedError("no modeling code for this architecture")
+
+    monkeypatch.setattr(E, "_meta_model", boom)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                      vocab_size=1000, tie_word_embeddings=False, name_or_path="fallback-test")
+    est = estimate(cfg, load="nf4")
+    assert est.approximate and "approximate" in str(est)
+    # q, k, v, o, gate, up, down + norms; embeddings and lm_head: the dimension count of a Llama
+    assert est.params == 3 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256 + 2 * 1000 * 256
+    cfg_missing = LlamaConfig(hidden_size=256, num_hidden_layers=3, vocab_size=0)
+    with pytest.raises(EstimateError, match="vocab_size"):
+        estimate(cfg_missing, load="fp16")

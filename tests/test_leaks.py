@@ -1,0 +1,147 @@
+"""Leak hunting: census names holders, the detector tells leaks from caches, checks find patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import leaks
+
+
+def _grad_tensor():
+    w = torch.randn(64, 64, requires_grad=True)
+    return (torch.randn(32, 64) @ w).tanh().sum()
+
+
+def test_census_names_holders_and_counts_views_once():
+    big = torch.zeros(1000, 250)  # 1,000,000 bytes
+    ns = {"losses": [torch.ones(10) for _ in range(3)], "cache": {"512x512": big}, "view": big[:10]}
+    c = leaks.census(ns)
+    entry = next(e for e in c.entries if e.nbytes == 1_000_000)
+    assert entry.shape == (1000, 250)
+    assert 'cache["512x512"]' in entry.holders and "view" in entry.holders  # one storage, two names
+    assert len([e for e in c.entries if e.nbytes == 1_000_000]) == 1
+    assert [e.holder for e in c.held_by("losses")] and c.held_by("losses")[0].holder.startswith("losses[")
+    assert c.groups[0].nbytes >= c.groups[-1].nbytes  # largest first
+    assert "view" in str(c) and "<table" in c._repr_html_()
+
+
+def test_census_walks_modules_and_attributes():
+    class Trainer:
+        def __init__(self):
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+
+    ns = {"trainer": Trainer()}
+    names = {h for e in leaks.census(ns).entries for h in e.holders}
+    assert "trainer.model[1].weight" in names and "trainer.model[0].bias" in names
+
+
+def test_graph_activations_are_counted_and_attributed():
+    ns = {"losses": []}
+    before = leaks.census(ns)
+    for _ in range(3):
+        ns["losses"].append(_grad_tensor())
+    after = leaks.census(ns)
+    d = leaks.diff(before, after)
+    assert d.top_holder == "losses[…] (autograd graph)"
+    assert d.new_bytes >= 3 * 32 * 64 * 4  # the saved tanh outputs at least
+    assert any(e.grad_fn for e in after.held_by("losses"))
+
+
+def _run(detector, values):
+    return [detector.record(v) for v in values]
+
+
+def test_detector_flags_steady_growth_and_predicts_oom():
+    det = leaks.GrowthDetector(capacity=100 * 2**20)
+    flags = _run(det, [10 * 2**20 + i * 2**20 for i in range(20)])
+    r = det.report()
+    assert r.leaking and flags[-1] and r.detected_at <= 20
+    assert 2**20 * 0.9 < r.bytes_per_step < 2**20 * 1.1
+    assert r.predicted_oom_step is not None and 85 <= r.predicted_oom_step <= 95  # 71 MiB left at 1 MiB/step
+    assert "LEAK" in str(r)
+
+
+def test_detector_sees_acceleration():
+    det = leaks.GrowthDetector(capacity=2**40)
+    _run(det, [int(1e6 + 2000 * i * i) for i in range(30)])
+    assert det.report().accelerating
+
+
+@pytest.mark.parametrize("name, values", [
+    ("flat", [5_000_000] * 30),
+    ("warm-up spike", [9_000_000, 9_000_000, 7_000_000, 5_000_000] + [5_000_000] * 26),
+    ("cache fills then stays", [5_000_000 + min(i, 8) * 200_000 for i in range(30)]),
+    ("noise", [5_000_000 + (i % 3) * 3000 for i in range(30)]),
+])
+def test_detector_has_no_false_positive(name, values):
+    det = leaks.GrowthDetector()
+    assert not any(_run(det, values)), name
+    assert not det.report().leaking
+
+
+def test_watch_finds_a_planted_leak_and_its_holder():
+    ns = {"kept": []}
+    report = leaks.watch(lambda i: ns["kept"].append(torch.zeros(4096)), 20, namespace=ns)
+    assert report.leaking and report.suspect == "kept[…]"
+    clean = leaks.watch(lambda: torch.zeros(4096).sum(), 20, namespace={"x": 1})
+    assert not clean.leaking
+
+
+def test_checks_find_each_pattern():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    feats = []
+    model[0].register_forward_hook(lambda m, i, o: feats.append(o))
+    model(torch.randn(2, 8)).sum().backward()
+    model.eval()
+    try:
+        hidden = torch.zeros(1000)  # noqa: F841 - a local the traceback keeps
+        raise ValueError("boom")
+    except ValueError as e:
+        err = e
+    ns = {"model": model, "feats": feats, "val_losses": [_grad_tensor()], "errors": [err],
+          "cache": {(1, n): torch.zeros(n) for n in range(20)}}
+    found = leaks.checks(ns)
+    assert {c.name for c in found.problems} == {"graph in container", "hooks", "stored traceback",
+                                                "shape-keyed cache", "grads after eval"}
+    assert found.check("hooks").data["holders"] == ["model[0]"]
+    assert found.check("stored traceback").data["holders"] == ["errors"]
+    assert found.check("shape-keyed cache").data["holders"] == ["cache"]
+    assert found.check("grads after eval").data["holders"] == ["model"]
+    assert "val_losses" in found.check("graph in container").data["holders"]
+    assert all(c.fix for c in found.problems)
+    assert not leaks.checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
+
+
+def test_output_history_check_in_ipython(ipython_shell):
+    ipython_shell.run_cell("import torch", store_history=True)
+    ipython_shell.run_cell("torch.zeros(1000)", store_history=True)
+    found = leaks.checks(ipython_shell.user_ns)
+    c = found.check("output history")
+    assert c.status == "warn" and c.data["holders"][0].startswith("Out[")
+    names = {h for e in leaks.census(ipython_shell.user_ns).entries for h in e.holders}
+    assert any(n.startswith("Out[") for n in names)
+
+
+def test_top_allocation_sites_groups_by_user_line():
+    frames_user = [{"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+                   {"filename": "/content/train.py", "line": 12, "name": "step"}]
+    snap = {"segments": [{"blocks": [
+        {"size": 4096, "state": "active_allocated", "frames": frames_user},
+        {"size": 4096, "state": "active_allocated", "frames": frames_user},
+        {"size": 1 << 20, "state": "inactive", "frames": frames_user},
+        {"size": 512, "state": "active_allocated", "frames": []},
+    ]}]}
+    sites = leaks.top_allocation_sites(snap)
+    assert sites.sites[0] == ("/content/train.py:12 step", 8192, 2)
+    assert sites.total == 8192 + 512
+
+
+@pytest.mark.cuda
+def test_record_allocations_on_cuda(tmp_path):
+    path = tmp_path / "snap.pickle"
+    with leaks.record_allocations(path) as rec:
+        kept = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]
+    assert path.exists() and rec.sites.total >= 4 * 4 * (1 << 20)
+    assert any("test_leaks.py" in s for s, _, _ in rec.sites.sites)
+    del kept

@@ -1,0 +1,207 @@
+"""explain_oom on every message form, each cause class, a real CPU OOM; the CLI; the IPython handler."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.oom import explain_oom, install, is_oom, main, uninstall
+from helpers.units import GiB, MiB
+
+CUDA_NOW = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+    "14.75 GiB of which 3.06 MiB is free. Process 2301 has 14.74 GiB memory in use. Including non-PyTorch "
+    "memory, this process has 14.73 GiB memory in use. Of the allocated memory 14.59 GiB is allocated by "
+    "PyTorch, and 19.42 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
+    "large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+    "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+# several processes, device 1, wrapped across lines, KiB and bytes
+CUDA_SEVERAL = """CUDA out of memory. Tried to allocate 512.00 KiB. GPU 1 has a total capacity of 79.14 GiB
+of which 6.75 MiB is free. Process 4121 has 60.02 GiB memory in use. Process 5533 has 12.00 GiB memory in use.
+Process 17 has 7.10 GiB memory in use. Including non-PyTorch memory, this process has 7.10 GiB memory in use.
+Of the allocated memory 6.50 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."""
+CUDA_FRAGMENTED = (
+    "CUDA out of memory. Tried to allocate 1.95 GiB. GPU 0 has a total capacity of 14.75 GiB of which "
+    "1.10 GiB is free. Including non-PyTorch memory, this process has 13.64 GiB memory in use. Of the allocated "
+    "memory 10.80 GiB is allocated by PyTorch, and 2.51 GiB is reserved by PyTorch but unallocated. If reserved "
+    "but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+)
+CUDA_TOO_LARGE = (
+    "CUDA out of memory. Tried to allocate 32.00 GiB. GPU 0 has a total capacity of 14.75 GiB of which "
+    "14.50 GiB is free. Including non-PyTorch memory, this process has 105.00 MiB memory in use. Of the "
+    "allocated memory 0 bytes is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated."
+)
+CUDA_LEGACY = (
+    "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 14.76 GiB total capacity; "
+    "13.50 GiB already allocated; 5.75 MiB free; 13.80 GiB reserved in total by PyTorch) If reserved memory "
+    "is >> allocated memory try setting max_split_size_mb to avoid fragmentation."
+)
+HIP = (
+    "torch.OutOfMemoryError: HIP out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity of "
+    "63.98 GiB of which 1.23 GiB is free. Of the allocated memory 60.10 GiB is allocated by PyTorch, and "
+    "2.50 GiB is reserved by PyTorch but unallocated."
+)
+MPS = (
+    "RuntimeError: MPS backend out of memory (MPS allocated: 17.80 GB, other allocations: 1.12 GB, max allowed: "
+    "18.13 GB). Tried to allocate 256.00 MB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable "
+    "upper limit for memory allocations (may cause system failure)."
+)
+CPU = (
+    "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+    "tried to allocate 281474976710656 bytes. Error code 12 (Cannot allocate memory)"
+)
+CUDA_ERROR = ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
+              "some other API call, so the stacktrace below might be incorrect.")
+CUBLAS = "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+CUDNN = "RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED"
+BNB = ("bitsandbytes/functional.py:1042 in dequantize_4bit\nRuntimeError: CUDA out of memory. Tried to allocate "
+       "3.00 GiB. GPU 0 has a total capacity of 14.75 GiB of which 1.9 GiB is free.")
+BNB_PAGED = "bitsandbytes paged optimizer: cget_managed_ptr failed: out of memory"
+COLAB = "Your session crashed after using all available RAM. If you are interested in access to high-RAM runtimes..."
+
+
+@pytest.mark.parametrize("text, form", [
+    (CUDA_NOW, "cuda"), (CUDA_SEVERAL, "cuda"), (CUDA_LEGACY, "cuda_legacy"), (HIP, "hip"), (MPS, "mps"),
+    (CPU, "cpu"), (CUDA_ERROR, "cuda_error"), (CUBLAS, "cublas"), (CUDNN, "cudnn"), (BNB_PAGED, "bitsandbytes"),
+    (COLAB, "colab_ram"),
+])  # fmt: skip
+def test_every_form_is_recognized(text, form):
+    report = explain_oom(text)
+    assert report.form == form
+    assert report.fixes and str(report) and "<div>" in report._repr_html_()
+
+
+def test_current_cuda_figures():
+    r = explain_oom(CUDA_NOW)
+    assert (r.device, r.requested, r.free) == (0, 20 * MiB, round(3.06 * MiB))
+    assert r.total == round(14.75 * GiB) and r.allocated == round(14.59 * GiB)
+    assert r.reserved_unallocated == round(19.42 * MiB)
+    assert r.reserved == r.allocated + r.reserved_unallocated
+    assert r.processes == [(2301, round(14.74 * GiB))]
+    assert r.cause == "steady_state" and r.unknown == []
+
+
+def test_several_processes_odd_units_other_device():
+    r = explain_oom(CUDA_SEVERAL)
+    assert r.device == 1 and r.requested == 512 * 1024
+    assert [pid for pid, _ in r.processes] == [4121, 5533, 17]
+    assert r.cause == "held_elsewhere"  # 72 GiB of the card belong to the other two processes
+    assert r.held_elsewhere > 70 * GiB
+    assert "nvidia-smi" in r.fixes[0]
+
+
+def test_fragmentation():
+    r = explain_oom(CUDA_FRAGMENTED)
+    assert r.cause == "fragmentation"
+    assert "expandable_segments:True" in r.fixes[0] and "holes" in r.fixes[0]
+
+
+def test_legacy_fragmentation_and_figures():
+    r = explain_oom(CUDA_LEGACY)
+    assert (r.requested, r.allocated, r.reserved) == (20 * MiB, round(13.5 * GiB), round(13.8 * GiB))
+    assert r.cause == "fragmentation"  # 300 MiB reserved but unused >= 20 MiB asked
+
+
+def test_request_larger_than_card():
+    r = explain_oom(CUDA_TOO_LARGE)
+    assert r.cause == "request_too_large"
+    assert "never fit" in r.fixes[0]
+
+
+def test_hip_and_mps():
+    hip = explain_oom(HIP)
+    assert hip.device == 3 and hip.requested == 2 * GiB and hip.cause == "fragmentation"
+    mps = explain_oom(MPS)
+    assert mps.requested == 256 * MiB and mps.max_allowed == round(18.13 * GiB)
+    assert mps.cause == "steady_state"
+
+
+def test_system_ram_not_gpu():
+    for text in (CPU, COLAB):
+        r = explain_oom(text)
+        assert r.cause == "system_ram"
+    assert explain_oom(CPU).requested == 1 << 48
+
+
+@pytest.mark.parametrize("text", [CUDA_ERROR, CUBLAS, CUDNN])
+def test_library_failures_say_what_is_unknown(text):
+    r = explain_oom(text)
+    assert r.cause == "library_workspace"
+    assert r.requested is None and r.total is None
+    assert {"requested", "total", "free"} <= set(r.unknown)
+    assert "tried to allocate: unknown" in str(r)  # never an invented figure
+
+
+def test_bitsandbytes_wrapped_cuda_message():
+    r = explain_oom(BNB)
+    assert r.form == "cuda" and r.requested == 3 * GiB and r.free == round(1.9 * GiB)
+    assert "allocated" in r.unknown
+
+
+def test_unknown_text():
+    r = explain_oom("ValueError: shapes do not match")
+    assert r.form == "unknown" and r.cause == "unknown"
+
+
+def test_wrapped_exception():
+    try:
+        try:
+            raise torch.OutOfMemoryError(CUDA_FRAGMENTED)
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("generation failed at step 3") from inner
+    except RuntimeError as outer:
+        r = explain_oom(outer, live=False)
+    assert r.form == "cuda" and r.cause == "fragmentation"
+
+
+def _hold_and_fail():
+    big = torch.ones(4 * MiB)  # 16 MiB, pinned by this frame when the OOM unwinds
+    torch.empty(1 << 45)
+    return big
+
+
+def test_real_cpu_oom_live_report():
+    with pytest.raises(RuntimeError) as info:
+        _hold_and_fail()
+    assert is_oom(info.value)
+    r = explain_oom(info.value)
+    assert r.form == "cpu" and r.cause == "system_ram" and r.requested == (1 << 45) * 4
+    assert r.snapshot is not None
+    assert r.tensors[0][0] == "_hold_and_fail().big" and r.tensors[0][1] == 16 * MiB
+
+
+def test_cli(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "log.txt"
+    path.write_text("some training log\n" + CUDA_FRAGMENTED + "\n")
+    out = subprocess.run([sys.executable, "-m", "helpers", "explain", str(path), "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["cause"] == "fragmentation"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
+    assert main([]) == 0 and "system RAM" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing")]) == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_ipython_handler_in_process(ipython_shell, capsys):
+    assert install(ipython_shell)
+    try:
+        ipython_shell.run_cell("import torch\n"
+                               "def f():\n    x = torch.ones(1 << 22)\n    torch.empty(1 << 45)\n"
+                               "import weakref\n")
+        ipython_shell.run_cell("def g():\n    global ref\n    x = torch.ones(1 << 22)\n    ref = weakref.ref(x)\n"
+                               "    torch.empty(1 << 45)\n")
+        ipython_shell.run_cell("g()")
+        out = capsys.readouterr()
+        assert "Cause: system RAM" in out.out + out.err and "Released what the traceback pinned" in out.out + out.err
+        assert ipython_shell.user_ns["ref"]() is None  # the tensor the traceback pinned is gone
+        ipython_shell.run_cell("raise RuntimeError('shape mismatch')")  # not an OOM: normal traceback
+        out = capsys.readouterr()
+        assert "shape mismatch" in out.out + out.err and "Cause:" not in out.out + out.err
+    finally:
+        assert uninstall(ipython_shell)
+    assert ipython_shell.custom_exceptions == ()
