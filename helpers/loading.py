@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import socket
 import time
@@ -501,7 +502,7 @@ def _offload_warnings(where: dict[str, int]) -> list[str]:
     return warnings
 
 
-@dataclass
+@dataclass(repr=False)
 class LoadReport:
     """Estimated vs measured memory of a load, how long it took, where modules went, and warnings."""
 
@@ -545,6 +546,9 @@ class LoadReport:
             lines.append(f"  tokenizer: {self.tokenizer_note}")
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
+        return self.__str__()
 
     def _repr_html_(self) -> str:
         from html import escape
@@ -676,9 +680,25 @@ def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     out: list[str] = []
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     device = next(model.parameters()).device
-    for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
-        enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-        ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             **generate_kwargs)
-        out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    # int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
+    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+    quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
+    bnb_log.addFilter(quiet)
+    try:
+        for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **generate_kwargs)
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        bnb_log.removeFilter(quiet)
     return out
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)

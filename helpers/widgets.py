@@ -344,6 +344,10 @@ class LoadPanel:
         self._loaded_plan = plan
         return self.loaded
 
+    def release(self) -> None:
+        """Forget the loaded model and tokenizer (so ``unload(model)`` can free them)."""
+        self.loaded = self._loaded_plan = None
+
     @property
     def report(self):
         return None if self.loaded is None else self.loaded[2]

@@ -1,0 +1,154 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Load a model quantized, without running out of memory
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/01_load_quantized.ipynb)
+#
+# Pick a load mode, a generation length and a batch size with the sliders, see at once whether it
+# fits the GPU, load with one click, then compare the estimate with what really landed in memory.
+# Steps: preflight -> panel -> load -> estimated vs measured -> a short batched generation ->
+# unload, with a readout proving the memory came back.
+
+# %%
+# Install oomkit (in Colab only; locally the package is already installed by `make`).
+import sys
+
+if "google.colab" in sys.modules:
+    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+
+# %% tags=["parameters"]
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
+LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
+DOUBLE_QUANT = True  # 4-bit only: quantize the quantization scales too
+MAX_NEW_TOKENS = 256
+BATCH_SIZE = 4
+PROMPT_TOKENS = 512
+DEVICE = "current"  # "current" (this GPU), or a preset such as "t4" to plan for another machine
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a KV cache is.",
+    "List three ways to reduce GPU memory when generating text.",
+    "What does 4-bit quantization do to a neural network's weights?",
+]
+
+# %% [markdown]
+# ## 1. Preflight
+# GPU, versions, bitsandbytes, free memory, RAM for loading and the fit of the model you named.
+
+# %%
+from helpers import preflight, snapshot
+
+start = snapshot()
+preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+
+# %% [markdown]
+# ## 2. Choose how to load it
+#
+# **What 8-bit and 4-bit do to the weights.** A 7B model in fp16 is 7 billion x 2 bytes = 13.5 GiB:
+# it barely fits a T4 (14.7 GiB) and leaves nothing for generation.
+# - **int8** (LLM.int8, bitsandbytes) stores each linear layer's weights as 1-byte integers plus one
+#   fp32 scale per row, so about 1 byte per parameter (about 7 GiB). Outlier features are computed
+#   in fp16, which keeps quality close to fp16 (the seeds' "99 %").
+# - **nf4 / fp4** store 4 bits per weight (half a byte) plus one scale per block of 64 weights;
+#   **double quant** stores those scales in 8 bits too (another ~0.4 bit per weight saved).
+#   nf4's 16 levels follow the normal distribution weights have, so it loses less than fp4.
+#   Layers are dequantized to the compute dtype (fp16 on a T4, bf16 on newer GPUs) on the fly.
+# - Embeddings, norms and the output layer stay in 16 bits in every mode: the estimate counts them
+#   per layer, which is why "4-bit = fp32 / 8" calculators are wrong.
+#
+# **Why `max_new_tokens` and batch drive the KV cache.** Generation keeps the keys and values of
+# every token seen so far: layers x 2 x batch x (prompt + new tokens) x kv-heads x head-dim x
+# 2 bytes. It grows linearly with both sliders; for CodeLlama-7B that is 0.5 MiB per token, so a
+# batch of 4 with 512 + 2048 tokens needs 5 GiB on top of the weights.
+#
+# Move the sliders: the bar shows weights, KV cache, activations and overheads against the device,
+# green / amber / red for fits / tight / does not fit, with the best fix when it does not fit.
+# Without a widget front end (or when run headless) the panel prints a summary and the parameters
+# cell above decides. `panel.plan` is always the current choice.
+
+# %%
+from helpers.widgets import LoadPanel
+
+panel = LoadPanel(MODEL, device=DEVICE, load=LOAD, double_quant=DOUBLE_QUANT, max_new_tokens=MAX_NEW_TOKENS,
+                  batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS)
+panel
+
+# %% [markdown]
+# ## 3. Load
+# Click **Load** above, or run this cell: it loads `panel.plan` (or reuses what the button loaded).
+# Before touching any weights it checks that the model exists, that bitsandbytes runs here, that the
+# estimate fits and that RAM can hold the largest weight file, and refuses with the reason and the
+# fix instead of letting the kernel die.
+
+# %%
+panel.plan
+
+# %%
+model, tokenizer, report = panel.load()
+report
+
+# %% [markdown]
+# ## 4. Estimated vs measured
+# `weights` compares the estimate with `footprint(model)`: every parameter, buffer and bitsandbytes
+# quantization state (scales, absmax), which `model.get_memory_footprint()` leaves out. On a GPU the
+# growth of `torch.cuda.memory_allocated()` during the load is shown too. The full estimate, with the
+# generation budget the panel was set to:
+
+# %%
+report.estimate
+
+# %% [markdown]
+# ## 5. A short batched generation
+# The tokenizer was set up for batches (a pad token, left padding so every prompt ends where the
+# generation starts). Peak memory is read before and after.
+
+# %%
+from helpers.loading import generate_batched
+
+outputs = generate_batched(model, tokenizer, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE)
+for prompt, text in zip(PROMPTS, outputs, strict=True):
+    print(f"> {prompt}\n{text.strip()[:300]}\n")
+snapshot()
+
+# %% [markdown]
+# ## When `device_map="auto"` offloading is a trap
+# If the model does not fit the GPU, `device_map="auto"` puts the remaining layers in CPU RAM (and
+# then on disk). The load "works", but every generated token copies those layers over PCIe again:
+# a few GiB offloaded turns seconds into minutes, and disk offload into hours. It is a fix only for a
+# one-off forward pass. The report above warns with the amount and the cost per token; the real
+# fixes are int8/nf4, a shorter `max_new_tokens`, a smaller batch, or a smaller model.
+#
+# ## 6. Unload and prove the memory came back
+
+# %%
+from helpers import unload
+from helpers.estimate import footprint
+from helpers.units import format_bytes
+
+weights = footprint(model)
+loaded = snapshot()
+panel.release()
+del tokenizer
+freed = unload(model)
+after = snapshot()
+print(freed)
+print(f"model weights: {format_bytes(weights)}")
+if after.gpu is not None:
+    print(f"GPU allocated: {format_bytes(loaded.gpu.allocated)} loaded -> {format_bytes(after.gpu.allocated)} "
+          f"after unload ({format_bytes(start.gpu.allocated)} before loading)")
+print(f"process RAM: {format_bytes(loaded.ram.process_rss)} loaded -> {format_bytes(after.ram.process_rss)} "
+      "after unload (on the CPU the allocator may keep some freed pages for reuse)")
