@@ -1,0 +1,207 @@
+"""The load panel in a real browser: JupyterLab driven by headless Chromium (opt-in: ``make test-browser``).
+
+Deselected from ``make test`` by the ``browser`` marker (``-m "not browser"`` in pyproject's addopts);
+``make test-browser`` installs JupyterLab, Playwright and Debian's Chromium when missing and runs
+``pytest -m browser``. The JupyterLab server is always stopped (fixture ``finally`` + ``atexit``;
+process group and kernels killed); every wait has a timeout, and the Makefile bounds the whole run.
+
+What the user sees is asserted, not what Python holds: the text of the estimate bar and of the verdict
+as rendered in the page after real clicks, a real ``<select>`` choice and a real mouse drag, compared
+with the estimator's numbers for the values the page shows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import run_notebooks
+from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
+
+from helpers.estimate import estimate
+from helpers.units import GiB, format_bytes, parse_bytes
+from helpers.widgets import LoadPanel
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+SCRATCH = REPO / "runs" / "browser"  # the parameterized copy the server serves (and may autosave)
+SHOTS = REPO / "runs" / "screenshots"
+NOTEBOOK = REPO / "notebooks" / "01_load_quantized.ipynb"
+TIMEOUT = 90  # seconds for any one thing the page must show
+
+
+@functools.cache
+def _params() -> dict:
+    """Notebook 01's nf4 run on the tiny model, planned for a GPU sized so the verdict really flips.
+
+    The device (a byte count, as ``DEVICE`` accepts) lies halfway between the estimates for int8 and
+    fp32 with the notebook's settings: nf4 and int8 fit (tightly: a GPU estimate includes the CUDA
+    context), fp32 does not, and neither does int8 with a long generation.
+    """
+    run = next(r for r in run_notebooks.planned_runs([NOTEBOOK.stem]) if r.name == "nf4")
+    p = run.parameters
+    totals = {load: estimate(p["MODEL"], load=load, double_quant=p["DOUBLE_QUANT"], batch_size=p["BATCH_SIZE"],
+                             prompt_tokens=p["PROMPT_TOKENS"], max_new_tokens=p["MAX_NEW_TOKENS"],
+                             device=64 * GiB).total for load in ("int8", "fp32")}
+    return {**p, "DEVICE": (totals["int8"] + totals["fp32"]) // 2}
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_models):
+    missing = missing_requirements()
+    if missing:
+        pytest.fail("browser test needs: " + "; ".join(missing) + " (make test-browser installs them)")
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    # Kernels import this checkout's helpers (not whatever an editable install points at).
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    server = LabServer(SCRATCH, REPO / "runs" / "jupyterlab.log", env={"PYTHONPATH": pythonpath})
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def page(lab):
+    with chromium_page(viewport=(1100, 1400)) as p:
+        p.set_default_timeout(TIMEOUT * 1000)
+        yield p
+
+
+def wait_until(check, what: str, timeout: float = TIMEOUT):
+    """Poll ``check()`` until it returns something truthy; fail saying ``what`` was awaited and the last value."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as e:  # an element being redrawn: try again
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+class PanelView:
+    """The LoadPanel as rendered in the page: read its texts, use its controls like a user."""
+
+    def __init__(self, page):
+        self.page = page
+        self.root = page.locator(".oomkit-panel").first
+        self.dropdown = self.root.locator(".widget-dropdown select")
+        self.slider = self.root.locator(".widget-hslider", has=page.locator("label", has_text="max_new_tokens"))
+        self.handle = self.slider.locator(".noUi-handle")
+        self.track = self.slider.locator(".noUi-target")
+        self.readout = self.slider.locator(".widget-readout")
+        self.estimate_box = self.root.locator(".oomkit-estimate")
+        self.verdict_box = self.root.locator(".oomkit-verdict .oomkit-verdict-text")
+        self.button = self.root.locator("button.oomkit-load")
+        self.report = self.root.locator(".oomkit-report")
+
+    def shown(self) -> dict:
+        """What the bar and the verdict say right now, as numbers."""
+        est = self.estimate_box.inner_text()
+        sizes = dict(re.findall(r"(weights|KV cache|activations|overheads) ([\d.]+ [KMGT]?i?B)", est))
+        total = re.search(r"total ([\d.]+ [KMGT]?i?B) /", est)
+        return {
+            "weights": parse_bytes(sizes["weights"]), "kv": parse_bytes(sizes["KV cache"]),
+            "total": parse_bytes(total.group(1)), "verdict": self.verdict_box.get_attribute("data-verdict"),
+            "verdict_text": self.verdict_box.inner_text(), "max_new_tokens": int(self.readout.inner_text()),
+            "load": self.dropdown.input_value(),
+        }
+
+    def drag_slider_to(self, fraction: float) -> None:
+        """Press the mouse on the handle and drag it to ``fraction`` of the track (0 = left end)."""
+        self.handle.scroll_into_view_if_needed()
+        h, t = self.handle.bounding_box(), self.track.bounding_box()
+        y = h["y"] + h["height"] / 2
+        self.page.mouse.move(h["x"] + h["width"] / 2, y)
+        self.page.mouse.down()
+        self.page.mouse.move(t["x"] + fraction * t["width"], y, steps=12)
+        self.page.mouse.up()
+
+
+@functools.cache
+def expected(load: str, max_new_tokens: int) -> dict:
+    """The estimator's numbers for these values, formatted as the page formats them."""
+    base = _params()
+    panel = LoadPanel(base["MODEL"], device=base["DEVICE"], load=load, double_quant=base["DOUBLE_QUANT"],
+                      max_new_tokens=max_new_tokens, batch_size=base["BATCH_SIZE"],
+                      prompt_tokens=base["PROMPT_TOKENS"], widgets=False)
+    s = panel.state
+    segs = dict(s.segments())
+    return {"weights": parse_bytes(format_bytes(segs["weights"])), "kv": parse_bytes(format_bytes(segs["KV cache"])),
+            "total": parse_bytes(format_bytes(s.estimate.total)), "verdict": s.verdict}
+
+
+def settles_on(view: PanelView, load: str):
+    """The page shows the estimate and verdict for the values its controls show (kernel round trip done)."""
+
+    def check():
+        now = view.shown()
+        want = expected(load, now["max_new_tokens"])
+        same = all(now[k] == want[k] for k in ("weights", "kv", "total", "verdict")) and now["load"] == load
+        return now if same else None
+
+    return check
+
+
+def test_load_panel_in_jupyterlab(lab, page):
+    """Notebook 01 in JupyterLab: the panel renders, follows the dropdown and a slider drag, and loads."""
+    started = time.monotonic()
+    params = _params()
+    nb_path = parameterized_copy(NOTEBOOK, params, SCRATCH)
+    ui = LabPage(page, lab).open(nb_path.name)
+    nb = ui.run_all(timeout=240)
+    assert not errors(nb), errors(nb)
+    ran_in = time.monotonic() - started
+
+    view = PanelView(page)
+    view.root.wait_for(state="visible")  # the widget front end rendered the panel (not the text fallback)
+    view.root.scroll_into_view_if_needed()
+    start = wait_until(settles_on(view, "nf4"), "the panel's first estimate")
+    assert start["max_new_tokens"] == params["MAX_NEW_TOKENS"] and start["verdict"] != "does not fit"
+    assert start["verdict"].upper() in start["verdict_text"]
+    ui.screenshot(SHOTS / "01_panel_nf4.png", view.root)
+
+    # Dropdown -> fp32: the weights grow past the device, the verdict turns red with a fix.
+    view.dropdown.select_option("fp32")
+    fp32 = wait_until(settles_on(view, "fp32"), "the fp32 estimate")
+    assert fp32["weights"] > 2 * start["weights"] and fp32["verdict"] == "does not fit"
+    assert "DOES NOT FIT" in fp32["verdict_text"] and "Top fix" in fp32["verdict_text"]
+    ui.screenshot(SHOTS / "01_panel_fp32.png", view.root)
+
+    # Dropdown -> int8: fits again, weights between nf4 and fp32.
+    view.dropdown.select_option("int8")
+    int8 = wait_until(settles_on(view, "int8"), "the int8 estimate")
+    assert start["weights"] < int8["weights"] < fp32["weights"] and int8["verdict"] in ("fits", "tight")
+
+    # Drag max_new_tokens far right: the KV cache grows with the tokens and no longer fits.
+    view.drag_slider_to(0.9)
+    long = wait_until(settles_on(view, "int8"), "the estimate after dragging right")
+    assert long["max_new_tokens"] > 1000
+    assert long["kv"] > 10 * int8["kv"] and long["weights"] == int8["weights"]
+    assert long["verdict"] == "does not fit" and "Top fix" in long["verdict_text"]
+    ui.screenshot(SHOTS / "01_panel_long.png", view.root)
+
+    # Drag back to the left end: 16 tokens, fits again.
+    view.drag_slider_to(0.0)
+    short = wait_until(settles_on(view, "int8"), "the estimate after dragging left")
+    assert short["max_new_tokens"] == 16 and short["kv"] == int8["kv"] and short["verdict"] != "does not fit"
+
+    # Load: the kernel loads the plan the page shows and the report appears under the button.
+    view.button.click()
+    report = wait_until(lambda: "loaded in" in view.report.inner_text() and view.report.inner_text(),
+                        "the load report", timeout=180)
+    assert "as int8" in report and "Not loaded" not in report
+    assert "weights" in report and "estimated" in report and "measured" in report
+    wait_until(lambda: view.button.is_enabled(), "the Load button to be enabled again")
+    ui.screenshot(SHOTS / "load_panel.png", view.root)
+    print(f"\nbrowser test: notebook ran in {ran_in:.1f} s, whole test {time.monotonic() - started:.1f} s")
