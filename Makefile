@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.oomkit-installed
+BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
+CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
 .PHONY: setup demo test test-browser bench lint format sync-notebooks clean
@@ -29,8 +31,17 @@ demo: setup $(TINY)
 test: setup $(TINY)
 	$(BIN)/python -m pytest -q
 
-test-browser: setup $(TINY)
-	$(BIN)/python -m pytest -q -m browser tests
+# JupyterLab + headless Chromium (opt-in: `make test` deselects the `browser` marker). Debian's
+# Chromium, installed when missing (needs root, as in CI); the whole run is bounded in time.
+$(BROWSER_STAMP): requirements-browser.txt $(STAMP)
+	$(BIN)/pip install -q -r requirements-browser.txt
+	touch $@
+
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+
+test-browser: setup $(TINY) $(BROWSER_STAMP) $(CHROMIUM)
+	OOMKIT_CHROMIUM=$(CHROMIUM) timeout --kill-after=30 600 $(BIN)/python -m pytest -q -m browser tests
 
 bench: setup $(TINY)
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done

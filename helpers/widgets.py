@@ -112,8 +112,9 @@ class PanelState:
             pct = 100 * nbytes / scale
             spans.append(f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
                          f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>")
-            legend.append(f"<span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> {escape(label)} "
-                          f"{format_bytes(nbytes)}")
+            # nowrap: a narrow output area wraps between items, never between a label and its size
+            legend.append(f"<span style='white-space:nowrap'><span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> "
+                          f"{escape(label)} {format_bytes(nbytes)}</span>")
         cap_mark = 100 * self.capacity / scale
         return (
             "<div style='font-family:monospace'>"

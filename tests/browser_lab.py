@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -80,6 +81,7 @@ class LabServer:
         self.proc: subprocess.Popen | None = None
         self._state: str | None = None
         self._seen: dict[int, object] = {}  # pid -> psutil.Process of the server and everything it started
+        self._old_sigterm = None
 
     def url(self, path: str = "lab") -> str:
         sep = "&" if "?" in path else "?"
@@ -108,6 +110,7 @@ class LabServer:
             self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         atexit.register(self.stop)
+        self._stop_on_sigterm()
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -122,6 +125,17 @@ class LabServer:
                 self.stop()
                 raise TimeoutError(f"JupyterLab did not answer within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def _stop_on_sigterm(self) -> None:
+        """``timeout`` (the Makefile's bound) sends SIGTERM, which skips atexit: stop the server first."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            self.stop()
+            raise SystemExit(128 + signum)
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, handler)
 
     def track(self) -> None:
         """Remember the server's descendants now (kernels run in their own sessions)."""
@@ -168,6 +182,9 @@ class LabServer:
             shutil.rmtree(self._state, ignore_errors=True)
             self._state = None
         atexit.unregister(self.stop)
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

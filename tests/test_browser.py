@@ -205,3 +205,32 @@ def test_load_panel_in_jupyterlab(lab, page):
     wait_until(lambda: view.button.is_enabled(), "the Load button to be enabled again")
     ui.screenshot(SHOTS / "load_panel.png", view.root)
     print(f"\nbrowser test: notebook ran in {ran_in:.1f} s, whole test {time.monotonic() - started:.1f} s")
+
+
+def test_server_and_kernels_stop_when_a_test_fails(tmp_path):
+    """A failure inside the server's block still stops JupyterLab and the kernels it started."""
+    import json
+    import urllib.request
+
+    import psutil
+
+    missing = missing_requirements()
+    if missing:
+        pytest.fail("browser test needs: " + "; ".join(missing))
+    server = LabServer(tmp_path, tmp_path / "lab.log", startup_timeout=TIMEOUT)
+    with pytest.raises(RuntimeError, match="a failing test"), server:
+        req = urllib.request.Request(server.url("api/kernels"), data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            kernel_id = json.load(r)["id"]
+        # The kernel process is up (it runs in its own session, outside the server's process group).
+        kernels = wait_until(lambda: [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                                      if "ipykernel" in " ".join(p.cmdline())], f"kernel {kernel_id} to start")
+        server.track()
+        pids = [server.proc.pid, *(k.pid for k in kernels)]
+        raise RuntimeError("a failing test")
+    assert server.proc is None
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running after stop(): {alive}"
+    with pytest.raises(OSError):  # nothing answers on the port any more
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/api/status", timeout=5)
