@@ -3,7 +3,7 @@
 ``LabServer`` starts ``jupyter lab`` on 127.0.0.1 on a free port with a random token, with its own
 settings/workspace directories (no news popup, every cell rendered), and always stops it: the
 server's process group *and* its kernels (which run in their own sessions) are killed on ``stop()``,
-on leaving the ``with`` block, and at interpreter exit. ``LabPage`` opens a notebook, runs all cells
+on leaving the ``with`` block, at interpreter exit and on SIGTERM. ``LabPage`` opens a notebook, runs all cells
 through the menus, waits for the kernel and reads the notebook model for errors.
 
 Chromium is Debian's (``/usr/bin/chromium``, or ``$OOMKIT_CHROMIUM``), launched by Playwright with a
@@ -60,7 +60,7 @@ def missing_requirements() -> list[str]:
         try:
             __import__(module)
         except ImportError:
-            missing.append(f"{pkg} (pip install -r requirements.txt)")
+            missing.append(f"{pkg} (pip install -r requirements-browser.txt)")
     return missing
 
 
