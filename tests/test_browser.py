@@ -71,7 +71,14 @@ def lab(tiny_models):
 def page(lab):
     with chromium_page(viewport=(1100, 1400)) as p:
         p.set_default_timeout(TIMEOUT * 1000)
-        yield p
+        try:
+            yield p
+        finally:  # the whole page as the test left it, passed or failed (what CI logs cannot show)
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            try:
+                p.screenshot(path=str(SHOTS / "last_page.png"), timeout=15_000)
+            except Exception as e:  # a dead page must not hide the test's own failure
+                print(f"no final screenshot: {e}")
 
 
 def wait_until(check, what: str, timeout: float = TIMEOUT):
