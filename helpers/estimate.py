@@ -584,20 +584,31 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
     h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
     attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
     per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
+    # The loss's peak comes at the start of backward: log-softmax's fp32 output (saved), its incoming
+    # gradient and the gradient it returns, each batch x seq x vocab x 4 B (the model's own logits
+    # and the fp32 upcast are gone by then: measured with live-tensor tracking).
+    logits = mb * seq * d["vocab"] * 12
+    # A quantized layer's weight is dequantized to the compute dtype for each matmul (forward and
+    # backward): the largest one, twice, is alive at once. The output layer stays unquantized.
+    dequant = 0
+    if load in QUANTIZED:
+        biggest = max((e.linear[0] * e.linear[1] for e in lay.entries
+                       if e.linear and _should_convert(e.module, lay.not_convert)), default=0)
+        dequant = 2 * biggest * b
     if tr.gradient_checkpointing:
-        saved = d["layers"] * mb * seq * h * b + mb * seq * per_tok
-        rows.append(EstimateRow("activations (gradient checkpointing)", saved, "formula",
-                                "one hidden state per layer + one layer recomputed"))
+        # Only each layer's input is kept; one layer's activations are recomputed at a time during
+        # backward, after the loss's buffers are freed, so the peak is the larger of the two.
+        saved = d["layers"] * mb * seq * h * b
+        rows.append(EstimateRow("activations (gradient checkpointing)", saved, "formula", "one hidden state per layer"))
+        layer = mb * seq * per_tok + dequant
+        rows.append(EstimateRow("backward peak: logits + loss or one recomputed layer", max(logits, layer),
+                                "formula", "batch x seq x vocab x 3 fp32 buffers, or one layer's activations"))
     else:
         saved = d["layers"] * mb * seq * per_tok
         rows.append(EstimateRow("activations (no checkpointing)", saved, "formula", "tensors kept for backward"))
-    # Logits of every position: the model's output, its fp32 upcast, log-softmax, and the gradient
-    # in fp32 and in the compute dtype.
-    logits = mb * seq * d["vocab"] * (2 * b + 12)
-    rows.append(EstimateRow("logits + loss (fp32)", logits, "formula", "batch x seq x vocab"))
-    if load in QUANTIZED:
-        biggest = max((e.linear[0] * e.linear[1] for e in lay.entries if e.linear), default=0)
-        rows.append(EstimateRow("dequantized weight (backward)", 2 * biggest * b, "formula", "largest layer, transient"))
+        rows.append(EstimateRow("logits + loss (fp32)", logits, "formula", "batch x seq x vocab x 3 fp32 buffers"))
+    if dequant and not tr.gradient_checkpointing:
+        rows.append(EstimateRow("dequantized weight (backward)", dequant, "formula", "largest layer, transient"))
     return rows, trainable
 
 
