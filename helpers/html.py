@@ -44,7 +44,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | 
     body = "".join(
         "<tr>" + "".join(f"<td style='padding:2px 8px'>{cell(c)}</td>" for c in r) + "</tr>" for r in rows
     )
-    cap = f"<caption style='text-align:left;font-weight:bold'>{escape(title)}</caption>" if title else ""
+    cap = f"<caption style='text-align:left;font-weight:bold;white-space:nowrap'>{escape(title)}</caption>" if title else ""
     return f"<table style='border-collapse:collapse;font-family:monospace'>{cap}<tr>{head}</tr>{body}</table>"
 
 

@@ -89,6 +89,14 @@ class PanelState:
     def headroom(self) -> int:
         return self.capacity - self.estimate.total
 
+    def _named_device(self) -> bool:
+        """False when the device is a bare byte count: its label is the capacity, shown once already."""
+        return self.device != format_bytes(self.capacity)
+
+    def _on(self, html: bool = False) -> str:
+        device = escape(self.device) if html else self.device
+        return f" on {device}" if self._named_device() else ""
+
     def segments(self) -> list[tuple[str, int]]:
         """Bytes per bar segment: weights, KV cache, activations, overheads."""
         out = {label: 0 for label, _, _ in SEGMENTS}
@@ -98,8 +106,8 @@ class PanelState:
         return list(out.items())
 
     def verdict_text(self) -> str:
-        text = (f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} "
-                f"on {self.device} (headroom {format_bytes(self.headroom)})")
+        text = (f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
+                f"{self._on()} (headroom {format_bytes(self.headroom)})")
         if self.suggestion is not None:
             text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)})"
         return text
@@ -123,8 +131,8 @@ class PanelState:
             f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
             "</span></div>"
             f"<div style='color:{color}'>{' &nbsp; '.join(legend)}</div>"
-            f"<div>total {format_bytes(self.estimate.total)} / {format_bytes(self.capacity)} ({escape(self.device)})"
-            "</div></div>"
+            f"<div>total {format_bytes(self.estimate.total)} / {format_bytes(self.capacity)}"
+            f"{f' ({escape(self.device)})' if self._named_device() else ''}</div></div>"
         )
 
     def verdict_html(self) -> str:
@@ -135,7 +143,7 @@ class PanelState:
                    f"(saves {format_bytes(self.suggestion.saving)})</div>")
         return (f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
                 f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
-                f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on {escape(self.device)} "
+                f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
                 f"(headroom {format_bytes(self.headroom)}){fix}</div>")
 
 

@@ -66,6 +66,20 @@ def test_verdict_and_top_fix_follow_the_sliders():
     assert panel.plan.load == "nf4" and panel.controls["load"].value == "nf4"
 
 
+def test_device_size_is_shown_once():
+    """A byte-count device has no name: the panel says its size once, a preset keeps its name."""
+    from helpers.units import MiB
+
+    panel = LoadPanel(BIG, device=15000 * MiB, load="nf4", widgets=True)
+    s = panel.state
+    for text in (s.verdict_text(), s.verdict_html(), s.bar_html(), panel.summary()):
+        assert text.count("14.65 GiB") == 1, text
+    assert "14.65 GiB (headroom" in s.verdict_text() and " on " not in s.verdict_text()
+    named = LoadPanel(BIG, device="t4", load="nf4", widgets=False).state
+    assert " on t4 (headroom" in named.verdict_text() and "(t4)</div>" in named.bar_html()
+    assert " on t4 (headroom" in named.verdict_html()
+
+
 def test_updates_are_cached_per_setting(panel):
     c = panel.controls
     first = panel.state
