@@ -22,7 +22,7 @@ import pytest
 import run_notebooks
 from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
 
-from helpers.estimate import estimate
+from helpers.estimate import estimate, fit
 from helpers.units import GiB, format_bytes, parse_bytes
 from helpers.widgets import LoadPanel
 
@@ -210,8 +210,86 @@ def test_load_panel_in_jupyterlab(lab, page):
     assert "as int8" in report and "Not loaded" not in report
     assert "weights" in report and "estimated" in report and "measured" in report
     wait_until(lambda: view.button.is_enabled(), "the Load button to be enabled again")
-    ui.screenshot(SHOTS / "load_panel.png", view.root)
+    ui.screenshot(SHOTS / "load_panel_tiny.png", view.root)  # docs/load_panel_tiny.png
     print(f"\nbrowser test: notebook ran in {ran_in:.1f} s, whole test {time.monotonic() - started:.1f} s")
+
+
+# The README's screenshot: a real 7B model planned for a free Colab T4 (its shipped config makes the
+# estimate work offline; no weights are loaded), in a notebook of just the two install-free cells.
+T4_PANEL = {"model": "codellama/CodeLlama-7b-hf", "device": "t4", "load": "nf4", "max_new_tokens": 1024,
+            "batch_size": 4, "prompt_tokens": 512}
+
+
+def t4_notebook(dest_dir: Path) -> Path:
+    import nbformat
+
+    args = ", ".join([repr(T4_PANEL["model"])] + [f"{k}={v!r}" for k, v in T4_PANEL.items() if k != "model"])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("from helpers.widgets import LoadPanel"),
+                                         nbformat.v4.new_code_cell(f"LoadPanel({args})")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / "load_panel_t4.ipynb"
+    nbformat.write(nb, out)
+    return out
+
+
+def t4_expected(load: str) -> dict:
+    """What the estimator says for the T4 panel's settings with ``load``, as the page words it."""
+    p = {k: v for k, v in T4_PANEL.items() if k not in ("model", "load")}
+    est = estimate(T4_PANEL["model"], load=load, **p)
+    verdict = fit(est, T4_PANEL["device"])
+    text = str(verdict).splitlines()[0]  # "FITS: 7.34 GiB of 14.74 GiB on t4 (headroom ...)"
+    if verdict.suggestions:
+        top = verdict.suggestions[0]
+        text += f" Top fix: {top.change} (saves {format_bytes(top.saving)})"
+    return {"weights": format_bytes(est.weights), "kv": format_bytes(est.row("KV cache").bytes),
+            "total": f"total {format_bytes(est.total)} / {format_bytes(verdict.capacity)} (t4)",
+            "verdict": verdict.verdict, "verdict_text": text}
+
+
+def t4_shows(view: PanelView, load: str):
+    """The page shows exactly the estimator's T4 figures for ``load``."""
+    want = t4_expected(load)
+
+    def check():
+        est = view.estimate_box.inner_text()
+        now = {"weights": re.search(r"weights ([\d.]+ [KMGT]?i?B)", est).group(1),
+               "kv": re.search(r"KV cache ([\d.]+ [KMGT]?i?B)", est).group(1),
+               "total": re.search(r"total .*", est).group(0).strip(),
+               "verdict": view.verdict_box.get_attribute("data-verdict"),
+               "verdict_text": " ".join(view.verdict_box.inner_text().split())}
+        return now if now == want and view.dropdown.input_value() == load else None
+
+    return check, want
+
+
+def test_load_panel_for_a_7b_model_on_a_t4(lab, page):
+    """CodeLlama-7B on a T4 in JupyterLab: the estimator's real figures; fp16 does not fit, nf4 does."""
+    started = time.monotonic()
+    ui = LabPage(page, lab).open(t4_notebook(SCRATCH).name)
+    nb = ui.run_all(timeout=240)
+    assert not errors(nb), errors(nb)
+
+    view = PanelView(page)
+    view.root.wait_for(state="visible")
+    view.root.scroll_into_view_if_needed()
+    check, nf4 = t4_shows(view, "nf4")
+    wait_until(check, f"the T4 nf4 figures {nf4}")
+    assert nf4["verdict"] == "fits" and "on t4" in nf4["verdict_text"]
+    assert "codellama/CodeLlama-7b-hf" in view.root.inner_text()
+
+    view.dropdown.select_option("fp16")
+    check, fp16 = t4_shows(view, "fp16")
+    wait_until(check, f"the T4 fp16 figures {fp16}")
+    assert fp16["verdict"] == "does not fit"
+    assert fp16["verdict_text"].startswith("DOES NOT FIT") and "Top fix: " in fp16["verdict_text"]
+    ui.screenshot(SHOTS / "load_panel_t4_fp16.png", view.root)
+
+    view.dropdown.select_option("nf4")
+    check, _ = t4_shows(view, "nf4")
+    wait_until(check, "the T4 nf4 figures again")
+    ui.screenshot(SHOTS / "load_panel.png", view.root)  # docs/load_panel.png, the README's
+    print(f"\nbrowser test (T4 panel): {time.monotonic() - started:.1f} s")
 
 
 def test_server_and_kernels_stop_when_a_test_fails(tmp_path):
