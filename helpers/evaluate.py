@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .batch_size import _CACHE, BatchSearch
 from .cleanup import _collect_and_empty, drop_exception_state
 from .oom import is_oom
 from .units import format_bytes
@@ -411,8 +412,6 @@ def _cache_key(model, max_new_tokens: int) -> tuple:
 
 def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int) -> tuple[int, str]:
     """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or the limit."""
-    from .batch_size import BatchSearch, _CACHE
-
     if isinstance(batch_size, BatchSearch):
         return max(1, min(batch_size.batch_size, limit)), "given BatchSearch"
     if isinstance(batch_size, int) and not isinstance(batch_size, bool):
@@ -439,8 +438,6 @@ def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_to
 
 def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
     """Store what this run learned where find_max_batch_size looks, so the next run starts there."""
-    from .batch_size import BatchSearch, _CACHE
-
     if budget.ok > 0 and seq > 0:
         size = budget.ok // seq
         fail = (budget.fail // seq) if budget.fail else None
