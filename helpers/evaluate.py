@@ -184,10 +184,15 @@ class ResultsFile:
                             "writable folder (in Colab, /content/... or a mounted Drive folder)") from None
         return done
 
-    def append(self, record: dict) -> None:
-        """Write one record and push it to the disk now (a crash right after keeps it)."""
+    def append(self, record: dict, *, sync: bool = True) -> None:
+        """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
         self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._fh.flush()
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync: what was flushed survives a crash of the machine, not only of the process."""
         os.fsync(self._fh.fileno())
 
     def close(self) -> None:
@@ -238,20 +243,22 @@ class _TokenBudget:
     """Batch sizes from what is known about memory, in batch x sequence-length tokens.
 
     Memory of a generate call grows with batch x (prompt + new tokens), so a failure at 8 x 300
-    tokens says little about 8 x 100. ``ok`` is the largest product that ran, ``fail`` the smallest
-    that ran out of memory; the next batch probes between them (geometric midpoint while far apart),
-    and after ``regrow`` successes in a row a converged bound is probed upwards again.
+    tokens says little about 8 x 100. Until the first OOM the batch doubles after each success (from
+    a known-good or predicted start). Then ``ok`` is the largest product that ran, ``fail`` the
+    smallest that ran out of memory; the next batch probes between them (geometric midpoint while
+    far apart), and after ``regrow`` successes in a row a converged bound is probed upwards again.
     """
 
-    def __init__(self, start: int, limit: int, tolerance: float = 0.9, regrow: int = 16):
-        self.start, self.limit, self.tolerance, self.regrow = start, limit, tolerance, regrow
+    def __init__(self, start: int, limit: int, tolerance: float = 0.9, regrow: int = 16, growth: int = 2):
+        self.start, self.limit, self.tolerance, self.regrow, self.growth = start, limit, tolerance, regrow, growth
         self.ok = 0
         self.fail: int | None = None
         self.streak = 0
+        self.size = start  # used until the first OOM; doubles after each success until then
 
     def size_for(self, seq: int) -> int:
         if self.fail is None:
-            return max(1, min(self.start, self.limit))
+            return max(1, min(self.size, self.limit))
         if self.ok == 0:
             target = self.fail // 2
         elif self.ok >= self.tolerance * self.fail:
@@ -264,6 +271,8 @@ class _TokenBudget:
     def after_success(self, size: int, seq: int) -> None:
         self.ok = max(self.ok, size * seq)
         self.streak += 1
+        if self.fail is None and size >= self.size:
+            self.size = min(self.limit, size * self.growth)  # no limit seen yet: look for it
         if self.fail is not None and self.ok >= self.fail:  # the failure was a transient spike
             self.fail = int(self.ok * 1.5)
         if self.fail is not None and self.streak >= self.regrow and self.ok >= self.tolerance * self.fail:
@@ -396,6 +405,9 @@ def _should_empty_cache(device: torch.device) -> bool:
 # the starting batch size
 
 
+_FIRST_GUESS = 8  # without a cached or predicted size: start here and double while it fits
+
+
 def _load_mode(model) -> str:
     if getattr(model, "is_loaded_in_4bit", False):
         return "nf4"
@@ -411,7 +423,7 @@ def _cache_key(model, max_new_tokens: int) -> tuple:
 
 
 def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int) -> tuple[int, str]:
-    """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or the limit."""
+    """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or a first guess."""
     if isinstance(batch_size, BatchSearch):
         return max(1, min(batch_size.batch_size, limit)), "given BatchSearch"
     if isinstance(batch_size, int) and not isinstance(batch_size, bool):
@@ -433,7 +445,7 @@ def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_to
                 return min(predicted, limit), "estimate"
         except (EstimateError, ValueError, TypeError, AttributeError):
             pass  # unknown architecture: start from the limit and let OOMs find the size
-    return limit, "limit"
+    return min(limit, _FIRST_GUESS), "first guess (grows until memory runs out)"
 
 
 def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
@@ -500,7 +512,7 @@ def safe_generate(
             a JSONL path, or a ``datasets.Dataset``.
         max_new_tokens: new tokens per prompt (fewer only when the context or memory forces it; recorded).
         batch_size: ``"auto"`` (find_max_batch_size's cached value, else the estimator's prediction
-            on CUDA, else ``max_batch_size``), or a starting int; it adapts to memory either way.
+            on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
         results: the JSONL file every finished sample is appended to.
         resume: skip ids already in ``results`` (False: start the file over).
         generation_kwargs: passed to ``model.generate`` (greedy by default).
@@ -637,7 +649,10 @@ def safe_generate(
                 records.append(rec)
             for k, rec in enumerate(records):
                 try:
-                    store.append(rec)
+                    # a batch's samples finish together: flush each, fsync once for the batch
+                    store.append(rec, sync=False)
+                    if k == len(records) - 1:
+                        store.sync()
                 except OSError as e:
                     raise ResultsWriteError(
                         f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
