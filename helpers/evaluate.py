@@ -37,7 +37,7 @@ from .units import format_bytes
 
 __all__ = [
     "EvalError", "ResultsWriteError", "EvalReport", "safe_generate", "load_prompts", "prompt_id",
-    "ResultsFile", "exact_match", "contains_reference", "SCORERS", "simulated_budget", "SimulatedBudget",
+    "ResultsFile", "batch_cache_key", "exact_match", "contains_reference", "SCORERS", "simulated_budget", "SimulatedBudget",
 ]
 
 
@@ -292,7 +292,7 @@ class _TokenBudget:
 # the report
 
 
-@dataclass
+@dataclass(repr=False)
 class EvalReport:
     """What ``safe_generate`` did.
 
@@ -346,6 +346,9 @@ class EvalReport:
         ]
         rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
         return rows
+
+    def __repr__(self) -> str:
+        return f"<EvalReport {self.done} done, {self.skipped} skipped, {self.oom_retries} OOM retries: {self.results_path}>"
 
     def __str__(self) -> str:
         return "EvalReport\n" + "\n".join(f"  {k:<26} {v}" for k, v in self._lines())
@@ -417,7 +420,12 @@ def _load_mode(model) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
 
 
-def _cache_key(model, max_new_tokens: int) -> tuple:
+def batch_cache_key(model, max_new_tokens: int) -> tuple:
+    """The ``find_max_batch_size`` cache key ``safe_generate(batch_size="auto")`` starts from.
+
+    Search once with ``find_max_batch_size(step, key=batch_cache_key(model, 256))`` and every later
+    ``safe_generate`` of that model and length starts at the size found (and learns from each run).
+    """
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return ("safe_generate", str(name), max_new_tokens, str(_device_of(model)))
 
@@ -571,11 +579,16 @@ def safe_generate(
     report.memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    key = _cache_key(model, max_new_tokens)
+    key = batch_cache_key(model, max_new_tokens)
     limit = max(1, min(max_batch_size, len(pending) or 1))
     start, _source = _start_size(model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens,
                                  limit=limit)
     budget = _TokenBudget(start, limit)
+    cached = _CACHE.get(key) if batch_size == "auto" else None
+    if cached is not None and cached.first_failed:
+        # the bound a previous search (or run) found still holds unless memory got tighter
+        seq0 = max(lengths) + max_new_tokens
+        budget.ok, budget.fail = start * seq0, max(cached.first_failed, start + 1) * seq0
     stop = _stop_ids(model, tokenizer)
 
     # longest first: the tightest batches come first, so memory limits are found early and
