@@ -660,24 +660,22 @@ def safe_generate(
                 if scorer is not None and it["reference"] is not None:
                     rec["score"] = {scorer[0]: float(scorer[1](text, it["reference"]))}
                 records.append(rec)
+            # the whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)
             for k, rec in enumerate(records):
                 try:
-                    # a batch's samples finish together: flush each, fsync once for the batch
-                    store.append(rec, sync=False)
+                    store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
                     if k == len(records) - 1:
                         store.sync()
                 except OSError as e:
                     raise ResultsWriteError(
                         f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
-                        f"{report.done} results of this run (and {report.skipped} earlier ones) are safe in the "
-                        "file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
+                        f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
+                        "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
                         "results path, then rerun with resume=True: finished samples are skipped",
                         records[k:]) from e
-                report.done += 1
-                report.new_tokens += rec["new_tokens"]
-                report.truncated += rec["truncated"]
-                if on_result is not None:
-                    on_result(rec)
+            report.done += len(records)
+            report.new_tokens += sum(r["new_tokens"] for r in records)
+            report.truncated += sum(r["truncated"] for r in records)
             i += size
             single_retries, shrink_new = 0, None
             report.batch_sizes.append(size)
@@ -691,6 +689,9 @@ def safe_generate(
             elapsed = time.perf_counter() - started
             bar.set_postfix_str(f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, "
                                 f"{format_bytes(mem)}", refresh=False)
+            if on_result is not None:
+                for rec in records:
+                    on_result(rec)
     finally:
         report.seconds = time.perf_counter() - started
         bar.close()
