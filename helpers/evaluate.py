@@ -32,6 +32,7 @@ import torch
 
 from .batch_size import _CACHE, BatchSearch
 from .cleanup import _collect_and_empty, drop_exception_state
+from .memory import allocated, ram_readout, reserved
 from .oom import is_oom
 from .units import format_bytes
 
@@ -388,18 +389,17 @@ def _device_of(model) -> torch.device:
 
 
 def _memory(device: torch.device) -> int:
+    """GPU bytes held by tensors on CUDA, the process's resident RAM elsewhere."""
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    import psutil
-
-    return psutil.Process().memory_info().rss
+        return allocated(device)
+    return ram_readout().process_rss
 
 
 def _should_empty_cache(device: torch.device) -> bool:
     """True when much memory sits reserved but unallocated (worth giving back to avoid fragmentation OOMs)."""
     if device.type != "cuda":
         return False
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    unused = reserved(device) - allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
     return unused > max(1 << 30, total // 4)
 
