@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -551,7 +552,7 @@ def safe_generate(
     if tokenizer.pad_token_id is None:
         raise EvalError("the tokenizer has no pad token: load with helpers.loading.load, or call "
                         "helpers.loading.setup_tokenizer(tokenizer, model) first")
-    tokenizer.padding_side = "left"  # every prompt must end where generation starts
+    padding_side = tokenizer.padding_side
 
     # token lengths and context limits, before touching the model or the results file
     lengths = [len(ids) for ids in tokenizer([it["prompt"] for it in items])["input_ids"]]
@@ -573,6 +574,11 @@ def safe_generate(
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
     pending = [(it, n) for it, n in zip(items, lengths, strict=True) if it["id"] not in done]
+    other = sorted({json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)})
+    if other:
+        warnings.warn(f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
+                      f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
+                      stacklevel=2)
     report.skipped = len(items) - len(pending)
 
     device = _device_of(model)
@@ -603,6 +609,7 @@ def safe_generate(
     bar = tqdm(total=len(pending), desc="safe_generate", unit="sample", disable=not progress)
     started = time.perf_counter()
     peak = _memory(device)
+    tokenizer.padding_side = "left"  # every prompt must end where generation starts
     i = 0
     single_retries = 0
     shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
@@ -693,6 +700,7 @@ def safe_generate(
                 for rec in records:
                     on_result(rec)
     finally:
+        tokenizer.padding_side = padding_side
         report.seconds = time.perf_counter() - started
         bar.close()
         store.close()

@@ -165,6 +165,8 @@ def test_interrupted_run_resumes_without_loss(tiny, reference, tmp_path):
     _assert_complete(path, reference)
     again = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
     assert again.done == 0 and again.skipped == len(PROMPTS) and len(again.records) == len(PROMPTS)
+    with pytest.warns(UserWarning, match="other settings"):
+        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW + 1, results=path, progress=False)
 
 
 def test_torn_last_line_is_repaired_not_duplicated(tiny, reference, tmp_path):
