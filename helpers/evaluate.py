@@ -251,7 +251,7 @@ class _TokenBudget:
     far apart), and after ``regrow`` successes in a row a converged bound is probed upwards again.
     """
 
-    def __init__(self, start: int, limit: int, tolerance: float = 0.9, regrow: int = 16, growth: int = 2):
+    def __init__(self, start: int, limit: int, tolerance: float = 0.8, regrow: int = 16, growth: int = 2):
         self.start, self.limit, self.tolerance, self.regrow, self.growth = start, limit, tolerance, regrow, growth
         self.ok = 0
         self.fail: int | None = None
