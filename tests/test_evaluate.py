@@ -21,6 +21,7 @@ from helpers.evaluate import (
     EvalError,
     ResultsFile,
     ResultsWriteError,
+    batch_cache_key,
     contains_reference,
     exact_match,
     load_prompts,
@@ -296,8 +297,25 @@ def test_auto_batch_starts_from_the_finders_cache(tiny, tmp_path):
     assert second.oom_retries == 0 and second.batch_sizes[0] >= 2
 
 
+def test_auto_batch_starts_from_a_search_the_user_ran(tiny, tmp_path):
+    model, tok = tiny
+    bs.clear_cache()
+    longest = max(PROMPTS, key=lambda p: len(tok(p)["input_ids"]))
+    seq = len(tok(longest)["input_ids"]) + NEW
+
+    def step(b):
+        enc = tok([longest] * b, return_tensors="pt", padding=True)
+        model.generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    with simulated_budget(model, tokens=5 * seq):
+        search = bs.find_max_batch_size(step, key=batch_cache_key(model, NEW), limit=len(PROMPTS))
+        assert search.max_ok == 5
+        report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
+    assert report.batch_sizes[0] == 5 and report.oom_retries == 0 and report.done == len(PROMPTS)
+
+
 @pytest.mark.cuda
-def test_cuda_oom_is_retried(tmp_path, tiny_llama):  # pragma: no cover - needs a GPU
+def test_runs_on_cuda_and_reports_gpu_memory(tmp_path, tiny_llama):  # pragma: no cover - needs a GPU
     from helpers.loading import load
 
     model, tok, _ = load(str(tiny_llama), load="fp16")
