@@ -306,6 +306,7 @@ class EvalReport:
             allocator cache was emptied (only after an OOM or when much memory sat cached unused).
         batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
             memory bytes) per batch; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
+        started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
     """
@@ -324,6 +325,7 @@ class EvalReport:
     peak_memory: int | None = None
     memory_kind: str = "process RSS"
     repaired: bool = False
+    started_from: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
 
@@ -342,7 +344,8 @@ class EvalReport:
             ("truncated", f"{self.truncated} (recorded with fewer new tokens)"),
             ("throughput", f"{self.new_tokens} new tokens in {self.seconds:.1f} s = {self.tokens_per_s:.1f} tokens/s"),
             ("OOM retries", f"{self.oom_retries}; cache emptied {self.cache_empties}x"),
-            ("batch sizes", f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none"),
+            ("batch sizes", (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
+             + (f"; started at {self.started_from}" if self.started_from else "")),
             (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
             ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
         ]
@@ -454,7 +457,7 @@ def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_to
                 return min(predicted, limit), "estimate"
         except (EstimateError, ValueError, TypeError, AttributeError):
             pass  # unknown architecture: start from the limit and let OOMs find the size
-    return min(limit, _FIRST_GUESS), "first guess (grows until memory runs out)"
+    return min(limit, _FIRST_GUESS), "first guess, doubles while it fits"
 
 
 def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
@@ -587,9 +590,10 @@ def safe_generate(
         torch.cuda.reset_peak_memory_stats(device)
     key = batch_cache_key(model, max_new_tokens)
     limit = max(1, min(max_batch_size, len(pending) or 1))
-    start, _source = _start_size(model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens,
+    start, source = _start_size(model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens,
                                  limit=limit)
     budget = _TokenBudget(start, limit)
+    report.started_from = f"{start} ({source})"
     cached = _CACHE.get(key) if batch_size == "auto" else None
     if cached is not None and cached.first_failed:
         # the bound a previous search (or run) found still holds unless memory got tighter
