@@ -1,0 +1,783 @@
+"""OOM-safe, resumable evaluation: generate for many prompts as fast as memory allows, lose nothing.
+
+``safe_generate(model, tokenizer, prompts, results="eval.jsonl")`` sorts prompts by token length and
+generates them in left-padded batches whose size adapts to memory: an OOM releases what the failed
+batch pinned, lowers the token budget (batch x sequence length) to a size between the largest that
+ran and the smallest that failed, and retries the same prompts; shorter prompts later get bigger
+batches again. A prompt that does not fit even alone is retried with fewer new tokens and recorded
+as truncated, never dropped. Every finished sample is appended to a JSONL file and flushed at once;
+a rerun skips finished ids and repairs a line torn by a crash.
+
+``simulated_budget(model, tokens=...)`` makes a CPU run behave like a small GPU (tests, benchmark,
+the notebook): a ``generate`` call whose batch x (prompt + new tokens) exceeds the budget runs out
+of memory for real (an allocation too large for any machine), raised as ``torch.OutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batch_size import _CACHE, BatchSearch
+from .cleanup import _collect_and_empty, drop_exception_state
+from .memory import allocated, ram_readout, reserved
+from .oom import is_oom
+from .units import format_bytes
+
+__all__ = [
+    "EvalError", "ResultsWriteError", "EvalReport", "safe_generate", "load_prompts", "prompt_id",
+    "ResultsFile", "batch_cache_key", "exact_match", "contains_reference", "SCORERS", "simulated_budget", "SimulatedBudget",
+]
+
+
+class EvalError(ValueError):
+    """Bad input to ``safe_generate`` (raised before any generation)."""
+
+
+class ResultsWriteError(OSError):
+    """A finished result could not be written (disk full, file too large, permissions).
+
+    ``unsaved`` holds the finished records that did not reach the disk, so even then nothing is lost.
+    """
+
+    def __init__(self, message: str, unsaved: list[dict]):
+        super().__init__(message)
+        self.unsaved = unsaved
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+
+
+def prompt_id(prompt: str) -> str:
+    """A stable id for a prompt without one: the first 12 hex digits of its SHA-1."""
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:12]
+
+
+def _rows(prompts: Any) -> Iterable[Any]:
+    if isinstance(prompts, str | os.PathLike):
+        path = Path(prompts)
+        if not path.is_file():
+            raise EvalError(f"prompt file {path} not found: pass a JSONL path with one {{'prompt': ...}} per line, "
+                            "or a list of prompts")
+        rows = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise EvalError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+        return rows
+    if hasattr(prompts, "column_names") and hasattr(prompts, "__iter__"):  # a datasets.Dataset
+        return list(prompts)
+    if isinstance(prompts, Iterable):
+        return list(prompts)
+    raise EvalError(f"prompts must be a list of strings or dicts, a JSONL path or a datasets.Dataset, "
+                    f"not {type(prompts).__name__}")
+
+
+def load_prompts(prompts: Any) -> list[dict]:
+    """Normalize prompts to ``[{'id', 'prompt', 'reference'}]`` (ids from the data or stable hashes).
+
+    Accepts a list of strings, a list of dicts with ``prompt`` (and optional ``id``, ``reference``),
+    a JSONL path, or a ``datasets.Dataset`` with those columns. Repeated prompts without ids get
+    ``#2``, ``#3``... suffixes; repeated explicit ids are an error.
+    """
+    out: list[dict] = []
+    seen: dict[str, int] = {}
+    for n, row in enumerate(_rows(prompts)):
+        if isinstance(row, str):
+            row = {"prompt": row}
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise EvalError(f"prompt #{n} must be a string or a dict with a 'prompt' string, got {row!r:.80}")
+        if row.get("id") is not None:
+            pid = str(row["id"])
+            if pid in seen:
+                raise EvalError(f"id {pid!r} appears twice (prompts #{seen[pid]} and #{n}): ids must be unique")
+        else:
+            pid = base = prompt_id(row["prompt"])
+            k = 1
+            while pid in seen:
+                k += 1
+                pid = f"{base}#{k}"
+        seen[pid] = n
+        ref = row.get("reference")
+        out.append({"id": pid, "prompt": row["prompt"], "reference": None if ref is None else str(ref)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# results file
+
+
+class ResultsFile:
+    """An append-only JSONL file of finished samples, flushed and fsynced per sample.
+
+    ``open()`` reads what a previous run finished; a last line torn by a crash (no newline, or not
+    valid JSON) is cut off and kept in ``<path>.torn`` for inspection, so it is neither lost nor
+    duplicated.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.repaired = False
+        self._fh = None
+
+    def read(self) -> dict[str, dict]:
+        """Finished records by id (repairing a torn last line first)."""
+        if not self.path.exists():
+            return {}
+        data = self.path.read_bytes()
+        records: dict[str, dict] = {}
+        good_end = 0
+        pos = 0
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            end = pos + len(line) + 1  # including the newline
+            last = i == len(lines) - 1
+            if not line.strip():
+                pos = end
+                if not last:
+                    good_end = end
+                continue
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and "id" in rec and not last  # the last piece has no newline: torn
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                if not last and any(x.strip() for x in lines[i + 1:]):
+                    raise EvalError(f"{self.path} line {i + 1} is not a valid result record: fix or move the file "
+                                    "(only a torn last line is repaired automatically)")
+                break
+            records[str(rec["id"])] = rec
+            good_end = pos = end
+        if good_end < len(data):
+            torn = data[good_end:]
+            if torn.strip():
+                with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
+                    f.write(torn + b"\n")
+                self.repaired = True
+            with open(self.path, "r+b") as f:
+                f.truncate(good_end)
+        return records
+
+    def open(self) -> dict[str, dict]:
+        """Check the file can be written (before any generation) and return what is already finished."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            done = self.read()
+            self._fh = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise EvalError(f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
+                            "writable folder (in Colab, /content/... or a mounted Drive folder)") from None
+        return done
+
+    def append(self, record: dict, *, sync: bool = True) -> None:
+        """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync: what was flushed survives a crash of the machine, not only of the process."""
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()
+            self._fh = None
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split()).strip(" .!?")
+
+
+def exact_match(output: str, reference: str) -> float:
+    """1.0 when the output equals the reference (case, surrounding spaces and final punctuation ignored)."""
+    return float(_norm(output) == _norm(reference))
+
+
+def contains_reference(output: str, reference: str) -> float:
+    """1.0 when the (normalized) reference appears in the output."""
+    return float(_norm(reference) in _norm(output))
+
+
+SCORERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "contains": contains_reference}
+
+
+def _scorer(score) -> tuple[str, Callable[[str, str], float]] | None:
+    if score is None:
+        return None
+    if isinstance(score, str):
+        if score not in SCORERS:
+            raise EvalError(f"unknown score {score!r}: use one of {', '.join(SCORERS)} or a function(output, reference)")
+        return score, SCORERS[score]
+    if callable(score):
+        return getattr(score, "__name__", "score"), score
+    raise EvalError("score must be None, a name in SCORERS, or a function(output, reference) -> float")
+
+
+# ---------------------------------------------------------------------------------------------
+# the batch controller
+
+
+class _TokenBudget:
+    """Batch sizes from what is known about memory, in batch x sequence-length tokens.
+
+    Memory of a generate call grows with batch x (prompt + new tokens), so a failure at 8 x 300
+    tokens says little about 8 x 100. Until the first OOM the batch doubles after each success (from
+    a known-good or predicted start). Then ``ok`` is the largest product that ran, ``fail`` the
+    smallest that ran out of memory; the next batch probes between them (geometric midpoint while
+    far apart), and after ``regrow`` successes in a row a converged bound is probed upwards again.
+    """
+
+    def __init__(self, start: int, limit: int, tolerance: float = 0.8, regrow: int = 16, growth: int = 2):
+        self.start, self.limit, self.tolerance, self.regrow, self.growth = start, limit, tolerance, regrow, growth
+        self.ok = 0
+        self.fail: int | None = None
+        self.streak = 0
+        self.size = start  # used until the first OOM; doubles after each success until then
+
+    def size_for(self, seq: int) -> int:
+        if self.fail is None:
+            return max(1, min(self.size, self.limit))
+        if self.ok == 0:
+            target = self.fail // 2
+        elif self.ok >= self.tolerance * self.fail:
+            target = self.ok
+        else:
+            target = int(math.sqrt(self.ok * self.fail))
+        size = min(target // seq, (self.fail - 1) // seq)
+        return max(1, min(size, self.limit))
+
+    def after_success(self, size: int, seq: int) -> None:
+        self.ok = max(self.ok, size * seq)
+        self.streak += 1
+        if self.fail is None and size >= self.size:
+            self.size = min(self.limit, size * self.growth)  # no limit seen yet: look for it
+        if self.fail is not None and self.ok >= self.fail:  # the failure was a transient spike
+            self.fail = int(self.ok * 1.5)
+        if self.fail is not None and self.streak >= self.regrow and self.ok >= self.tolerance * self.fail:
+            # memory may have come back (another tensor freed, a random spike gone): look again
+            self.fail = int(self.fail * 1.5)
+            self.streak = 0
+
+    def after_oom(self, size: int, seq: int) -> None:
+        tokens = size * seq
+        self.fail = tokens if self.fail is None else min(self.fail, tokens)
+        if self.ok >= self.fail:  # memory got tighter than before: what ran is no longer known to run
+            self.ok = 0
+        self.streak = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+@dataclass(repr=False)
+class EvalReport:
+    """What ``safe_generate`` did.
+
+    Attributes:
+        total: prompts given; done: generated in this run; skipped: already in the results file.
+        truncated: samples recorded with fewer new tokens than asked (context length or memory).
+        new_tokens, seconds, tokens_per_s: generated in this run.
+        oom_retries: batches that ran out of memory and were retried; cache_empties: how often the
+            allocator cache was emptied (only after an OOM or when much memory sat cached unused).
+        batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
+            memory bytes) per batch; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
+        started_from: the first batch size and where it came from (cache, estimate, given, first guess).
+        scores: the mean of each score over samples with a reference.
+        records: every result for these prompts (this run and earlier ones), in prompt order.
+    """
+
+    results_path: Path
+    total: int = 0
+    done: int = 0
+    skipped: int = 0
+    truncated: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    oom_retries: int = 0
+    cache_empties: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    peak_memory: int | None = None
+    memory_kind: str = "process RSS"
+    repaired: bool = False
+    started_from: str = ""
+    scores: dict[str, float] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def outputs(self) -> list[str]:
+        return [r["output"] for r in self.records]
+
+    def _lines(self) -> list[tuple[str, str]]:
+        sizes = sorted(set(self.batch_sizes))
+        rows = [
+            ("samples", f"{self.done} generated, {self.skipped} already done, {self.total} in all"),
+            ("truncated", f"{self.truncated} (recorded with fewer new tokens)"),
+            ("throughput", f"{self.new_tokens} new tokens in {self.seconds:.1f} s = {self.tokens_per_s:.1f} tokens/s"),
+            ("OOM retries", f"{self.oom_retries}; cache emptied {self.cache_empties}x"),
+            ("batch sizes", (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
+             + (f"; started at {self.started_from}" if self.started_from else "")),
+            (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
+            ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
+        ]
+        rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
+        return rows
+
+    def __repr__(self) -> str:
+        return f"<EvalReport {self.done} done, {self.skipped} skipped, {self.oom_retries} OOM retries: {self.results_path}>"
+
+    def __str__(self) -> str:
+        return "EvalReport\n" + "\n".join(f"  {k:<26} {v}" for k, v in self._lines())
+
+    def _repr_html_(self) -> str:
+        from .html import table
+
+        return table(["", ""], self._lines(), title="safe_generate")
+
+    def plot(self):
+        """A matplotlib figure: batch size and memory per batch over time."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3))
+        t = [p[0] for p in self.timeline]
+        ax.step(t, [p[1] for p in self.timeline], where="post", color="tab:blue")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("batch size", color="tab:blue")
+        mem = ax.twinx()
+        mem.plot(t, [p[2] / 2**20 for p in self.timeline], color="tab:orange", marker=".", lw=1)
+        mem.set_ylabel(f"{self.memory_kind} (MiB)", color="tab:orange")
+        ax.set_title(f"{len(self.batch_sizes)} batches, {self.oom_retries} OOM retries")
+        fig.tight_layout()
+        plt.close(fig)
+        return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# memory readouts
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _memory(device: torch.device) -> int:
+    """GPU bytes held by tensors on CUDA, the process's resident RAM elsewhere."""
+    if device.type == "cuda":
+        return allocated(device)
+    return ram_readout().process_rss
+
+
+def _should_empty_cache(device: torch.device) -> bool:
+    """True when much memory sits reserved but unallocated (worth giving back to avoid fragmentation OOMs)."""
+    if device.type != "cuda":
+        return False
+    unused = reserved(device) - allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return unused > max(1 << 30, total // 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the starting batch size
+
+
+_FIRST_GUESS = 8  # without a cached or predicted size: start here and double while it fits
+
+
+def _load_mode(model) -> str:
+    if getattr(model, "is_loaded_in_4bit", False):
+        return "nf4"
+    if getattr(model, "is_loaded_in_8bit", False):
+        return "int8"
+    dtype = getattr(model, "dtype", torch.float16)
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
+
+
+def batch_cache_key(model, max_new_tokens: int) -> tuple:
+    """The ``find_max_batch_size`` cache key ``safe_generate(batch_size="auto")`` starts from.
+
+    Search once with ``find_max_batch_size(step, key=batch_cache_key(model, 256))`` and every later
+    ``safe_generate`` of that model and length starts at the size found (and learns from each run).
+    """
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return ("safe_generate", str(name), max_new_tokens, str(_device_of(model)))
+
+
+def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int) -> tuple[int, str]:
+    """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or a first guess."""
+    if isinstance(batch_size, BatchSearch):
+        return max(1, min(batch_size.batch_size, limit)), "given BatchSearch"
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool):
+        if batch_size < 1:
+            raise EvalError(f"batch_size must be 'auto' or a positive int, got {batch_size}")
+        return min(batch_size, limit), "given"
+    if batch_size != "auto":
+        raise EvalError(f"batch_size must be 'auto', a positive int or a BatchSearch, got {batch_size!r}")
+    cached = _CACHE.get(key)
+    if cached is not None and cached.max_ok > 0:
+        return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
+    if _device_of(model).type == "cuda":
+        from .estimate import EstimateError, max_batch_that_fits
+
+        try:
+            predicted = max_batch_that_fits(model, device="current", load=_load_mode(model), limit=limit,
+                                            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens)
+            if predicted > 0:
+                return min(predicted, limit), "estimate"
+        except (EstimateError, ValueError, TypeError, AttributeError):
+            pass  # unknown architecture: start from the limit and let OOMs find the size
+    return min(limit, _FIRST_GUESS), "first guess, doubles while it fits"
+
+
+def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
+    """Store what this run learned where find_max_batch_size looks, so the next run starts there."""
+    if budget.ok > 0 and seq > 0:
+        size = budget.ok // seq
+        fail = (budget.fail // seq) if budget.fail else None
+        _CACHE[key] = BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# safe_generate
+
+
+def _context_length(model, tokenizer) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 1 << 30 else None
+
+
+def _count_new(ids: torch.Tensor, stop: set[int]) -> int:
+    """New tokens up to and including the first end-of-sequence token (the rest is padding)."""
+    for i, t in enumerate(ids.tolist()):
+        if t in stop:
+            return i + 1
+    return len(ids)
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def safe_generate(
+    model,
+    tokenizer,
+    prompts: Any,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int | str = "auto",
+    results: str | os.PathLike = "eval_results.jsonl",
+    resume: bool = True,
+    generation_kwargs: dict | None = None,
+    score: str | Callable[[str, str], float] | None = None,
+    max_batch_size: int = 64,
+    progress: bool = True,
+    on_result: Callable[[dict], None] | None = None,
+) -> EvalReport:
+    """Generate for every prompt without losing a result to an OOM or a crash.
+
+    Args:
+        model, tokenizer: a loaded causal LM and its tokenizer (``helpers.loading.load`` sets up padding).
+        prompts: a list of strings, a list of dicts with ``prompt`` (optional ``id``, ``reference``),
+            a JSONL path, or a ``datasets.Dataset``.
+        max_new_tokens: new tokens per prompt (fewer only when the context or memory forces it; recorded).
+        batch_size: ``"auto"`` (find_max_batch_size's cached value, else the estimator's prediction
+            on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
+        results: the JSONL file every finished sample is appended to.
+        resume: skip ids already in ``results`` (False: start the file over).
+        generation_kwargs: passed to ``model.generate`` (greedy by default).
+        score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
+        max_batch_size: never batch more prompts than this.
+        progress: show a tqdm bar (a widget in notebooks).
+        on_result: called with each record once it is on disk.
+
+    Returns:
+        An :class:`EvalReport`.
+
+    Raises:
+        EvalError: bad input (no prompts, a prompt longer than the context, an unwritable path),
+            raised before any generation.
+        ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
+            and everything written before it stays in the file.
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    items = load_prompts(prompts)
+    if not items:
+        raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
+    scorer = _scorer(score)
+    gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
+    for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
+        if reserved_kw in gen_kwargs:
+            raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
+    if tokenizer.pad_token_id is None:
+        raise EvalError("the tokenizer has no pad token: load with helpers.loading.load, or call "
+                        "helpers.loading.setup_tokenizer(tokenizer, model) first")
+    padding_side = tokenizer.padding_side
+
+    # token lengths and context limits, before touching the model or the results file
+    lengths = [len(ids) for ids in tokenizer([it["prompt"] for it in items])["input_ids"]]
+    context = _context_length(model, tokenizer)
+    if context is not None:
+        too_long = [(it["id"], n) for it, n in zip(items, lengths, strict=True) if n >= context]
+        if too_long:
+            shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
+            raise EvalError(f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
+                            f"{context}-token context: {shown}. Shorten or drop them")
+
+    store = ResultsFile(results)
+    if not resume and store.path.exists():
+        try:
+            store.path.unlink()
+        except OSError as e:
+            raise EvalError(f"cannot start {store.path} over: {e.strerror or e}") from None
+    done = store.open()
+    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
+    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+    pending = [(it, n) for it, n in zip(items, lengths, strict=True) if it["id"] not in done]
+    other = sorted({json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)})
+    if other:
+        warnings.warn(f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
+                      f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
+                      stacklevel=2)
+    report.skipped = len(items) - len(pending)
+
+    device = _device_of(model)
+    report.memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    key = batch_cache_key(model, max_new_tokens)
+    limit = max(1, min(max_batch_size, len(pending) or 1))
+    start, source = _start_size(model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens,
+                                 limit=limit)
+    budget = _TokenBudget(start, limit)
+    report.started_from = f"{start} ({source})"
+    cached = _CACHE.get(key) if batch_size == "auto" else None
+    if cached is not None and cached.first_failed:
+        # the bound a previous search (or run) found still holds unless memory got tighter
+        seq0 = max(lengths) + max_new_tokens
+        budget.ok, budget.fail = start * seq0, max(cached.first_failed, start + 1) * seq0
+    stop = _stop_ids(model, tokenizer)
+
+    # longest first: the tightest batches come first, so memory limits are found early and
+    # later (shorter) batches grow; similar lengths together waste little compute on padding
+    pending.sort(key=lambda p: -p[1])
+
+    def cap(n: int) -> int:
+        return max_new_tokens if context is None else min(max_new_tokens, context - n)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(pending), desc="safe_generate", unit="sample", disable=not progress)
+    started = time.perf_counter()
+    peak = _memory(device)
+    tokenizer.padding_side = "left"  # every prompt must end where generation starts
+    i = 0
+    single_retries = 0
+    shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
+    try:
+        while i < len(pending):
+            first_len = pending[i][1]
+            new = cap(first_len)
+            if shrink_new is not None:
+                new = min(new, shrink_new)
+            seq = first_len + new
+            size = budget.size_for(seq) if shrink_new is None else 1
+            batch = [pending[i]]
+            # the same new-token budget for the whole batch (context-capped prompts go on their own)
+            while len(batch) < size and i + len(batch) < len(pending) and cap(pending[i + len(batch)][1]) >= new:
+                batch.append(pending[i + len(batch)])
+            size = len(batch)
+            t0 = time.perf_counter()
+            try:
+                enc = tokenizer([it["prompt"] for it, _ in batch], return_tensors="pt", padding=True).to(device)
+                with torch.inference_mode():
+                    out = model.generate(**enc, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id, **gen_kwargs)
+                gen_ids = out[:, enc["input_ids"].shape[1]:].cpu()
+                del out, enc
+            except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
+                if not is_oom(e):
+                    raise
+                del e  # its traceback pins the failed batch's activations and KV cache
+                drop_exception_state()
+                _collect_and_empty()
+                report.oom_retries += 1
+                report.cache_empties += 1
+                if size > 1:
+                    budget.after_oom(size, seq)
+                elif single_retries < 1:
+                    single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
+                elif new > 1:
+                    shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
+                else:
+                    raise  # not even one new token fits: nothing to record; the caller sees the OOM
+                continue
+            seconds = time.perf_counter() - t0
+            texts = tokenizer.batch_decode(gen_ids, skip_special_tokens=True)
+            budget.after_success(size, seq)
+            records = []
+            for (it, n), ids, text in zip(batch, gen_ids, texts, strict=True):
+                truncated = new < max_new_tokens
+                reason = None
+                if truncated:
+                    reason = "memory" if shrink_new is not None else "context"
+                rec = {"id": it["id"], "prompt": it["prompt"], "reference": it["reference"], "output": text,
+                       "new_tokens": _count_new(ids, stop), "prompt_tokens": n, "truncated": truncated,
+                       "truncated_reason": reason, "max_new_tokens": new, "batch_size": size,
+                       "settings": settings, "seconds": round(seconds / size, 6),
+                       "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+                if scorer is not None and it["reference"] is not None:
+                    rec["score"] = {scorer[0]: float(scorer[1](text, it["reference"]))}
+                records.append(rec)
+            # the whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)
+            for k, rec in enumerate(records):
+                try:
+                    store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
+                    if k == len(records) - 1:
+                        store.sync()
+                except OSError as e:
+                    raise ResultsWriteError(
+                        f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
+                        f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
+                        "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
+                        "results path, then rerun with resume=True: finished samples are skipped",
+                        records[k:]) from e
+            report.done += len(records)
+            report.new_tokens += sum(r["new_tokens"] for r in records)
+            report.truncated += sum(r["truncated"] for r in records)
+            i += size
+            single_retries, shrink_new = 0, None
+            report.batch_sizes.append(size)
+            mem = _memory(device)
+            peak = max(peak, mem)
+            report.timeline.append((time.perf_counter() - started, size, mem))
+            if _should_empty_cache(device):
+                torch.cuda.empty_cache()
+                report.cache_empties += 1
+            bar.update(size)
+            elapsed = time.perf_counter() - started
+            bar.set_postfix_str(f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, "
+                                f"{format_bytes(mem)}", refresh=False)
+            if on_result is not None:
+                for rec in records:
+                    on_result(rec)
+    finally:
+        tokenizer.padding_side = padding_side
+        report.seconds = time.perf_counter() - started
+        bar.close()
+        store.close()
+        _remember(key, budget, max_new_tokens + (max(lengths) if lengths else 0))
+    report.peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak
+    finished = store.read()
+    report.records = [finished[it["id"]] for it in items if it["id"] in finished]
+    if scorer is not None:
+        values = [r["score"][scorer[0]] for r in report.records if scorer[0] in (r.get("score") or {})]
+        if values:
+            report.scores[scorer[0]] = sum(values) / len(values)
+    return report
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# a memory budget for CPU runs
+
+
+@dataclass
+class SimulatedBudget:
+    """A ``generate`` that runs out of memory like a small GPU (see :func:`simulated_budget`)."""
+
+    tokens: int
+    oom_rate: float = 0.0
+    seed: int = 0
+    calls: int = 0
+    ooms: int = 0
+    _rng: random.Random = field(default=None, repr=False)
+    _last_oom: bool = field(default=False, repr=False)
+
+    def check(self, batch: int, seq: int) -> None:
+        self.calls += 1
+        over = batch * seq > self.tokens
+        spike = not self._last_oom and self.oom_rate > 0 and self._rng.random() < self.oom_rate
+        self._last_oom = over or spike
+        if over or spike:
+            self.ooms += 1
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocator failure
+            except RuntimeError as e:
+                why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
+                raise torch.OutOfMemoryError(f"CUDA out of memory (simulated budget: {why}). "
+                                             f"Tried to allocate {format_bytes(1 << 50)}") from e
+
+
+@contextlib.contextmanager
+def simulated_budget(model, tokens: int, *, oom_rate: float = 0.0, seed: int = 0):
+    """Within the block, ``model.generate`` runs out of memory when batch x (prompt + new tokens) > ``tokens``.
+
+    With ``oom_rate`` > 0 it also fails at random moments (seeded; never twice in a row), like a
+    fragmentation spike on a real GPU. The error is a ``torch.OutOfMemoryError`` raised from a real
+    allocator failure, so ``is_oom`` and the cleanup path see exactly what a GPU OOM gives them.
+    Yields the :class:`SimulatedBudget` (``.calls``, ``.ooms``).
+    """
+    budget = SimulatedBudget(tokens=tokens, oom_rate=oom_rate, seed=seed, _rng=random.Random(seed))
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch, prompt = (ids.shape[0], ids.shape[1]) if ids is not None else (1, 0)
+        budget.check(batch, prompt + int(kwargs.get("max_new_tokens", 0)))
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield budget
+    finally:
+        del model.generate  # the instance attribute goes, the class method is back

@@ -1,0 +1,170 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Evaluate without losing a result
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/03_safe_eval.ipynb)
+#
+# The usual advice for evaluating on a small GPU is batch 1, `torch.cuda.empty_cache()` every 10
+# samples, and stop at the first OOM: slow, and a crash at sample 480 of 500 loses all 480.
+# `safe_generate` runs as fast as memory allows, adapts when memory runs short, and writes every
+# finished sample to disk at once. Steps: load with a plan -> look at the prompts -> evaluate, get
+# interrupted halfway -> resume -> report, plot and a check that every prompt is there exactly once.
+
+# %%
+# Install oomkit and fetch the eval prompts (in Colab only; locally `make` has done both).
+import sys
+
+if "google.colab" in sys.modules:
+    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+    # !mkdir -p data/eval && wget -q -nc -P data/eval https://raw.githubusercontent.com/oomkit/oomkit/main/data/eval/prompts.jsonl
+
+# %% tags=["parameters"]
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # hub id or local path
+LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
+PROMPTS_FILE = "data/eval/prompts.jsonl"  # JSONL: {"id", "prompt", "reference"} per line
+RESULTS = "eval_results.jsonl"  # in Colab, a Drive path survives a runtime reset
+MAX_NEW_TOKENS = 64
+BATCH_SIZE = "auto"  # or a starting int; it adapts either way
+SCORE = "contains"  # "exact_match", "contains", or a function(output, reference) -> float
+INTERRUPT_AFTER = 20  # simulate pressing Stop after this many samples (None: do not)
+SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
+
+# %% [markdown]
+# ## Why batches of similar length, and why adaptive
+#
+# **Batch 1 wastes the GPU.** Generating one token for one prompt reads every weight of the model
+# from memory; for 32 prompts it reads them once too. Small-batch generation is limited by memory
+# bandwidth, not arithmetic, so a batch of 16 costs little more per step than a batch of 1 and
+# produces 16 times the tokens.
+#
+# **Mixed lengths waste compute on padding.** In a batch, every prompt is left-padded to the
+# longest one; a 20-token question next to a 400-token one computes 380 tokens of padding, and the
+# KV cache holds them too. `safe_generate` sorts prompts by token length, so each batch holds
+# similar lengths and little is padded. It starts with the longest prompts: the tightest batches
+# come first, memory limits are found early, and the shorter prompts later get bigger batches.
+#
+# **Adaptive batches instead of "stop at the first OOM".** Memory needed grows with batch x
+# (prompt + new tokens). The starting size comes from `find_max_batch_size`'s cache or the memory
+# estimator; on an OOM the failed batch's memory is released (its traceback pinned it), the size
+# moves between the largest product that ran and the smallest that failed (a search, not blind
+# halving), and the same prompts are retried. A prompt that does not fit even alone is retried with
+# fewer new tokens and recorded as truncated. The cache is emptied after an OOM or when much memory
+# sits cached unused, not every N samples: `empty_cache()` in a loop only makes the allocator
+# request the same memory again.
+#
+# ## 1. Load with a plan
+
+# %%
+from helpers import snapshot
+from helpers.loading import LoadPlan, load
+
+plan = LoadPlan(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8, prompt_tokens=128)
+model, tokenizer, load_report = load(plan)
+load_report
+
+# %%
+before = snapshot()
+before
+
+# %% [markdown]
+# ## 2. The prompts
+# Each has an `id` (results are matched by id on resume; prompts without one get a stable hash of
+# their text) and a `reference` answer for the score.
+
+# %%
+from helpers.evaluate import load_prompts
+
+prompts = load_prompts(PROMPTS_FILE)
+lengths = sorted(len(ids) for ids in tokenizer([p["prompt"] for p in prompts])["input_ids"])
+print(f"{len(prompts)} prompts, {lengths[0]} to {lengths[-1]} tokens (median {lengths[len(lengths) // 2]})")
+prompts[0]
+
+# %% [markdown]
+# ## 3. Evaluate, and get interrupted halfway
+# `on_result` is called after each sample is on disk; here it raises `KeyboardInterrupt` after
+# `INTERRUPT_AFTER` samples, exactly what pressing Stop does. (A crashed or reset runtime is the
+# same story: the file keeps every finished line, and a line torn mid-write is repaired on resume.)
+# `resume=False` starts the file over for this demo.
+
+# %%
+import contextlib
+
+from helpers.evaluate import safe_generate, simulated_budget
+
+
+def memory_limit():
+    """A simulated GPU budget on CPU demos; nothing on a real GPU."""
+    return simulated_budget(model, tokens=SIMULATED_BUDGET) if SIMULATED_BUDGET else contextlib.nullcontext()
+
+
+def stop_after(n):
+    seen = []
+
+    def callback(record):
+        seen.append(record["id"])
+        if n is not None and len(seen) >= n:
+            raise KeyboardInterrupt(f"stopped after {n} samples")
+
+    return callback
+
+
+try:
+    with memory_limit():
+        safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE,
+                      results=RESULTS, resume=False, score=SCORE, on_result=stop_after(INTERRUPT_AFTER))
+except KeyboardInterrupt as stop:
+    print(f"interrupted: {stop}")
+
+with open(RESULTS) as f:
+    print(f"{sum(1 for _ in f)} finished samples are safe in {RESULTS}")
+
+# %% [markdown]
+# ## 4. Resume
+# The same call with `resume=True` (the default) skips every id already in the file and does the
+# rest.
+
+# %%
+with memory_limit():
+    report = safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE,
+                           results=RESULTS, score=SCORE)
+report
+
+# %% [markdown]
+# Batch size and memory per batch over time: the batch grows while it fits, drops after an OOM,
+# and grows again as the prompts get shorter. The resumed run started from what the interrupted
+# one learned (kept in `find_max_batch_size`'s cache), so it usually needs no OOM at all.
+
+# %%
+report.plot()
+
+# %% [markdown]
+# ## 5. Nothing lost, nothing twice
+
+# %%
+import json
+
+with open(RESULTS) as f:
+    rows = [json.loads(line) for line in f]
+ids = [r["id"] for r in rows]
+assert len(ids) == len(set(ids)) == len(prompts), "a sample is missing or duplicated"
+assert set(ids) == {p["id"] for p in prompts}
+print(f"{len(ids)} results, one per prompt; {report.skipped} came from before the interruption")
+for r in report.records[:3]:
+    print(f"[{r['id']}] {r['prompt'][-60:]!r} -> {r['output'].strip()[:80]!r}  (score {r.get('score')})")
+
+# %%
+snapshot()

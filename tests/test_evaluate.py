@@ -1,0 +1,324 @@
+"""safe_generate: OOMs injected for real, crashes and resumes, bad inputs, scoring."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import batch_size as bs
+from helpers.evaluate import (
+    EvalError,
+    ResultsFile,
+    ResultsWriteError,
+    batch_cache_key,
+    contains_reference,
+    exact_match,
+    load_prompts,
+    prompt_id,
+    safe_generate,
+    simulated_budget,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+NEW = 4  # new tokens per prompt: enough to tell outputs apart, cheap on 2 CPU cores
+PROMPTS = [f"{' '.join(['memory'] * (1 + (7 * k) % 13))} item {k}" for k in range(12)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    """The tiny model, with one torch thread and the library objects frozen out of the collector.
+
+    Both only change speed: on a shared 2-core machine two torch threads fight each other, and
+    every OOM's full ``gc.collect()`` would otherwise walk all of transformers' objects (0.2 s);
+    what a failed batch creates after the freeze is still collected.
+    """
+    from helpers.loading import load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer, _ = load(str(tiny_llama), load="fp32", check=False)
+    gc.freeze()
+    yield model, tokenizer
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """Outputs of an OOM-free run, by id."""
+    model, tok = tiny
+    path = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.done == len(PROMPTS) and report.oom_retries == 0
+    return {r["id"]: r["output"] for r in report.records}
+
+
+def _lines(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _assert_complete(path: Path, reference: dict[str, str]) -> None:
+    rows = _lines(path)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a sample was written twice"
+    assert set(ids) == set(reference), "a sample is missing"
+    assert {r["id"]: r["output"] for r in rows} == reference
+
+
+def test_injected_ooms_never_lose_or_change_a_result(tiny, reference, tmp_path):
+    """50 seeded runs, OOM above a token budget and at random moments: every prompt exactly once, same outputs."""
+    model, tok = tiny
+    longest = max(len(ids) for ids in tok(PROMPTS)["input_ids"])
+    retries = 0
+    for seed in range(50):
+        bs.clear_cache()
+        path = tmp_path / f"run{seed}.jsonl"
+        budget_tokens = longest + NEW + (seed * 37) % 150  # from "one prompt at a time" to "most at once"
+        with simulated_budget(model, tokens=budget_tokens, oom_rate=0.15, seed=seed) as budget:
+            report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False,
+                                   batch_size=len(PROMPTS))
+        assert report.oom_retries == budget.ooms
+        assert report.truncated == 0
+        _assert_complete(path, reference)
+        retries += report.oom_retries
+    assert retries >= 50  # the runs really went through the OOM path
+
+
+def test_adapts_instead_of_halving_and_grows_back(tiny, tmp_path):
+    model, tok = tiny
+    bs.clear_cache()
+    prompts = [" ".join(["x"] * n) for n in (40, 38, 36, 34, 6, 5, 5, 4, 4, 3, 3, 2, 2, 2, 1, 1)]
+    with simulated_budget(model, tokens=4 * (42 + NEW)) as budget:
+        report = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=tmp_path / "r.jsonl",
+                               progress=False, batch_size=16)
+    assert budget.ooms >= 1
+    assert report.done == len(prompts)
+    # the longest prompts went first in small batches; the short ones later in bigger batches
+    assert report.batch_sizes[0] < report.batch_sizes[-1]
+    first = [r for r in report.records if r["batch_size"] == report.batch_sizes[0]]
+    assert all(r["prompt_tokens"] >= 30 for r in first)
+
+
+def test_single_prompt_that_does_not_fit_is_truncated_and_recorded(tiny, tmp_path):
+    model, tok = tiny
+    prompt = "a prompt that only fits with fewer new tokens"
+    full = safe_generate(model, tok, [prompt], max_new_tokens=16, results=tmp_path / "full.jsonl", progress=False)
+    n = full.records[0]["prompt_tokens"]
+    with simulated_budget(model, tokens=n + 8):
+        report = safe_generate(model, tok, [prompt], max_new_tokens=16, results=tmp_path / "r.jsonl", progress=False)
+    rec = report.records[0]
+    assert report.truncated == 1 and rec["truncated"] and rec["truncated_reason"] == "memory"
+    assert rec["max_new_tokens"] == 8 and rec["new_tokens"] <= 8
+    assert full.records[0]["output"].startswith(rec["output"])
+
+
+def test_context_overflow_caps_new_tokens_and_records_it(tiny, tmp_path):
+    model, tok = tiny
+    ctx = model.config.max_position_embeddings
+    long = " ".join(["memory"] * 2000)
+    n = len(tok(long)["input_ids"])
+    keep = tok.decode(tok(long)["input_ids"][: ctx - 6], skip_special_tokens=True)
+    m = len(tok(keep)["input_ids"])
+    assert ctx - 16 < m < ctx
+    report = safe_generate(model, tok, [keep, "short"], max_new_tokens=16, results=tmp_path / "r.jsonl",
+                           progress=False)
+    capped = next(r for r in report.records if r["prompt"] == keep)
+    assert capped["truncated"] and capped["truncated_reason"] == "context" and capped["max_new_tokens"] == ctx - m
+    assert not next(r for r in report.records if r["prompt"] == "short")["truncated"]
+    # a prompt that leaves no room at all is refused before any generation
+    assert n >= ctx
+    with pytest.raises(EvalError, match="context"):
+        safe_generate(model, tok, [long], results=tmp_path / "x.jsonl", progress=False)
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_interrupted_run_resumes_without_loss(tiny, reference, tmp_path):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    seen = []
+
+    def stop_after_5(rec):
+        seen.append(rec["id"])
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False, batch_size=3,
+                      on_result=stop_after_5)
+    # the callback saw 5; the whole second batch (3, then 6: it doubles while it fits) was on disk first
+    written = [r["id"] for r in _lines(path)]
+    assert written[:5] == seen and len(written) == 9
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.skipped == 9 and report.done == len(PROMPTS) - 9
+    _assert_complete(path, reference)
+    again = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert again.done == 0 and again.skipped == len(PROMPTS) and len(again.records) == len(PROMPTS)
+    with pytest.warns(UserWarning, match="other settings"):
+        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW + 1, results=path, progress=False)
+
+
+def test_torn_last_line_is_repaired_not_duplicated(tiny, reference, tmp_path):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:4], max_new_tokens=NEW, results=path, progress=False)
+    rows = _lines(path)
+    torn = json.dumps({**rows[-1], "id": "x"})[:40]
+    with open(path, "a") as f:  # a crash in the middle of writing the fifth line
+        f.write(torn)
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.repaired and report.skipped == 4
+    assert torn in (tmp_path / "r.jsonl.torn").read_text()
+    _assert_complete(path, reference)
+
+
+def test_sigkill_midway_then_resume(tiny, reference, tmp_path, tiny_llama):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    script = textwrap.dedent(f"""
+        import time
+        from helpers.loading import load
+        from helpers.evaluate import safe_generate
+        model, tok, _ = load({str(tiny_llama)!r}, load="fp32", check=False)
+        safe_generate(model, tok, {PROMPTS!r}, max_new_tokens={NEW}, results={str(path)!r}, progress=False,
+                      batch_size=2, on_result=lambda rec: time.sleep(0.3))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and path.read_text().count("\n") >= 4:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(10)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    before = len(ResultsFile(path).read())
+    assert 4 <= before < len(PROMPTS)
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.skipped == before and report.done == len(PROMPTS) - before
+    _assert_complete(path, reference)
+
+
+def test_full_disk_keeps_what_was_written_and_hands_back_the_rest(tiny, reference, tmp_path):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:2], max_new_tokens=NEW, results=path, progress=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 900, hard))
+    try:
+        with pytest.raises(ResultsWriteError) as err:
+            safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False, batch_size=4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert "resume=True" in str(err.value) and err.value.unsaved
+    written = ResultsFile(path).read()  # repairs a line the limit cut in half
+    assert {r["id"] for r in err.value.unsaved}.isdisjoint(written)
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.skipped == len(written)
+    _assert_complete(path, reference)
+
+
+def test_bad_inputs_fail_before_any_generation(tiny, tmp_path):
+    model, tok = tiny
+    with simulated_budget(model, tokens=10**9) as budget:
+        with pytest.raises(EvalError, match="empty"):
+            safe_generate(model, tok, [], results=tmp_path / "a.jsonl", progress=False)
+        blocker = tmp_path / "not_a_dir"
+        blocker.write_text("")
+        with pytest.raises(EvalError, match="cannot write results"):
+            safe_generate(model, tok, PROMPTS, results=blocker / "r.jsonl", progress=False)
+        with pytest.raises(EvalError, match="twice"):
+            safe_generate(model, tok, [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}],
+                          results=tmp_path / "b.jsonl", progress=False)
+        with pytest.raises(EvalError, match="score"):
+            safe_generate(model, tok, PROMPTS, score="bleu", results=tmp_path / "c.jsonl", progress=False)
+        with pytest.raises(EvalError, match="not found"):
+            safe_generate(model, tok, tmp_path / "missing.jsonl", results=tmp_path / "d.jsonl", progress=False)
+    assert budget.calls == 0
+
+
+def test_prompt_forms_and_stable_ids(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "q1", "prompt": "one", "reference": "1"}\n\n{"prompt": "two"}\n')
+    assert load_prompts(path) == [{"id": "q1", "prompt": "one", "reference": "1"},
+                                  {"id": prompt_id("two"), "prompt": "two", "reference": None}]
+    twice = load_prompts(["same", "same"])
+    assert [p["id"] for p in twice] == [prompt_id("same"), prompt_id("same") + "#2"]
+    assert prompt_id("same") == prompt_id("same") and len(prompt_id("same")) == 12
+
+    class FakeDataset(list):  # what safe_generate uses of a datasets.Dataset
+        column_names = ["prompt", "reference"]
+
+    assert load_prompts(FakeDataset([{"prompt": "a", "reference": "b"}]))[0]["reference"] == "b"
+
+
+def test_scores_and_report(tiny, tmp_path):
+    assert exact_match(" Paris. ", "paris") == 1.0 and exact_match("Paris is", "Paris") == 0.0
+    assert contains_reference("It is Paris, I think", "paris") == 1.0
+    model, tok = tiny
+    rows = [{"id": f"p{k}", "prompt": p, "reference": "memory"} for k, p in enumerate(PROMPTS[:4])]
+    rows.append({"id": "noref", "prompt": "no reference here"})
+    report = safe_generate(model, tok, rows, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False,
+                           score=lambda out, ref: float(len(out) > 0))
+    assert report.scores == {"<lambda>": 1.0}
+    assert [r["id"] for r in report.records] == [r["id"] for r in rows]
+    assert "score" not in report.records[-1]
+    assert "generated" in str(report) and "<table" in report._repr_html_()
+    assert report.tokens_per_s > 0 and report.peak_memory > 0
+    assert report.plot().axes
+
+
+def test_auto_batch_starts_from_the_finders_cache(tiny, tmp_path):
+    model, tok = tiny
+    bs.clear_cache()
+    with simulated_budget(model, tokens=3 * (30 + NEW)):
+        first = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "a.jsonl", progress=False)
+        assert first.oom_retries >= 1
+        second = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "b.jsonl", progress=False)
+    assert second.oom_retries == 0 and second.batch_sizes[0] >= 2
+
+
+def test_auto_batch_starts_from_a_search_the_user_ran(tiny, tmp_path):
+    model, tok = tiny
+    bs.clear_cache()
+    longest = max(PROMPTS, key=lambda p: len(tok(p)["input_ids"]))
+    seq = len(tok(longest)["input_ids"]) + NEW
+
+    def step(b):
+        enc = tok([longest] * b, return_tensors="pt", padding=True)
+        model.generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    with simulated_budget(model, tokens=5 * seq):
+        search = bs.find_max_batch_size(step, key=batch_cache_key(model, NEW), limit=len(PROMPTS))
+        assert search.max_ok == 5
+        report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
+    assert report.batch_sizes[0] == 5 and report.oom_retries == 0 and report.done == len(PROMPTS)
+
+
+@pytest.mark.cuda
+def test_runs_on_cuda_and_reports_gpu_memory(tmp_path, tiny_llama):  # pragma: no cover - needs a GPU
+    from helpers.loading import load
+
+    model, tok, _ = load(str(tiny_llama), load="fp16")
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
+    assert report.done == len(PROMPTS) and report.memory_kind == "GPU allocated"
+    assert torch.cuda.memory_allocated() > 0
