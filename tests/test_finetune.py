@@ -9,8 +9,18 @@ import torch
 from transformers import TrainerCallback
 
 from helpers.finetune import (
-    TrainPlan, build_dataset, collate, find_micro_batch, format_example, last_checkpoint, load_instructions,
-    prepare_qlora, prompt_text, save_adapter, target_modules, train,
+    TrainPlan,
+    build_dataset,
+    collate,
+    find_micro_batch,
+    format_example,
+    last_checkpoint,
+    load_instructions,
+    prepare_qlora,
+    prompt_text,
+    save_adapter,
+    target_modules,
+    train,
 )  # fmt: skip
 from helpers.loading import LoadPlan, load
 from helpers.monitor import MemoryCallback, MemoryMonitor
