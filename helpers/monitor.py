@@ -199,7 +199,7 @@ class MemoryMonitor:
     def to_csv(self, path: str | Path | None = None) -> str:
         """The samples (and marks, as rows with a label) as CSV; written to ``path`` when given."""
         buf = io.StringIO()
-        w = csv.writer(buf)
+        w = csv.writer(buf, lineterminator="\n")
         w.writerow(["t", "allocated", "reserved", "device_used", "ram_used", "process_rss", "mark"])
         rows = [(s.t, s.allocated, s.reserved, "" if s.device_used is None else s.device_used, s.ram_used,
                  s.process_rss, "") for s in list(self.samples)]
