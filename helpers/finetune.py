@@ -27,13 +27,14 @@ from .units import format_bytes
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
-    "target_modules", "load_instructions", "format_example", "build_dataset", "collate", "find_micro_batch",
+    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter",
 ]  # fmt: skip
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DRIVE = Path("/content/drive/MyDrive")
 IGNORE = -100  # label value the loss skips
+DATA_URL = "https://raw.githubusercontent.com/oomkit/oomkit/main/data"
 FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
@@ -268,9 +269,32 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
 
 # -- data ----------------------------------------------------------------------------------------
 
-def load_instructions(path: str | Path | None = None) -> list[dict]:
-    """Rows of an instruction JSONL file (default: the shipped ``data/instructions.jsonl``)."""
-    path = Path(path) if path is not None else DATA / "instructions.jsonl"
+def _shipped_data(name: str) -> Path:
+    """``data/<name>`` of the repository; where oomkit was pip-installed (Colab), a cached download of it."""
+    local = DATA / name
+    if local.exists():
+        return local
+    cached = Path.home() / ".cache" / "oomkit" / name
+    if not cached.exists():
+        import urllib.request
+
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            urllib.request.urlretrieve(f"{DATA_URL}/{name}", cached)
+        except OSError as e:
+            raise FileNotFoundError(f"data/{name} is not installed here and could not be downloaded ({e}); "
+                                    "pass the path of a JSONL file instead") from None
+    return cached
+
+
+def load_instructions(path: str | Path | None = None, *, heldout: bool = False) -> list[dict]:
+    """Rows of an instruction JSONL file.
+
+    Args:
+        path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
+            default the shipped ``data/instructions.jsonl`` (``data/heldout_prompts.jsonl`` with ``heldout``).
+    """
+    path = Path(path) if path is not None else _shipped_data("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
     if not path.exists():
         raise FileNotFoundError(f"no instruction file at {path}; pass a JSONL path with one "
                                 '{"instruction": ..., "response": ...} object per line')
@@ -325,6 +349,27 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 
     return {"input_ids": pad("input_ids", pad_token_id), "attention_mask": pad("attention_mask", 0),
             "labels": pad("labels", IGNORE)}
+
+
+@torch.inference_mode()
+def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4) -> list[str]:
+    """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS)."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # every prompt ends where generation starts
+    device = next(model.parameters()).device
+    out = []
+    try:
+        for i in range(0, len(instructions), batch_size):
+            prompts = [prompt_text(tokenizer, q) for q in instructions[i:i + batch_size]]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id)
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out
 
 
 # -- micro-batch ---------------------------------------------------------------------------------

@@ -213,11 +213,12 @@ class MemoryMonitor:
 
     def plot(self, title: str = "memory over time"):
         """A matplotlib ``Figure``: each figure in GiB over time, its peak, the threshold and the marks."""
-        from matplotlib.figure import Figure
+        import matplotlib.pyplot as plt
 
         samples = list(self.samples)
-        fig = Figure(figsize=(9, 3.6))
-        ax = fig.subplots()
+        # through pyplot so a notebook shows it as an image; closed so it is shown once, as the cell's result
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        plt.close(fig)
         t = [s.t for s in samples]
         series = ([("allocated", "PyTorch allocated"), ("reserved", "PyTorch reserved"),
                    ("device_used", "device used (NVML)")] if self.cuda else
@@ -253,6 +254,8 @@ class MemoryMonitor:
             head += f"allocated {format_bytes(p['allocated'])}, reserved {format_bytes(p['reserved'])}, "
         head += f"process RSS {format_bytes(p['process_rss'])}, RAM in use {format_bytes(p['ram_used'])}"
         return "\n".join([head, *(str(c) for c in self.crossings)])
+
+    __repr__ = __str__
 
     def _repr_html_(self) -> str:
         from .html import table
