@@ -229,8 +229,10 @@ class MemoryMonitor:
                 continue
             line, = ax.plot(t, [y / 2**30 for y in ys], label=label)
             i = max(range(len(ys)), key=ys.__getitem__)
+            late = i > len(ys) / 2  # label to the left of a late peak, so it stays inside the axes
             ax.annotate(f"peak {format_bytes(ys[i])}", (t[i], ys[i] / 2**30), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8, color=line.get_color())
+                        xytext=(-4 if late else 4, 4), ha="right" if late else "left", fontsize=8,
+                        color=line.get_color())
         ax.axhline(self.threshold * self.capacity / 2**30, color="#c0392b", ls="--", lw=1,
                    label=f"{self.threshold:.0%} of {format_bytes(self.capacity)}")
         for m in self.marks:
@@ -240,7 +242,7 @@ class MemoryMonitor:
         ax.set_xlabel("seconds")
         ax.set_ylabel("GiB")
         ax.set_title(title)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="center left", fontsize=8)
         fig.tight_layout()
         return fig
 
