@@ -151,3 +151,17 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
     assert state["global_step"] == 6
     for name in ("optimizer.pt", "scheduler.pt", "adapter_model.safetensors"):
         assert (last_checkpoint(plan.output_dir) / name).exists()
+
+
+@pytest.mark.cuda
+def test_cuda_qlora_step_peak_is_reported(tiny_llama):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
+    spec = importlib.util.spec_from_file_location("estimate_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.cuda_qlora_row()
+    assert row is not None and row["measured"] > 0
+    assert abs(row["error_pct"]) < 100, row  # the bench reports the exact figure; this only guards nonsense
