@@ -90,3 +90,18 @@ def test_callback_is_quiet_on_flat_memory():
     for step in range(1, 12):
         _log(cb, step, state)
     assert cb.leaks == []
+
+
+@pytest.mark.cuda
+def test_cuda_figures():
+    mon = MemoryMonitor(interval=1, warn=False)
+    before = mon.sample()
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    s = mon.sample()
+    assert s.allocated - before.allocated >= 64 * MiB and s.reserved >= s.allocated
+    assert s.device_used is None or s.device_used >= s.reserved
+    cb = MemoryCallback()
+    del x
+    figures = cb.figures()
+    assert {"mem_allocated_mib", "mem_reserved_mib", "mem_peak_mib", "ram_rss_mib"} <= set(figures)
+    assert figures["mem_peak_mib"] >= 64  # the peak since the last log still sees the freed tensor
