@@ -53,6 +53,7 @@ class TrainPlan:
         targets: ``"all-linear"`` (every linear layer but the output layer, resolved per architecture
             by :func:`target_modules`) or a list of module names such as ``["q_proj", "v_proj"]``.
         seq_len: tokens per example (longer ones are truncated).
+        packing: concatenate examples into full ``seq_len`` blocks (see :func:`build_dataset`); off by default.
         batch_size: the effective batch (examples per optimizer step) = micro-batch x accumulation.
         micro_batch: examples per forward pass; ``None`` until :func:`find_micro_batch` measures it.
         optimizer: ``"auto"`` = paged 8-bit AdamW on CUDA, torch AdamW on a CPU; or a Trainer ``optim`` name.
@@ -73,6 +74,7 @@ class TrainPlan:
     dropout: float = 0.05
     targets: str | list[str] = "all-linear"
     seq_len: int = 512
+    packing: bool = False
     batch_size: int = 16
     micro_batch: int | None = None
     optimizer: str = "auto"
@@ -331,13 +333,26 @@ def format_example(tokenizer, instruction: str, response: str, seq_len: int) -> 
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
-def build_dataset(tokenizer, rows: list[dict], seq_len: int) -> list[dict]:
-    """Tokenized examples (no packing: one example per sequence); rows whose answer would be cut off are dropped."""
+def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False) -> list[dict]:
+    """Tokenized examples; rows whose answer would be cut off are dropped.
+
+    Args:
+        packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
+            see each other's text through attention); off by default: one example per sequence.
+    """
+    missing = [i for i, r in enumerate(rows) if "response" not in r or "instruction" not in r]
+    if missing:
+        raise ValueError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
     out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
     kept = [e for e in out if e is not None]
     if not kept:
         raise ValueError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
-    return kept
+    if not packing:
+        return kept
+    ids = [t for e in kept for t in e["input_ids"]]
+    labels = [t for e in kept for t in e["labels"]]
+    return [{"input_ids": ids[i:i + seq_len], "attention_mask": [1] * len(ids[i:i + seq_len]),
+             "labels": labels[i:i + seq_len]} for i in range(0, len(ids) - seq_len + 1, seq_len)]
 
 
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -406,7 +421,7 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     model.train()
 
     def step(b: int) -> None:
-        ids = torch.randint(0, vocab, (b, plan.seq_len), device=device, generator=None)
+        ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
         try:
             model(input_ids=ids, labels=ids).loss.backward()
         finally:

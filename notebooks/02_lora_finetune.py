@@ -151,7 +151,7 @@ micro
 from helpers.finetune import build_dataset, train
 from helpers.monitor import MemoryCallback, MemoryMonitor
 
-data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len)
+data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len, packing=plan.packing)
 with MemoryMonitor(interval=0.5) as monitor:
     callback = MemoryCallback(monitor)
     result = train(model, tokenizer, plan, data, callbacks=[callback])

@@ -81,6 +81,12 @@ def test_prompt_is_masked_and_answer_trains(tiny_llama):
     batch = collate([ex, format_example(tok, "Count the features in a.shp.", "print(1)", 512)], pad_token_id=0)
     assert batch["input_ids"].shape == batch["labels"].shape
     assert (batch["labels"][1][batch["attention_mask"][1] == 0] == -100).all()  # padding never trains
+    packed = build_dataset(tok, ROWS, 256, packing=True)
+    plain = build_dataset(tok, ROWS, 256)
+    assert all(len(e["input_ids"]) == 256 for e in packed) and len(packed) < len(plain)
+    assert sum(x != -100 for e in packed for x in e["labels"]) <= sum(x != -100 for e in plain for x in e["labels"])
+    with pytest.raises(ValueError, match="response"):
+        build_dataset(tok, [{"instruction": "no answer"}], 64)
 
 
 def test_target_modules_skip_output_layer(tiny_llama, tiny_qwen2):
