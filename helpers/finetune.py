@@ -98,6 +98,10 @@ class TrainPlan:
                 raise ValueError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
         if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
             raise ValueError(f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}")
+        if self.micro_batch is not None and self.batch_size % self.micro_batch:
+            fits = [d for d in range(1, self.micro_batch) if self.batch_size % d == 0]
+            raise ValueError(f"micro_batch {self.micro_batch} does not divide batch_size {self.batch_size}, so "
+                             f"accumulation cannot keep the effective batch; use micro_batch={fits[-1]}")
         if self.precision not in ("auto", "fp16", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, fp16, bf16 or fp32, not {self.precision!r}")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs <= 0):
@@ -163,9 +167,19 @@ class TrainPlan:
         prec = self.resolved_precision() if here else ("auto" if self.precision == "auto" else self.precision)
         if device == "current" and not torch.cuda.is_available():
             device = "cpu"
-        return estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
-                        compute_dtype=prec if self.load not in ("fp16", "bf16", "fp32") else "auto",
-                        training=self.lora_training(gpu=device != "cpu"), device=device)
+        compute = prec if self.load in ("int8", "nf4", "fp4") else "auto"
+        est = estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
+                       compute_dtype=compute, training=self.lora_training(gpu=device != "cpu"), device=device)
+        if self.load in ("int8", "nf4", "fp4") and compute != "fp32":
+            # prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms, lm_head)
+            # to fp32 for training: those weights take twice the room they took after loading
+            from .estimate import EstimateRow
+
+            plain = est.row("weights: unquantized (embeddings, norms, lm_head)")
+            est.rows.insert(est.rows.index(plain) + 2, EstimateRow(
+                "fp32 upcast of unquantized weights", plain.bytes, "exact",
+                "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))
+        return est
 
     def lora_config(self, model: torch.nn.Module | None = None):
         """peft ``LoraConfig``; with ``model``, ``"all-linear"`` becomes the explicit module list."""

@@ -196,7 +196,6 @@ for prompt, old, new in zip(heldout, before, after, strict=True):
 # %%
 from helpers import unload
 
-del micro, trainable
 unload(model)
 model, tokenizer, report = load(plan.load_plan(adapter=str(adapter.path)))
 reloaded = answer(model, tokenizer, heldout[:2], max_new_tokens=MAX_NEW_TOKENS)

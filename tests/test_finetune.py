@@ -59,11 +59,15 @@ def test_plan_defaults_and_validation(tiny_llama, tmp_path):
     assert plan.resolved_output_dir().name == "lora-llama"
     with pytest.raises(ValueError, match="micro_batch"):
         TrainPlan("x", batch_size=4, micro_batch=8)
+    with pytest.raises(ValueError, match="micro_batch=2"):
+        TrainPlan("x", batch_size=4, micro_batch=3)
     with pytest.raises(ValueError, match="seq_len"):
         TrainPlan("x", seq_len=0)
     est = plan.estimate("t4")
     names = [r.name for r in est.rows]
     assert "LoRA adapters (fp32)" in names and "optimizer states (paged_adamw_8bit)" in names
+    upcast = est.row("fp32 upcast of unquantized weights")  # prepare_model_for_kbit_training's fp32 copy
+    assert upcast.bytes == est.row("weights: unquantized (embeddings, norms, lm_head)").bytes
     assert est.capacity and est.total < est.capacity
 
 
