@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,7 +167,6 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
 @pytest.mark.cuda
 def test_cuda_qlora_step_peak_is_reported(tiny_llama):
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
     spec = importlib.util.spec_from_file_location("estimate_accuracy", path)
@@ -175,3 +175,16 @@ def test_cuda_qlora_step_peak_is_reported(tiny_llama):
     row = bench.cuda_qlora_row()
     assert row is not None and row["measured"] > 0
     assert abs(row["error_pct"]) < 100, row  # the bench reports the exact figure; this only guards nonsense
+
+
+def test_checkpoints_go_to_drive_on_colab(monkeypatch, tmp_path):
+    import helpers.finetune as ft
+
+    drive = tmp_path / "MyDrive"
+    monkeypatch.setattr(ft, "DRIVE", drive)
+    monkeypatch.setattr(ft, "in_colab", lambda: True)
+    plan = TrainPlan("codellama/CodeLlama-7b-Instruct-hf")
+    assert plan.resolved_output_dir() == Path("runs/lora-CodeLlama-7b-Instruct-hf")  # Drive not mounted
+    drive.mkdir()
+    assert plan.resolved_output_dir() == drive / "oomkit" / "lora-CodeLlama-7b-Instruct-hf"
+    assert TrainPlan("m", output_dir=str(tmp_path / "x")).resolved_output_dir() == tmp_path / "x"
