@@ -195,6 +195,51 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
     return out
 
 
+def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
+    """On CUDA: ``TrainPlan.estimate()`` vs ``max_memory_allocated`` for QLoRA steps of the tiny Llama
+    (fp16, paged 8-bit AdamW, checkpointing) with the process capped at a T4's memory. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from helpers.estimate import DEVICES
+    from helpers.finetune import TrainPlan, prepare_qlora
+    from helpers.loading import load as load_plan
+
+    tiny = Path(__file__).resolve().parents[1] / "data" / "tiny" / "llama"
+    if not (tiny / "config.json").exists():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, DEVICES["t4"]["capacity"] / total))
+    try:
+        plan = TrainPlan(str(tiny), seq_len=seq, batch_size=micro, micro_batch=micro, precision="fp16",
+                         optimizer="paged_adamw_8bit")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model, _, _ = load_plan(plan.load_plan())
+        model, _ = prepare_qlora(model, plan)
+        model.train()
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.PagedAdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        ids = torch.randint(0, model.config.vocab_size, (micro, seq), device="cuda")
+        for _ in range(2):  # the second step has optimizer states
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+        est = plan.estimate("t4")
+        predicted = sum(r.bytes for r in est.rows if not r.name.startswith("CUDA context"))
+        del model, opt
+        return dict(case=f"QLoRA step, tiny Llama, T4 cap (nf4, fp16, seq {seq}, micro {micro})", measured=measured,
+                    predicted=predicted, error_pct=err(predicted, measured), predicted_total=est.total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 def err(pred: int, meas: int) -> float:
     return 100.0 * (pred - meas) / meas
 
@@ -244,12 +289,18 @@ def main() -> int:
     print(format_table(["CPU peak (weights + live tensors)", "measured", "oomkit", "error"],
                        [[p["case"], f"{p['measured']:,}", f"{p['predicted']:,}", f"{p['error_pct']:+.1f} %"]
                         for p in peaks]))  # fmt: skip
+    gpu = cuda_qlora_row()
+    if gpu is not None:
+        print()
+        print(format_table(["CUDA peak (max_memory_allocated)", "measured", "TrainPlan.estimate('t4')", "error"],
+                           [[gpu["case"], f"{gpu['measured']:,}", f"{gpu['predicted']:,}",
+                             f"{gpu['error_pct']:+.1f} %"]]))  # fmt: skip
     worst = max(abs(r["error_pct"]) for r in records)
     all_exact = all(c[3] == "exact" for c in counts)
     print(f"\nworst oomkit weight error {worst:.3f} % over {len(records)} loads; parameter counts "
           f"{'all exact' if all_exact else 'NOT all exact'}; {time.time() - t0:.0f} s")
     write_results("estimate_accuracy", {"rows": records, "param_counts": counts, "worst_error_pct": worst,
-                                        "peaks": peaks,
+                                        "peaks": peaks, "cuda_qlora": gpu,
                                         "counts_exact": all_exact})
     return 0 if worst < 1.0 and all_exact else 1
 

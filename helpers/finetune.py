@@ -1,0 +1,562 @@
+"""QLoRA fine-tuning that fits the GPU: plan, prepare, pick the micro-batch, train, resume, save.
+
+A :class:`TrainPlan` holds every choice that decides memory and resumability (load mode, LoRA
+rank, sequence length, effective batch = micro-batch x gradient accumulation, optimizer, precision,
+checkpoints). ``plan.estimate()`` is the estimator's training budget for it; :func:`find_micro_batch`
+measures the largest micro-batch that runs a real training step and keeps the effective batch by
+accumulating gradients. :func:`train` runs transformers' ``Trainer`` and continues from the last
+checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at most
+``save_steps`` steps). :func:`save_adapter` writes only the LoRA weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .memory import in_colab
+from .units import format_bytes
+
+__all__ = [
+    "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
+    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
+    "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter",
+]  # fmt: skip
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+DRIVE = Path("/content/drive/MyDrive")
+IGNORE = -100  # label value the loss skips
+DATA_URL = "https://raw.githubusercontent.com/oomkit/oomkit/main/data"
+FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+@dataclass
+class TrainPlan:
+    """Everything a QLoRA run needs to fit and to resume.
+
+    Args:
+        model: hub id or local folder of the base model.
+        load: ``nf4`` (QLoRA, default), ``fp4``, ``int8``, or ``fp16``/``bf16``/``fp32`` for plain LoRA.
+        r, alpha, dropout: LoRA rank, scale and dropout.
+        targets: ``"all-linear"`` (every linear layer but the output layer, resolved per architecture
+            by :func:`target_modules`) or a list of module names such as ``["q_proj", "v_proj"]``.
+        seq_len: tokens per example (longer ones are truncated).
+        packing: concatenate examples into full ``seq_len`` blocks (see :func:`build_dataset`); off by default.
+        batch_size: the effective batch (examples per optimizer step) = micro-batch x accumulation.
+        micro_batch: examples per forward pass; ``None`` until :func:`find_micro_batch` measures it.
+        optimizer: ``"auto"`` = paged 8-bit AdamW on CUDA, torch AdamW on a CPU; or a Trainer ``optim`` name.
+        gradient_checkpointing: recompute activations in backward (non-reentrant variant).
+        precision: ``"auto"`` = bf16 on Ampere and newer, fp16 on a T4/V100, fp32 on a CPU.
+        max_steps, epochs: train for ``max_steps`` optimizer steps, or ``epochs`` when max_steps is 0.
+        learning_rate, warmup_steps, seed: as in ``TrainingArguments``.
+        output_dir: checkpoints; ``"auto"`` = Google Drive on Colab when mounted (survives a
+            disconnect), else ``runs/lora-<model name>``.
+        save_steps, save_total_limit, logging_steps: checkpoint every N steps, keep the last K, log every M.
+    """
+
+    model: str
+    load: str = "nf4"
+    double_quant: bool = True
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    targets: str | list[str] = "all-linear"
+    seq_len: int = 512
+    packing: bool = False
+    batch_size: int = 16
+    micro_batch: int | None = None
+    optimizer: str = "auto"
+    gradient_checkpointing: bool = True
+    precision: str = "auto"
+    max_steps: int = 100
+    epochs: float = 1.0
+    learning_rate: float = 2e-4
+    warmup_steps: int = 5
+    seed: int = 42
+    output_dir: str = "auto"
+    save_steps: int = 25
+    save_total_limit: int = 2
+    logging_steps: int = 5
+
+    def __post_init__(self):
+        self.model = str(self.model)
+        for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
+        if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
+            raise ValueError(f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}")
+        if self.micro_batch is not None and self.batch_size % self.micro_batch:
+            fits = [d for d in range(1, self.micro_batch) if self.batch_size % d == 0]
+            raise ValueError(f"micro_batch {self.micro_batch} does not divide batch_size {self.batch_size}, so "
+                             f"accumulation cannot keep the effective batch; use micro_batch={fits[-1]}")
+        if self.precision not in ("auto", "fp16", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, fp16, bf16 or fp32, not {self.precision!r}")
+        if self.max_steps < 0 or (self.max_steps == 0 and self.epochs <= 0):
+            raise ValueError("give max_steps > 0, or max_steps=0 and epochs > 0")
+
+    def replace(self, **changes) -> TrainPlan:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Micro-batches per optimizer step (1 until the micro-batch is known)."""
+        return math.ceil(self.batch_size / (self.micro_batch or self.batch_size))
+
+    def resolved_precision(self) -> str:
+        if self.precision != "auto":
+            return self.precision
+        cap = _cuda_capability()
+        return "fp32" if cap is None else ("bf16" if cap[0] >= 8 else "fp16")
+
+    def resolved_optimizer(self) -> str:
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "paged_adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+
+    def resolved_output_dir(self) -> Path:
+        if self.output_dir != "auto":
+            return Path(self.output_dir)
+        name = "lora-" + Path(self.model.rstrip("/")).name.replace("/", "--")
+        if in_colab() and DRIVE.exists():
+            return DRIVE / "oomkit" / name
+        return Path("runs") / name
+
+    def load_plan(self, **changes):
+        """The :class:`helpers.loading.LoadPlan` that loads the base model for this run."""
+        from .loading import LoadPlan
+
+        prec = self.resolved_precision()
+        compute = "auto" if self.load in ("fp16", "bf16", "fp32") else prec
+        return LoadPlan(self.model, load=self.load, double_quant=self.double_quant, compute_dtype=compute,
+                        batch_size=self.micro_batch or 1, prompt_tokens=self.seq_len, max_new_tokens=0,
+                        **changes)  # fmt: skip
+
+    def lora_training(self, gpu: bool | None = None):
+        """The estimator's :class:`helpers.estimate.LoraTraining` for this plan (on a GPU when ``gpu``)."""
+        from .estimate import OPTIMIZERS, LoraTraining
+
+        opt = "paged_adamw_8bit" if gpu and self.optimizer == "auto" else self.resolved_optimizer()
+        return LoraTraining(r=self.r, alpha=self.alpha, targets=self.targets,
+                            optimizer=opt if opt in OPTIMIZERS else "adamw_torch",
+                            gradient_checkpointing=self.gradient_checkpointing, seq_len=self.seq_len,
+                            micro_batch=self.micro_batch or 1, lora_dropout=self.dropout)  # fmt: skip
+
+    def estimate(self, device: Any = "t4", model: Any = None):
+        """The training-step memory budget (weights, adapters, gradients, optimizer, activations, logits).
+
+        Args:
+            device: a preset such as ``"t4"`` (default: plan for the free Colab GPU), ``"current"`` or bytes.
+            model: what to estimate instead of ``self.model`` (e.g. the loaded model).
+        """
+        from .estimate import estimate
+
+        here = device in ("current", "cpu", None)
+        prec = self.resolved_precision() if here else ("auto" if self.precision == "auto" else self.precision)
+        if device == "current" and not torch.cuda.is_available():
+            device = "cpu"
+        compute = prec if self.load in ("int8", "nf4", "fp4") else "auto"
+        est = estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
+                       compute_dtype=compute, training=self.lora_training(gpu=device != "cpu"), device=device)
+        if self.load in ("int8", "nf4", "fp4") and compute != "fp32":
+            # prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms, lm_head)
+            # to fp32 for training: those weights take twice the room they took after loading
+            from .estimate import EstimateRow
+
+            plain = est.row("weights: unquantized (embeddings, norms, lm_head)")
+            est.rows.insert(est.rows.index(plain) + 2, EstimateRow(
+                "fp32 upcast of unquantized weights", plain.bytes, "exact",
+                "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))
+        return est
+
+    def lora_config(self, model: torch.nn.Module | None = None):
+        """peft ``LoraConfig``; with ``model``, ``"all-linear"`` becomes the explicit module list."""
+        from peft import LoraConfig
+
+        targets = target_modules(model, self.targets) if model is not None else self.targets
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          bias="none", task_type="CAUSAL_LM")
+
+    def training_arguments(self, **overrides):
+        """``TrainingArguments`` for this plan (checkpoints keep adapter, optimizer, scheduler and RNG)."""
+        from transformers import TrainingArguments
+
+        prec = self.resolved_precision()
+        kw = dict(
+            output_dir=str(self.resolved_output_dir()), per_device_train_batch_size=self.micro_batch or 1,
+            gradient_accumulation_steps=self.gradient_accumulation, learning_rate=self.learning_rate,
+            max_steps=self.max_steps if self.max_steps > 0 else -1, num_train_epochs=self.epochs,
+            warmup_steps=self.warmup_steps, lr_scheduler_type="linear", optim=self.resolved_optimizer(),
+            fp16=prec == "fp16", bf16=prec == "bf16", logging_steps=self.logging_steps,
+            save_strategy="steps", save_steps=self.save_steps, save_total_limit=self.save_total_limit,
+            seed=self.seed, data_seed=self.seed, report_to="none", remove_unused_columns=False,
+            dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        )  # fmt: skip
+        kw.update(overrides)
+        return TrainingArguments(**kw)
+
+    def __str__(self) -> str:
+        mb = "? (find_micro_batch)" if self.micro_batch is None else str(self.micro_batch)
+        steps = f"{self.max_steps} steps" if self.max_steps else f"{self.epochs:g} epochs"
+        return (f"TrainPlan({self.model}: {self.load}, LoRA r={self.r} alpha={self.alpha} on {self.targets}, "
+                f"seq {self.seq_len}, batch {self.batch_size} = micro {mb} x accumulation "
+                f"{self.gradient_accumulation if self.micro_batch else '?'}, {self.resolved_optimizer()}, "
+                f"{self.resolved_precision()}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+                f"{steps}, save every {self.save_steps} to {self.resolved_output_dir()})")
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "all-linear") -> list[str]:
+    """Module names LoRA adapts: for ``"all-linear"``, every linear layer's name but the output layer's."""
+    if targets != "all-linear":
+        return list(targets)
+    if model is None:
+        raise ValueError("resolving 'all-linear' needs the loaded model")
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, Conv1D)
+    out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+             if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name}
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no linear layer LoRA could adapt")
+    return sorted(names)
+
+
+@dataclass
+class TrainableParams:
+    """What ``prepare_qlora`` made trainable."""
+
+    trainable: int
+    total: int
+    targets: list[str]
+    gradient_checkpointing: bool
+
+    def __str__(self) -> str:
+        return (f"trainable parameters: {self.trainable:,} of {self.total:,} ({100 * self.trainable / self.total:.3f} %)"
+                f" in LoRA adapters on {', '.join(self.targets)}; gradient checkpointing "
+                f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}")
+
+
+def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
+    """Make a loaded (usually 4-bit) model trainable with LoRA.
+
+    ``prepare_model_for_kbit_training`` (norms in fp32, input gradients on), gradient checkpointing
+    with the non-reentrant variant, then ``get_peft_model`` (adapters initialised from ``plan.seed``).
+
+    Returns:
+        ``(peft_model, TrainableParams)``.
+    """
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    ckpt_kwargs = {"use_reentrant": False}
+    with warnings.catch_warnings():
+        # peft still calls transformers' old name for it (gradient_checkpointing_enable): same feature
+        warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
+        if quantized:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs=ckpt_kwargs)
+        elif plan.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+            model.enable_input_require_grads()
+        if plan.gradient_checkpointing:
+            model.config.use_cache = False  # the cache is useless in training and conflicts with checkpointing
+        config = plan.lora_config(model)
+        torch.manual_seed(plan.seed)  # LoRA's A matrices start random: the same seed gives the same run
+        peft_model = get_peft_model(model, config)
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    return peft_model, TrainableParams(trainable, total, sorted(config.target_modules), plan.gradient_checkpointing)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+def _shipped_data(name: str) -> Path:
+    """``data/<name>`` of the repository; where oomkit was pip-installed (Colab), a cached download of it."""
+    local = DATA / name
+    if local.exists():
+        return local
+    cached = Path.home() / ".cache" / "oomkit" / name
+    if not cached.exists():
+        import urllib.request
+
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            urllib.request.urlretrieve(f"{DATA_URL}/{name}", cached)
+        except OSError as e:
+            raise FileNotFoundError(f"data/{name} is not installed here and could not be downloaded ({e}); "
+                                    "pass the path of a JSONL file instead") from None
+    return cached
+
+
+def load_instructions(path: str | Path | None = None, *, heldout: bool = False) -> list[dict]:
+    """Rows of an instruction JSONL file.
+
+    Args:
+        path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
+            default the shipped ``data/instructions.jsonl`` (``data/heldout_prompts.jsonl`` with ``heldout``).
+    """
+    path = Path(path) if path is not None else _shipped_data("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
+    if not path.exists():
+        raise FileNotFoundError(f"no instruction file at {path}; pass a JSONL path with one "
+                                '{"instruction": ..., "response": ...} object per line')
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "instruction" not in row:
+            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training)")
+        rows.append(row)
+    return rows
+
+
+def prompt_text(tokenizer, instruction: str) -> str:
+    """The prompt as the model sees it: the chat template's user turn, or a plain instruction block."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                             add_generation_prompt=True)
+    return (tokenizer.bos_token or "") + FALLBACK_TEMPLATE.format(instruction=instruction)
+
+
+def format_example(tokenizer, instruction: str, response: str, seq_len: int) -> dict | None:
+    """Token ids and labels for one example; labels are ``-100`` on the prompt so only the answer trains.
+
+    Returns ``None`` when truncation to ``seq_len`` would leave no answer token.
+    """
+    prompt = tokenizer(prompt_text(tokenizer, instruction), add_special_tokens=False)["input_ids"]
+    answer = tokenizer(response + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
+    ids = (prompt + answer)[:seq_len]
+    if len(prompt) >= len(ids):
+        return None
+    labels = [IGNORE] * len(prompt) + ids[len(prompt):]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False) -> list[dict]:
+    """Tokenized examples; rows whose answer would be cut off are dropped.
+
+    Args:
+        packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
+            see each other's text through attention); off by default: one example per sequence.
+    """
+    missing = [i for i, r in enumerate(rows) if "response" not in r or "instruction" not in r]
+    if missing:
+        raise ValueError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
+    out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
+    kept = [e for e in out if e is not None]
+    if not kept:
+        raise ValueError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
+    if not packing:
+        return kept
+    ids = [t for e in kept for t in e["input_ids"]]
+    labels = [t for e in kept for t in e["labels"]]
+    return [{"input_ids": ids[i:i + seq_len], "attention_mask": [1] * len(ids[i:i + seq_len]),
+             "labels": labels[i:i + seq_len]} for i in range(0, len(ids) - seq_len + 1, seq_len)]
+
+
+def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Pad a batch on the right (labels with -100, attention mask with 0)."""
+    n = max(len(e["input_ids"]) for e in examples)
+
+    def pad(key, value):
+        return torch.tensor([e[key] + [value] * (n - len(e[key])) for e in examples])
+
+    return {"input_ids": pad("input_ids", pad_token_id), "attention_mask": pad("attention_mask", 0),
+            "labels": pad("labels", IGNORE)}
+
+
+@torch.inference_mode()
+def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4) -> list[str]:
+    """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS)."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # every prompt ends where generation starts
+    device = next(model.parameters()).device
+    out = []
+    try:
+        for i in range(0, len(instructions), batch_size):
+            prompts = [prompt_text(tokenizer, q) for q in instructions[i:i + batch_size]]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id)
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out
+
+
+# -- micro-batch ---------------------------------------------------------------------------------
+
+@dataclass
+class MicroBatch:
+    """The measured micro-batch and the accumulation that keeps the effective batch."""
+
+    micro_batch: int
+    gradient_accumulation: int
+    batch_size: int
+    search: Any
+
+    def __str__(self) -> str:
+        return (f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
+                f"effective batch {self.batch_size}\n{self.search}")
+
+    def _repr_html_(self) -> str:
+        return f"<p><b>{self.__str__().splitlines()[0]}</b></p>{self.search._repr_html_()}"
+
+
+def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float = 0.9) -> MicroBatch:
+    """Measure the largest micro-batch a real training step (forward + backward at ``seq_len``) fits.
+
+    The search is capped at ``plan.batch_size``; the micro-batch is the largest divisor of it
+    within the margin, so micro-batch x accumulation is exactly the effective batch asked for.
+    Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
+    """
+    from .batch_size import find_max_batch_size
+
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(p for p in model.parameters()).device
+    was_training = model.training
+    model.train()
+
+    def step(b: int) -> None:
+        ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    try:
+        search = find_max_batch_size(step, limit=plan.batch_size, margin=margin,
+                                     key=("qlora", plan.model, plan.load, plan.r, plan.seq_len, str(device)))
+    finally:
+        model.train(was_training)
+    micro = max(d for d in range(1, search.batch_size + 1) if plan.batch_size % d == 0)
+    return MicroBatch(micro, plan.batch_size // micro, plan.batch_size, search)
+
+
+# -- training ------------------------------------------------------------------------------------
+
+def last_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    d = Path(output_dir)
+    if not d.is_dir():
+        return None
+    found = get_last_checkpoint(str(d))
+    return Path(found) if found else None
+
+
+def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), **argument_overrides):
+    """A ``Trainer`` for ``plan`` (needs ``plan.micro_batch``; see :func:`find_micro_batch`)."""
+    from transformers import Trainer
+
+    if plan.micro_batch is None:
+        raise ValueError("plan.micro_batch is not set: run find_micro_batch(model, plan) and "
+                         "plan = plan.replace(micro_batch=...) first (or set it by hand)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Trainer(model=model, args=plan.training_arguments(**argument_overrides), train_dataset=dataset,
+                   data_collator=lambda ex: collate(ex, pad), callbacks=list(callbacks))
+
+
+@dataclass
+class TrainResult:
+    """What a (possibly resumed) run did."""
+
+    output_dir: Path
+    resumed_from: int | None
+    global_step: int
+    max_steps: int
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    log_history: list[dict] = field(default_factory=list)
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0][1] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
+
+    def __str__(self) -> str:
+        start = f"resumed at step {self.resumed_from}" if self.resumed_from else "started from scratch"
+        loss = (f"; loss {self.first_loss:.3f} (step {self.losses[0][0]}) -> {self.last_loss:.3f} "
+                f"(step {self.losses[-1][0]})" if self.losses else "")
+        return (f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
+                f"checkpoints in {self.output_dir}")
+
+
+def train(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True,
+          **argument_overrides) -> TrainResult:
+    """Train with ``Trainer``; continue from the last checkpoint in the output folder when ``resume``.
+
+    A checkpoint holds the adapter, optimizer, scheduler and RNG states, so a rerun after a
+    disconnect continues at the step where it saved, with the same data order.
+    """
+    trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
+    out = Path(trainer.args.output_dir)
+    ckpt = last_checkpoint(out) if resume else None
+    resumed = None
+    if ckpt is not None:
+        resumed = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+    history = trainer.state.log_history
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    return TrainResult(out, resumed, trainer.state.global_step, trainer.state.max_steps, losses,
+                       time.perf_counter() - started, history)
+
+
+# -- adapter -------------------------------------------------------------------------------------
+
+@dataclass
+class AdapterReport:
+    path: Path
+    files: dict[str, int]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.files.values())
+
+    def __str__(self) -> str:
+        return (f"adapter saved to {self.path}: {format_bytes(self.bytes)} in {', '.join(sorted(self.files))} "
+                "(LoRA weights and config only; load it on the base model with "
+                f"helpers.loading.load(LoadPlan(<base>, load=..., adapter='{self.path}')))")
+
+
+def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
+    """Save only the LoRA adapter (and the tokenizer when given), not the base model's weights."""
+    if not hasattr(model, "peft_config"):
+        raise TypeError("save_adapter needs the PEFT model returned by prepare_qlora (it has the adapter)")
+    path = Path(path)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+    return AdapterReport(path, files)
+
+
+def merge_adapter(model):
+    """Fold the LoRA weights into the base model (``merge_and_unload``) for adapter-free inference.
+
+    With a 4-bit base the merged weights are quantized again, which rounds them: outputs shift a
+    little. For the exact merge, load the base in fp16/bf16, attach the adapter, then merge.
+    """
+    return model.merge_and_unload()

@@ -1,0 +1,229 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · QLoRA fine-tuning that fits a T4, with live memory monitoring
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/02_lora_finetune.ipynb)
+#
+# Fine-tune a 7B model with LoRA on a free T4 without guessing batch sizes: the base model is
+# loaded in 4 bits (QLoRA), only small adapter matrices train, the micro-batch is **measured** on a
+# real training step and gradient accumulation keeps the batch you asked for. Memory is sampled
+# while it trains; checkpoints go to Google Drive so a disconnected runtime resumes where it
+# stopped (rerun the notebook). The result is a small adapter you reload on the base model.
+#
+# Steps: preflight -> plan and estimate -> load 4-bit -> answers before -> prepare QLoRA -> find
+# the micro-batch -> train with the monitor -> plot -> save the adapter -> answers after ->
+# reload check -> cleanup.
+
+# %%
+# Install oomkit (in Colab only; locally the package is already installed by `make`).
+import sys
+
+if "google.colab" in sys.modules:
+    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+
+# %% tags=["parameters"]
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path of the base model
+LOAD = "nf4"  # nf4 for QLoRA; fp16/bf16 for plain LoRA (needs far more memory)
+SEQ_LEN = 256  # tokens per example; the GIS examples are short
+BATCH_SIZE = 16  # effective batch: micro-batch x gradient accumulation
+R = 16  # LoRA rank
+ALPHA = 32  # LoRA scale
+MAX_STEPS = 60
+SAVE_STEPS = 10  # a disconnect loses at most this many steps
+LEARNING_RATE = 2e-4
+DATA = None  # None: the shipped GIS instructions (data/instructions.jsonl), or your own JSONL path
+OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
+MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
+FRESH = False  # True: delete old checkpoints and start over instead of resuming
+DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40gb"), or "current"
+MAX_NEW_TOKENS = 64
+MERGE = False  # also fold the adapter into the base weights at the end
+
+# %% [markdown]
+# ## 1. Preflight
+# GPU, versions, bitsandbytes, free memory, and whether the model fits at all.
+
+# %%
+from helpers import preflight, snapshot
+
+if MOUNT_DRIVE and "google.colab" in sys.modules:
+    from google.colab import drive
+
+    drive.mount("/content/drive")
+start = snapshot()
+preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+
+# %% [markdown]
+# ## 2. Plan and estimate
+# **Where the memory goes in QLoRA.** The 7B base is frozen and stored in 4 bits (about 3.5 GiB);
+# LoRA adds two thin matrices (rank r) beside every linear layer, and only those train: tens of
+# millions of parameters instead of seven billion. Gradients and optimizer states exist only for
+# them (paged 8-bit AdamW: 2 bytes each, and its pages move to CPU RAM under pressure instead of
+# raising an OOM). What is left is activations: gradient checkpointing keeps one hidden state per
+# layer and recomputes the rest in the backward pass, trading ~30 % speed for most of that memory.
+# fp16 on a T4, bf16 on Ampere and newer. The table is the estimator's budget for one training
+# step at micro-batch 1.
+
+# %%
+import shutil
+
+from helpers.estimate import fit
+from helpers.finetune import TrainPlan
+
+plan = TrainPlan(MODEL, load=LOAD, r=R, alpha=ALPHA, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, max_steps=MAX_STEPS,
+                 save_steps=SAVE_STEPS, logging_steps=max(1, MAX_STEPS // 10), warmup_steps=MAX_STEPS // 10,
+                 learning_rate=LEARNING_RATE, output_dir=OUTPUT_DIR)
+if FRESH:
+    shutil.rmtree(plan.resolved_output_dir(), ignore_errors=True)
+estimate = plan.estimate(DEVICE)
+print(plan)
+print(fit(estimate, DEVICE))
+estimate
+
+# %% [markdown]
+# ## 3. Load the base model in 4 bits
+# Checked before any weight is read (model exists, bitsandbytes works, it fits, RAM suffices).
+
+# %%
+from helpers.loading import load
+
+model, tokenizer, report = load(plan.load_plan())
+report
+
+# %% [markdown]
+# ## 4. Answers before training
+# Held-out prompts: file names, columns and values the training set never shows.
+
+# %%
+from helpers.finetune import answer, load_instructions
+
+heldout = [row["instruction"] for row in load_instructions(heldout=True)]
+before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
+
+# %% [markdown]
+# ## 5. Prepare QLoRA
+# `prepare_model_for_kbit_training` (norms in fp32, input gradients), non-reentrant gradient
+# checkpointing, LoRA on every linear layer but the output layer.
+
+# %%
+from helpers.finetune import prepare_qlora
+
+model, trainable = prepare_qlora(model, plan)
+print(trainable)
+
+# %% [markdown]
+# ## 6. Find the micro-batch
+# A real forward + backward at `SEQ_LEN` tokens, growing the batch until it runs out of memory
+# (caught, the memory given back), then 90 % of the largest that ran, rounded down to a divisor of
+# the effective batch. Gradient accumulation makes up the rest.
+
+# %%
+from helpers.finetune import find_micro_batch
+
+micro = find_micro_batch(model, plan)
+plan = plan.replace(micro_batch=micro.micro_batch)
+micro
+
+# %% [markdown]
+# ## 7. Train, with memory watched
+# `MemoryMonitor` samples GPU allocated/reserved, the driver's view and RAM twice a second in a
+# thread and warns (naming the largest tensors) past 90 % of the card. `MemoryCallback` adds
+# allocated, reserved, peak since the last log and RAM to every log line and says so if memory
+# keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
+# optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this
+# cell continues from the last checkpoint at the right step.
+
+# %%
+from helpers.finetune import build_dataset, train
+from helpers.monitor import MemoryCallback, MemoryMonitor
+
+data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len, packing=plan.packing)
+with MemoryMonitor(interval=0.5) as monitor:
+    callback = MemoryCallback(monitor)
+    result = train(model, tokenizer, plan, data, callbacks=[callback])
+print(result)
+print(callback.leaks or "no steady memory growth between log steps")
+
+# %% [markdown]
+# ## 8. The memory timeline
+# Peaks are annotated; dotted lines are the marks (train start, checkpoints, end). The CSV keeps the
+# samples for later.
+
+# %%
+monitor.to_csv(result.output_dir / "memory.csv")
+monitor
+
+# %%
+monitor.plot(f"QLoRA on {MODEL}")
+
+# %% [markdown]
+# ## 9. Save the adapter (only the adapter)
+# Megabytes, not the 13 GiB base: keep it on Drive, share it, load it on the base model.
+
+# %%
+from helpers.finetune import save_adapter
+
+adapter = save_adapter(model, result.output_dir / "adapter", tokenizer)
+print(adapter)
+
+# %% [markdown]
+# ## 10. Before and after
+
+# %%
+after = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
+for prompt, old, new in zip(heldout, before, after, strict=True):
+    print(f"> {prompt}\n--- before ---\n{old.strip()[:300]}\n--- after ---\n{new.strip()[:300]}\n")
+
+# %% [markdown]
+# ## 11. Reload the adapter on a fresh base
+# Free the training model first (two 7B models do not belong on a T4 at once), then load the base
+# again with `adapter=`: the answers match the trained model's (on a GPU the trained copy kept norms
+# and embeddings in fp32 and the reload has them in fp16, so a late token of a long answer may differ).
+
+# %%
+from helpers import unload
+
+unload(model)
+model, tokenizer, report = load(plan.load_plan(adapter=str(adapter.path)))
+reloaded = answer(model, tokenizer, heldout[:2], max_new_tokens=MAX_NEW_TOKENS)
+print("reloaded adapter gives the same answers:", reloaded == after[:2])
+
+# %% [markdown]
+# Optional: merge the adapter into the weights (no peft at inference). With a 4-bit base the merged
+# weights are quantized again, which rounds them; for an exact merge load the base in fp16 first.
+
+# %%
+if MERGE:
+    from helpers.finetune import merge_adapter
+
+    model = merge_adapter(model)
+
+# %% [markdown]
+# ## 12. Clean up, and prove the memory came back
+
+# %%
+loaded = snapshot()
+freed = unload(model)
+after_cleanup = snapshot()
+print(freed)
+from helpers.units import format_bytes
+
+if after_cleanup.gpu is not None:
+    print(f"GPU allocated: {format_bytes(loaded.gpu.allocated)} -> {format_bytes(after_cleanup.gpu.allocated)} "
+          f"(before loading: {format_bytes(start.gpu.allocated)})")
+print(f"process RAM: {format_bytes(loaded.ram.process_rss)} -> {format_bytes(after_cleanup.ram.process_rss)}")
+after_cleanup

@@ -1,0 +1,107 @@
+"""MemoryMonitor (sampling thread, marks, CSV, plot, threshold warnings) and MemoryCallback."""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+
+import pytest
+import torch
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from helpers.monitor import MemoryCallback, MemoryMonitor
+from helpers.units import MiB
+
+
+def test_samples_in_the_background_and_marks():
+    with MemoryMonitor(interval=0.01, warn=False) as mon:
+        mon.mark("start")
+        big = torch.ones(32 * MiB // 4)  # 32 MiB of RSS the samples must see
+        time.sleep(0.1)
+        mon.mark("allocated")
+        del big
+    n = len(mon.samples)
+    assert n >= 5 and [m.label for m in mon.marks] == ["start", "allocated"]
+    assert all(b.t >= a.t for a, b in zip(mon.samples, mon.samples[1:]))
+    time.sleep(0.05)
+    assert len(mon.samples) == n  # stopped means stopped
+    first = mon.samples[0].process_rss
+    assert mon.peak()["process_rss"] >= first + 24 * MiB
+    assert "samples" in str(mon) and "<table" in mon._repr_html_()
+
+
+def test_csv_and_plot(tmp_path):
+    mon = MemoryMonitor(interval=1, warn=False)
+    for _ in range(3):
+        mon.sample()
+    mon.mark("step")
+    text = mon.to_csv(tmp_path / "mem.csv")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert (tmp_path / "mem.csv").read_text() == text
+    assert len(rows) == 5 and [r["mark"] for r in rows].count("step") == 1
+    assert int(rows[0]["process_rss"]) == mon.samples[0].process_rss
+    fig = mon.plot()
+    ax = fig.axes[0]
+    assert len(ax.lines) >= 3 and ax.get_ylabel() == "GiB"  # series + threshold + mark
+    assert any("peak" in t.get_text() for t in ax.texts) and any(t.get_text() == "step" for t in ax.texts)
+
+
+def test_threshold_crossing_names_the_largest_tensor():
+    hog = torch.zeros(8 * MiB // 4)  # noqa: F841 - the tensor the warning must name
+    mon = MemoryMonitor(interval=1, capacity=1 * MiB, threshold=0.9)
+    with pytest.warns(ResourceWarning, match="crossed 90%"):
+        mon.sample()
+    mon.sample()  # still above: no second warning
+    assert len(mon.crossings) == 1
+    top = mon.crossings[0].top
+    assert any(b >= 8 * MiB and "(2097152,)" in desc for _, b, desc in top), top
+    with pytest.raises(ValueError, match="threshold"):
+        MemoryMonitor(threshold=1.5)
+
+
+def _log(cb, step, state):
+    state.global_step = step
+    logs = {"loss": 1.0}
+    state.log_history.append({**logs, "step": step})
+    cb.on_log(TrainingArguments("unused", report_to="none"), state, TrainerControl(), logs=logs)
+    return logs
+
+
+def test_callback_reports_steady_growth_once():
+    level = [100 * MiB]
+
+    def grow():
+        level[0] += 4 * MiB
+        return level[0]
+
+    cb = MemoryCallback(measure=grow, warmup=1, window=4)
+    state = TrainerState()
+    with pytest.warns(ResourceWarning, match="LEAK"):
+        for step in range(1, 12):
+            logs = _log(cb, step, state)
+    assert len(cb.leaks) == 1 and "step 6" in cb.leaks[0]
+    assert "ram_rss_mib" in logs and state.log_history[-1]["ram_rss_mib"] == logs["ram_rss_mib"]
+
+
+def test_callback_is_quiet_on_flat_memory():
+    cb = MemoryCallback(measure=lambda: 100 * MiB, warmup=1, window=4)
+    state = TrainerState()
+    for step in range(1, 12):
+        _log(cb, step, state)
+    assert cb.leaks == []
+
+
+@pytest.mark.cuda
+def test_cuda_figures():
+    mon = MemoryMonitor(interval=1, warn=False)
+    before = mon.sample()
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    s = mon.sample()
+    assert s.allocated - before.allocated >= 64 * MiB and s.reserved >= s.allocated
+    assert s.device_used is None or s.device_used >= s.reserved
+    cb = MemoryCallback()
+    del x
+    figures = cb.figures()
+    assert {"mem_allocated_mib", "mem_reserved_mib", "mem_peak_mib", "ram_rss_mib"} <= set(figures)
+    assert figures["mem_peak_mib"] >= 64  # the peak since the last log still sees the freed tensor
