@@ -221,7 +221,8 @@ _JS_STATE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   if (!w || !w.content || !w.content.model || !w.sessionContext) return null;
   const k = w.sessionContext.session && w.sessionContext.session.kernel;
-  return {kernel: k ? k.status : null, notebook: w.content.model.toJSON()};
+  return {kernel: k ? k.status : null, path: w.context ? w.context.path : null,
+          notebook: w.content.model.toJSON()};
 }"""
 
 
@@ -230,16 +231,23 @@ class LabPage:
 
     def __init__(self, page, server: LabServer):
         self.page, self.server = page, server
+        self.name: str | None = None
 
     def open(self, name: str, timeout: float = 120) -> LabPage:
         self.page.goto(self.server.url(f"lab/tree/{name}"), timeout=timeout * 1000)
         self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(timeout=timeout * 1000)
+        self.name = name
+        # A restored workspace may show another notebook first: wait until ours is the current one.
         self.wait_kernel("idle", timeout)
         self.server.track()
         return self
 
     def state(self) -> dict | None:
-        return self.page.evaluate(_JS_STATE)
+        """The current notebook's kernel status and JSON; None until the notebook we opened is current."""
+        s = self.page.evaluate(_JS_STATE)
+        if s and self.name and s.get("path") and Path(s["path"]).name != Path(self.name).name:
+            return None
+        return s
 
     def wait_kernel(self, status: str = "idle", timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -259,7 +267,8 @@ class LabPage:
     def run_all(self, timeout: float = 300) -> dict:
         """Run > Run All Cells, wait until every code cell has run and the kernel is idle; the notebook JSON."""
         self.menu("Run", "Run All Cells")
-        deadline = time.monotonic() + timeout
+        clicked = time.monotonic()
+        deadline = clicked + timeout
         while True:
             s = self.state()
             if s:
@@ -268,6 +277,13 @@ class LabPage:
                     return s["notebook"]
                 if errors(s["notebook"]):  # Run All stops at the first error
                     return s["notebook"]
+                # A click that landed while the page was still settling runs nothing: an idle kernel and
+                # no cell run or queued 10 s later means the command never started, so click again.
+                queued = self.page.locator(".jp-NotebookPanel:visible .jp-InputPrompt", has_text="[*]").count()
+                if (s["kernel"] == "idle" and not queued and time.monotonic() - clicked > 10
+                        and not any(c.get("execution_count") for c in code)):
+                    self.menu("Run", "Run All Cells")
+                    clicked = time.monotonic()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cells still running after {timeout:.0f} s")
             time.sleep(0.5)
