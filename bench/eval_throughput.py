@@ -11,7 +11,10 @@ budget and at half of it):
   ``gc.collect()`` every 10 samples, as many guides do (0.1-0.3 s each once transformers is imported);
 - fixed 8: batches of 8 in dataset order (no length sorting), a batch that runs out of memory is
   skipped (its samples are lost);
-- safe_generate: ``batch_size="auto"``, length-sorted, adaptive, results streamed to a JSONL file.
+- safe_generate: ``batch_size="auto"``, length-sorted, adaptive, results streamed to a JSONL file;
+- oracle: told the budget in advance, longest first, every batch exactly as large as fits, no OOM
+  and no search: the ceiling for any loop that has to discover the budget, so "safe_generate / oracle"
+  says how much the adaptation costs.
 
 Outputs of samples finished by several contenders are checked equal. On CUDA (when available) the
 same comparison runs again without a simulated budget, on the real GPU.
@@ -117,6 +120,32 @@ def fixed(model, tok, prompts, new, size=8) -> dict:
             "batch_sizes": [size]}
 
 
+def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
+    """The upper bound under a known budget: longest first, each batch exactly as large as fits; no OOM, no search."""
+    device = next(model.parameters()).device
+    stop = _stop_ids(model, tok)
+    lengths = [len(x) for x in tok([p["prompt"] for p in prompts])["input_ids"]]
+    order = sorted(range(len(prompts)), key=lambda k: -lengths[k])
+    outputs, tokens, sizes = {}, 0, set()
+    tok.padding_side = "left"
+    started = time.perf_counter()
+    i = 0
+    while i < len(order):
+        size = max(1, min(cap, budget // (lengths[order[i]] + new)))
+        batch = [prompts[k] for k in order[i:i + size]]
+        enc = tok([p["prompt"] for p in batch], return_tensors="pt", padding=True).to(device)
+        with torch.inference_mode():
+            ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+        gen = ids[:, enc["input_ids"].shape[1]:].cpu()
+        for p, g in zip(batch, gen, strict=True):
+            outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
+            tokens += _count_new(g, stop)
+        sizes.add(len(batch))
+        i += len(batch)
+    return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": 0,
+            "batch_sizes": sorted(sizes)}
+
+
 def ours(model, tok, prompts, new, folder: Path) -> dict:
     bs.clear_cache()
     report = safe_generate(model, tok, prompts, max_new_tokens=new, results=folder / "ours.jsonl", resume=False,
@@ -126,21 +155,28 @@ def ours(model, tok, prompts, new, folder: Path) -> dict:
             "truncated": report.truncated, "cache_empties": report.cache_empties}
 
 
+ORACLE = "oracle (told the budget; upper bound)"
+
+
 def compare(model, tok, prompts, new, budget: int | None, label: str, repeats: int) -> tuple[list[list], dict]:
     """Each loop ``repeats`` times, interleaved; the fastest run of each counts (the machine is shared)."""
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        loops = [("naive (batch 1, empty_cache every 10)", lambda: naive(model, tok, prompts, new)),
+                 ("naive + gc.collect every 10", lambda: naive(model, tok, prompts, new, True)),
+                 ("fixed batch 8, unsorted", lambda: fixed(model, tok, prompts, new)),
+                 ('safe_generate(batch_size="auto")', lambda: ours(model, tok, prompts, new, Path(tmp)))]
+        if budget:  # what a loop told the budget in advance could do: the ceiling for any adaptive one
+            loops.append((ORACLE, lambda: oracle(model, tok, prompts, new, budget)))
         for _ in range(repeats):
-            for name, fn in (("naive (batch 1, empty_cache every 10)", lambda: naive(model, tok, prompts, new)),
-                             ("naive + gc.collect every 10", lambda: naive(model, tok, prompts, new, True)),
-                             ("fixed batch 8, unsorted", lambda: fixed(model, tok, prompts, new)),
-                             ('safe_generate(batch_size="auto")', lambda: ours(model, tok, prompts, new, Path(tmp)))):
+            for name, fn in loops:
                 with simulated_budget(model, tokens=budget) if budget else contextlib.nullcontext():
                     run = fn()
                 if name not in runs or run["seconds"] < runs[name]["seconds"]:
                     runs[name] = run
     base = runs["naive (batch 1, empty_cache every 10)"]
     base_tps = base["tokens"] / base["seconds"]
+    ceiling = runs[ORACLE]["tokens"] / runs[ORACLE]["seconds"] if ORACLE in runs else None
     ref = runs['safe_generate(batch_size="auto")']["outputs"]
     rows, payload = [], {}
     for name, r in runs.items():
@@ -155,6 +191,7 @@ def compare(model, tok, prompts, new, budget: int | None, label: str, repeats: i
         payload[name] = {"samples_done": len(r["outputs"]), "samples_lost": lost, "oom_retries_or_errors": r["ooms"],
                          "seconds": round(r["seconds"], 3), "new_tokens": r["tokens"], "tokens_per_s": round(tps, 1),
                          "vs_naive": round(tps / base_tps, 2), "outputs_equal_where_shared": same,
+                         **({"of_oracle": round(tps / ceiling, 2)} if ceiling else {}),
                          "batch_sizes": r["batch_sizes"], **{k: r[k] for k in ("truncated", "cache_empties") if k in r}}
     return rows, payload
 

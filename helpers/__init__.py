@@ -6,6 +6,7 @@ The notebook-facing API is re-exported here; each concern lives in its own modul
 from __future__ import annotations
 
 import importlib
+import logging
 
 from .cleanup import CleanupReport, cleanup, free, unload
 from .memory import MemorySnapshot, allocated, reserved, snapshot
@@ -13,6 +14,16 @@ from .preflight import PreflightReport, preflight
 from .units import GiB, MiB, format_bytes, parse_bytes
 
 __version__ = "0.1.0"
+
+
+def _quiet_optional_cpu_kernel(record: logging.LogRecord) -> bool:
+    # bitsandbytes logs a warning on every import on AVX512-bf16 CPUs when the optional `kernels`
+    # package (which fetches a faster 4-bit CPU kernel from the Hub) is absent; its built-in CPU
+    # path works, and CPU is only where oomkit's demos and tests run, so the line is noise there.
+    return "gemm_4bit_forward from kernels-community" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_optional_cpu_kernel)
 
 __all__ = [
     "CleanupReport", "cleanup", "free", "unload",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .cleanup import _collect_and_empty, drop_exception_state
+from .cleanup import release_after_oom
 from .oom import is_oom
 
 __all__ = ["Trial", "BatchSearch", "find_max_batch_size", "adaptive_batch", "clear_cache", "BatchSizeError"]
@@ -113,17 +113,25 @@ def clear_cache(key: Hashable | None = None) -> None:
 def _try(step: Callable[[int], Any], size: int) -> Trial:
     """Run ``step(size)``; an OOM becomes a failed Trial (and its memory is given back), anything else propagates."""
     started = time.perf_counter()
+    baseline = _allocated()
+    message = None
     try:
         step(size)
     except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
         if not is_oom(e):
             raise
         message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        del e  # the traceback pins the failed step's tensors
-        drop_exception_state()
-        _collect_and_empty()
+    if message is not None:
+        # outside the except block, where the exception (whose traceback pins the failed step's
+        # tensors) is no longer held by the interpreter
+        release_after_oom(baseline=baseline)
         return Trial(size, False, time.perf_counter() - started, message)
     return Trial(size, True, time.perf_counter() - started)
+
+
+def _allocated() -> int | None:
+    """CUDA memory allocated now (the baseline a failed step is checked against); None without CUDA."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
 
 
 def _next_size(lo: int, hi: int) -> int:
@@ -299,15 +307,16 @@ def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: flo
             while True:
                 size = state.batch_size
                 started = time.perf_counter()
+                baseline = _allocated()
+                message = None
                 try:
                     result = fn(size, *args, **kwargs)
                 except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
                     if not is_oom(e):
                         raise
                     message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-                    del e
-                    drop_exception_state()
-                    _collect_and_empty()
+                if message is not None:
+                    release_after_oom(baseline=baseline)  # outside the except block: see _try
                     state.trials.append(Trial(size, False, time.perf_counter() - started, message))
                     state.after_oom(size)
                     continue

@@ -24,6 +24,7 @@ import os
 import random
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from .batch_size import _CACHE, BatchSearch
-from .cleanup import _collect_and_empty, drop_exception_state
+from .cleanup import release_after_oom
 from .memory import allocated, ram_readout, reserved
 from .oom import is_oom
 from .units import format_bytes
@@ -303,7 +304,8 @@ class EvalReport:
         truncated: samples recorded with fewer new tokens than asked (context length or memory).
         new_tokens, seconds, tokens_per_s: generated in this run.
         oom_retries: batches that ran out of memory and were retried; cache_empties: how often the
-            allocator cache was emptied (only after an OOM or when much memory sat cached unused).
+            allocator cache was emptied (only after an OOM or when much memory sat cached unused);
+            full_collections: OOMs after which the failed batch was still alive, so ``gc.collect()`` ran.
         batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
             memory bytes) per batch; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
@@ -320,6 +322,7 @@ class EvalReport:
     seconds: float = 0.0
     oom_retries: int = 0
     cache_empties: int = 0
+    full_collections: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     peak_memory: int | None = None
@@ -343,7 +346,8 @@ class EvalReport:
             ("samples", f"{self.done} generated, {self.skipped} already done, {self.total} in all"),
             ("truncated", f"{self.truncated} (recorded with fewer new tokens)"),
             ("throughput", f"{self.new_tokens} new tokens in {self.seconds:.1f} s = {self.tokens_per_s:.1f} tokens/s"),
-            ("OOM retries", f"{self.oom_retries}; cache emptied {self.cache_empties}x"),
+            ("OOM retries", f"{self.oom_retries}; cache emptied {self.cache_empties}x, "
+                            f"gc.collect() needed {self.full_collections}x"),
             ("batch sizes", (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
              + (f"; started at {self.started_from}" if self.started_from else "")),
             (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
@@ -631,28 +635,34 @@ def safe_generate(
                 batch.append(pending[i + len(batch)])
             size = len(batch)
             t0 = time.perf_counter()
+            enc = probe = None
+            failed = False
+            baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
             try:
                 enc = tokenizer([it["prompt"] for it, _ in batch], return_tensors="pt", padding=True).to(device)
+                probe = weakref.ref(enc["input_ids"])  # the failed call's frames hold it: alive = still pinned
                 with torch.inference_mode():
                     out = model.generate(**enc, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id, **gen_kwargs)
                 gen_ids = out[:, enc["input_ids"].shape[1]:].cpu()
                 del out, enc
             except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-                if not is_oom(e):
-                    raise
-                del e  # its traceback pins the failed batch's activations and KV cache
-                drop_exception_state()
-                _collect_and_empty()
+                if not is_oom(e) or (size == 1 and single_retries >= 1 and new <= 1):
+                    raise  # not an OOM, or not even one new token fits alone: nothing to record
+                failed = True
+            if failed:
+                # Outside the except block: inside it the interpreter still holds the exception, and
+                # through its traceback the failed batch's activations and KV cache.
+                del enc
+                if release_after_oom(probe, baseline=baseline, device=device):
+                    report.full_collections += 1
                 report.oom_retries += 1
                 report.cache_empties += 1
                 if size > 1:
                     budget.after_oom(size, seq)
                 elif single_retries < 1:
                     single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
-                elif new > 1:
-                    shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
                 else:
-                    raise  # not even one new token fits: nothing to record; the caller sees the OOM
+                    shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
                 continue
             seconds = time.perf_counter() - t0
             texts = tokenizer.batch_decode(gen_ids, skip_special_tokens=True)

@@ -9,7 +9,9 @@ Usage: ``python scripts/run_notebooks.py [NAME_SUBSTRING ...]``
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +45,25 @@ class NotebookRun:
         suffix = "" if self.name == "default" else f"-{self.name}"
         return RUNS / f"{self.notebook.stem}{suffix}.ipynb"
 
+    @property
+    def log(self) -> Path:
+        return self.output.with_suffix(".log")
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """Send this process's stderr, and that of the kernels it starts, to ``path`` (kernel start-up noise)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
 
 def _fill(value):
     if isinstance(value, str):
@@ -72,15 +93,16 @@ def execute(run: NotebookRun, timeout: int = 600) -> float:
 
     RUNS.mkdir(exist_ok=True)
     started = time.perf_counter()
-    papermill.execute_notebook(
-        str(run.notebook),
-        str(run.output),
-        parameters=run.parameters,
-        kernel_name="python3",
-        cwd=str(RUNS),
-        progress_bar=False,
-        execution_timeout=timeout,
-    )
+    with stderr_to(run.log):
+        papermill.execute_notebook(
+            str(run.notebook),
+            str(run.output),
+            parameters=run.parameters,
+            kernel_name="python3",
+            cwd=str(RUNS),
+            progress_bar=False,
+            execution_timeout=timeout,
+        )
     return time.perf_counter() - started
 
 
@@ -95,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             first = str(e).strip().splitlines()
             reason = next((ln for ln in reversed(first) if ln.strip()), type(e).__name__)[:160]
-            print(f"FAILED {run.label:32s} {reason}  (see {run.output.relative_to(REPO)})", flush=True)
+            print(f"FAILED {run.label:32s} {reason}  (see {run.output.relative_to(REPO)} and "
+                  f"{run.log.relative_to(REPO)})", flush=True)
     print(f"\n{len(runs) - failed} of {len(runs)} notebook runs passed; executed copies in {RUNS.relative_to(REPO)}/")
     return 1 if failed else 0
 

@@ -87,3 +87,75 @@ def test_unload_releases_weights_still_referenced_elsewhere(tiny_llama):
 def test_unload_rejects_non_modules():
     with pytest.raises(TypeError, match="free"):
         unload("model")
+
+
+def _oom_mid_generate(model, tok, at_call: int = 3):
+    """Run generate until a real allocator failure inside a decoder layer; the input ids' weak reference."""
+    from helpers.oom import is_oom
+
+    calls = {"n": 0}
+
+    def hook(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocation failure
+
+    enc = tok(["where is the river", "a map of the town"], return_tensors="pt", padding=True)
+    probe = weakref.ref(enc["input_ids"])
+    handle = model.model.layers[1].register_forward_hook(hook)
+    try:
+        model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    except RuntimeError as e:
+        assert is_oom(e)
+    finally:
+        handle.remove()
+    return probe
+
+
+def test_release_after_oom_skips_the_full_collection_when_refcounting_freed_the_call(tiny_llama):
+    """A generate that ran out of memory mid-forward dies with its exception: no gc.collect() needed."""
+    import gc
+
+    from helpers.cleanup import release_after_oom
+    from helpers.loading import load
+
+    model, tok, _ = load(str(tiny_llama), load="fp32", check=False)
+    gc.disable()  # only refcounting may free it
+    try:
+        probe = _oom_mid_generate(model, tok)
+        assert probe() is None, "the failed generate's frames died with the exception"
+        assert release_after_oom(probe) is False
+    finally:
+        gc.enable()
+
+
+def test_release_after_oom_collects_when_the_failed_call_is_still_alive():
+    """Frames caught in a reference cycle keep the inputs alive: the full collection runs and frees them."""
+    import gc
+
+    from helpers.cleanup import release_after_oom
+
+    class Node:
+        pass
+
+    def step(x):
+        loop = Node()
+        loop.self, loop.x = loop, x  # a cycle refcounting cannot free
+        loop.frame = sys._getframe()
+        torch.empty(1 << 50, dtype=torch.uint8)
+
+    x = torch.ones(256, 256)
+    probe = weakref.ref(x)
+    gc.disable()
+    try:
+        try:
+            step(x)
+        except RuntimeError:
+            pass
+        del x
+        assert probe() is not None
+        assert release_after_oom(probe) is True
+        assert probe() is None
+        assert release_after_oom() is True, "with nothing to go by it always collects"
+    finally:
+        gc.enable()

@@ -264,3 +264,22 @@ def test_tokenizer_setup_for_batched_generation(tiny_llama):
     note = loading.setup_tokenizer(tok)
     assert tok.pad_token == tok.eos_token and tok.padding_side == "left"
     assert "pad token" in note and "left padding" in note
+
+
+def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
+    """The 'pip install kernels' line bitsandbytes logs on some CPUs is dropped; its other warnings are not."""
+    import logging
+    import subprocess
+    import sys
+
+    import helpers  # noqa: F401 - installs the filter
+
+    out = subprocess.run([sys.executable, "-c", "import helpers, bitsandbytes"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kernels-community" not in out.stderr
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    keep = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "something else went wrong", None, None)
+    drop = logging.LogRecord(log.name, logging.WARNING, __file__, 1,
+                             "Failed to load CPU gemm_4bit_forward from kernels-community: %s", ("x",), None)
+    assert log.filter(keep) and not log.filter(drop)
