@@ -65,25 +65,31 @@ def make_prompts(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def run_batch(model, tok, batch: list[dict], new: int, outputs: dict, stop) -> int:
+    """Greedy-generate ``batch`` in one padded call, decode into ``outputs``; the new-token count (OOMs propagate)."""
+    enc = tok([p["prompt"] for p in batch], return_tensors="pt", padding=True).to(next(model.parameters()).device)
+    with torch.inference_mode():
+        ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+    tokens = 0
+    for p, g in zip(batch, ids[:, enc["input_ids"].shape[1]:].cpu(), strict=True):
+        outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
+        tokens += _count_new(g, stop)
+    return tokens
+
+
 def naive(model, tok, prompts, new, collect: bool = False) -> dict:
     """Batch 1, ``empty_cache()`` (and with ``collect``, ``gc.collect()``) every 10 samples, stop at the first OOM."""
-    device = next(model.parameters()).device
     stop = _stop_ids(model, tok)
     outputs, tokens, ooms = {}, 0, 0
     started = time.perf_counter()
     for k, p in enumerate(prompts):
         try:
-            enc = tok(p["prompt"], return_tensors="pt").to(device)
-            with torch.inference_mode():
-                ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+            tokens += run_batch(model, tok, [p], new, outputs, stop)
         except Exception as e:
             if not is_oom(e):
                 raise
             ooms += 1
             break  # "stop at the first OOM"
-        gen = ids[0, enc["input_ids"].shape[1]:].cpu()
-        outputs[p["id"]] = tok.decode(gen, skip_special_tokens=True)
-        tokens += _count_new(gen, stop)
         if (k + 1) % 10 == 0:
             if collect:
                 gc.collect()
@@ -94,35 +100,25 @@ def naive(model, tok, prompts, new, collect: bool = False) -> dict:
 
 def fixed(model, tok, prompts, new, size=8) -> dict:
     """Batches of ``size`` in dataset order; a batch that runs out of memory is skipped."""
-    device = next(model.parameters()).device
     stop = _stop_ids(model, tok)
     outputs, tokens, ooms = {}, 0, 0
     started = time.perf_counter()
     for i in range(0, len(prompts), size):
-        batch = prompts[i:i + size]
         try:
-            enc = tok([p["prompt"] for p in batch], return_tensors="pt", padding=True).to(device)
-            with torch.inference_mode():
-                ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+            tokens += run_batch(model, tok, prompts[i:i + size], new, outputs, stop)
         except Exception as e:
             if not is_oom(e):
                 raise
             ooms += 1
             del e
-            gc.collect()
+            gc.collect()  # what such loops do; a lost batch is lost either way
             torch.cuda.empty_cache()
-            continue
-        gen = ids[:, enc["input_ids"].shape[1]:].cpu()
-        for p, g in zip(batch, gen, strict=True):
-            outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
-            tokens += _count_new(g, stop)
     return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": ooms,
             "batch_sizes": [size]}
 
 
 def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
     """The upper bound under a known budget: longest first, each batch exactly as large as fits; no OOM, no search."""
-    device = next(model.parameters()).device
     stop = _stop_ids(model, tok)
     lengths = [len(x) for x in tok([p["prompt"] for p in prompts])["input_ids"]]
     order = sorted(range(len(prompts)), key=lambda k: -lengths[k])
@@ -133,13 +129,7 @@ def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
     while i < len(order):
         size = max(1, min(cap, budget // (lengths[order[i]] + new)))
         batch = [prompts[k] for k in order[i:i + size]]
-        enc = tok([p["prompt"] for p in batch], return_tensors="pt", padding=True).to(device)
-        with torch.inference_mode():
-            ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
-        gen = ids[:, enc["input_ids"].shape[1]:].cpu()
-        for p, g in zip(batch, gen, strict=True):
-            outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
-            tokens += _count_new(g, stop)
+        tokens += run_batch(model, tok, batch, new, outputs, stop)
         sizes.add(len(batch))
         i += len(batch)
     return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": 0,
