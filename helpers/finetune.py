@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .loading import keep_4bit_layout
 from .memory import in_colab
 from .units import format_bytes
 
@@ -264,6 +265,7 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    keep_4bit_layout(model)  # a model loaded elsewhere and generated with may have been repacked
     ckpt_kwargs = {"use_reentrant": False}
     with warnings.catch_warnings():
         # peft still calls transformers' old name for it (gradient_checkpointing_enable): same feature
@@ -510,6 +512,7 @@ def train(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(
     A checkpoint holds the adapter, optimizer, scheduler and RNG states, so a rerun after a
     disconnect continues at the step where it saved, with the same data order.
     """
+    keep_4bit_layout(model)
     trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
     out = Path(trainer.args.output_dir)
     ckpt = last_checkpoint(out) if resume else None

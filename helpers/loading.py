@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from .units import GiB, MiB, format_bytes, percent
 
 __all__ = [
     "LOAD_MODES", "QUANTIZED", "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
-    "load", "check_plan", "setup_tokenizer", "generate_batched", "placement",
+    "load", "check_plan", "setup_tokenizer", "generate_batched", "placement", "keep_4bit_layout",
 ]  # fmt: skip
 
 LOAD_MODES = ("fp16", "bf16", "fp32", "int8", "nf4", "fp4")
@@ -648,6 +649,7 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
     before = torch.cuda.memory_allocated() if cuda else 0
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
+    keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
     tokenizer = AutoTokenizer.from_pretrained(plan.model, token=run_plan.token,
                                               trust_remote_code=plan.trust_remote_code)
     measured = footprint(model)
@@ -656,7 +658,10 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
     if plan.adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, plan.adapter)
+        with warnings.catch_warnings():
+            # peft still calls transformers' old name (is_gradient_checkpointing): same feature
+            warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, plan.adapter)
         adapter_bytes = footprint(model) - measured
     seconds = time.perf_counter() - started
     note = setup_tokenizer(tokenizer, model)
@@ -669,6 +674,32 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
         tokenizer_note=note,
     )
     return model, tokenizer, report
+
+
+def keep_4bit_layout(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes' 4-bit layers in the layout they were loaded in, on CPU; the layers restored.
+
+    On CPUs with AVX512-bf16, bitsandbytes repacks a ``Linear4bit``'s weight for a faster CPU kernel
+    at its first inference forward and keeps it that way: the absmax goes to bf16 (rounded, and the
+    double-quantized state expanded, so the footprint changes under the estimate), and the kernel
+    (``gemv_4bit``) has no autograd, so a later training step passes no gradient through the frozen
+    layer ("an autograd kernel was not registered ... silently incorrect") and the adapters below
+    it get none. This turns the repacking off for these layers and undoes any that already happened
+    (bitsandbytes' own inverse). GPUs never repack; there it changes nothing.
+    """
+    restored = 0
+    for module in model.modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        state = getattr(module.weight, "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                module.weight.data, state)
+            restored += 1
+    return restored
 
 
 @torch.inference_mode()

@@ -283,3 +283,16 @@ def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
     drop = logging.LogRecord(log.name, logging.WARNING, __file__, 1,
                              "Failed to load CPU gemm_4bit_forward from kernels-community: %s", ("x",), None)
     assert log.filter(keep) and not log.filter(drop)
+
+
+def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
+    """Generation on CPU must not repack the 4-bit weights (bf16 absmax, nested state expanded):
+    the footprint after generating is still the one measured at load and estimated."""
+    from helpers.estimate import footprint
+
+    model, tok, report = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=True), check=False)
+    assert footprint(model) == report.measured_weights
+    enc = tok(["where is the river"], return_tensors="pt")
+    with torch.inference_mode():
+        model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert footprint(model) == report.measured_weights == report.estimated_weights
