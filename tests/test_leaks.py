@@ -124,7 +124,9 @@ def test_output_history_check_in_ipython(ipython_shell):
 
 
 def test_top_allocation_sites_groups_by_user_line():
-    frames_user = [{"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+    # innermost first, as PyTorch records them; C++ frames come from source paths such as /pytorch/c10/...
+    frames_user = [{"filename": "/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 1077, "name": "malloc"},
+                   {"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
                    {"filename": "/content/train.py", "line": 12, "name": "step"}]
     snap = {"segments": [{"blocks": [
         {"size": 4096, "state": "active_allocated", "frames": frames_user},
