@@ -190,14 +190,35 @@ def reserved(device: int | torch.device | None = None) -> int:
     return torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
 
 
-def _nvml_processes(index: int) -> list[GPUProcess] | None:
+def nvml_handle(index: int):
+    """``(pynvml, handle)`` for CUDA device ``index`` as PyTorch numbers it, or ``(None, None)``.
+
+    NVML numbers devices in PCI order and ignores ``CUDA_VISIBLE_DEVICES``; PyTorch's index 0 can be
+    NVML's 1. The device's UUID is the same in both, so it is matched by that; the index is only the
+    fallback (a MIG slice, or a torch that reports no UUID).
+    """
     try:
         import pynvml
-    except ImportError:
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML library, driver or permission: the driver view stays unknown
+        return None, None
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode())
+    except Exception:
+        pass
+    try:
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None, None
+
+
+def _nvml_processes(index: int) -> list[GPUProcess] | None:
+    pynvml, handle = nvml_handle(index)
+    if handle is None:
         return None
     try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         procs = []
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             try:

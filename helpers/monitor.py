@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from .memory import nvml_handle
 from .units import MiB, format_bytes
 
 __all__ = ["Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]
@@ -63,16 +64,6 @@ class ThresholdCrossing:
         return "\n".join(lines)
 
 
-def _nvml_handle(index: int):
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # no NVML library, driver or permission: the driver view stays unknown
-        return None, None
-
-
 class MemoryMonitor:
     """Sample memory in a background thread while a block runs.
 
@@ -99,7 +90,7 @@ class MemoryMonitor:
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
         self.device = (torch.cuda.current_device() if device is None else device) if self.cuda else None
-        self._nvml, self._handle = _nvml_handle(self.device) if self.cuda else (None, None)
+        self._nvml, self._handle = nvml_handle(self.device) if self.cuda else (None, None)
         self.capacity = capacity or (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
                                      else psutil.virtual_memory().total)
         self.samples: list[Sample] = []

@@ -1,3 +1,5 @@
+import sys
+
 import psutil
 import pytest
 import torch
@@ -62,3 +64,29 @@ def test_snapshot_on_cuda_tracks_an_allocation():
     assert after.gpu.allocated - before >= 256 * MiB
     assert after.gpu.free <= after.gpu.total
     del x
+
+
+def test_nvml_handle_matches_the_torch_device_by_uuid(monkeypatch):
+    """NVML counts devices in PCI order and ignores CUDA_VISIBLE_DEVICES: torch's device 0 may be NVML's 1."""
+    import types
+
+    from helpers.memory import nvml_handle
+
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: calls.append(("uuid", uuid)) or "by-uuid",
+        nvmlDeviceGetHandleByIndex=lambda i: calls.append(("index", i)) or "by-index",
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid="5f1c2d3e-0000-1111-2222-333344445555"))
+    assert nvml_handle(0) == (fake, "by-uuid")
+    assert calls == [("uuid", b"GPU-5f1c2d3e-0000-1111-2222-333344445555")]
+
+    def no_uuid(i):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_uuid)
+    calls.clear()
+    assert nvml_handle(1) == (fake, "by-index") and calls == [("index", 1)]
