@@ -636,8 +636,16 @@ def _device(device: Any) -> tuple[str, dict | None]:
     if key == "current":
         if not torch.cuda.is_available():
             return "cpu", None
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return props.name, {"name": props.name, "capacity": props.total_memory, "bf16": props.major >= 8}
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        capacity, name = props.total_memory, props.name
+        # a cap set with set_per_process_memory_fraction (e.g. to act as a T4 on a bigger card) is the
+        # allocator's real limit: past it, it raises an OOM with the card half empty
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
+        if 0 < fraction < 1:
+            capacity = int(capacity * fraction)
+            name = f"{props.name}, capped at {fraction:.0%}"
+        return name, {"name": name, "capacity": capacity, "bf16": props.major >= 8}
     if key == "cpu":
         return "cpu", None
     if key in DEVICES:

@@ -259,3 +259,20 @@ def test_unknown_architecture_falls_back_to_approximate_count(monkeypatch):
     cfg_missing = LlamaConfig(hidden_size=256, num_hidden_layers=3, vocab_size=0)
     with pytest.raises(EstimateError, match="vocab_size"):
         estimate(cfg_missing, load="fp16")
+
+
+def test_current_device_honours_a_per_process_memory_cap(monkeypatch):
+    """set_per_process_memory_fraction (acting as a T4 on a bigger card) is the allocator's real limit."""
+    import types
+
+    from helpers.estimate import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.1875)
+    name, dev = _device("current")
+    assert dev["capacity"] == 15 * 2**30 and "capped at 19%" in name
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
+    assert _device("current")[1]["capacity"] == 80 * 2**30
