@@ -190,6 +190,19 @@ def reserved(device: int | torch.device | None = None) -> int:
     return torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
 
 
+def _nvml_index(index: int) -> int:
+    """NVML's index of PyTorch's CUDA device ``index``.
+
+    NVML numbers every GPU on the machine and ignores ``CUDA_VISIBLE_DEVICES``, so with
+    ``CUDA_VISIBLE_DEVICES=2`` PyTorch's device 0 is NVML's device 2. torch's own NVML readouts
+    (``torch.cuda.device_memory_used``) map it the same way.
+    """
+    try:
+        return torch.cuda._get_nvml_device_index(index)
+    except Exception:  # a private helper: if it moves or cannot tell, the indices usually agree
+        return index
+
+
 def _nvml_processes(index: int) -> list[GPUProcess] | None:
     try:
         import pynvml
@@ -197,7 +210,10 @@ def _nvml_processes(index: int) -> list[GPUProcess] | None:
         return None
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # NVML missing from the driver, or no driver at all: figures stay unknown
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(index))
         procs = []
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             try:
@@ -206,8 +222,13 @@ def _nvml_processes(index: int) -> list[GPUProcess] | None:
                 name = ""
             procs.append(GPUProcess(pid=p.pid, used=p.usedGpuMemory, name=name))
         return procs
-    except Exception:  # NVML missing from the driver, or no permission: figures stay unknown
+    except Exception:  # no permission, or a driver too old for this call: figures stay unknown
         return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()  # nvmlInit is reference-counted: one shutdown per init
+        except Exception:
+            pass
 
 
 def gpu_readouts(processes: bool = True) -> list[GPUReadout]:

@@ -67,8 +67,10 @@ def _nvml_handle(index: int):
     try:
         import pynvml
 
+        from .memory import _nvml_index
+
         pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(index))
     except Exception:  # no NVML library, driver or permission: the driver view stays unknown
         return None, None
 
