@@ -966,7 +966,10 @@ def _site(frames: list[dict]) -> str:
     """The first frame outside torch and the libraries: the line the user can change."""
     def lib(f):
         fn = f.get("filename", "")
-        return "site-packages" in fn or "/torch/" in fn or fn.startswith("<frozen") or fn == "??"
+        # Snapshots list C/C++ frames too (allocator, libpython: "??", "Python/ceval.c", a .so path);
+        # only Python source can be the user's line. Colab installs packages in dist-packages.
+        python = fn.endswith(".py") or (fn.startswith("<") and not fn.startswith("<frozen"))
+        return not python or "site-packages" in fn or "dist-packages" in fn or "/torch/" in fn
 
     pick = next((f for f in frames if not lib(f) and f.get("filename")), None)
     if pick is None:
