@@ -166,6 +166,9 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
                 kw["quantization_config"] = BitsAndBytesConfig(
                     load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                     bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+                # without a device_map, transformers puts a bnb model on the current CUDA device when
+                # there is one, away from the CPU ids (and from what PeakTracker measures)
+                kw["device_map"] = {"": "cpu"}
             model = AutoModelForCausalLM.from_pretrained(tmp, **kw)
             if ckpt is None:
                 pred = estimate(tmp, load=load, batch_size=batch, prompt_tokens=seq, max_new_tokens=32, device="cpu")

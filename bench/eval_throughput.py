@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     prompts = make_prompts(args.prompts)
     header = ["device", "loop", "samples done", "lost", "OOMs", "batch sizes", "tokens/s", "vs naive", "same outputs"]
-    model, tok, _ = load(str(model_dir), load="fp32", check=False)
+    # device_map=None: the CPU rows stay on the CPU on a machine with a GPU too (the default "auto" would place it there)
+    model, tok, _ = load(str(model_dir), load="fp32", check=False, device_map=None)
     lengths = [len(x) for x in tok([p["prompt"] for p in prompts])["input_ids"]]
     results = {"settings": {**vars(args), "prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths),
                             "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),

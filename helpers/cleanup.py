@@ -109,7 +109,9 @@ def _readout() -> tuple[int, int, int]:
 
 def _collect_and_empty(collect: bool = True) -> int:
     collected = gc.collect() if collect else 0
-    if torch.cuda.is_available():
+    # synchronize() and ipc_collect() would create a CUDA context (hundreds of MiB) in a session that
+    # never used the GPU; without one there is no cache to empty
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.ipc_collect()

@@ -966,8 +966,10 @@ def _site(frames: list[dict]) -> str:
     """The first frame outside torch and the libraries: the line the user can change."""
     def lib(f):
         fn = f.get("filename", "")
-        python = fn.endswith(".py") or fn.startswith("<ipython-input")  # C++ frames name .cpp/.so files
-        return not python or "site-packages" in fn or "/torch/" in fn or fn.startswith("<frozen")
+        # Snapshots list C/C++ frames too (allocator, libpython: "??", "Python/ceval.c", a .so path);
+        # only Python source can be the user's line. Colab installs packages in dist-packages.
+        python = fn.endswith(".py") or (fn.startswith("<") and not fn.startswith("<frozen"))
+        return not python or "site-packages" in fn or "dist-packages" in fn or "/torch/" in fn
 
     pick = next((f for f in frames if not lib(f) and f.get("filename")), None)
     if pick is None:
@@ -1023,8 +1025,7 @@ def record_allocations(path: str | Path = "memory_snapshot.pickle", max_entries:
     if not torch.cuda.is_available():
         raise RuntimeError("record_allocations() needs a CUDA GPU; on CPU use census() and watch()")
     rec = _Recording(Path(path))
-    # Python stacks only: C++ frames are symbolized when the snapshot is dumped, which can take minutes
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
     try:
         yield rec
     finally:
