@@ -239,6 +239,10 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
                 w = module._parameters.get("weight")
                 if w is not None and hasattr(w, "quant_state"):
                     w.quant_state = None
+                if w is not None and hasattr(w, "SCB"):  # Int8Params: CB is the int8 weight itself
+                    w.CB = w.SCB = None
+                if getattr(module, "quant_state", None) is not None:  # Linear4bit keeps its own reference
+                    module.quant_state = None
                 if hasattr(module, "state") and hasattr(module.state, "reset_grads"):
                     module.state.CB = module.state.SCB = None
         dropped.append("weights")

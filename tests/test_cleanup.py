@@ -84,6 +84,25 @@ def test_unload_releases_weights_still_referenced_elsewhere(tiny_llama):
     assert isinstance(report, CleanupReport) and "cleanup:" in str(report)
 
 
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_unload_releases_quantized_weights_and_their_state(tiny_llama, mode):
+    """bitsandbytes keeps more than .data: int8's CB (the int8 weight) and SCB, 4-bit's quant_state."""
+    from helpers.loading import LoadPlan, load
+
+    model, _, _ = load(LoadPlan(str(tiny_llama), load=mode), check=False)
+    layer = model.model.layers[0].self_attn.q_proj.weight
+    held = [weakref.ref(t) for t in (getattr(layer, "CB", None), getattr(layer, "SCB", None), layer.data)
+            if isinstance(t, torch.Tensor)]
+    state = getattr(layer, "quant_state", None)
+    held += [weakref.ref(state.absmax)] if state is not None else []
+    del layer, state
+    assert held
+    holder = [model]  # something still references the model
+    unload(model, namespace={})
+    assert all(ref() is None for ref in held), "a quantized weight or its state survived unload()"
+    assert holder
+
+
 def test_unload_rejects_non_modules():
     with pytest.raises(TypeError, match="free"):
         unload("model")
