@@ -6,8 +6,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from helpers import cellstats
+
+# With CUDA the tools measure GPU memory; these tests grow CPU tensors (the cuda tests cover GPUs).
+CPU_MEMORY = pytest.mark.skipif(torch.cuda.is_available(), reason="measures CPU memory")
 
 REPO = Path(__file__).resolve().parents[1]
 GROW = "keep.append(torch.ones(4_000_000))  # 16 MB more on every run"
@@ -20,6 +24,7 @@ def shell(ipython_shell):
     ipython_shell.run_cell("%unload_ext helpers")
 
 
+@CPU_MEMORY
 def test_each_cell_gets_a_line_and_growing_reruns_are_flagged(shell, capsys):
     shell.run_cell("import torch\nkeep = []")
     for _ in range(4):
@@ -50,6 +55,7 @@ def test_oomkit_off_silences_the_line(shell, capsys):
     assert len(cellstats.CellStats.active.records) == n + 1
 
 
+@CPU_MEMORY
 def test_in_a_real_kernel(tmp_path):
     """A notebook executed by a Jupyter kernel: %load_ext helpers, a growing cell re-run, %oomkit off."""
     from nbclient import NotebookClient
