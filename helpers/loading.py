@@ -369,16 +369,17 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
                               f"{format_bytes(ram)} of RAM available: the process would be killed",
                               _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4")
         return warnings
-    verdict = fit(estimate, device=g.free)
+    room = _gpu_room(estimate, g)
+    verdict = fit(estimate, device=room)
     if verdict.verdict != "does not fit":
         return warnings
-    extra = estimate.total - g.free
+    extra = estimate.total - room
     fix = _top_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
         raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the "
                           f"{format_bytes(g.free)} free on {g.name}", fix)
     runtime = estimate.total - estimate.weights
-    if runtime > g.free:
+    if runtime > room:
         raise LoadRefused(f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
                           f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help", fix)
     if extra > ram * 0.8 and not plan.offload_folder:
@@ -388,6 +389,14 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     warnings.append(f"about {format_bytes(extra)} of weights will be offloaded to "
                     f"{'CPU RAM' if extra <= ram * 0.8 else 'disk'}: generation will be much slower. Better: {fix}")
     return warnings
+
+
+def _gpu_room(estimate, g) -> int:
+    """Free GPU memory to compare ``estimate.total`` with. The estimate has a row for the CUDA context,
+    which reading the free memory has already created (it is outside the free figure): counting it
+    again would refuse or offload about 400 MiB early on a T4."""
+    paid = sum(r.bytes for r in estimate.rows if r.name.startswith("CUDA context"))
+    return g.free + paid
 
 
 def _top_fix(verdict) -> str | None:
@@ -416,7 +425,7 @@ def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
     if g is None:
         return None
     runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
-    gpu_cap = max(0, g.free - runtime - GPU_MARGIN)
+    gpu_cap = max(0, _gpu_room(estimate, g) - runtime - GPU_MARGIN)
     return {g.index: gpu_cap, "cpu": int(snap.ram.available * 0.8)}
 
 

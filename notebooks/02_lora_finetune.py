@@ -49,7 +49,7 @@ DATA = None  # None: the shipped GIS instructions (data/instructions.jsonl), or 
 OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
 MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
 FRESH = False  # True: delete old checkpoints and start over instead of resuming
-DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40gb"), or "current"
+DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40"), or "current"
 MAX_NEW_TOKENS = 64
 MERGE = False  # also fold the adapter into the base weights at the end
 
