@@ -98,6 +98,16 @@ def test_checkpoint_size_of_local_dir(tiny_llama):
     assert source == "local files"
 
 
+
+def test_missing_local_path_and_bad_cli_load_say_so(capsys):
+    from helpers.preflight import main
+
+    total, largest, source = checkpoint_size("/no/such/model")
+    assert total is None and "/no/such/model does not exist" in source and "hub" not in source
+    with pytest.raises(SystemExit) as e:
+        main(["--load", "int4"])
+    assert e.value.code == 2 and "--load 'int4': use auto, fp32, fp16" in capsys.readouterr().err
+
 def test_real_machine_bitsandbytes_runs_on_cpu():
     report = preflight()
     assert report.check("bitsandbytes").status == "pass"
