@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import traceback
@@ -463,14 +464,18 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file or stdin."""
     parser = argparse.ArgumentParser(prog="python -m helpers explain",
                                      description="Explain an out-of-memory message: cause, figures, fixes.")
-    parser.add_argument("file", nargs="?", help="a file holding the message or log (default: stdin)")
+    parser.add_argument("file", nargs="?", help="a file holding the message or log, or the message itself in "
+                                                "quotes (default: stdin)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    if args.file and args.file != "-":
+    if args.file and args.file != "-" and not os.path.exists(args.file) and (" " in args.file or is_oom_text(args.file)):
+        text = args.file  # the message pasted as the argument, not a file name
+    elif args.file and args.file != "-":
         try:
             text = open(args.file, encoding="utf-8", errors="replace").read()
         except OSError as e:
-            print(f"cannot read {args.file}: {e.strerror}", file=sys.stderr)
+            print(f"cannot read {args.file}: {e.strerror}. Pass a file holding the message, the message itself in "
+                  "quotes, or pipe it in: ... | python -m helpers explain", file=sys.stderr)
             return 2
     else:
         if sys.stdin.isatty():

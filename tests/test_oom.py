@@ -190,6 +190,9 @@ def test_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
     assert main([]) == 0 and "system RAM" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2 and "cannot read" in capsys.readouterr().err
+    # the message pasted as the argument is read as the message, not as a file name
+    assert main([CUDA_FRAGMENTED]) == 0 and "Out of memory" in capsys.readouterr().out
+    assert main(["oom.txt"]) == 2 and "the message itself in quotes, or pipe it in" in capsys.readouterr().err
 
 
 def test_ipython_handler_in_process(ipython_shell, capsys):
