@@ -291,8 +291,8 @@ def preflight(
     simulated: ``snapshot`` (memory readout), ``package_versions``, ``bnb`` (``(usable, why)``),
     ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes).
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab

@@ -90,6 +90,8 @@ def test_report_renders_as_text_html_and_json():
 def test_negative_max_new_tokens_is_rejected():
     with pytest.raises(ValueError, match="max_new_tokens"):
         run(machine(), max_new_tokens=-1)
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0, got '64'"):
+        run(machine(), max_new_tokens="64")
 
 
 def test_checkpoint_size_of_local_dir(tiny_llama):
