@@ -270,7 +270,8 @@ def resolve_config(model: Any):
         parent = next((q for q in path.parents if q.exists()), None)
         near = ""
         if parent is not None and parent != Path("/") and parent.is_dir():
-            near = f" {parent} exists and holds: {', '.join(sorted(c.name for c in parent.iterdir())[:8]) or '(nothing)'}."
+            near = (f" {parent.resolve()} exists and holds: "
+                    f"{', '.join(sorted(c.name for c in parent.iterdir())[:8]) or '(nothing)'}.")
         raise EstimateError(f"{name} does not exist.{near}{_drive_hint(name)} Pass an existing model folder (with "
                             "config.json) or its config.json, a hub id such as 'org/name', or a shipped config name")
     shipped = _shipped(name)

@@ -359,10 +359,10 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
                              '{"instruction": ..., "response": ...} object') from None
         if not isinstance(row, dict) or "instruction" not in row:
-            has = f"it has keys {', '.join(map(repr, row))}" if isinstance(row, dict) else f"it is a {type(row).__name__}"
-            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); "
-                             f"{has}. Rename the fields, e.g. rows = [{{'instruction': r['question'], "
-                             "'response': r['answer']}} for r in rows]")
+            has = (f"it has keys {', '.join(map(repr, row))}. Rename the fields, e.g. rows = [{{'instruction': "
+                   "r['question'], 'response': r['answer']} for r in rows]" if isinstance(row, dict)
+                   else f"it is a JSON {type(row).__name__}, not an object")
+            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}")
         rows.append(row)
     return rows
 

@@ -95,7 +95,7 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
         target_modules(model, ["q_projj"])
     wrong_keys = tmp_path / "qa.jsonl"
     wrong_keys.write_text('{"question": "a", "answer": "b"}\n')
-    with pytest.raises(ValueError, match="qa.jsonl:1: .*it has keys 'question', 'answer'. Rename the fields"):
+    with pytest.raises(ValueError, match="qa.jsonl:1: .*it has keys 'question', 'answer'. Rename the fields, e.g. rows = \\[\\{'instruction': r\\['question'\\], 'response': r\\['answer'\\]\\} for r"):
         load_instructions(wrong_keys)
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"instruction": "a", "response": "b"}\n{bad}\n')
