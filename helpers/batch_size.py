@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -149,6 +150,13 @@ def _done(lo: int, hi: int, tolerance: float) -> bool:
     return hi - lo <= 1 or (lo > 0 and lo >= tolerance * (hi - 1))
 
 
+def _check_sizes(start: Any, limit: Any) -> None:
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 1:
+        raise ValueError(f"start must be a positive whole batch size, got {start!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise ValueError(f"limit must be a positive whole batch size or None, got {limit!r}")
+
+
 def find_max_batch_size(
     step: Callable[[int], Any],
     *,
@@ -186,12 +194,18 @@ def find_max_batch_size(
     >>> search = find_max_batch_size(lambda b: model(batch[:b]).loss.backward(), limit=256)  # doctest: +SKIP
     >>> search.batch_size  # doctest: +SKIP
     """
-    if start < 1:
-        raise ValueError(f"start must be a positive batch size, got {start}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive batch size or None, got {limit}")
+    if not callable(step):
+        raise TypeError(f"step must be a function of the batch size, got {type(step).__name__}: "
+                        "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())")
+    _check_sizes(start, limit)
     if not 0 < margin <= 1:
         raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
+    if key is not None:
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
+                            "e.g. key=(model_name, seq_len)") from None
     started = time.perf_counter()
     lo, hi = 0, (limit + 1 if limit is not None else None)
     trials: list[Trial] = []
@@ -201,7 +215,15 @@ def find_max_batch_size(
         size = min(cached.max_ok, limit) if limit is not None else cached.max_ok
 
     while True:
-        trial = _try(step, size)
+        try:
+            trial = _try(step, size)
+        except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
+                           "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
+                           "at any batch size). Tries before it: "
+                           + (", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials) or "none"))
+            raise
         trials.append(trial)
         if trial.ok:
             lo = size
@@ -296,8 +318,9 @@ def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: flo
     >>> evaluate(list(range(100)))[:2]
     [64, 36]
     """
-    if start < 1:
-        raise ValueError(f"start must be a positive batch size, got {start}")
+    if callable(start):  # @adaptive_batch without parentheses: decorate with the defaults
+        return adaptive_batch()(start)
+    _check_sizes(start, limit)
 
     def decorate(fn):
         state = _AdaptiveState(start, limit, tolerance, grow)

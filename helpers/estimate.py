@@ -263,6 +263,17 @@ def resolve_config(model: Any):
         return _config_from_dict(d, str(path)), d.get("_name_or_path") or label, None
     if path.exists():
         raise EstimateError(f"{path} has no config.json; pass the model folder or its config.json")
+    from .loading import _drive_hint, _looks_like_path
+
+    if _looks_like_path(name):
+        # a hub lookup would only add "Repo id must be in the form 'namespace/repo_name'"
+        parent = next((q for q in path.parents if q.exists()), None)
+        near = ""
+        if parent is not None and parent != Path("/") and parent.is_dir():
+            near = (f" {parent.resolve()} exists and holds: "
+                    f"{', '.join(sorted(c.name for c in parent.iterdir())[:8]) or '(nothing)'}.")
+        raise EstimateError(f"{name} does not exist.{near}{_drive_hint(name)} Pass an existing model folder (with "
+                            "config.json) or its config.json, a hub id such as 'org/name', or a shipped config name")
     shipped = _shipped(name)
     if shipped is not None:
         return _config_from_dict(json.loads(shipped.read_text()), str(shipped)), shipped.stem.replace("--", "/", 1), None
@@ -631,6 +642,10 @@ def _device(device: Any) -> tuple[str, dict | None]:
     if isinstance(device, int | float):
         if device <= 0:
             raise EstimateError(f"device capacity must be positive bytes, got {device}")
+        if device < MiB:
+            # 15 or 15.0 is a size in GiB written without its unit, not a 15-byte GPU
+            raise EstimateError(f"device capacity is in bytes, and {device} bytes is less than 1 MiB; for "
+                                f"{device:g} GiB pass {device:g} * GiB (helpers.units.GiB) or the string '{device:g}GiB'")
         return format_bytes(int(device)), {"name": format_bytes(int(device)), "capacity": int(device), "bf16": True}
     key = str(device).lower().replace(" ", "").replace("_", "-")
     if key == "current":
@@ -650,7 +665,14 @@ def _device(device: Any) -> tuple[str, dict | None]:
         return "cpu", None
     if key in DEVICES:
         return key, DEVICES[key]
-    raise EstimateError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a byte count")
+    if key[:1].isdigit():
+        from .units import parse_bytes
+
+        try:
+            return _device(parse_bytes(key))  # "24GiB", as the CLI's --device takes it
+        except ValueError:
+            pass  # the message below lists what is accepted
+    raise EstimateError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB")
 
 
 def estimate(
@@ -691,7 +713,7 @@ def estimate(
     if training is not None and not isinstance(training, LoraTraining | FullTraining):
         raise EstimateError("training must be LoraTraining(...), FullTraining(...) or None")
     if training is not None:
-        for k in ("seq_len", "micro_batch"):
+        for k in ("seq_len", "micro_batch") + (("r",) if isinstance(training, LoraTraining) else ()):
             if not isinstance(getattr(training, k), int) or getattr(training, k) < 1:
                 raise EstimateError(f"training.{k} must be an integer >= 1, got {getattr(training, k)!r}")
         if training.optimizer not in OPTIMIZERS:
@@ -821,6 +843,9 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
     fit and by how much they save, each computed by re-estimating.
     """
+    if not isinstance(est, MemoryEstimate):
+        raise EstimateError(f"fit() compares an estimate with a device, got {type(est).__name__} {est!r:.60}: "
+                            "call fit(estimate(model, load=...), device)")
     if device is None:
         device = est.inputs.get("device") or DEFAULT_DEVICE
     label, dev = _device(device)
@@ -962,6 +987,9 @@ def footprint(model: torch.nn.Module) -> int:
     Storage shared by several tensors (tied embeddings, int8 CB/weight, the nested code of 4-bit
     layers) is counted once. transformers' ``get_memory_footprint()`` misses the quantization state.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise EstimateError(f"footprint() measures a loaded model (torch.nn.Module), got {type(model).__name__}; "
+                            "for a hub id or path before loading, use estimate(model, load=...)")
     seen: set[tuple] = set()
     total = 0
 
@@ -1054,11 +1082,17 @@ def _parse_lora(text: str) -> LoraTraining:
         fields = {f.name: f for f in dataclasses.fields(LoraTraining)}
         if k not in fields:
             raise EstimateError(f"unknown --lora key {k!r}; use {', '.join(fields)}")
-        if k in ("r", "alpha", "seq_len", "micro_batch"):
-            kw[k] = int(v)
-        elif k == "lora_dropout":
-            kw[k] = float(v)
-        elif k == "gradient_checkpointing":
+        try:
+            if k in ("r", "alpha", "seq_len", "micro_batch"):
+                kw[k] = int(v)
+            elif k == "lora_dropout":
+                kw[k] = float(v)
+        except ValueError:
+            raise EstimateError(f"--lora {k}={v!r}: {k} takes a {'number' if k == 'lora_dropout' else 'whole number'}"
+                                f", e.g. {'lora_dropout=0.05' if k == 'lora_dropout' else k + '=16'}") from None
+        if k in ("r", "alpha", "seq_len", "micro_batch", "lora_dropout"):
+            continue
+        if k == "gradient_checkpointing":
             kw[k] = v.lower() in ("1", "true", "yes", "on")
         elif k == "targets":
             kw[k] = v if v == "all-linear" else v.split("+")

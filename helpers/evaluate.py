@@ -72,16 +72,26 @@ def _rows(prompts: Any) -> Iterable[Any]:
     if isinstance(prompts, str | os.PathLike):
         path = Path(prompts)
         if not path.is_file():
+            one = ("" if path.suffix in (".jsonl", ".json") or os.sep in str(prompts)
+                   else f" To evaluate this text as a single prompt, pass a list: [{str(prompts)[:40]!r}].")
             raise EvalError(f"prompt file {path} not found: pass a JSONL path with one {{'prompt': ...}} per line, "
-                            "or a list of prompts")
+                            f"or a list of prompts.{one}")
         rows = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise EvalError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+                if isinstance(row, list):
+                    raise EvalError(f"{path} line {n} is a JSON array; the file must be JSONL: one "
+                                    "{'prompt': ...} object per line (or pass the list itself: json.load(open(path)))")
+                rows.append(row)
         return rows
+    if isinstance(prompts, dict):
+        # iterating a dict gives its keys: {"prompt": "hi"} would be evaluated as the prompt "prompt"
+        raise EvalError(f"prompts is a dict (keys {list(prompts)[:3]}): pass a list, e.g. [prompts] for one "
+                        "{'prompt': ...} record, or [{'id': k, 'prompt': v} for k, v in prompts.items()] for id -> prompt")
     if hasattr(prompts, "column_names") and hasattr(prompts, "__iter__"):  # a datasets.Dataset
         return list(prompts)
     if isinstance(prompts, Iterable):
@@ -552,10 +562,17 @@ def safe_generate(
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
     scorer = _scorer(score)
+    if generation_kwargs is not None and not isinstance(generation_kwargs, dict):
+        raise EvalError(f"generation_kwargs must be a dict of model.generate arguments, e.g. "
+                        f"{{'temperature': 0.7, 'do_sample': True}}, got {type(generation_kwargs).__name__}")
     gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
+    if not callable(getattr(model, "generate", None)) or not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
+        raise EvalError(f"safe_generate(model, tokenizer, prompts) needs a causal LM and its tokenizer, got "
+                        f"{type(model).__name__} and {type(tokenizer).__name__}: pass them in that order, as "
+                        "helpers.loading.load returns them (model, tokenizer, report)")
     if tokenizer.pad_token_id is None:
         raise EvalError("the tokenizer has no pad token: load with helpers.loading.load, or call "
                         "helpers.loading.setup_tokenizer(tokenizer, model) first")

@@ -92,11 +92,34 @@ class TrainPlan:
     logging_steps: int = 5
 
     def __post_init__(self):
+        from .estimate import LOAD_MODES
+
+        if not str(self.model or "").strip():
+            raise ValueError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
+        if self.load not in LOAD_MODES:
+            raise ValueError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
+        if isinstance(self.targets, str) and self.targets != "all-linear":
+            self.targets = [self.targets]  # one module name; list("q_proj") would be its letters
         for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
+        for name, v in (("micro_batch", self.micro_batch), ("max_steps", self.max_steps),
+                        ("save_total_limit", self.save_total_limit)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"TrainPlan.{name} must be a whole number, got {v!r}")
+        for name, v in (("epochs", self.epochs), ("learning_rate", self.learning_rate), ("dropout", self.dropout)):
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"TrainPlan.{name} must be a number, got {v!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"TrainPlan.dropout is a probability in [0, 1), got {self.dropout}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"TrainPlan.learning_rate must be positive (QLoRA usually 1e-4 to 3e-4), got {self.learning_rate}")
+        if self.output_dir != "auto" and Path(self.output_dir).expanduser().exists() \
+                and not Path(self.output_dir).expanduser().is_dir():
+            raise ValueError(f"output_dir {self.output_dir} is a file, not a folder: checkpoints need a folder; "
+                             "pass a folder path (it is created) or 'auto'")
         if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
             raise ValueError(f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}")
         if self.micro_batch is not None and self.batch_size % self.micro_batch:
@@ -222,7 +245,9 @@ class TrainPlan:
 
 def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "all-linear") -> list[str]:
     """Module names LoRA adapts: for ``"all-linear"``, every linear layer's name but the output layer's."""
-    if targets != "all-linear":
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = [targets]  # one module name, not its letters
+    if targets != "all-linear" and model is None:
         return list(targets)
     if model is None:
         raise ValueError("resolving 'all-linear' needs the loaded model")
@@ -235,6 +260,13 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
              if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name}
     if not names:
         raise ValueError(f"{type(model).__name__} has no linear layer LoRA could adapt")
+    if targets != "all-linear":
+        every = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        missing = [t for t in targets if t not in every and not any(n.endswith("." + t) for n, _ in model.named_modules())]
+        if missing:
+            raise ValueError(f"LoRA targets {missing} are not modules of {type(model).__name__}; its linear layers "
+                             f"are {', '.join(sorted(names))} (or use targets='all-linear')")
+        return list(targets)
     return sorted(names)
 
 
@@ -316,13 +348,23 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
     if not path.exists():
         raise FileNotFoundError(f"no instruction file at {path}; pass a JSONL path with one "
                                 '{"instruction": ..., "response": ...} object per line')
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; pass the JSONL file in it "
+                                f"({', '.join(sorted(p.name for p in path.glob('*.jsonl'))[:5]) or 'it has no .jsonl file'})")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if "instruction" not in row:
-            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training)")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
+                             '{"instruction": ..., "response": ...} object') from None
+        if not isinstance(row, dict) or "instruction" not in row:
+            has = (f"it has keys {', '.join(map(repr, row))}. Rename the fields, e.g. rows = [{{'instruction': "
+                   "r['question'], 'response': r['answer']} for r in rows]" if isinstance(row, dict)
+                   else f"it is a JSON {type(row).__name__}, not an object")
+            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}")
         rows.append(row)
     return rows
 
@@ -356,9 +398,13 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
-    missing = [i for i, r in enumerate(rows) if "response" not in r or "instruction" not in r]
+    missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or "response" not in r or "instruction" not in r]
     if missing:
         raise ValueError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
+    not_text = [i for i, r in enumerate(rows) if not isinstance(r["instruction"], str) or not isinstance(r["response"], str)]
+    if not_text:
+        raise ValueError(f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
+                         f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()")
     out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
     kept = [e for e in out if e is not None]
     if not kept:
@@ -472,6 +518,12 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
     if plan.micro_batch is None:
         raise ValueError("plan.micro_batch is not set: run find_micro_batch(model, plan) and "
                          "plan = plan.replace(micro_batch=...) first (or set it by hand)")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty: nothing to train on (check the data file and build_dataset's seq_len)")
+    first = dataset[0]
+    if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
+        raise ValueError("the dataset holds raw rows, not tokenized examples: pass "
+                         "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Trainer(model=model, args=plan.training_arguments(**argument_overrides), train_dataset=dataset,
                    data_collator=lambda ex: collate(ex, pad), callbacks=list(callbacks))

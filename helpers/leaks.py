@@ -719,6 +719,11 @@ def watch(step_fn: Callable, steps: int, *, namespace: dict | None = None, warmu
 
     >>> report = watch(lambda i: train_step(batch), steps=30)   # doctest: +SKIP
     """
+    if not callable(step_fn):
+        raise TypeError(f"watch() runs a function once per step, got {type(step_fn).__name__}: "
+                        "pass the step itself, e.g. watch(lambda: train_step(batch), steps=30)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     ns = _caller_namespace(namespace)
     try:
         takes_arg = bool(inspect.signature(step_fn).parameters)
@@ -727,7 +732,16 @@ def watch(step_fn: Callable, steps: int, *, namespace: dict | None = None, warmu
     det = GrowthDetector(warmup, window, min_growth, capacity=capacity)
     baseline = None
     for i in range(steps):
-        step_fn(i) if takes_arg else step_fn()
+        try:
+            step_fn(i) if takes_arg else step_fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised; an interrupt keeps its report too
+            # the steps measured so far are the evidence (an OOM here is often the leak itself): keep them
+            e.watch_report = WatchReport(det.report(), None, None)
+            if hasattr(e, "add_note"):  # Python 3.11+
+                first = str(e.watch_report).splitlines()[0]
+                e.add_note(f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
+                           f"before it are in the exception's .watch_report ({first})")
+            raise
         if i + 1 == warmup or (baseline is None and i + 1 == steps):
             baseline = census(ns)
         if det.record() and stop_on_leak:

@@ -114,9 +114,12 @@ class LoadPlan:
     token: str | None = field(default=None, repr=False)  # never shown
 
     def __post_init__(self):
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
+            raise ValueError(f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}")
         self.model = str(self.model)
         if self.load not in LOAD_MODES:
-            raise ValueError(f"unknown load mode {self.load!r}; valid: {', '.join(LOAD_MODES)}")
+            hint = " (4-bit is 'nf4' or 'fp4')" if str(self.load).lower() in ("int4", "4bit", "4-bit") else ""
+            raise ValueError(f"unknown load mode {self.load!r}{hint}; valid: {', '.join(LOAD_MODES)}")
         if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
             raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}; valid: auto, {', '.join(DTYPES)}")
         for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
@@ -131,6 +134,7 @@ class LoadPlan:
 
     def replace(self, **changes) -> LoadPlan:
         """A copy with ``changes`` applied (validated like a new plan)."""
+        _check_fields(changes)
         return dataclasses.replace(self, **changes)
 
     def resolved_compute_dtype(self, device: str | None = None) -> str:
@@ -252,6 +256,18 @@ def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
         near = f" {parent} exists and holds: {', '.join(names) or '(nothing)'}."
     return ModelNotFoundError(f"{kind} file not found: {path} does not exist ({what}).{near}{_drive_hint(path)}",
                               f"Pass the directory that holds {what}, or a hub id such as 'org/name'")
+
+
+def _check_fields(changes: dict) -> None:
+    """A TypeError naming the LoadPlan fields that do not exist (and the nearest real one)."""
+    import difflib
+
+    names = [f.name for f in dataclasses.fields(LoadPlan)]
+    unknown = [k for k in changes if k not in names]
+    if unknown:
+        near = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+        hints = "".join(f"; did you mean {v[0]}= for {k}=?" for k, v in near.items() if v)
+        raise TypeError(f"unknown LoadPlan field(s) {', '.join(unknown)}{hints} Valid fields: {', '.join(names)}")
 
 
 def check_model_source(model: str, token: str | None = None) -> str:
@@ -634,7 +650,11 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
     from .estimate import footprint
 
     if isinstance(plan, str | os.PathLike):
+        _check_fields(plan_changes)
         plan = LoadPlan(str(plan), **plan_changes)
+    elif not isinstance(plan, LoadPlan):
+        raise TypeError(f"load() takes a LoadPlan or a model id/path, got {type(plan).__name__} {plan!r:.60}: "
+                        "e.g. load('Qwen/Qwen2.5-0.5B', load='nf4') or load(LoadPlan(...))")
     elif plan_changes:
         plan = plan.replace(**plan_changes)
     if check:
@@ -717,6 +737,14 @@ def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
     from tqdm.auto import tqdm
 
+    if isinstance(prompts, str):
+        raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not callable(getattr(model, "generate", None)) or not callable(tokenizer):
+        raise TypeError(f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
+                        f"{type(tokenizer).__name__}: pass the model first, as load() returns them")
     out: list[str] = []
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     device = next(model.parameters()).device

@@ -83,15 +83,19 @@ class MemoryMonitor:
 
     def __init__(self, interval: float = 0.5, *, threshold: float = 0.9, capacity: int | None = None,
                  device: int | None = None, top: int = 5, warn: bool = True) -> None:
-        if interval <= 0:
-            raise ValueError(f"interval is in seconds and must be positive, got {interval}")
-        if not 0 < threshold <= 1:
-            raise ValueError(f"threshold is a share of capacity in (0, 1], got {threshold}")
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+            raise ValueError(f"interval is in seconds and must be a positive number, got {interval!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold <= 1:
+            hint = f" (for {threshold} %, pass {threshold / 100:g})" if isinstance(threshold, int | float) and 1 < threshold <= 100 else ""
+            raise ValueError(f"threshold is a share of capacity in (0, 1], got {threshold!r}{hint}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
+            raise ValueError(f"capacity is a positive number of bytes (e.g. 15 * helpers.units.GiB) or None for "
+                             f"the GPU's total memory, got {capacity!r}")
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
         self.device = (torch.cuda.current_device() if device is None else device) if self.cuda else None
         self._nvml, self._handle = nvml_handle(self.device) if self.cuda else (None, None)
-        self.capacity = capacity or (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
+        self.capacity = int(capacity) if capacity else (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
                                      else psutil.virtual_memory().total)
         self.samples: list[Sample] = []
         self.marks: list[Mark] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import traceback
@@ -37,8 +38,11 @@ def is_oom(exc: BaseException) -> bool:
 
     Recognizes ``torch.OutOfMemoryError``, ``MemoryError``, and ``RuntimeError``s whose message
     carries an allocation failure (cuBLAS, cuDNN, "CUDA error: out of memory", the CPU allocator),
-    also when wrapped as the ``__cause__``/``__context__`` of another exception.
+    also when wrapped as the ``__cause__``/``__context__`` of another exception. Given message text
+    instead of an exception, it reads the text (as :func:`is_oom_text` does).
     """
+    if isinstance(exc, str):
+        return is_oom_text(exc)
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -198,7 +202,20 @@ class OOMReport:
         d["explanation"] = self.explanation
         return d
 
+    @property
+    def not_oom(self) -> bool:
+        """True when nothing in the message (or exception) reads as running out of memory."""
+        return (self.form == "unknown" and self.cause == "unknown" and not is_oom_text(self.message)
+                and "outofmemoryerror" not in self.message.lower() and self.requested is None and self.total is None)
+
+    def _not_oom_text(self) -> str:
+        first = self.message.splitlines()[0][:200] if self.message else "(empty message)"
+        return (f"Not an out-of-memory error: {first}\nexplain_oom only explains OOMs; this error's own message "
+                "and traceback say what went wrong (for an OOM, pass its exception or full message text).")
+
     def __str__(self) -> str:
+        if self.not_oom:
+            return self._not_oom_text() + (f"\nNow: {self.snapshot}" if self.snapshot is not None else "")
         where = f" on GPU {self.device}" if self.device is not None else ""
         lines = [f"Out of memory{where}: {self.source}", f"Cause: {self.explanation}"]
         lines += [f"  {label}: {value}" for label, value in self.figures()]
@@ -220,6 +237,8 @@ class OOMReport:
 
         from .html import bar, table
 
+        if self.not_oom:
+            return "<pre>" + escape(self._not_oom_text()) + "</pre>"
         parts = [f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
                  f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"]
         if self.total and self.free is not None:
@@ -445,14 +464,18 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file or stdin."""
     parser = argparse.ArgumentParser(prog="python -m helpers explain",
                                      description="Explain an out-of-memory message: cause, figures, fixes.")
-    parser.add_argument("file", nargs="?", help="a file holding the message or log (default: stdin)")
+    parser.add_argument("file", nargs="?", help="a file holding the message or log, or the message itself in "
+                                                "quotes (default: stdin)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    if args.file and args.file != "-":
+    if args.file and args.file != "-" and not os.path.exists(args.file) and (" " in args.file or is_oom_text(args.file)):
+        text = args.file  # the message pasted as the argument, not a file name
+    elif args.file and args.file != "-":
         try:
             text = open(args.file, encoding="utf-8", errors="replace").read()
         except OSError as e:
-            print(f"cannot read {args.file}: {e.strerror}", file=sys.stderr)
+            print(f"cannot read {args.file}: {e.strerror}. Pass a file holding the message, the message itself in "
+                  "quotes, or pipe it in: ... | python -m helpers explain", file=sys.stderr)
             return 2
     else:
         if sys.stdin.isatty():

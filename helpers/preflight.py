@@ -144,6 +144,10 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
             return None, None, f"no *.safetensors or *.bin files in {path}"
         sizes = [f.stat().st_size for f in files if f.suffix == ".safetensors"] or [f.stat().st_size for f in files]
         return sum(sizes), max(sizes), "local files"
+    from .loading import _looks_like_path
+
+    if _looks_like_path(model):  # asking the hub would only say it is not a valid repo id
+        return None, None, f"{model} does not exist; check the path (on Colab: is Drive mounted?)"
     try:
         from huggingface_hub import HfApi
 
@@ -287,8 +291,8 @@ def preflight(
     simulated: ``snapshot`` (memory readout), ``package_versions``, ``bnb`` (``(usable, why)``),
     ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes).
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
@@ -323,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error("--max-new-tokens must be >= 0")
+    from .estimate import LOAD_MODES
+
+    if args.load not in ("auto", *LOAD_MODES):
+        parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
     report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens)
     print(report.to_json() if args.json else report)
     return 0

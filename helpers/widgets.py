@@ -199,6 +199,10 @@ class LoadPanel:
 
             return ram_readout().available, "CPU RAM (no GPU)", "cpu"
         label, dev = _device(device)
+        if dev is None:  # "cpu": compare with this machine's free RAM, as "current" does without a GPU
+            from .memory import ram_readout
+
+            return ram_readout().available, "CPU RAM", "cpu"
         return dev["capacity"], label, device
 
     # -- widgets ------------------------------------------------------------------------------

@@ -68,8 +68,27 @@ def test_runtime_error_ooms_and_real_cpu_oom_are_caught():
 def test_other_errors_propagate():
     def step(batch_size):
         raise ValueError("bad shape")
-    with pytest.raises(ValueError, match="bad shape"):
+    with pytest.raises(ValueError, match="bad shape") as e:
         find_max_batch_size(step)
+    if hasattr(e.value, "add_note"):  # the note says where the search was and that it is not an OOM
+        assert "step(1) raised ValueError, which is not an out-of-memory error" in e.value.__notes__[0]
+
+
+def test_bad_arguments_say_what_to_pass():
+    with pytest.raises(ValueError, match="start must be a positive whole batch size, got '4'"):
+        find_max_batch_size(lambda b: None, start="4")
+    with pytest.raises(ValueError, match="limit must be a positive whole batch size or None, got 8.0"):
+        find_max_batch_size(lambda b: None, limit=8.0)
+    with pytest.raises(TypeError, match="key must be hashable.*use a tuple"):
+        find_max_batch_size(lambda b: None, limit=8, key=["model", 512])
+    with pytest.raises(TypeError, match="step must be a function of the batch size"):
+        find_max_batch_size(8)
+
+    @adaptive_batch  # without parentheses: the defaults, not a TypeError
+    def run(batch_size):
+        return batch_size
+
+    assert run() == 128
 
 
 def test_batch_of_one_does_not_fit():

@@ -276,3 +276,24 @@ def test_current_device_honours_a_per_process_memory_cap(monkeypatch):
     assert dev["capacity"] == 15 * 2**30 and "capped at 19%" in name
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
     assert _device("current")[1]["capacity"] == 80 * 2**30
+
+
+def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys):
+    # a local path that does not exist: not the hub's "Repo id must be in the form ..." message
+    with pytest.raises(EstimateError, match=r"/no/such/model does not exist.*existing model folder") as e:
+        estimate("/no/such/model", load="fp16")
+    assert "Repo id" not in str(e.value)
+    with pytest.raises(EstimateError, match=f"{tmp_path} exists and holds"):
+        estimate(str(tmp_path / "typo" / "model"), load="fp16")
+    est = estimate("Llama-2-7b-hf", load="fp16")
+    with pytest.raises(EstimateError, match=r"call fit\(estimate\(model, load=...\), device\)"):
+        fit("Llama-2-7b-hf", "t4")
+    with pytest.raises(EstimateError, match=r"less than 1 MiB; for 15 GiB pass 15 \* GiB"):
+        fit(est, 15)
+    assert fit(est, "24GiB").capacity == fit(est, "24 GiB").capacity == 24 * GiB  # as the CLI's --device
+    with pytest.raises(EstimateError, match="footprint.*loaded model.*use estimate"):
+        footprint("Llama-2-7b-hf")
+    with pytest.raises(EstimateError, match="training.r must be an integer >= 1, got 0"):
+        estimate("Llama-2-7b-hf", load="nf4", training=LoraTraining(r=0))
+    assert E.main(["Llama-2-7b-hf", "--lora", "r=x"]) == 2
+    assert "--lora r='x': r takes a whole number, e.g. r=16" in capsys.readouterr().err

@@ -257,6 +257,28 @@ def test_bad_inputs_fail_before_any_generation(tiny, tmp_path):
     assert budget.calls == 0
 
 
+
+def test_typical_prompt_mistakes_say_what_to_pass(tiny, tmp_path):
+    model, tok = tiny
+    with simulated_budget(model, tokens=10**9) as budget:
+        for wrong in ({"prompt": "hi"}, {"q1": "hi", "q2": "bye"}):  # a dict iterates its keys: never a prompt
+            with pytest.raises(EvalError, match=r"prompts is a dict.*\[prompts\].*prompts.items\(\)"):
+                safe_generate(model, tok, wrong, results=tmp_path / "a.jsonl", progress=False)
+        with pytest.raises(EvalError, match=r"single prompt, pass a list: \['hello world'\]"):
+            safe_generate(model, tok, "hello world", results=tmp_path / "a.jsonl", progress=False)
+        array = tmp_path / "p.json"
+        array.write_text('[{"prompt": "hi"}]')
+        with pytest.raises(EvalError, match="line 1 is a JSON array; the file must be JSONL"):
+            safe_generate(model, tok, array, results=tmp_path / "a.jsonl", progress=False)
+        with pytest.raises(EvalError, match="generation_kwargs must be a dict"):
+            safe_generate(model, tok, PROMPTS, generation_kwargs=["do_sample"], results=tmp_path / "a.jsonl",
+                          progress=False)
+        with pytest.raises(EvalError, match="pass them in that order"):
+            safe_generate(tok, model, PROMPTS, results=tmp_path / "a.jsonl", progress=False)
+        with pytest.raises(EvalError, match="got LlamaForCausalLM and NoneType"):
+            safe_generate(model, None, PROMPTS, results=tmp_path / "a.jsonl", progress=False)
+    assert budget.calls == 0 and not (tmp_path / "a.jsonl").exists()
+
 def test_prompt_forms_and_stable_ids(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "q1", "prompt": "one", "reference": "1"}\n\n{"prompt": "two"}\n')

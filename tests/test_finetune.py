@@ -17,6 +17,7 @@ from helpers.finetune import (
     format_example,
     last_checkpoint,
     load_instructions,
+    make_trainer,
     prepare_qlora,
     prompt_text,
     save_adapter,
@@ -71,6 +72,45 @@ def test_plan_defaults_and_validation(tiny_llama, tmp_path):
     assert upcast.bytes == est.row("weights: unquantized (embeddings, norms, lm_head)").bytes
     assert est.capacity and est.total < est.capacity
 
+
+
+def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for bad, match in ((dict(load="int4"), "unknown load mode 'int4'; use nf4"),
+                       (dict(micro_batch="4"), "micro_batch must be a whole number, got '4'"),
+                       (dict(max_steps=0, epochs="1"), "epochs must be a number, got '1'"),
+                       (dict(dropout=2), r"dropout is a probability in \[0, 1\)"),
+                       (dict(learning_rate="2e-4"), "learning_rate must be a number")):
+        with pytest.raises(ValueError, match=match):
+            TrainPlan("x", **bad)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="output_dir .*notes.txt is a file, not a folder"):
+        TrainPlan("x", output_dir=str(a_file))
+    assert TrainPlan("x", targets="q_proj").targets == ["q_proj"]  # not ['q', '_', 'p', ...]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert target_modules(model, "q_proj") == ["q_proj"]
+    with pytest.raises(ValueError, match=r"LoRA targets \['q_projj'\] are not modules.*linear layers are .*v_proj"):
+        target_modules(model, ["q_projj"])
+    wrong_keys = tmp_path / "qa.jsonl"
+    wrong_keys.write_text('{"question": "a", "answer": "b"}\n')
+    with pytest.raises(ValueError, match="qa.jsonl:1: .*it has keys 'question', 'answer'. Rename the fields, e.g. rows = \\[\\{'instruction': r\\['question'\\], 'response': r\\['answer'\\]\\} for r"):
+        load_instructions(wrong_keys)
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"instruction": "a", "response": "b"}\n{bad}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+        load_instructions(bad_json)
+    with pytest.raises(IsADirectoryError, match="is a folder; pass the JSONL file in it .*bad.jsonl"):
+        load_instructions(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with pytest.raises(ValueError, match=r"rows \[0\] have an 'instruction' or 'response' that is not a string"):
+        build_dataset(tok, [{"instruction": "a", "response": 3}], 64)
+    plan = TrainPlan(str(tiny_llama), batch_size=2, micro_batch=1, output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        make_trainer(model, tok, plan, [])
+    with pytest.raises(ValueError, match=r"raw rows.*build_dataset\(tokenizer, rows, plan.seq_len\)"):
+        make_trainer(model, tok, plan, ROWS[:2])
 
 def test_prompt_is_masked_and_answer_trains(tiny_llama):
     from transformers import AutoTokenizer

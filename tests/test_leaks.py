@@ -92,6 +92,25 @@ def test_watch_finds_a_planted_leak_and_its_holder():
     assert not clean.leaking
 
 
+
+def test_watch_keeps_the_measured_steps_when_a_step_raises():
+    ns = {"kept": []}
+
+    def step(i):
+        if i == 6:
+            raise KeyError("label")
+        ns["kept"].append(torch.zeros(4096))
+
+    with pytest.raises(KeyError) as e:
+        leaks.watch(step, 20, namespace=ns)
+    assert len(e.value.watch_report.growth.samples) == 6
+    if hasattr(e.value, "add_note"):
+        assert "watch: step 6 of 20 raised this; the 6 steps measured before it are in" in e.value.__notes__[0]
+    with pytest.raises(TypeError, match="pass the step itself"):
+        leaks.watch(torch.zeros(3), 5)
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1, got '5'"):
+        leaks.watch(lambda: None, "5")
+
 def test_checks_find_each_pattern():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     feats = []

@@ -74,6 +74,30 @@ def test_bad_plan_values_list_the_valid_ones():
         LoadPlan("m", batch_size=0)
 
 
+
+def test_typical_plan_and_call_mistakes_say_what_to_pass(tiny_llama):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=r"'int4' \(4-bit is 'nf4' or 'fp4'\)"):
+        LoadPlan("m", load="int4")
+    with pytest.raises(ValueError, match="model must be a hub id.*got None"):
+        LoadPlan(None)
+    with pytest.raises(TypeError, match=r"unknown LoadPlan field\(s\) lod; did you mean load= for lod=\?"):
+        load(str(tiny_llama), lod="fp32")
+    with pytest.raises(TypeError, match="did you mean max_new_tokens="):
+        LoadPlan("m").replace(max_new_token=64)
+    with pytest.raises(TypeError, match=r"load\(\) takes a LoadPlan or a model id/path, got int"):
+        load(123)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with pytest.raises(TypeError, match=r"got one string \('hello'\): pass \[prompt\]"):
+        generate_batched(object(), tok, "hello")
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
+        generate_batched(object(), tok, ["hello"], batch_size=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 1, got '8'"):
+        generate_batched(object(), tok, ["hello"], max_new_tokens="8")
+    with pytest.raises(TypeError, match="pass the model first"):
+        generate_batched(tok, object(), ["hello"])
+
 def test_token_is_never_shown():
     plan = LoadPlan("org/model", token="hf_SECRETsecret")
     assert "hf_SECRET" not in repr(plan) and "hf_SECRET" not in str(plan)

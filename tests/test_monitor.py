@@ -60,6 +60,17 @@ def test_threshold_crossing_names_the_largest_tensor():
         MemoryMonitor(threshold=1.5)
 
 
+
+def test_bad_settings_say_what_to_pass():
+    for bad in (0, -1, "1", None):
+        with pytest.raises(ValueError, match="interval is in seconds and must be a positive number"):
+            MemoryMonitor(interval=bad)
+    with pytest.raises(ValueError, match=r"for 90 %, pass 0.9"):
+        MemoryMonitor(threshold=90)
+    for bad in (-1, "15GiB"):
+        with pytest.raises(ValueError, match="capacity is a positive number of bytes"):
+            MemoryMonitor(capacity=bad)
+
 def _log(cb, step, state):
     state.global_step = step
     logs = {"loss": 1.0}

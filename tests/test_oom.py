@@ -147,6 +147,11 @@ def test_bitsandbytes_wrapped_cuda_message():
 def test_unknown_text():
     r = explain_oom("ValueError: shapes do not match")
     assert r.form == "unknown" and r.cause == "unknown"
+    # not dressed up as an OOM with a column of "unknown" figures and "retry with a smaller batch"
+    assert r.not_oom and str(r).startswith("Not an out-of-memory error: ValueError: shapes do not match")
+    assert "smaller batch" not in str(r) and "Not an out-of-memory error" in r._repr_html_()
+    assert not explain_oom(torch.OutOfMemoryError("odd wording")).not_oom
+    assert is_oom("CUDA out of memory. Tried to allocate 2.00 GiB") and not is_oom("shapes do not match")
 
 
 def test_wrapped_exception():
@@ -185,6 +190,9 @@ def test_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
     assert main([]) == 0 and "system RAM" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2 and "cannot read" in capsys.readouterr().err
+    # the message pasted as the argument is read as the message, not as a file name
+    assert main([CUDA_FRAGMENTED]) == 0 and "Out of memory" in capsys.readouterr().out
+    assert main(["oom.txt"]) == 2 and "the message itself in quotes, or pipe it in" in capsys.readouterr().err
 
 
 def test_ipython_handler_in_process(ipython_shell, capsys):

@@ -90,6 +90,8 @@ def test_report_renders_as_text_html_and_json():
 def test_negative_max_new_tokens_is_rejected():
     with pytest.raises(ValueError, match="max_new_tokens"):
         run(machine(), max_new_tokens=-1)
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0, got '64'"):
+        run(machine(), max_new_tokens="64")
 
 
 def test_checkpoint_size_of_local_dir(tiny_llama):
@@ -97,6 +99,16 @@ def test_checkpoint_size_of_local_dir(tiny_llama):
     assert total == (tiny_llama / "model.safetensors").stat().st_size == largest
     assert source == "local files"
 
+
+
+def test_missing_local_path_and_bad_cli_load_say_so(capsys):
+    from helpers.preflight import main
+
+    total, largest, source = checkpoint_size("/no/such/model")
+    assert total is None and "/no/such/model does not exist" in source and "hub" not in source
+    with pytest.raises(SystemExit) as e:
+        main(["--load", "int4"])
+    assert e.value.code == 2 and "--load 'int4': use auto, fp32, fp16" in capsys.readouterr().err
 
 def test_real_machine_bitsandbytes_runs_on_cpu():
     report = preflight()

@@ -142,3 +142,12 @@ def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
     panel.controls["button"].click()  # no exception escapes the click handler
     assert isinstance(panel.error, LoadError) and "Adapter file not found" in str(panel.error)
     assert panel.loaded is None and not panel.controls["button"].disabled
+
+
+def test_cpu_device_and_a_missing_model_path(tiny_llama):
+    from helpers.estimate import EstimateError
+
+    panel = LoadPanel(str(tiny_llama), device="cpu", load="fp32", widgets=False)  # was: TypeError on None
+    assert panel.state.device == "CPU RAM" and panel.state.verdict == "fits"
+    with pytest.raises(EstimateError, match="/no/such/model does not exist"):
+        LoadPanel("/no/such/model", widgets=False)
