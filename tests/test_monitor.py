@@ -18,7 +18,10 @@ def test_samples_in_the_background_and_marks():
     with MemoryMonitor(interval=0.01, warn=False) as mon:
         mon.mark("start")
         big = torch.ones(32 * MiB // 4)  # 32 MiB of RSS the samples must see
-        time.sleep(0.1)
+        seen = len(mon.samples)
+        deadline = time.monotonic() + 10  # a loaded machine may run the thread late: wait for samples, not time
+        while len(mon.samples) < seen + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
         mon.mark("allocated")
         del big
     n = len(mon.samples)
