@@ -11,6 +11,7 @@ checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -482,10 +483,18 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     was_training = model.training
     model.train()
 
+    precision = plan.resolved_precision()
+    # Trainer runs fp16/bf16 under autocast; without it the activations of prepare_model_for_kbit_training's
+    # fp32 layers stay fp32 and the search would settle for a smaller micro-batch than training needs
+    autocast = (torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+                if device.type == "cuda" and precision in ("fp16", "bf16") else contextlib.nullcontext())
+
     def step(b: int) -> None:
         ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
         try:
-            model(input_ids=ids, labels=ids).loss.backward()
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         finally:
             model.zero_grad(set_to_none=True)
 
