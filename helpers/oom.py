@@ -101,6 +101,7 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("mps_allocated", rf"mps allocated: {_SIZE}"),
     ("other_allocations", rf"other allocations: {_SIZE}"),
     ("max_allowed", rf"max allowed: {_SIZE}"),
+    ("process_cap", rf"{_SIZE} allowed;"),  # set_per_process_memory_fraction's cap, when one is set
 )
 _PROCESS = re.compile(rf"process (\d+) has {_SIZE} memory in use", re.I)
 
@@ -123,6 +124,13 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
         "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
         "Restart this runtime if the holder is this process's earlier state",
         "Then retry; if it still fails, follow the steady-state fixes",
+    )),
+    "process_cap": ("this process hit its own memory cap (torch.cuda.set_per_process_memory_fraction), "
+                    "not the card's limit", (
+        "If the cap is not deliberate, remove it: torch.cuda.set_per_process_memory_fraction(1.0), or drop "
+        "per_process_memory_fraction from PYTORCH_CUDA_ALLOC_CONF",
+        "If it is (sharing the GPU, or acting as a smaller card such as a T4), the memory to save is under the "
+        "cap: the fixes below apply to it",
     )),
     "steady_state": ("the model, activations and optimizer state together do not fit the card", (
         "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
@@ -172,6 +180,7 @@ class OOMReport:
     mps_allocated: int | None = None
     other_allocations: int | None = None
     max_allowed: int | None = None
+    process_cap: int | None = None
     unknown: list[str] = field(default_factory=list)
     message: str = ""
     exception_type: str | None = None
@@ -193,6 +202,8 @@ class OOMReport:
                      ("other_allocations", "other allocations"), ("max_allowed", "max allowed")]
         if self.form in ("cpu", "colab_ram"):
             names = [("requested", "tried to allocate")]
+        if self.process_cap is not None:
+            names.insert(2, ("process_cap", "allowed for this process (its cap)"))
         return [(label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown")
                 for n, label in names]
 
@@ -318,6 +329,11 @@ def _classify(f: dict) -> list[str]:
         causes.append("held_elsewhere")
     if form in ("cublas", "cudnn", "cuda_error"):
         causes.append("library_workspace")
+    cap = f.get("process_cap")
+    if cap is not None and total is not None and cap < total:
+        # the card may have room; this process's cap is what refused (first when the card had the room)
+        free = f.get("free")
+        causes.insert(0 if free is None or req is None or free >= req else len(causes), "process_cap")
     if "request_too_large" not in causes and (total is not None or form in ("cuda", "hip", "mps", "cuda_legacy",
                                                                            "bitsandbytes")):
         causes.append("steady_state")
@@ -449,7 +465,7 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
         message=text.strip(), exception_type=type(exc).__name__ if exc is not None else None,
         **{k: f.get(k) for k in ("device", "requested", "total", "free", "allocated", "reserved",
                                  "reserved_unallocated", "this_process", "held_elsewhere", "mps_allocated",
-                                 "other_allocations", "max_allowed")},
+                                 "other_allocations", "max_allowed", "process_cap")},
         processes=f.get("processes", []),
     )
     if live if live is not None else exc is not None:

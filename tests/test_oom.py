@@ -213,3 +213,19 @@ def test_ipython_handler_in_process(ipython_shell, capsys):
     finally:
         assert uninstall(ipython_shell)
     assert ipython_shell.custom_exceptions == ()
+
+
+def test_a_process_cap_is_named_as_the_cause_when_the_card_had_room():
+    """torch adds 'X allowed;' when set_per_process_memory_fraction caps the process (real message form)."""
+    capped = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. GPU 0 has a total capacity "
+              "of 79.19 GiB of which 60.06 GiB is free. Including non-PyTorch memory, this process has 15.81 GiB "
+              "memory in use. 14.74 GiB allowed; Of the allocated memory 14.44 GiB is allocated by PyTorch, and "
+              "59.88 MiB is reserved by PyTorch but unallocated.")
+    r = explain_oom(capped)
+    assert r.cause == "process_cap" and abs(r.process_cap - 14.74 * 2**30) < 2**20
+    assert "set_per_process_memory_fraction(1.0)" in r.fixes[0]
+    assert ("allowed for this process (its cap)", "14.74 GiB") in r.figures()
+    assert "steady_state" in r.causes  # under the cap, the usual fixes still apply
+    uncapped = explain_oom(capped.replace("14.74 GiB allowed; ", ""))
+    assert uncapped.process_cap is None and "process_cap" not in uncapped.causes
+    assert all(label != "allowed for this process (its cap)" for label, _ in uncapped.figures())
