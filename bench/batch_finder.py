@@ -113,36 +113,38 @@ def cuda_tiny_model() -> dict | None:
     path = build()["llama"]
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, 15 * 1024**3 / total))
-    model = AutoModelForCausalLM.from_pretrained(path).cuda()
-    seq = 1024
-
-    def step(batch_size):
-        ids = torch.randint(0, model.config.vocab_size, (batch_size, seq), device="cuda")
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    out = {}
-    log: list = []
-
-    def logged(b):
-        log.append(b)
-        step(b)
-    s = find_max_batch_size(logged, limit=4096, margin=1.0)
-    out["ours"] = {"found": s.max_ok, "trials": len(s.trials), "ooms": s.oom_trials}
-
-    acc_log: list = []
-
-    @find_executable_batch_size(starting_batch_size=4096)
-    def train(batch_size):
-        acc_log.append(batch_size)
-        step(batch_size)
-        return batch_size
     try:
-        found = train()
-    except RuntimeError:
-        found = 0
-    out["accelerate"] = {"found": found, "trials": len(acc_log), "ooms": len(acc_log) - 1}
-    torch.cuda.set_per_process_memory_fraction(1.0)
+        model = AutoModelForCausalLM.from_pretrained(path).cuda()
+        seq = 1024
+
+        def step(batch_size):
+            ids = torch.randint(0, model.config.vocab_size, (batch_size, seq), device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        out = {}
+        log: list = []
+
+        def logged(b):
+            log.append(b)
+            step(b)
+        s = find_max_batch_size(logged, limit=4096, margin=1.0)
+        out["ours"] = {"found": s.max_ok, "trials": len(s.trials), "ooms": s.oom_trials}
+
+        acc_log: list = []
+
+        @find_executable_batch_size(starting_batch_size=4096)
+        def train(batch_size):
+            acc_log.append(batch_size)
+            step(batch_size)
+            return batch_size
+        try:
+            found = train()
+        except RuntimeError:
+            found = 0
+        out["accelerate"] = {"found": found, "trials": len(acc_log), "ooms": len(acc_log) - 1}
+    finally:  # the cap must not outlive this row, even when it fails
+        torch.cuda.set_per_process_memory_fraction(1.0)
     return out
 
 
