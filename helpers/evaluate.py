@@ -558,6 +558,8 @@ def safe_generate(
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise EvalError(f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}")
     items = load_prompts(prompts)
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")

@@ -254,6 +254,8 @@ def test_bad_inputs_fail_before_any_generation(tiny, tmp_path):
             safe_generate(model, tok, PROMPTS, score="bleu", results=tmp_path / "c.jsonl", progress=False)
         with pytest.raises(EvalError, match="not found"):
             safe_generate(model, tok, tmp_path / "missing.jsonl", results=tmp_path / "d.jsonl", progress=False)
+        with pytest.raises(EvalError, match="max_batch_size must be a positive int"):
+            safe_generate(model, tok, PROMPTS, max_batch_size=0, results=tmp_path / "e.jsonl", progress=False)
     assert budget.calls == 0
 
 
