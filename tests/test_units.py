@@ -34,3 +34,16 @@ def test_parse_bytes_rejects_non_sizes_with_the_valid_units(bad):
 
 def test_percent_unknown_is_none():
     assert percent(None, 10) is None and percent(1, 0) is None and percent(1, 4) == 25.0
+
+
+def test_wrong_types_say_which_function_to_use():
+    import numpy as np
+    import pytest
+
+    from helpers.units import format_bytes, parse_bytes
+
+    assert format_bytes(np.int64(3 * 2**30)) == "3.00 GiB"  # numpy counts are byte counts too
+    with pytest.raises(TypeError, match="use parse_bytes"):
+        format_bytes("5 GiB")
+    with pytest.raises(TypeError, match="already a number"):
+        parse_bytes(5)
