@@ -48,6 +48,7 @@ bench: setup $(TINY)
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check helpers tests bench scripts data
 
 format: setup
 	$(BIN)/ruff check --fix .

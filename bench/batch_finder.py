@@ -42,8 +42,15 @@ def make_case(rng: random.Random) -> dict:
     budget = a * true_max + q * true_max**2 + c + 0.5 * a  # true_max fits, true_max + 1 does not
     while a * (true_max + 1) + q * (true_max + 1) ** 2 + c <= budget:
         budget -= 0.25 * a
-    return {"limit": limit, "true_max": true_max, "kind": "a*b+q*b^2+c" if quadratic else "a*b+c",
-            "a": a, "q": q, "c": c, "budget": budget}
+    return {
+        "limit": limit,
+        "true_max": true_max,
+        "kind": "a*b+q*b^2+c" if quadratic else "a*b+c",
+        "a": a,
+        "q": q,
+        "c": c,
+        "budget": budget,
+    }
 
 
 def workload(case: dict, log: list):
@@ -52,8 +59,11 @@ def workload(case: dict, log: list):
         ok = need <= case["budget"]
         log.append((batch_size, ok))
         if not ok:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {need / MiB:.2f} MiB. GPU 0 has a "
-                                         f"total capacity of {case['budget'] / MiB:.2f} MiB")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {need / MiB:.2f} MiB. GPU 0 has a "
+                f"total capacity of {case['budget'] / MiB:.2f} MiB"
+            )
+
     return step
 
 
@@ -95,10 +105,17 @@ def run_accelerate(case: dict) -> dict:
 def summarize(name: str, rows: list[dict], cases: list[dict]) -> dict:
     frac = [r["found"] / min(c["true_max"], c["limit"]) for r, c in zip(rows, cases)]
     over = [len_ - (math.ceil(math.log2(c["limit"])) + 2) for len_, c in zip((r["trials"] for r in rows), cases)]
-    return {"name": name, "median_fraction": statistics.median(frac), "worst_fraction": min(frac),
-            "median_trials": statistics.median(r["trials"] for r in rows), "max_trials": max(r["trials"] for r in rows),
-            "over_trial_budget": sum(o > 0 for o in over), "median_ooms": statistics.median(r["ooms"] for r in rows),
-            "max_ooms": max(r["ooms"] for r in rows), "total_ooms": sum(r["ooms"] for r in rows)}
+    return {
+        "name": name,
+        "median_fraction": statistics.median(frac),
+        "worst_fraction": min(frac),
+        "median_trials": statistics.median(r["trials"] for r in rows),
+        "max_trials": max(r["trials"] for r in rows),
+        "over_trial_budget": sum(o > 0 for o in over),
+        "median_ooms": statistics.median(r["ooms"] for r in rows),
+        "max_ooms": max(r["ooms"] for r in rows),
+        "total_ooms": sum(r["ooms"] for r in rows),
+    }
 
 
 def cuda_tiny_model() -> dict | None:
@@ -128,6 +145,7 @@ def cuda_tiny_model() -> dict | None:
         def logged(b):
             log.append(b)
             step(b)
+
         s = find_max_batch_size(logged, limit=4096, margin=1.0)
         out["ours"] = {"found": s.max_ok, "trials": len(s.trials), "ooms": s.oom_trials}
 
@@ -138,6 +156,7 @@ def cuda_tiny_model() -> dict | None:
             acc_log.append(batch_size)
             step(batch_size)
             return batch_size
+
         try:
             found = train()
         except RuntimeError:
@@ -164,33 +183,66 @@ def main(argv: list[str] | None = None) -> int:
         acc = [run_accelerate(c) for c in cases]
     finally:
         gc.collect = real_collect
-    per_case = [{**{k: c[k] for k in ("limit", "true_max", "kind")}, "ours": o, "ours_decorator": d, "accelerate": a}
-                for c, o, d, a in zip(cases, ours, deco, acc)]
+    per_case = [
+        {**{k: c[k] for k in ("limit", "true_max", "kind")}, "ours": o, "ours_decorator": d, "accelerate": a}
+        for c, o, d, a in zip(cases, ours, deco, acc)
+    ]
     above = [i for i, c in enumerate(cases) if c["limit"] > c["true_max"]]  # accelerate starts above the max
     fewer = sum(ours[i]["ooms"] < acc[i]["ooms"] for i in above)
     equal = sum(ours[i]["ooms"] == acc[i]["ooms"] for i in above)
     more = sum(ours[i]["ooms"] > acc[i]["ooms"] for i in above)
-    summaries = [summarize("oomkit find_max_batch_size", ours, cases),
-                 summarize("oomkit @adaptive_batch (1st call)", deco, cases),
-                 summarize("accelerate find_executable_batch_size", acc, cases)]
-    header = ["method", "found (median)", "found (worst)", "trials median / max", "over log2(limit)+2",
-              "OOM tries median / max / total"]
-    rows = [[s["name"], f"{s['median_fraction']:.1%}", f"{s['worst_fraction']:.1%}",
-             f"{s['median_trials']:g} / {s['max_trials']}", s["over_trial_budget"],
-             f"{s['median_ooms']:g} / {s['max_ooms']} / {s['total_ooms']}"] for s in summaries]
+    summaries = [
+        summarize("oomkit find_max_batch_size", ours, cases),
+        summarize("oomkit @adaptive_batch (1st call)", deco, cases),
+        summarize("accelerate find_executable_batch_size", acc, cases),
+    ]
+    header = [
+        "method",
+        "found (median)",
+        "found (worst)",
+        "trials median / max",
+        "over log2(limit)+2",
+        "OOM tries median / max / total",
+    ]
+    rows = [
+        [
+            s["name"],
+            f"{s['median_fraction']:.1%}",
+            f"{s['worst_fraction']:.1%}",
+            f"{s['median_trials']:g} / {s['max_trials']}",
+            s["over_trial_budget"],
+            f"{s['median_ooms']:g} / {s['max_ooms']} / {s['total_ooms']}",
+        ]
+        for s in summaries
+    ]
     table = format_table(header, rows)
-    versus = (f"accelerate started above the true maximum in {len(above)} of {len(cases)} cases: ours used fewer "
-              f"OOM tries in {fewer}, as many in {equal}, more in {more}.")
+    versus = (
+        f"accelerate started above the true maximum in {len(above)} of {len(cases)} cases: ours used fewer "
+        f"OOM tries in {fewer}, as many in {equal}, more in {more}."
+    )
     cuda = cuda_tiny_model()
     print(table)
     print()
     print(versus)
     if cuda:
         print(f"CUDA tiny Llama (seq 1024, 15 GiB cap): {cuda}")
-    path = write_results("batch_finder", {"cases": len(cases), "seed": args.seed, "summary": summaries,
-                                          "oom_comparison": {"accelerate_above_max": len(above), "ours_fewer": fewer,
-                                                             "equal": equal, "ours_more": more},
-                                          "cuda_tiny_llama": cuda, "table": table, "per_case": per_case})
+    path = write_results(
+        "batch_finder",
+        {
+            "cases": len(cases),
+            "seed": args.seed,
+            "summary": summaries,
+            "oom_comparison": {
+                "accelerate_above_max": len(above),
+                "ours_fewer": fewer,
+                "equal": equal,
+                "ours_more": more,
+            },
+            "cuda_tiny_llama": cuda,
+            "table": table,
+            "per_case": per_case,
+        },
+    )
     print(f"wrote {path}")
     return 0
 

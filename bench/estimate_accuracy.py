@@ -74,8 +74,12 @@ def load(path: Path, mode: str):
     if mode == "int8":
         q = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode[:3],
-                               bnb_4bit_use_double_quant=mode.endswith("+dq"), bnb_4bit_compute_dtype=torch.float16)
+        q = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=mode[:3],
+            bnb_4bit_use_double_quant=mode.endswith("+dq"),
+            bnb_4bit_compute_dtype=torch.float16,
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, quantization_config=q)
 
 
@@ -113,8 +117,11 @@ class PeakTracker:
         for p in model.parameters():
             qs = getattr(p, "quant_state", None)
             while qs is not None:
-                self.known |= {t.untyped_storage().data_ptr() for t in (qs.absmax, qs.code, qs.offset)
-                               if isinstance(t, torch.Tensor)}
+                self.known |= {
+                    t.untyped_storage().data_ptr()
+                    for t in (qs.absmax, qs.code, qs.offset)
+                    if isinstance(t, torch.Tensor)
+                }
                 qs = qs.state2
 
     def _record(self, out):
@@ -179,12 +186,20 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
                 if ckpt:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                     model.enable_input_require_grads()
-                model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                                         lora_dropout=0.05))
+                model = get_peft_model(
+                    model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.05)
+                )
                 model.train()
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-                pred = estimate(tmp, load=load, compute_dtype="bf16", device="cpu", training=LoraTraining(
-                    r=16, optimizer="adamw_torch", gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch))
+                pred = estimate(
+                    tmp,
+                    load=load,
+                    compute_dtype="bf16",
+                    device="cpu",
+                    training=LoraTraining(
+                        r=16, optimizer="adamw_torch", gradient_checkpointing=ckpt, seq_len=seq, micro_batch=batch
+                    ),
+                )
                 base = footprint(model)
                 with PeakTracker(model) as pt:
                     for _ in range(2):  # the second step has optimizer states
@@ -213,8 +228,9 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, DEVICES["t4"]["capacity"] / total))
     try:
-        plan = TrainPlan(str(tiny), seq_len=seq, batch_size=micro, micro_batch=micro, precision="fp16",
-                         optimizer="paged_adamw_8bit")
+        plan = TrainPlan(
+            str(tiny), seq_len=seq, batch_size=micro, micro_batch=micro, precision="fp16", optimizer="paged_adamw_8bit"
+        )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -236,8 +252,13 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
         est = plan.estimate("t4")
         predicted = sum(r.bytes for r in est.rows if not r.name.startswith("CUDA context"))
         del model, opt
-        return dict(case=f"QLoRA step, tiny Llama, T4 cap (nf4, fp16, seq {seq}, micro {micro})", measured=measured,
-                    predicted=predicted, error_pct=err(predicted, measured), predicted_total=est.total)
+        return dict(
+            case=f"QLoRA step, tiny Llama, T4 cap (nf4, fp16, seq {seq}, micro {micro})",
+            measured=measured,
+            predicted=predicted,
+            error_pct=err(predicted, measured),
+            predicted_total=est.total,
+        )
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
@@ -264,15 +285,20 @@ def cuda_generate_row(batch: int = 4, prompt: int = 512, new: int = 128) -> dict
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float16, device_map="cuda")
             ids = torch.randint(0, PEAK_CONFIG["vocab_size"], (batch, prompt), device="cuda")
             with torch.no_grad():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False)
+                model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+                )
             torch.cuda.synchronize()
             measured = torch.cuda.max_memory_allocated() - base
             est = estimate(tmp, load="fp16", batch_size=batch, prompt_tokens=prompt, max_new_tokens=new, device="t4")
             predicted = sum(r.bytes for r in est.rows if not r.name.startswith("CUDA context"))
             del model
-        return dict(case=f"generate, 4-layer Llama fp16, T4 cap (batch {batch}, {prompt} + {new} tokens)",
-                    measured=measured, predicted=predicted, error_pct=err(predicted, measured))
+        return dict(
+            case=f"generate, 4-layer Llama fp16, T4 cap (batch {batch}, {prompt} + {new} tokens)",
+            measured=measured,
+            predicted=predicted,
+            error_pct=err(predicted, measured),
+        )
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
@@ -298,15 +324,28 @@ def main() -> int:
                 measured = footprint(model)
                 hf = model.get_memory_footprint()
                 load_mode = mode.replace("+dq", "")
-                pred = estimate(path, load=load_mode, double_quant=mode.endswith("+dq"),
-                                compute_dtype="fp16" if load_mode in ("int8", "nf4", "fp4") else "auto").weights
+                pred = estimate(
+                    path,
+                    load=load_mode,
+                    double_quant=mode.endswith("+dq"),
+                    compute_dtype="fp16" if load_mode in ("int8", "nf4", "fp4") else "auto",
+                ).weights
                 acc = accelerate_estimate(path, mode)
                 rec = dict(family=family, load=mode, measured=measured, predicted=pred, error_pct=err(pred, measured),
                            transformers=hf, transformers_error_pct=err(hf, measured), accelerate=acc,
                            accelerate_error_pct=err(acc, measured))  # fmt: skip
                 records.append(rec)
-                rows.append([family, mode, f"{measured:,}", f"{pred:,}", f"{rec['error_pct']:+.2f} %",
-                             f"{rec['transformers_error_pct']:+.1f} %", f"{rec['accelerate_error_pct']:+.1f} %"])
+                rows.append(
+                    [
+                        family,
+                        mode,
+                        f"{measured:,}",
+                        f"{pred:,}",
+                        f"{rec['error_pct']:+.2f} %",
+                        f"{rec['transformers_error_pct']:+.1f} %",
+                        f"{rec['accelerate_error_pct']:+.1f} %",
+                    ]
+                )
                 del model
     counts = []
     known = {"meta-llama/Llama-2-7b-hf": 6_738_415_616, "mistralai/Mistral-7B-v0.1": 7_241_732_096,
@@ -318,8 +357,12 @@ def main() -> int:
     for hub_id, n in known.items():
         got = estimate(hub_id, load="fp16").params
         counts.append([hub_id, f"{n:,}", f"{got:,}", "exact" if got == n else f"off by {got - n:+,}"])
-    print(format_table(["family", "load", "measured bytes", "oomkit", "oomkit err", "get_memory_footprint err",
-                        "accelerate err"], rows))
+    print(
+        format_table(
+            ["family", "load", "measured bytes", "oomkit", "oomkit err", "get_memory_footprint err", "accelerate err"],
+            rows,
+        )
+    )
     print()
     print(format_table(["shipped config", "published parameters", "oomkit count", ""], counts))
     peaks = peak_rows()
@@ -336,11 +379,22 @@ def main() -> int:
                             for g in (gpu_generate, gpu) if g is not None]))  # fmt: skip
     worst = max(abs(r["error_pct"]) for r in records)
     all_exact = all(c[3] == "exact" for c in counts)
-    print(f"\nworst oomkit weight error {worst:.3f} % over {len(records)} loads; parameter counts "
-          f"{'all exact' if all_exact else 'NOT all exact'}; {time.time() - t0:.0f} s")
-    write_results("estimate_accuracy", {"rows": records, "param_counts": counts, "worst_error_pct": worst,
-                                        "peaks": peaks, "cuda_qlora": gpu, "cuda_generate": gpu_generate,
-                                        "counts_exact": all_exact})
+    print(
+        f"\nworst oomkit weight error {worst:.3f} % over {len(records)} loads; parameter counts "
+        f"{'all exact' if all_exact else 'NOT all exact'}; {time.time() - t0:.0f} s"
+    )
+    write_results(
+        "estimate_accuracy",
+        {
+            "rows": records,
+            "param_counts": counts,
+            "worst_error_pct": worst,
+            "peaks": peaks,
+            "cuda_qlora": gpu,
+            "cuda_generate": gpu_generate,
+            "counts_exact": all_exact,
+        },
+    )
     return 0 if worst < 1.0 and all_exact else 1
 
 

@@ -60,7 +60,7 @@ def make_prompts(n: int, seed: int = 0) -> list[dict]:
         q = questions[k % len(questions)]
         context_words = int(rng.random() ** 2 * 48)  # mostly short, a long tail (like real eval sets)
         start = rng.randrange(len(words))
-        context = " ".join((words * 2)[start:start + context_words])
+        context = " ".join((words * 2)[start : start + context_words])
         out.append({"id": f"b{k:03d}", "prompt": (context + "\n" if context else "") + q["prompt"]})
     return out
 
@@ -71,7 +71,7 @@ def run_batch(model, tok, batch: list[dict], new: int, outputs: dict, stop) -> i
     with torch.inference_mode():
         ids = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
     tokens = 0
-    for p, g in zip(batch, ids[:, enc["input_ids"].shape[1]:].cpu(), strict=True):
+    for p, g in zip(batch, ids[:, enc["input_ids"].shape[1] :].cpu(), strict=True):
         outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
         tokens += _count_new(g, stop)
     return tokens
@@ -94,8 +94,13 @@ def naive(model, tok, prompts, new, collect: bool = False) -> dict:
             if collect:
                 gc.collect()
             torch.cuda.empty_cache()
-    return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": ooms,
-            "batch_sizes": [1]}
+    return {
+        "seconds": time.perf_counter() - started,
+        "tokens": tokens,
+        "outputs": outputs,
+        "ooms": ooms,
+        "batch_sizes": [1],
+    }
 
 
 def fixed(model, tok, prompts, new, size=8) -> dict:
@@ -105,7 +110,7 @@ def fixed(model, tok, prompts, new, size=8) -> dict:
     started = time.perf_counter()
     for i in range(0, len(prompts), size):
         try:
-            tokens += run_batch(model, tok, prompts[i:i + size], new, outputs, stop)
+            tokens += run_batch(model, tok, prompts[i : i + size], new, outputs, stop)
         except Exception as e:
             if not is_oom(e):
                 raise
@@ -113,8 +118,13 @@ def fixed(model, tok, prompts, new, size=8) -> dict:
             del e
             gc.collect()  # what such loops do; a lost batch is lost either way
             torch.cuda.empty_cache()
-    return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": ooms,
-            "batch_sizes": [size]}
+    return {
+        "seconds": time.perf_counter() - started,
+        "tokens": tokens,
+        "outputs": outputs,
+        "ooms": ooms,
+        "batch_sizes": [size],
+    }
 
 
 def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
@@ -128,21 +138,33 @@ def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
     i = 0
     while i < len(order):
         size = max(1, min(cap, budget // (lengths[order[i]] + new)))
-        batch = [prompts[k] for k in order[i:i + size]]
+        batch = [prompts[k] for k in order[i : i + size]]
         tokens += run_batch(model, tok, batch, new, outputs, stop)
         sizes.add(len(batch))
         i += len(batch)
-    return {"seconds": time.perf_counter() - started, "tokens": tokens, "outputs": outputs, "ooms": 0,
-            "batch_sizes": sorted(sizes)}
+    return {
+        "seconds": time.perf_counter() - started,
+        "tokens": tokens,
+        "outputs": outputs,
+        "ooms": 0,
+        "batch_sizes": sorted(sizes),
+    }
 
 
 def ours(model, tok, prompts, new, folder: Path) -> dict:
     bs.clear_cache()
-    report = safe_generate(model, tok, prompts, max_new_tokens=new, results=folder / "ours.jsonl", resume=False,
-                           progress=False)
-    return {"seconds": report.seconds, "tokens": report.new_tokens, "ooms": report.oom_retries,
-            "outputs": {r["id"]: r["output"] for r in report.records}, "batch_sizes": sorted(set(report.batch_sizes)),
-            "truncated": report.truncated, "cache_empties": report.cache_empties}
+    report = safe_generate(
+        model, tok, prompts, max_new_tokens=new, results=folder / "ours.jsonl", resume=False, progress=False
+    )
+    return {
+        "seconds": report.seconds,
+        "tokens": report.new_tokens,
+        "ooms": report.oom_retries,
+        "outputs": {r["id"]: r["output"] for r in report.records},
+        "batch_sizes": sorted(set(report.batch_sizes)),
+        "truncated": report.truncated,
+        "cache_empties": report.cache_empties,
+    }
 
 
 ORACLE = "oracle (told the budget; upper bound)"
@@ -152,10 +174,12 @@ def compare(model, tok, prompts, new, budget: int | None, label: str, repeats: i
     """Each loop ``repeats`` times, interleaved; the fastest run of each counts (the machine is shared)."""
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        loops = [("naive (batch 1, empty_cache every 10)", lambda: naive(model, tok, prompts, new)),
-                 ("naive + gc.collect every 10", lambda: naive(model, tok, prompts, new, True)),
-                 ("fixed batch 8, unsorted", lambda: fixed(model, tok, prompts, new)),
-                 ('safe_generate(batch_size="auto")', lambda: ours(model, tok, prompts, new, Path(tmp)))]
+        loops = [
+            ("naive (batch 1, empty_cache every 10)", lambda: naive(model, tok, prompts, new)),
+            ("naive + gc.collect every 10", lambda: naive(model, tok, prompts, new, True)),
+            ("fixed batch 8, unsorted", lambda: fixed(model, tok, prompts, new)),
+            ('safe_generate(batch_size="auto")', lambda: ours(model, tok, prompts, new, Path(tmp))),
+        ]
         if budget:  # what a loop told the budget in advance could do: the ceiling for any adaptive one
             loops.append((ORACLE, lambda: oracle(model, tok, prompts, new, budget)))
         for _ in range(repeats):
@@ -174,15 +198,34 @@ def compare(model, tok, prompts, new, budget: int | None, label: str, repeats: i
         same = all(r["outputs"][i] == ref[i] for i in shared)
         tps = r["tokens"] / r["seconds"]
         lost = len(prompts) - len(r["outputs"])
-        rows.append([label, name, f"{len(r['outputs'])}/{len(prompts)}", lost, r["ooms"],
-                     ",".join(map(str, r["batch_sizes"])) if len(r["batch_sizes"]) < 6 else
-                     f"{r['batch_sizes'][0]}..{r['batch_sizes'][-1]}",
-                     f"{tps:.0f}", f"{tps / base_tps:.2f}x", "yes" if same else "NO"])
-        payload[name] = {"samples_done": len(r["outputs"]), "samples_lost": lost, "oom_retries_or_errors": r["ooms"],
-                         "seconds": round(r["seconds"], 3), "new_tokens": r["tokens"], "tokens_per_s": round(tps, 1),
-                         "vs_naive": round(tps / base_tps, 2), "outputs_equal_where_shared": same,
-                         **({"of_oracle": round(tps / ceiling, 2)} if ceiling else {}),
-                         "batch_sizes": r["batch_sizes"], **{k: r[k] for k in ("truncated", "cache_empties") if k in r}}
+        rows.append(
+            [
+                label,
+                name,
+                f"{len(r['outputs'])}/{len(prompts)}",
+                lost,
+                r["ooms"],
+                ",".join(map(str, r["batch_sizes"]))
+                if len(r["batch_sizes"]) < 6
+                else f"{r['batch_sizes'][0]}..{r['batch_sizes'][-1]}",
+                f"{tps:.0f}",
+                f"{tps / base_tps:.2f}x",
+                "yes" if same else "NO",
+            ]
+        )
+        payload[name] = {
+            "samples_done": len(r["outputs"]),
+            "samples_lost": lost,
+            "oom_retries_or_errors": r["ooms"],
+            "seconds": round(r["seconds"], 3),
+            "new_tokens": r["tokens"],
+            "tokens_per_s": round(tps, 1),
+            "vs_naive": round(tps / base_tps, 2),
+            "outputs_equal_where_shared": same,
+            **({"of_oracle": round(tps / ceiling, 2)} if ceiling else {}),
+            "batch_sizes": r["batch_sizes"],
+            **{k: r[k] for k in ("truncated", "cache_empties") if k in r},
+        }
     return rows, payload
 
 
@@ -191,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each loop, interleaved; the fastest counts")
-    ap.add_argument("--budget", type=int, default=2048, help="simulated memory: batch x tokens per generate call (also run at half)")
+    ap.add_argument(
+        "--budget", type=int, default=2048, help="simulated memory: batch x tokens per generate call (also run at half)"
+    )
     args = ap.parse_args(argv)
 
     model_dir = ROOT / "data" / "tiny" / "llama"
@@ -203,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     # device_map=None: the CPU rows stay on the CPU on a machine with a GPU too (the default "auto" would place it there)
     model, tok, _ = load(str(model_dir), load="fp32", check=False, device_map=None)
     lengths = [len(x) for x in tok([p["prompt"] for p in prompts])["input_ids"]]
-    results = {"settings": {**vars(args), "prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths),
-                            "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),
-                            "torch_threads": torch.get_num_threads()}}
+    results = {
+        "settings": {
+            **vars(args),
+            "prompt_tokens_min": min(lengths),
+            "prompt_tokens_max": max(lengths),
+            "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),
+            "torch_threads": torch.get_num_threads(),
+        }
+    }
     rows = []
     for budget in (args.budget, args.budget // 2):  # roomy enough for batches of 8, and tight
         more, payload = compare(model, tok, prompts, args.new, budget, f"cpu, budget {budget}", args.repeats)
@@ -213,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         results[f"cpu_budget_{budget}"] = payload
     if torch.cuda.is_available():
         model, tok, _ = load(str(model_dir), load="fp16", check=False)
-        cuda_rows, cuda_payload = compare(model, tok, prompts, args.new, None, torch.cuda.get_device_name(0), args.repeats)
+        cuda_rows, cuda_payload = compare(
+            model, tok, prompts, args.new, None, torch.cuda.get_device_name(0), args.repeats
+        )
         rows += cuda_rows
         results["cuda"] = cuda_payload
     print(format_table(header, rows))

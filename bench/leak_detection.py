@@ -73,7 +73,8 @@ def running_total(ns, i):
 def hook_setup(ns):
     feats = ns["feats"]
     ns["model"].model.layers[1].register_forward_hook(
-        lambda m, i, o: feats.append((o[0] if isinstance(o, tuple) else o).detach()))
+        lambda m, i, o: feats.append((o[0] if isinstance(o, tuple) else o).detach())
+    )
 
 
 def hooked_train(ns, i):
@@ -167,9 +168,18 @@ SCENARIOS = [
 
 
 def namespace(model) -> dict:
-    return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "x": batch(),
-            "val_losses": [], "total_loss": torch.zeros(()), "feats": [], "cache": {}, "errors": [],
-            "losses": [], "rng": random.Random(0)}
+    return {
+        "model": model,
+        "opt": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "x": batch(),
+        "val_losses": [],
+        "total_loss": torch.zeros(()),
+        "feats": [],
+        "cache": {},
+        "errors": [],
+        "losses": [],
+        "rng": random.Random(0),
+    }
 
 
 def run(name, kind, setup, step, holder, check_name) -> dict:
@@ -204,8 +214,7 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
     if check_name and check_name in warned_checks:
         check_holders = final_checks.check(check_name).data.get("holders", [])
     named = bool(holder) and (
-        (suspect is not None and suspect.startswith(holder))
-        or any(h.startswith(holder) for h in check_holders)
+        (suspect is not None and suspect.startswith(holder)) or any(h.startswith(holder) for h in check_holders)
     )
     detected_steps = [s for s in (report.detected_at, check_step) if s]
     if kind == "clean":
@@ -216,15 +225,21 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
         ns["_shell"].displayhook.flush()
         ns["_shell"].reset(new_session=False)
     result = {
-        "scenario": name, "kind": kind,
-        "flagged_by_detector": report.leaking, "checks_warned": sorted(warned_checks),
+        "scenario": name,
+        "kind": kind,
+        "flagged_by_detector": report.leaking,
+        "checks_warned": sorted(warned_checks),
         "found": (report.leaking or check_name in warned_checks) if kind == "leak" else None,
-        "holder_named": named if kind == "leak" else None, "expected_holder": holder,
-        "suspect": suspect, "check_holders": check_holders[:3],
+        "holder_named": named if kind == "leak" else None,
+        "expected_holder": holder,
+        "suspect": suspect,
+        "check_holders": check_holders[:3],
         "steps_to_detect": min(detected_steps) if detected_steps else None,
-        "detector_step": report.detected_at, "check_step": check_step,
+        "detector_step": report.detected_at,
+        "check_step": check_step,
         "check_warned": bool(check_name) and check_name in warned_checks,
-        "bytes_per_step": int(report.bytes_per_step), "false_positive": false_positive,
+        "bytes_per_step": int(report.bytes_per_step),
+        "false_positive": false_positive,
         "seconds": round(seconds, 2),
     }
     del ns, view
@@ -240,15 +255,37 @@ def main() -> int:
     for r in results:
         trend = f"{r['bytes_per_step'] / 1024:.1f} KiB"
         if r["kind"] == "leak":
-            who = r["suspect"] if r["suspect"] and r["suspect"].startswith(r["expected_holder"]) else \
-                (r["check_holders"][0] if r["check_holders"] else r["suspect"])
-            rows.append([r["scenario"], "leak", "yes" if r["found"] else "NO", r["detector_step"] or "-",
-                         r["check_step"] or ("end" if r["check_warned"] else "-"), who or "-", trend])
+            who = (
+                r["suspect"]
+                if r["suspect"] and r["suspect"].startswith(r["expected_holder"])
+                else (r["check_holders"][0] if r["check_holders"] else r["suspect"])
+            )
+            rows.append(
+                [
+                    r["scenario"],
+                    "leak",
+                    "yes" if r["found"] else "NO",
+                    r["detector_step"] or "-",
+                    r["check_step"] or ("end" if r["check_warned"] else "-"),
+                    who or "-",
+                    trend,
+                ]
+            )
         else:
-            rows.append([r["scenario"], "clean", "FALSE POSITIVE" if r["false_positive"] else "no flag",
-                         r["detector_step"] or "-", ", ".join(r["checks_warned"]) or "-", "-", trend])
-    table = format_table(["scenario", "kind", "flagged", "detector at step", "check at step", "holder named",
-                          "trend/step"], rows)
+            rows.append(
+                [
+                    r["scenario"],
+                    "clean",
+                    "FALSE POSITIVE" if r["false_positive"] else "no flag",
+                    r["detector_step"] or "-",
+                    ", ".join(r["checks_warned"]) or "-",
+                    "-",
+                    trend,
+                ]
+            )
+    table = format_table(
+        ["scenario", "kind", "flagged", "detector at step", "check at step", "holder named", "trend/step"], rows
+    )
     steps = [r["steps_to_detect"] for r in leaks_ if r["steps_to_detect"]]
     summary = {
         "recall": sum(bool(r["found"]) for r in leaks_) / len(leaks_),
@@ -266,12 +303,15 @@ def main() -> int:
     }
     print(table)
     print()
-    print(f"recall {summary['recall']:.0%}, holders named {summary['holders_named']:.0%}, "
-          f"false positives {summary['false_positives']} of {len(clean)} clean loops, "
-          f"detection within {summary['max_steps_to_detect']} steps")
+    print(
+        f"recall {summary['recall']:.0%}, holders named {summary['holders_named']:.0%}, "
+        f"false positives {summary['false_positives']} of {len(clean)} clean loops, "
+        f"detection within {summary['max_steps_to_detect']} steps"
+    )
     print("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
-    path = write_results("leak_detection", {"summary": summary, "targets": targets, "scenarios": results,
-                                            "table": table})
+    path = write_results(
+        "leak_detection", {"summary": summary, "targets": targets, "scenarios": results, "table": table}
+    )
     print(f"results: {path.relative_to(REPO)}")
     return 0 if all(targets.values()) else 1
 

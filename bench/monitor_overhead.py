@@ -85,8 +85,17 @@ def main() -> int:
     logging.disable_progress_bar()
     torch.set_num_threads(1)  # the machine is shared; one thread keeps the two variants comparable
     with tempfile.TemporaryDirectory() as out:
-        plan = TrainPlan(str(tiny_llama()), seq_len=64, batch_size=4, micro_batch=2, max_steps=STEPS,
-                         save_steps=10_000, logging_steps=LOGGING_STEPS, output_dir=out, warmup_steps=0)
+        plan = TrainPlan(
+            str(tiny_llama()),
+            seq_len=64,
+            batch_size=4,
+            micro_batch=2,
+            max_steps=STEPS,
+            save_steps=10_000,
+            logging_steps=LOGGING_STEPS,
+            output_dir=out,
+            warmup_steps=0,
+        )
         model, tok, _ = load(plan.load_plan())
         model, _ = prepare_qlora(model, plan)
         data = build_dataset(tok, load_instructions(), plan.seq_len)
@@ -118,11 +127,24 @@ def main() -> int:
                          f"{100 * sample / INTERVAL:.3f} %"],
                         [f"one callback log (every {LOGGING_STEPS} steps)", f"{log * 1e6:.0f}",
                          f"{100 * log / (LOGGING_STEPS * med['without']):.3f} %"]]))  # fmt: skip
-    print(f"\nmeasured overhead {100 * (ratio - 1):+.2f} % (target < 1 %); upper bound from the direct costs "
-          f"{100 * bound:.3f} %")
-    write_results("monitor_overhead", {"median_step_s": med, "ratio": ratio, "steps": steps,
-                                       "pair_ratios": pair_ratios, "sample_s": sample, "callback_log_s": log, "bound": bound,
-                                       "interval": INTERVAL, "logging_steps": LOGGING_STEPS})
+    print(
+        f"\nmeasured overhead {100 * (ratio - 1):+.2f} % (target < 1 %); upper bound from the direct costs "
+        f"{100 * bound:.3f} %"
+    )
+    write_results(
+        "monitor_overhead",
+        {
+            "median_step_s": med,
+            "ratio": ratio,
+            "steps": steps,
+            "pair_ratios": pair_ratios,
+            "sample_s": sample,
+            "callback_log_s": log,
+            "bound": bound,
+            "interval": INTERVAL,
+            "logging_steps": LOGGING_STEPS,
+        },
+    )
     return 0 if ratio < 1.01 else 1
 
 

@@ -77,15 +77,31 @@ def main() -> None:
         new = _timed_moves(panel, fresh)
         seen = _timed_moves(panel, list(reversed(fresh)))
         assert all(panel._cache)  # every moved-to value is cached now
-        uncached = _uncached_moves(panel, model, [v + 16 for v in fresh[:MOVES // 2]])
+        uncached = _uncached_moves(panel, model, [v + 16 for v in fresh[: MOVES // 2]])
         verdict = panel.state.verdict
         r = {"uncached": _ms(uncached), "new setting": _ms(new), "seen setting": _ms(seen), "verdict": verdict}
         results[label] = r
-        rows.append([label, verdict, f"{r['uncached']['median_ms']:.1f}", f"{r['new setting']['median_ms']:.2f}",
-                     f"{r['seen setting']['median_ms']:.2f}",
-                     f"{r['uncached']['median_ms'] / r['seen setting']['median_ms']:.0f}x"])
-    table = format_table(["panel (max_new_tokens slider moves)", "verdict", "uncached ms", "new setting ms",
-                          "seen setting ms", "uncached / seen"], rows)
+        rows.append(
+            [
+                label,
+                verdict,
+                f"{r['uncached']['median_ms']:.1f}",
+                f"{r['new setting']['median_ms']:.2f}",
+                f"{r['seen setting']['median_ms']:.2f}",
+                f"{r['uncached']['median_ms'] / r['seen setting']['median_ms']:.0f}x",
+            ]
+        )
+    table = format_table(
+        [
+            "panel (max_new_tokens slider moves)",
+            "verdict",
+            "uncached ms",
+            "new setting ms",
+            "seen setting ms",
+            "uncached / seen",
+        ],
+        rows,
+    )
     print(table)
     path = write_results("panel_latency", {"moves": MOVES, "cases": results, "table": table})
     print(f"\nwrote {path}")

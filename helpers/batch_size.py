@@ -89,9 +89,11 @@ class BatchSearch:
         bound = f"; {self.first_failed} ran out of memory" if self.first_failed else ""
         if self.limit and self.max_ok >= self.limit:
             bound = f"; the limit {self.limit} fits"
-        return (f"batch size {self.batch_size} (largest that ran: {self.max_ok}{bound}; "
-                f"margin {self.margin:.0%}) after {len(self.trials)} tries, {self.oom_trials} out of memory "
-                f"[{tried}]{' (started from cache)' if self.cached else ''}")
+        return (
+            f"batch size {self.batch_size} (largest that ran: {self.max_ok}{bound}; "
+            f"margin {self.margin:.0%}) after {len(self.trials)} tries, {self.oom_trials} out of memory "
+            f"[{tried}]{' (started from cache)' if self.cached else ''}"
+        )
 
     def _repr_html_(self) -> str:
         from .html import badge, table
@@ -195,8 +197,10 @@ def find_max_batch_size(
     >>> search.batch_size  # doctest: +SKIP
     """
     if not callable(step):
-        raise TypeError(f"step must be a function of the batch size, got {type(step).__name__}: "
-                        "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())")
+        raise TypeError(
+            f"step must be a function of the batch size, got {type(step).__name__}: "
+            "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())"
+        )
     _check_sizes(start, limit)
     if not 0 < margin <= 1:
         raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
@@ -204,8 +208,10 @@ def find_max_batch_size(
         try:
             hash(key)
         except TypeError:
-            raise TypeError(f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
-                            "e.g. key=(model_name, seq_len)") from None
+            raise TypeError(
+                f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
+                "e.g. key=(model_name, seq_len)"
+            ) from None
     started = time.perf_counter()
     lo, hi = 0, (limit + 1 if limit is not None else None)
     trials: list[Trial] = []
@@ -219,10 +225,12 @@ def find_max_batch_size(
             trial = _try(step, size)
         except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
             if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
-                           "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
-                           "at any batch size). Tries before it: "
-                           + (", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials) or "none"))
+                e.add_note(
+                    f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
+                    "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
+                    "at any batch size). Tries before it: "
+                    + (", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials) or "none")
+                )
             raise
         trials.append(trial)
         if trial.ok:
@@ -239,7 +247,8 @@ def find_max_batch_size(
                 raise BatchSizeError(
                     "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
                     "sequence, quantize the model or enable gradient checkpointing. Tries: "
-                    + ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials))
+                    + ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials)
+                )
             if lo == 0:
                 # nothing has run yet: shrink as fast as we grew
                 size = max(1, size // growth)
@@ -249,8 +258,16 @@ def find_max_batch_size(
         size = _next_size(lo, hi)
 
     result = BatchSearch(
-        max_ok=lo, batch_size=max(1, math.floor(lo * margin)), trials=trials, first_failed=hi,
-        limit=limit, margin=margin, key=key, cached=cached is not None, seconds=time.perf_counter() - started)
+        max_ok=lo,
+        batch_size=max(1, math.floor(lo * margin)),
+        trials=trials,
+        first_failed=hi,
+        limit=limit,
+        margin=margin,
+        key=key,
+        cached=cached is not None,
+        seconds=time.perf_counter() - started,
+    )
     if key is not None:
         _CACHE[key] = result
     return result
@@ -287,8 +304,10 @@ class _AdaptiveState:
         if self.lo > 0:
             self.batch_size = self.lo  # known to run: no second failure
         elif size == 1:
-            raise BatchSizeError("even batch size 1 runs out of memory: free memory (helpers.cleanup()), "
-                                 "shorten the sequence, quantize the model or enable gradient checkpointing")
+            raise BatchSizeError(
+                "even batch size 1 runs out of memory: free memory (helpers.cleanup()), "
+                "shorten the sequence, quantize the model or enable gradient checkpointing"
+            )
         else:
             self.batch_size = max(1, size // 2)
         return self.batch_size

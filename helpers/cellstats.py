@@ -42,13 +42,18 @@ class CellRecord:
 
     def __str__(self) -> str:
         peak = f"peak {format_bytes(self.gpu_peak)}" if self.peak_new else f"peak under {format_bytes(self.gpu_peak)}"
-        gpu = (f"GPU {_signed(self.gpu_change)} ({peak})"
-               if self.gpu_change is not None else f"tensors {_signed(self.tensor_change or 0)} (no GPU)")
+        gpu = (
+            f"GPU {_signed(self.gpu_change)} ({peak})"
+            if self.gpu_change is not None
+            else f"tensors {_signed(self.tensor_change or 0)} (no GPU)"
+        )
         line = f"[oomkit] {gpu} · RAM {_signed(self.ram_change)} · {self.seconds:.2f} s"
         if self.growing:
-            line += (f"\n[oomkit] WARN: each of the last {self.growing_runs} runs of this cell left about "
-                     f"{format_bytes(self.growth_per_run)} behind: something it appends to or displays keeps "
-                     f"growing (a list of tensors, Out history, a hook); see helpers.leaks.checks()")
+            line += (
+                f"\n[oomkit] WARN: each of the last {self.growing_runs} runs of this cell left about "
+                f"{format_bytes(self.growth_per_run)} behind: something it appends to or displays keeps "
+                f"growing (a list of tensors, Out history, a hook); see helpers.leaks.checks()"
+            )
         return line
 
 
@@ -87,8 +92,14 @@ class CellStats:
             return
         src = getattr(info, "raw_cell", "") or ""
         gpu0, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
-        self._start = (time.perf_counter(), gpu0, psutil.Process().memory_info().rss,
-                       hashlib.sha1(src.encode()).hexdigest(), src, self._tensors())
+        self._start = (
+            time.perf_counter(),
+            gpu0,
+            psutil.Process().memory_info().rss,
+            hashlib.sha1(src.encode()).hexdigest(),
+            src,
+            self._tensors(),
+        )
 
     def post_run_cell(self, result=None) -> None:
         if not self.enabled or self._start is None:
@@ -109,8 +120,17 @@ class CellStats:
         cell = getattr(result, "execution_count", None)
         # below an earlier cell's peak, this cell's own peak is only known to be under it
         peak_new = peak is None or peak > (self._peak_before or 0)
-        rec = CellRecord(cell, gpu_change, peak, rss1 - rss0, time.perf_counter() - started,
-                         runs, total // runs if runs else 0, tensor_change, peak_new)
+        rec = CellRecord(
+            cell,
+            gpu_change,
+            peak,
+            rss1 - rss0,
+            time.perf_counter() - started,
+            runs,
+            total // runs if runs else 0,
+            tensor_change,
+            peak_new,
+        )
         self.records.append(rec)
         print(rec)
 

@@ -20,8 +20,15 @@ import torch
 
 from .units import format_bytes
 
-__all__ = ["CleanupReport", "cleanup", "free", "unload", "drop_exception_state", "drop_output_history",
-           "release_after_oom"]
+__all__ = [
+    "CleanupReport",
+    "cleanup",
+    "free",
+    "unload",
+    "drop_exception_state",
+    "drop_output_history",
+    "release_after_oom",
+]
 
 
 @dataclass
@@ -37,11 +44,16 @@ class CleanupReport:
 
     def __str__(self) -> str:
         what = f" (dropped {', '.join(self.dropped)})" if self.dropped else ""
-        gpu = (f"GPU {format_bytes(self.gpu_allocated_freed)} allocated / "
-               f"{format_bytes(self.gpu_reserved_freed)} reserved freed, "
-               if torch.cuda.is_available() else "")
-        return (f"cleanup: {gpu}RAM {format_bytes(self.rss_freed)} freed, "
-                f"{self.objects_collected} objects collected in {self.seconds:.2f} s{what}")
+        gpu = (
+            f"GPU {format_bytes(self.gpu_allocated_freed)} allocated / "
+            f"{format_bytes(self.gpu_reserved_freed)} reserved freed, "
+            if torch.cuda.is_available()
+            else ""
+        )
+        return (
+            f"cleanup: {gpu}RAM {format_bytes(self.rss_freed)} freed, "
+            f"{self.objects_collected} objects collected in {self.seconds:.2f} s{what}"
+        )
 
     def _repr_html_(self) -> str:
         from html import escape
@@ -125,8 +137,9 @@ def _collect_and_empty(collect: bool = True) -> int:
 _PINNED_SLACK = 16 << 20
 
 
-def release_after_oom(probe: weakref.ref | None = None, *, baseline: int | None = None,
-                      device: torch.device | int | None = None) -> bool:
+def release_after_oom(
+    probe: weakref.ref | None = None, *, baseline: int | None = None, device: torch.device | int | None = None
+) -> bool:
     """Give back what a failed (out-of-memory) call held; call it after ``del`` of the exception.
 
     Drops the stored exception state, then runs the full garbage collector only when something of the
@@ -195,8 +208,10 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
     ns = _caller_namespace(namespace)
     missing = [n for n in names if n not in ns]
     if missing:
-        raise NameError(f"free(): no variable named {', '.join(map(repr, missing))} here; "
-                        f"pass the names as strings, e.g. free('model')")
+        raise NameError(
+            f"free(): no variable named {', '.join(map(repr, missing))} here; "
+            f"pass the names as strings, e.g. free('model')"
+        )
     started = time.perf_counter()
     before = _readout()
     for n in names:
@@ -215,8 +230,9 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
     Nothing is copied back to the CPU first. The model object is unusable afterwards.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"unload() takes a torch.nn.Module, got {type(model).__name__}; "
-                        f"to drop other objects use free('name')")
+        raise TypeError(
+            f"unload() takes a torch.nn.Module, got {type(model).__name__}; to drop other objects use free('name')"
+        )
     started = time.perf_counter()
     before = _readout()
     dropped: list[str] = []

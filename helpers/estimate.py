@@ -168,7 +168,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         head = f"{self.model}: {self.params:,} parameters, load={self.load}" + (
-            " (approximate count)" if self.approximate else "")
+            " (approximate count)" if self.approximate else ""
+        )
         w = max(len(r.name) for r in self.rows)
         lines = [head] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
         cap = f" of {format_bytes(self.capacity)} on {self.device}" if self.capacity else ""
@@ -227,8 +228,10 @@ def _config_from_dict(d: dict, where: str):
         try:
             return AutoConfig.for_model(model_type, **d)
         except (ValueError, KeyError) as e:
-            why = (f"model_type {model_type!r} in {where} is not known to this transformers version "
-                   f"({str(e).splitlines()[0][:100]})")
+            why = (
+                f"model_type {model_type!r} in {where} is not known to this transformers version "
+                f"({str(e).splitlines()[0][:100]})"
+            )
     config = PretrainedConfig(**d)
     config.oomkit_unknown = why
     return config
@@ -270,13 +273,21 @@ def resolve_config(model: Any):
         parent = next((q for q in path.parents if q.exists()), None)
         near = ""
         if parent is not None and parent != Path("/") and parent.is_dir():
-            near = (f" {parent.resolve()} exists and holds: "
-                    f"{', '.join(sorted(c.name for c in parent.iterdir())[:8]) or '(nothing)'}.")
-        raise EstimateError(f"{name} does not exist.{near}{_drive_hint(name)} Pass an existing model folder (with "
-                            "config.json) or its config.json, a hub id such as 'org/name', or a shipped config name")
+            near = (
+                f" {parent.resolve()} exists and holds: "
+                f"{', '.join(sorted(c.name for c in parent.iterdir())[:8]) or '(nothing)'}."
+            )
+        raise EstimateError(
+            f"{name} does not exist.{near}{_drive_hint(name)} Pass an existing model folder (with "
+            "config.json) or its config.json, a hub id such as 'org/name', or a shipped config name"
+        )
     shipped = _shipped(name)
     if shipped is not None:
-        return _config_from_dict(json.loads(shipped.read_text()), str(shipped)), shipped.stem.replace("--", "/", 1), None
+        return (
+            _config_from_dict(json.loads(shipped.read_text()), str(shipped)),
+            shipped.stem.replace("--", "/", 1),
+            None,
+        )
     try:
         return AutoConfig.from_pretrained(name, local_files_only=not _hub_reachable()), name, None
     except Exception as e:
@@ -284,7 +295,8 @@ def resolve_config(model: Any):
         raise EstimateError(
             f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
             f"Offline or private? Pass a local folder or config.json, or one of the configs in "
-            f"{CONFIG_DIR} that work offline: {known}") from None
+            f"{CONFIG_DIR} that work offline: {known}"
+        ) from None
 
 
 def _hub_reachable() -> bool:
@@ -423,8 +435,10 @@ def _dimension_layout(config, why: str) -> _Layout:
         v = next((d[a] for a in alts if d.get(a)), None)
         (got.__setitem__(k, v) if v else missing.append(k))
     if missing:
-        raise EstimateError(f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
-                            "needed for the fallback dimension-based count; pass the model's full config.json")
+        raise EstimateError(
+            f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
+            "needed for the fallback dimension-based count; pass the model's full config.json"
+        )
     h, n, v = got["hidden_size"], got["num_hidden_layers"], got["vocab_size"]
     inter = d.get("intermediate_size") or d.get("n_inner") or 4 * h
     heads = d.get("num_attention_heads") or d.get("n_head") or max(1, h // 64)
@@ -455,8 +469,14 @@ def _should_convert(module: str, not_convert: list[str]) -> bool:
     return should_convert_module(module, not_convert)
 
 
-def weight_rows(lay: _Layout, load: str, dtype_bytes: int, double_quant: bool = True,
-                skip_modules: list[str] | None = None, blocksize: int = 64) -> list[EstimateRow]:
+def weight_rows(
+    lay: _Layout,
+    load: str,
+    dtype_bytes: int,
+    double_quant: bool = True,
+    skip_modules: list[str] | None = None,
+    blocksize: int = 64,
+) -> list[EstimateRow]:
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = lay.not_convert if skip_modules is None else list(set(skip_modules) | set(lay.keep_fp32))
     q_bytes = state_bytes = plain = buffers = 0
@@ -492,8 +512,14 @@ def weight_rows(lay: _Layout, load: str, dtype_bytes: int, double_quant: bool = 
         rows.append(EstimateRow(f"weights: {label} linear layers", q_bytes, "exact", f"{n_q} layers"))
         what = "row scales" if load == "int8" else ("absmax, nested absmax" if double_quant else "fp32 absmax")
         rows.append(EstimateRow("weights: quantization state", state_bytes, "exact", what))
-    rows.append(EstimateRow("weights: unquantized (embeddings, norms, lm_head)" if label else f"weights: {load}",
-                            plain, "exact", "tied embeddings counted once"))
+    rows.append(
+        EstimateRow(
+            "weights: unquantized (embeddings, norms, lm_head)" if label else f"weights: {load}",
+            plain,
+            "exact",
+            "tied embeddings counted once",
+        )
+    )
     rows.append(EstimateRow("weights: buffers", buffers, "exact", "rotary tables, masks"))
     return rows
 
@@ -511,8 +537,10 @@ def _dims(config) -> dict:
     if not vocab:
         missing.append("vocab_size")
     if missing:
-        raise EstimateError(f"the config lacks {', '.join(missing)}, needed for the KV cache and activations; "
-                            "pass the model's full config.json")
+        raise EstimateError(
+            f"the config lacks {', '.join(missing)}, needed for the KV cache and activations; "
+            "pass the model's full config.json"
+        )
     kv = g("num_key_value_heads", "num_kv_heads", default=heads)
     if getattr(c, "multi_query", False):
         kv = 1
@@ -522,8 +550,17 @@ def _dims(config) -> dict:
     types = getattr(c, "layer_types", None)
     if types is None and window:
         types = ["sliding_attention"] * layers
-    return dict(h=h, heads=heads, kv=kv, hd=hd, inter=inter, layers=layers, vocab=vocab, window=window,
-                types=types or ["full_attention"] * layers)
+    return dict(
+        h=h,
+        heads=heads,
+        kv=kv,
+        hd=hd,
+        inter=inter,
+        layers=layers,
+        vocab=vocab,
+        window=window,
+        types=types or ["full_attention"] * layers,
+    )
 
 
 def kv_cache_bytes(config, batch: int, tokens: int, dtype_bytes: int = 2) -> int:
@@ -568,22 +605,33 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         rows.append(EstimateRow("LoRA adapters (fp32)", 4 * n_lora, "exact", f"{n_lora:,} parameters, r={tr.r}"))
         rows.append(EstimateRow("gradients (fp32)", 4 * n_lora, "exact"))
         per_param = OPTIMIZERS.get(tr.optimizer)
-        rows.append(EstimateRow(f"optimizer states ({tr.optimizer})", (8 if per_param is None else per_param) * n_lora,
-                                "formula", "AdamW 32-bit 8 bytes/param, 8-bit 2"))
+        rows.append(
+            EstimateRow(
+                f"optimizer states ({tr.optimizer})",
+                (8 if per_param is None else per_param) * n_lora,
+                "formula",
+                "AdamW 32-bit 8 bytes/param, 8-bit 2",
+            )
+        )
         # peft casts each adapted layer's input to the fp32 adapter dtype and, with dropout, keeps the
         # dropped copy (4 B) and its mask (1 B) for backward: per adapted layer, per token.
         lora_in = sum(e.linear[1] for e in adapted) // max(1, d["layers"])
         per_tok_lora = lora_in * ((5 if tr.lora_dropout > 0 else 4) if b < 4 or tr.lora_dropout > 0 else 0)
     else:
         if load in QUANTIZED:
-            raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
+            raise EstimateError(
+                f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32"
+            )
         trainable = lay.params
         pb = 4 if load == "fp32" else b
         rows.append(EstimateRow(f"gradients ({load})", pb * trainable, "exact"))
         per_param = OPTIMIZERS.get(tr.optimizer)
         opt = 2 * pb * trainable if per_param is None else per_param * trainable
-        rows.append(EstimateRow(f"optimizer states ({tr.optimizer})", opt, "formula",
-                                "torch AdamW: 2 states in the parameter dtype"))
+        rows.append(
+            EstimateRow(
+                f"optimizer states ({tr.optimizer})", opt, "formula", "torch AdamW: 2 states in the parameter dtype"
+            )
+        )
         if tr.master_weights and load != "fp32":
             rows.append(EstimateRow("fp32 master weights", 4 * trainable, "exact"))
         per_tok_lora = 0
@@ -603,8 +651,10 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
     # backward): the largest one, twice, is alive at once. The output layer stays unquantized.
     dequant = 0
     if load in QUANTIZED:
-        biggest = max((e.linear[0] * e.linear[1] for e in lay.entries
-                       if e.linear and _should_convert(e.module, lay.not_convert)), default=0)
+        biggest = max(
+            (e.linear[0] * e.linear[1] for e in lay.entries if e.linear and _should_convert(e.module, lay.not_convert)),
+            default=0,
+        )
         dequant = 2 * biggest * b
     if tr.gradient_checkpointing:
         # Only each layer's input is kept; one layer's activations are recomputed at a time during
@@ -612,8 +662,14 @@ def _training_rows(lay: _Layout, config, load: str, b: int, tr) -> tuple[list[Es
         saved = d["layers"] * mb * seq * h * b
         rows.append(EstimateRow("activations (gradient checkpointing)", saved, "formula", "one hidden state per layer"))
         layer = mb * seq * per_tok + dequant
-        rows.append(EstimateRow("backward peak: logits + loss or one recomputed layer", max(logits, layer),
-                                "formula", "batch x seq x vocab x 3 fp32 buffers, or one layer's activations"))
+        rows.append(
+            EstimateRow(
+                "backward peak: logits + loss or one recomputed layer",
+                max(logits, layer),
+                "formula",
+                "batch x seq x vocab x 3 fp32 buffers, or one layer's activations",
+            )
+        )
     else:
         saved = d["layers"] * mb * seq * per_tok
         rows.append(EstimateRow("activations (no checkpointing)", saved, "formula", "tensors kept for backward"))
@@ -644,8 +700,10 @@ def _device(device: Any) -> tuple[str, dict | None]:
             raise EstimateError(f"device capacity must be positive bytes, got {device}")
         if device < MiB:
             # 15 or 15.0 is a size in GiB written without its unit, not a 15-byte GPU
-            raise EstimateError(f"device capacity is in bytes, and {device} bytes is less than 1 MiB; for "
-                                f"{device:g} GiB pass {device:g} * GiB (helpers.units.GiB) or the string '{device:g}GiB'")
+            raise EstimateError(
+                f"device capacity is in bytes, and {device} bytes is less than 1 MiB; for "
+                f"{device:g} GiB pass {device:g} * GiB (helpers.units.GiB) or the string '{device:g}GiB'"
+            )
         return format_bytes(int(device)), {"name": format_bytes(int(device)), "capacity": int(device), "bf16": True}
     key = str(device).lower().replace(" ", "").replace("_", "-")
     if key == "current":
@@ -672,7 +730,9 @@ def _device(device: Any) -> tuple[str, dict | None]:
             return _device(parse_bytes(key))  # "24GiB", as the CLI's --device takes it
         except ValueError:
             pass  # the message below lists what is accepted
-    raise EstimateError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB")
+    raise EstimateError(
+        f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB"
+    )
 
 
 def estimate(
@@ -731,27 +791,67 @@ def estimate(
     d = _dims(config)
     if training is None:
         tokens = prompt_tokens + max_new_tokens
-        rows.append(EstimateRow("KV cache", kv_cache_bytes(config, batch_size, tokens, b), "formula",
-                                f"{d['layers']} layers x 2 x {batch_size} x {tokens} tokens x {d['kv']} kv heads "
-                                f"x {d['hd']} x {b} B"))
-        rows.append(EstimateRow("prefill activations", _prefill_bytes(d, batch_size, prompt_tokens, b), "formula",
-                                "widest layer of the prompt's forward pass"))
-        rows.append(EstimateRow("logits (last position, fp32 copy)", batch_size * d["vocab"] * (b + 4) * 2,
-                                "formula", "generate() keeps logits of the last token only"))
+        rows.append(
+            EstimateRow(
+                "KV cache",
+                kv_cache_bytes(config, batch_size, tokens, b),
+                "formula",
+                f"{d['layers']} layers x 2 x {batch_size} x {tokens} tokens x {d['kv']} kv heads x {d['hd']} x {b} B",
+            )
+        )
+        rows.append(
+            EstimateRow(
+                "prefill activations",
+                _prefill_bytes(d, batch_size, prompt_tokens, b),
+                "formula",
+                "widest layer of the prompt's forward pass",
+            )
+        )
+        rows.append(
+            EstimateRow(
+                "logits (last position, fp32 copy)",
+                batch_size * d["vocab"] * (b + 4) * 2,
+                "formula",
+                "generate() keeps logits of the last token only",
+            )
+        )
     else:
         trows, _ = _training_rows(lay, config, load, b, training)
         rows += trows
     transient = sum(r.bytes for r in rows if not r.name.startswith("weights"))
     n_tensors = sum(1 for e in lay.entries)
-    rows.append(EstimateRow("allocator rounding", n_tensors * 256, "formula", "512-byte blocks, ~256 B lost per tensor"))
-    rows.append(EstimateRow("fragmentation margin", int(transient * FRAGMENTATION), "rule of thumb",
-                            f"{FRAGMENTATION:.0%} of the transient memory"))
+    rows.append(
+        EstimateRow("allocator rounding", n_tensors * 256, "formula", "512-byte blocks, ~256 B lost per tensor")
+    )
+    rows.append(
+        EstimateRow(
+            "fragmentation margin",
+            int(transient * FRAGMENTATION),
+            "rule of thumb",
+            f"{FRAGMENTATION:.0%} of the transient memory",
+        )
+    )
     if dev is not None:
-        rows.append(EstimateRow("CUDA context + cuBLAS workspace", CUDA_CONTEXT + CUBLAS_WORKSPACE, "rule of thumb",
-                                "outside PyTorch; 300-500 MiB"))
-    return MemoryEstimate(model=str(name), load=load, rows=rows, params=lay.params, device=label,
-                          capacity=(dev or {}).get("capacity"), approximate=lay.approximate, warnings=warnings,
-                          inputs=inputs, source=model)
+        rows.append(
+            EstimateRow(
+                "CUDA context + cuBLAS workspace",
+                CUDA_CONTEXT + CUBLAS_WORKSPACE,
+                "rule of thumb",
+                "outside PyTorch; 300-500 MiB",
+            )
+        )
+    return MemoryEstimate(
+        model=str(name),
+        load=load,
+        rows=rows,
+        params=lay.params,
+        device=label,
+        capacity=(dev or {}).get("capacity"),
+        approximate=lay.approximate,
+        warnings=warnings,
+        inputs=inputs,
+        source=model,
+    )
 
 
 def _auto(model, inputs) -> MemoryEstimate:
@@ -804,17 +904,29 @@ class FitVerdict:
                                  "total": s.estimate.total} for s in self.suggestions]}  # fmt: skip
 
     def __str__(self) -> str:
-        head = (f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
-                f"{self.device} (headroom {format_bytes(self.headroom)})")
+        head = (
+            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
+            f"{self.device} (headroom {format_bytes(self.headroom)})"
+        )
         return "\n".join([head] + [f"  fix {i}. {s}" for i, s in enumerate(self.suggestions, 1)])
 
     def _repr_html_(self) -> str:
         status = {"fits": "pass", "tight": "warn", "does not fit": "fail"}[self.verdict]
-        html = (f"<div>{badge(status)} <b>{self.verdict}</b> on {self.device}: headroom "
-                f"{format_bytes(self.headroom)}</div>" + bar(self.estimate.total, self.capacity, self.estimate.model))
+        html = (
+            f"<div>{badge(status)} <b>{self.verdict}</b> on {self.device}: headroom "
+            f"{format_bytes(self.headroom)}</div>" + bar(self.estimate.total, self.capacity, self.estimate.model)
+        )
         if self.suggestions:
-            rows = [[i, s.change, format_bytes(s.saving), format_bytes(s.estimate.total),
-                     "fits" if s.estimate.total <= self.capacity else "no"] for i, s in enumerate(self.suggestions, 1)]
+            rows = [
+                [
+                    i,
+                    s.change,
+                    format_bytes(s.saving),
+                    format_bytes(s.estimate.total),
+                    "fits" if s.estimate.total <= self.capacity else "no",
+                ]
+                for i, s in enumerate(self.suggestions, 1)
+            ]
             html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
         return html
 
@@ -844,8 +956,10 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     fit and by how much they save, each computed by re-estimating.
     """
     if not isinstance(est, MemoryEstimate):
-        raise EstimateError(f"fit() compares an estimate with a device, got {type(est).__name__} {est!r:.60}: "
-                            "call fit(estimate(model, load=...), device)")
+        raise EstimateError(
+            f"fit() compares an estimate with a device, got {type(est).__name__} {est!r:.60}: "
+            "call fit(estimate(model, load=...), device)"
+        )
     if device is None:
         device = est.inputs.get("device") or DEFAULT_DEVICE
     label, dev = _device(device)
@@ -867,12 +981,16 @@ def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
     cands: list[tuple[str, dict]] = []
     order = ["fp32", "bf16", "fp16", "int8", "nf4"]
     if est.load in order:
-        for load in order[order.index(est.load) + 1:]:
+        for load in order[order.index(est.load) + 1 :]:
             if load == "bf16" and est.load == "fp16":
                 continue
             if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
-                cands.append((f"QLoRA: load={load} with LoraTraining()", {"load": load, "training": LoraTraining(
-                    seq_len=tr.seq_len, micro_batch=tr.micro_batch)}))
+                cands.append(
+                    (
+                        f"QLoRA: load={load} with LoraTraining()",
+                        {"load": load, "training": LoraTraining(seq_len=tr.seq_len, micro_batch=tr.micro_batch)},
+                    )
+                )
                 continue
             cands.append((f"load={load}", {"load": load}))
     if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
@@ -889,17 +1007,35 @@ def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
             cands.append((f"prompt_tokens={p} (truncate inputs)", {"prompt_tokens": p}))
     else:
         if not tr.gradient_checkpointing:
-            cands.append(("gradient_checkpointing=True", {"training": dataclasses.replace(tr, gradient_checkpointing=True)}))
+            cands.append(
+                ("gradient_checkpointing=True", {"training": dataclasses.replace(tr, gradient_checkpointing=True)})
+            )
         if OPTIMIZERS.get(tr.optimizer) in (None, 8):
-            cands.append(("optimizer=paged_adamw_8bit", {"training": dataclasses.replace(tr, optimizer="paged_adamw_8bit")}))
+            cands.append(
+                ("optimizer=paged_adamw_8bit", {"training": dataclasses.replace(tr, optimizer="paged_adamw_8bit")})
+            )
         if tr.micro_batch > 1:
-            cands.append((f"micro_batch=1 (gradient accumulation x{tr.micro_batch})",
-                          {"training": dataclasses.replace(tr, micro_batch=1)}))
+            cands.append(
+                (
+                    f"micro_batch=1 (gradient accumulation x{tr.micro_batch})",
+                    {"training": dataclasses.replace(tr, micro_batch=1)},
+                )
+            )
         if tr.seq_len > 128:
             cands.append((f"seq_len={tr.seq_len // 2}", {"training": dataclasses.replace(tr, seq_len=tr.seq_len // 2)}))
         if isinstance(tr, FullTraining) and est.load not in QUANTIZED:
-            cands.append(("LoRA instead of full fine-tuning", {"training": LoraTraining(
-                seq_len=tr.seq_len, micro_batch=tr.micro_batch, gradient_checkpointing=tr.gradient_checkpointing)}))
+            cands.append(
+                (
+                    "LoRA instead of full fine-tuning",
+                    {
+                        "training": LoraTraining(
+                            seq_len=tr.seq_len,
+                            micro_batch=tr.micro_batch,
+                            gradient_checkpointing=tr.gradient_checkpointing,
+                        )
+                    },
+                )
+            )
     return cands
 
 
@@ -934,8 +1070,12 @@ def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
             best = new
     if best is None:
         return None
-    return Suggestion(f"a smaller model: {best.model} ({format_params(best.params)} parameters)", {"model": best.model},
-                      est.total - best.total, best)
+    return Suggestion(
+        f"a smaller model: {best.model} ({format_params(best.params)} parameters)",
+        {"model": best.model},
+        est.total - best.total,
+        best,
+    )
 
 
 def _search(est: MemoryEstimate, key: str, cap: int, lo: int, hi: int) -> int:
@@ -988,8 +1128,10 @@ def footprint(model: torch.nn.Module) -> int:
     layers) is counted once. transformers' ``get_memory_footprint()`` misses the quantization state.
     """
     if not isinstance(model, torch.nn.Module):
-        raise EstimateError(f"footprint() measures a loaded model (torch.nn.Module), got {type(model).__name__}; "
-                            "for a hub id or path before loading, use estimate(model, load=...)")
+        raise EstimateError(
+            f"footprint() measures a loaded model (torch.nn.Module), got {type(model).__name__}; "
+            "for a hub id or path before loading, use estimate(model, load=...)"
+        )
     seen: set[tuple] = set()
     total = 0
 
@@ -1054,9 +1196,11 @@ def preflight_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 25
     data = {"load": chosen.load, "total": chosen.total, "weights": chosen.weights, "params": chosen.params,
             "capacity": cap, "verdict": v.verdict, "headroom": v.headroom,
             "all": {e.load: e.total for e in ests}}  # fmt: skip
-    summary = (f"{chosen.model} ({format_params(chosen.params)} params) with load={chosen.load} and "
-               f"max_new_tokens={max_new_tokens}: {format_bytes(chosen.total)} predicted "
-               f"(weights {format_bytes(chosen.weights)}) on {where}: {v.verdict}")
+    summary = (
+        f"{chosen.model} ({format_params(chosen.params)} params) with load={chosen.load} and "
+        f"max_new_tokens={max_new_tokens}: {format_bytes(chosen.total)} predicted "
+        f"(weights {format_bytes(chosen.weights)}) on {where}: {v.verdict}"
+    )
     if load == "auto" and len(ests) > 1:
         summary += " [" + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
     status = {"fits": "pass", "tight": "warn", "does not fit": "fail"}[v.verdict]
@@ -1088,8 +1232,10 @@ def _parse_lora(text: str) -> LoraTraining:
             elif k == "lora_dropout":
                 kw[k] = float(v)
         except ValueError:
-            raise EstimateError(f"--lora {k}={v!r}: {k} takes a {'number' if k == 'lora_dropout' else 'whole number'}"
-                                f", e.g. {'lora_dropout=0.05' if k == 'lora_dropout' else k + '=16'}") from None
+            raise EstimateError(
+                f"--lora {k}={v!r}: {k} takes a {'number' if k == 'lora_dropout' else 'whole number'}"
+                f", e.g. {'lora_dropout=0.05' if k == 'lora_dropout' else k + '=16'}"
+            ) from None
         if k in ("r", "alpha", "seq_len", "micro_batch", "lora_dropout"):
             continue
         if k == "gradient_checkpointing":
@@ -1105,7 +1251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m helpers estimate",
         description="Estimate the GPU memory a model needs and whether it fits (reads only config.json).",
-        epilog=f"Offline configs: {', '.join(shipped_configs())}")
+        epilog=f"Offline configs: {', '.join(shipped_configs())}",
+    )
     parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
     parser.add_argument("--load", default="auto", help=f"{', '.join(LOAD_MODES)} or auto (default)")
     parser.add_argument("--no-double-quant", action="store_true", help="4-bit without double quantization")

@@ -39,8 +39,19 @@ from .oom import is_oom
 from .units import format_bytes
 
 __all__ = [
-    "EvalError", "ResultsWriteError", "EvalReport", "safe_generate", "load_prompts", "prompt_id",
-    "ResultsFile", "batch_cache_key", "exact_match", "contains_reference", "SCORERS", "simulated_budget", "SimulatedBudget",
+    "EvalError",
+    "ResultsWriteError",
+    "EvalReport",
+    "safe_generate",
+    "load_prompts",
+    "prompt_id",
+    "ResultsFile",
+    "batch_cache_key",
+    "exact_match",
+    "contains_reference",
+    "SCORERS",
+    "simulated_budget",
+    "SimulatedBudget",
 ]
 
 
@@ -72,10 +83,15 @@ def _rows(prompts: Any) -> Iterable[Any]:
     if isinstance(prompts, str | os.PathLike):
         path = Path(prompts)
         if not path.is_file():
-            one = ("" if path.suffix in (".jsonl", ".json") or os.sep in str(prompts)
-                   else f" To evaluate this text as a single prompt, pass a list: [{str(prompts)[:40]!r}].")
-            raise EvalError(f"prompt file {path} not found: pass a JSONL path with one {{'prompt': ...}} per line, "
-                            f"or a list of prompts.{one}")
+            one = (
+                ""
+                if path.suffix in (".jsonl", ".json") or os.sep in str(prompts)
+                else f" To evaluate this text as a single prompt, pass a list: [{str(prompts)[:40]!r}]."
+            )
+            raise EvalError(
+                f"prompt file {path} not found: pass a JSONL path with one {{'prompt': ...}} per line, "
+                f"or a list of prompts.{one}"
+            )
         rows = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
@@ -84,20 +100,25 @@ def _rows(prompts: Any) -> Iterable[Any]:
                 except json.JSONDecodeError as e:
                     raise EvalError(f"{path} line {n} is not valid JSON ({e.msg})") from None
                 if isinstance(row, list):
-                    raise EvalError(f"{path} line {n} is a JSON array; the file must be JSONL: one "
-                                    "{'prompt': ...} object per line (or pass the list itself: json.load(open(path)))")
+                    raise EvalError(
+                        f"{path} line {n} is a JSON array; the file must be JSONL: one "
+                        "{'prompt': ...} object per line (or pass the list itself: json.load(open(path)))"
+                    )
                 rows.append(row)
         return rows
     if isinstance(prompts, dict):
         # iterating a dict gives its keys: {"prompt": "hi"} would be evaluated as the prompt "prompt"
-        raise EvalError(f"prompts is a dict (keys {list(prompts)[:3]}): pass a list, e.g. [prompts] for one "
-                        "{'prompt': ...} record, or [{'id': k, 'prompt': v} for k, v in prompts.items()] for id -> prompt")
+        raise EvalError(
+            f"prompts is a dict (keys {list(prompts)[:3]}): pass a list, e.g. [prompts] for one "
+            "{'prompt': ...} record, or [{'id': k, 'prompt': v} for k, v in prompts.items()] for id -> prompt"
+        )
     if hasattr(prompts, "column_names") and hasattr(prompts, "__iter__"):  # a datasets.Dataset
         return list(prompts)
     if isinstance(prompts, Iterable):
         return list(prompts)
-    raise EvalError(f"prompts must be a list of strings or dicts, a JSONL path or a datasets.Dataset, "
-                    f"not {type(prompts).__name__}")
+    raise EvalError(
+        f"prompts must be a list of strings or dicts, a JSONL path or a datasets.Dataset, not {type(prompts).__name__}"
+    )
 
 
 def load_prompts(prompts: Any) -> list[dict]:
@@ -170,9 +191,11 @@ class ResultsFile:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 ok = False
             if not ok:
-                if not last and any(x.strip() for x in lines[i + 1:]):
-                    raise EvalError(f"{self.path} line {i + 1} is not a valid result record: fix or move the file "
-                                    "(only a torn last line is repaired automatically)")
+                if not last and any(x.strip() for x in lines[i + 1 :]):
+                    raise EvalError(
+                        f"{self.path} line {i + 1} is not a valid result record: fix or move the file "
+                        "(only a torn last line is repaired automatically)"
+                    )
                 break
             records[str(rec["id"])] = rec
             good_end = pos = end
@@ -193,8 +216,10 @@ class ResultsFile:
             done = self.read()
             self._fh = open(self.path, "a", encoding="utf-8")
         except OSError as e:
-            raise EvalError(f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
-                            "writable folder (in Colab, /content/... or a mounted Drive folder)") from None
+            raise EvalError(
+                f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
+                "writable folder (in Colab, /content/... or a mounted Drive folder)"
+            ) from None
         return done
 
     def append(self, record: dict, *, sync: bool = True) -> None:
@@ -241,7 +266,9 @@ def _scorer(score) -> tuple[str, Callable[[str, str], float]] | None:
         return None
     if isinstance(score, str):
         if score not in SCORERS:
-            raise EvalError(f"unknown score {score!r}: use one of {', '.join(SCORERS)} or a function(output, reference)")
+            raise EvalError(
+                f"unknown score {score!r}: use one of {', '.join(SCORERS)} or a function(output, reference)"
+            )
         return score, SCORERS[score]
     if callable(score):
         return getattr(score, "__name__", "score"), score
@@ -356,10 +383,16 @@ class EvalReport:
             ("samples", f"{self.done} generated, {self.skipped} already done, {self.total} in all"),
             ("truncated", f"{self.truncated} (recorded with fewer new tokens)"),
             ("throughput", f"{self.new_tokens} new tokens in {self.seconds:.1f} s = {self.tokens_per_s:.1f} tokens/s"),
-            ("OOM retries", f"{self.oom_retries}; cache emptied {self.cache_empties}x, "
-                            f"gc.collect() needed {self.full_collections}x"),
-            ("batch sizes", (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
-             + (f"; started at {self.started_from}" if self.started_from else "")),
+            (
+                "OOM retries",
+                f"{self.oom_retries}; cache emptied {self.cache_empties}x, "
+                f"gc.collect() needed {self.full_collections}x",
+            ),
+            (
+                "batch sizes",
+                (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
+                + (f"; started at {self.started_from}" if self.started_from else ""),
+            ),
             (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
             ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
         ]
@@ -448,7 +481,9 @@ def batch_cache_key(model, max_new_tokens: int) -> tuple:
     return ("safe_generate", str(name), max_new_tokens, str(_device_of(model)))
 
 
-def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int) -> tuple[int, str]:
+def _start_size(
+    model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int
+) -> tuple[int, str]:
     """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or a first guess."""
     if isinstance(batch_size, BatchSearch):
         return max(1, min(batch_size.batch_size, limit)), "given BatchSearch"
@@ -465,8 +500,14 @@ def _start_size(model, batch_size, *, key: tuple, prompt_tokens: int, max_new_to
         from .estimate import EstimateError, max_batch_that_fits
 
         try:
-            predicted = max_batch_that_fits(model, device="current", load=_load_mode(model), limit=limit,
-                                            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens)
+            predicted = max_batch_that_fits(
+                model,
+                device="current",
+                load=_load_mode(model),
+                limit=limit,
+                prompt_tokens=prompt_tokens,
+                max_new_tokens=max_new_tokens,
+            )
             if predicted > 0:
                 return min(predicted, limit), "estimate"
         except (EstimateError, ValueError, TypeError, AttributeError):
@@ -559,25 +600,37 @@ def safe_generate(
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise EvalError(f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}")
+        raise EvalError(
+            f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}"
+        )
     items = load_prompts(prompts)
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
     scorer = _scorer(score)
     if generation_kwargs is not None and not isinstance(generation_kwargs, dict):
-        raise EvalError(f"generation_kwargs must be a dict of model.generate arguments, e.g. "
-                        f"{{'temperature': 0.7, 'do_sample': True}}, got {type(generation_kwargs).__name__}")
+        raise EvalError(
+            f"generation_kwargs must be a dict of model.generate arguments, e.g. "
+            f"{{'temperature': 0.7, 'do_sample': True}}, got {type(generation_kwargs).__name__}"
+        )
     gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
-    if not callable(getattr(model, "generate", None)) or not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
-        raise EvalError(f"safe_generate(model, tokenizer, prompts) needs a causal LM and its tokenizer, got "
-                        f"{type(model).__name__} and {type(tokenizer).__name__}: pass them in that order, as "
-                        "helpers.loading.load returns them (model, tokenizer, report)")
+    if (
+        not callable(getattr(model, "generate", None))
+        or not callable(tokenizer)
+        or not hasattr(tokenizer, "pad_token_id")
+    ):
+        raise EvalError(
+            f"safe_generate(model, tokenizer, prompts) needs a causal LM and its tokenizer, got "
+            f"{type(model).__name__} and {type(tokenizer).__name__}: pass them in that order, as "
+            "helpers.loading.load returns them (model, tokenizer, report)"
+        )
     if tokenizer.pad_token_id is None:
-        raise EvalError("the tokenizer has no pad token: load with helpers.loading.load, or call "
-                        "helpers.loading.setup_tokenizer(tokenizer, model) first")
+        raise EvalError(
+            "the tokenizer has no pad token: load with helpers.loading.load, or call "
+            "helpers.loading.setup_tokenizer(tokenizer, model) first"
+        )
     padding_side = tokenizer.padding_side
 
     # token lengths and context limits, before touching the model or the results file
@@ -587,8 +640,10 @@ def safe_generate(
         too_long = [(it["id"], n) for it, n in zip(items, lengths, strict=True) if n >= context]
         if too_long:
             shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
-            raise EvalError(f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
-                            f"{context}-token context: {shown}. Shorten or drop them")
+            raise EvalError(
+                f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
+                f"{context}-token context: {shown}. Shorten or drop them"
+            )
 
     store = ResultsFile(results)
     if not resume and store.path.exists():
@@ -600,11 +655,15 @@ def safe_generate(
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
     pending = [(it, n) for it, n in zip(items, lengths, strict=True) if it["id"] not in done]
-    other = sorted({json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)})
+    other = sorted(
+        {json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)}
+    )
     if other:
-        warnings.warn(f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
-                      f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
-                      stacklevel=2)
+        warnings.warn(
+            f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
+            f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
+            stacklevel=2,
+        )
     report.skipped = len(items) - len(pending)
 
     device = _device_of(model)
@@ -613,8 +672,9 @@ def safe_generate(
         torch.cuda.reset_peak_memory_stats(device)
     key = batch_cache_key(model, max_new_tokens)
     limit = max(1, min(max_batch_size, len(pending) or 1))
-    start, source = _start_size(model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens,
-                                 limit=limit)
+    start, source = _start_size(
+        model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens, limit=limit
+    )
     budget = _TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
     cached = _CACHE.get(key) if batch_size == "auto" else None
@@ -662,7 +722,7 @@ def safe_generate(
                 probe = weakref.ref(enc["input_ids"])  # the failed call's frames hold it: alive = still pinned
                 with torch.inference_mode():
                     out = model.generate(**enc, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id, **gen_kwargs)
-                gen_ids = out[:, enc["input_ids"].shape[1]:].cpu()
+                gen_ids = out[:, enc["input_ids"].shape[1] :].cpu()
                 del out, enc
             except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
                 if not is_oom(e) or (size == 1 and single_retries >= 1 and new <= 1):
@@ -692,11 +752,21 @@ def safe_generate(
                 reason = None
                 if truncated:
                     reason = "memory" if shrink_new is not None else "context"
-                rec = {"id": it["id"], "prompt": it["prompt"], "reference": it["reference"], "output": text,
-                       "new_tokens": _count_new(ids, stop), "prompt_tokens": n, "truncated": truncated,
-                       "truncated_reason": reason, "max_new_tokens": new, "batch_size": size,
-                       "settings": settings, "seconds": round(seconds / size, 6),
-                       "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+                rec = {
+                    "id": it["id"],
+                    "prompt": it["prompt"],
+                    "reference": it["reference"],
+                    "output": text,
+                    "new_tokens": _count_new(ids, stop),
+                    "prompt_tokens": n,
+                    "truncated": truncated,
+                    "truncated_reason": reason,
+                    "max_new_tokens": new,
+                    "batch_size": size,
+                    "settings": settings,
+                    "seconds": round(seconds / size, 6),
+                    "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                }
                 if scorer is not None and it["reference"] is not None:
                     rec["score"] = {scorer[0]: float(scorer[1](text, it["reference"]))}
                 records.append(rec)
@@ -712,7 +782,8 @@ def safe_generate(
                         f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
                         "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
                         "results path, then rerun with resume=True: finished samples are skipped",
-                        records[k:]) from e
+                        records[k:],
+                    ) from e
             report.done += len(records)
             report.new_tokens += sum(r["new_tokens"] for r in records)
             report.truncated += sum(r["truncated"] for r in records)
@@ -727,8 +798,9 @@ def safe_generate(
                 report.cache_empties += 1
             bar.update(size)
             elapsed = time.perf_counter() - started
-            bar.set_postfix_str(f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, "
-                                f"{format_bytes(mem)}", refresh=False)
+            bar.set_postfix_str(
+                f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
+            )
             if on_result is not None:
                 for rec in records:
                     on_result(rec)
@@ -783,8 +855,9 @@ class SimulatedBudget:
                 torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocator failure
             except RuntimeError as e:
                 why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
-                raise torch.OutOfMemoryError(f"CUDA out of memory (simulated budget: {why}). "
-                                             f"Tried to allocate {format_bytes(1 << 50)}") from e
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated budget: {why}). Tried to allocate {format_bytes(1 << 50)}"
+                ) from e
 
 
 @contextlib.contextmanager

@@ -106,8 +106,11 @@ class TrainPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
-        for name, v in (("micro_batch", self.micro_batch), ("max_steps", self.max_steps),
-                        ("save_total_limit", self.save_total_limit)):
+        for name, v in (
+            ("micro_batch", self.micro_batch),
+            ("max_steps", self.max_steps),
+            ("save_total_limit", self.save_total_limit),
+        ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"TrainPlan.{name} must be a whole number, got {v!r}")
         for name, v in (("epochs", self.epochs), ("learning_rate", self.learning_rate), ("dropout", self.dropout)):
@@ -116,17 +119,28 @@ class TrainPlan:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"TrainPlan.dropout is a probability in [0, 1), got {self.dropout}")
         if self.learning_rate <= 0:
-            raise ValueError(f"TrainPlan.learning_rate must be positive (QLoRA usually 1e-4 to 3e-4), got {self.learning_rate}")
-        if self.output_dir != "auto" and Path(self.output_dir).expanduser().exists() \
-                and not Path(self.output_dir).expanduser().is_dir():
-            raise ValueError(f"output_dir {self.output_dir} is a file, not a folder: checkpoints need a folder; "
-                             "pass a folder path (it is created) or 'auto'")
+            raise ValueError(
+                f"TrainPlan.learning_rate must be positive (QLoRA usually 1e-4 to 3e-4), got {self.learning_rate}"
+            )
+        if (
+            self.output_dir != "auto"
+            and Path(self.output_dir).expanduser().exists()
+            and not Path(self.output_dir).expanduser().is_dir()
+        ):
+            raise ValueError(
+                f"output_dir {self.output_dir} is a file, not a folder: checkpoints need a folder; "
+                "pass a folder path (it is created) or 'auto'"
+            )
         if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
-            raise ValueError(f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}")
+            raise ValueError(
+                f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}"
+            )
         if self.micro_batch is not None and self.batch_size % self.micro_batch:
             fits = [d for d in range(1, self.micro_batch) if self.batch_size % d == 0]
-            raise ValueError(f"micro_batch {self.micro_batch} does not divide batch_size {self.batch_size}, so "
-                             f"accumulation cannot keep the effective batch; use micro_batch={fits[-1]}")
+            raise ValueError(
+                f"micro_batch {self.micro_batch} does not divide batch_size {self.batch_size}, so "
+                f"accumulation cannot keep the effective batch; use micro_batch={fits[-1]}"
+            )
         if self.precision not in ("auto", "fp16", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, fp16, bf16 or fp32, not {self.precision!r}")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs <= 0):
@@ -193,17 +207,29 @@ class TrainPlan:
         if device == "current" and not torch.cuda.is_available():
             device = "cpu"
         compute = prec if self.load in ("int8", "nf4", "fp4") else "auto"
-        est = estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
-                       compute_dtype=compute, training=self.lora_training(gpu=device != "cpu"), device=device)
+        est = estimate(
+            self.model if model is None else model,
+            load=self.load,
+            double_quant=self.double_quant,
+            compute_dtype=compute,
+            training=self.lora_training(gpu=device != "cpu"),
+            device=device,
+        )
         if self.load in ("int8", "nf4", "fp4") and compute != "fp32":
             # prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms, lm_head)
             # to fp32 for training: those weights take twice the room they took after loading
             from .estimate import EstimateRow
 
             plain = est.row("weights: unquantized (embeddings, norms, lm_head)")
-            est.rows.insert(est.rows.index(plain) + 2, EstimateRow(
-                "fp32 upcast of unquantized weights", plain.bytes, "exact",
-                "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))
+            est.rows.insert(
+                est.rows.index(plain) + 2,
+                EstimateRow(
+                    "fp32 upcast of unquantized weights",
+                    plain.bytes,
+                    "exact",
+                    "prepare_model_for_kbit_training trains around fp32 norms and embeddings",
+                ),
+            )
         return est
 
     def lora_config(self, model: torch.nn.Module | None = None):
@@ -211,8 +237,14 @@ class TrainPlan:
         from peft import LoraConfig
 
         targets = target_modules(model, self.targets) if model is not None else self.targets
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                          bias="none", task_type="CAUSAL_LM")
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
 
     def training_arguments(self, **overrides):
         """``TrainingArguments`` for this plan (checkpoints keep adapter, optimizer, scheduler and RNG)."""
@@ -235,14 +267,17 @@ class TrainPlan:
     def __str__(self) -> str:
         mb = "? (find_micro_batch)" if self.micro_batch is None else str(self.micro_batch)
         steps = f"{self.max_steps} steps" if self.max_steps else f"{self.epochs:g} epochs"
-        return (f"TrainPlan({self.model}: {self.load}, LoRA r={self.r} alpha={self.alpha} on {self.targets}, "
-                f"seq {self.seq_len}, batch {self.batch_size} = micro {mb} x accumulation "
-                f"{self.gradient_accumulation if self.micro_batch else '?'}, {self.resolved_optimizer()}, "
-                f"{self.resolved_precision()}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
-                f"{steps}, save every {self.save_steps} to {self.resolved_output_dir()})")
+        return (
+            f"TrainPlan({self.model}: {self.load}, LoRA r={self.r} alpha={self.alpha} on {self.targets}, "
+            f"seq {self.seq_len}, batch {self.batch_size} = micro {mb} x accumulation "
+            f"{self.gradient_accumulation if self.micro_batch else '?'}, {self.resolved_optimizer()}, "
+            f"{self.resolved_precision()}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+            f"{steps}, save every {self.save_steps} to {self.resolved_output_dir()})"
+        )
 
 
 # -- model ---------------------------------------------------------------------------------------
+
 
 def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "all-linear") -> list[str]:
     """Module names LoRA adapts: for ``"all-linear"``, every linear layer's name but the output layer's."""
@@ -257,16 +292,23 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
 
     kinds = (torch.nn.Linear, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, Conv1D)
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-             if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name}
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, mod in model.named_modules()
+        if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name
+    }
     if not names:
         raise ValueError(f"{type(model).__name__} has no linear layer LoRA could adapt")
     if targets != "all-linear":
         every = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        missing = [t for t in targets if t not in every and not any(n.endswith("." + t) for n, _ in model.named_modules())]
+        missing = [
+            t for t in targets if t not in every and not any(n.endswith("." + t) for n, _ in model.named_modules())
+        ]
         if missing:
-            raise ValueError(f"LoRA targets {missing} are not modules of {type(model).__name__}; its linear layers "
-                             f"are {', '.join(sorted(names))} (or use targets='all-linear')")
+            raise ValueError(
+                f"LoRA targets {missing} are not modules of {type(model).__name__}; its linear layers "
+                f"are {', '.join(sorted(names))} (or use targets='all-linear')"
+            )
         return list(targets)
     return sorted(names)
 
@@ -281,9 +323,11 @@ class TrainableParams:
     gradient_checkpointing: bool
 
     def __str__(self) -> str:
-        return (f"trainable parameters: {self.trainable:,} of {self.total:,} ({100 * self.trainable / self.total:.3f} %)"
-                f" in LoRA adapters on {', '.join(self.targets)}; gradient checkpointing "
-                f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}")
+        return (
+            f"trainable parameters: {self.trainable:,} of {self.total:,} ({100 * self.trainable / self.total:.3f} %)"
+            f" in LoRA adapters on {', '.join(self.targets)}; gradient checkpointing "
+            f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}"
+        )
 
 
 def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
@@ -304,8 +348,9 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
         # peft still calls transformers' old name for it (gradient_checkpointing_enable): same feature
         warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
         if quantized:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
-                                                    gradient_checkpointing_kwargs=ckpt_kwargs)
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=plan.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+            )
         elif plan.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
             model.enable_input_require_grads()
@@ -320,6 +365,7 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
 
 # -- data ----------------------------------------------------------------------------------------
 
+
 def _shipped_data(name: str) -> Path:
     """``data/<name>`` of the repository; where oomkit was pip-installed (Colab), a cached download of it."""
     local = DATA / name
@@ -333,8 +379,10 @@ def _shipped_data(name: str) -> Path:
         try:
             urllib.request.urlretrieve(f"{DATA_URL}/{name}", cached)
         except OSError as e:
-            raise FileNotFoundError(f"data/{name} is not installed here and could not be downloaded ({e}); "
-                                    "pass the path of a JSONL file instead") from None
+            raise FileNotFoundError(
+                f"data/{name} is not installed here and could not be downloaded ({e}); "
+                "pass the path of a JSONL file instead"
+            ) from None
     return cached
 
 
@@ -345,13 +393,19 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
         path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
             default the shipped ``data/instructions.jsonl`` (``data/heldout_prompts.jsonl`` with ``heldout``).
     """
-    path = Path(path) if path is not None else _shipped_data("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
+    path = (
+        Path(path) if path is not None else _shipped_data("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
+    )
     if not path.exists():
-        raise FileNotFoundError(f"no instruction file at {path}; pass a JSONL path with one "
-                                '{"instruction": ..., "response": ...} object per line')
+        raise FileNotFoundError(
+            f"no instruction file at {path}; pass a JSONL path with one "
+            '{"instruction": ..., "response": ...} object per line'
+        )
     if path.is_dir():
-        raise IsADirectoryError(f"{path} is a folder; pass the JSONL file in it "
-                                f"({', '.join(sorted(p.name for p in path.glob('*.jsonl'))[:5]) or 'it has no .jsonl file'})")
+        raise IsADirectoryError(
+            f"{path} is a folder; pass the JSONL file in it "
+            f"({', '.join(sorted(p.name for p in path.glob('*.jsonl'))[:5]) or 'it has no .jsonl file'})"
+        )
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -359,13 +413,20 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
-                             '{"instruction": ..., "response": ...} object') from None
+            raise ValueError(
+                f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
+                '{"instruction": ..., "response": ...} object'
+            ) from None
         if not isinstance(row, dict) or "instruction" not in row:
-            has = (f"it has keys {', '.join(map(repr, row))}. Rename the fields, e.g. rows = [{{'instruction': "
-                   "r['question'], 'response': r['answer']} for r in rows]" if isinstance(row, dict)
-                   else f"it is a JSON {type(row).__name__}, not an object")
-            raise ValueError(f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}")
+            has = (
+                f"it has keys {', '.join(map(repr, row))}. Rename the fields, e.g. rows = [{{'instruction': "
+                "r['question'], 'response': r['answer']} for r in rows]"
+                if isinstance(row, dict)
+                else f"it is a JSON {type(row).__name__}, not an object"
+            )
+            raise ValueError(
+                f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}"
+            )
         rows.append(row)
     return rows
 
@@ -373,8 +434,9 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
 def prompt_text(tokenizer, instruction: str) -> str:
     """The prompt as the model sees it: the chat template's user turn, or a plain instruction block."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True
+        )
     return (tokenizer.bos_token or "") + FALLBACK_TEMPLATE.format(instruction=instruction)
 
 
@@ -388,7 +450,7 @@ def format_example(tokenizer, instruction: str, response: str, seq_len: int) -> 
     ids = (prompt + answer)[:seq_len]
     if len(prompt) >= len(ids):
         return None
-    labels = [IGNORE] * len(prompt) + ids[len(prompt):]
+    labels = [IGNORE] * len(prompt) + ids[len(prompt) :]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
@@ -399,13 +461,19 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
-    missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or "response" not in r or "instruction" not in r]
+    missing = [
+        i for i, r in enumerate(rows) if not isinstance(r, dict) or "response" not in r or "instruction" not in r
+    ]
     if missing:
         raise ValueError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
-    not_text = [i for i, r in enumerate(rows) if not isinstance(r["instruction"], str) or not isinstance(r["response"], str)]
+    not_text = [
+        i for i, r in enumerate(rows) if not isinstance(r["instruction"], str) or not isinstance(r["response"], str)
+    ]
     if not_text:
-        raise ValueError(f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
-                         f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()")
+        raise ValueError(
+            f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
+            f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()"
+        )
     out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
     kept = [e for e in out if e is not None]
     if not kept:
@@ -414,8 +482,14 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
         return kept
     ids = [t for e in kept for t in e["input_ids"]]
     labels = [t for e in kept for t in e["labels"]]
-    return [{"input_ids": ids[i:i + seq_len], "attention_mask": [1] * len(ids[i:i + seq_len]),
-             "labels": labels[i:i + seq_len]} for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    return [
+        {
+            "input_ids": ids[i : i + seq_len],
+            "attention_mask": [1] * len(ids[i : i + seq_len]),
+            "labels": labels[i : i + seq_len],
+        }
+        for i in range(0, len(ids) - seq_len + 1, seq_len)
+    ]
 
 
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -425,8 +499,11 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
     def pad(key, value):
         return torch.tensor([e[key] + [value] * (n - len(e[key])) for e in examples])
 
-    return {"input_ids": pad("input_ids", pad_token_id), "attention_mask": pad("attention_mask", 0),
-            "labels": pad("labels", IGNORE)}
+    return {
+        "input_ids": pad("input_ids", pad_token_id),
+        "attention_mask": pad("attention_mask", 0),
+        "labels": pad("labels", IGNORE),
+    }
 
 
 @torch.inference_mode()
@@ -439,11 +516,16 @@ def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 6
     out = []
     try:
         for i in range(0, len(instructions), batch_size):
-            prompts = [prompt_text(tokenizer, q) for q in instructions[i:i + batch_size]]
+            prompts = [prompt_text(tokenizer, q) for q in instructions[i : i + batch_size]]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 pad_token_id=tokenizer.pad_token_id)
-            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            ids = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
@@ -451,6 +533,7 @@ def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 6
 
 
 # -- micro-batch ---------------------------------------------------------------------------------
+
 
 @dataclass
 class MicroBatch:
@@ -462,8 +545,10 @@ class MicroBatch:
     search: Any
 
     def __str__(self) -> str:
-        return (f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
-                f"effective batch {self.batch_size}\n{self.search}")
+        return (
+            f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
+            f"effective batch {self.batch_size}\n{self.search}"
+        )
 
     def _repr_html_(self) -> str:
         return f"<p><b>{self.__str__().splitlines()[0]}</b></p>{self.search._repr_html_()}"
@@ -486,8 +571,11 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     precision = plan.resolved_precision()
     # Trainer runs fp16/bf16 under autocast; without it the activations of prepare_model_for_kbit_training's
     # fp32 layers stay fp32 and the search would settle for a smaller micro-batch than training needs
-    autocast = (torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
-                if device.type == "cuda" and precision in ("fp16", "bf16") else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+        if device.type == "cuda" and precision in ("fp16", "bf16")
+        else contextlib.nullcontext()
+    )
 
     def step(b: int) -> None:
         ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
@@ -499,8 +587,12 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
             model.zero_grad(set_to_none=True)
 
     try:
-        search = find_max_batch_size(step, limit=plan.batch_size, margin=margin,
-                                     key=("qlora", plan.model, plan.load, plan.r, plan.seq_len, str(device)))
+        search = find_max_batch_size(
+            step,
+            limit=plan.batch_size,
+            margin=margin,
+            key=("qlora", plan.model, plan.load, plan.r, plan.seq_len, str(device)),
+        )
     finally:
         model.train(was_training)
     micro = max(d for d in range(1, search.batch_size + 1) if plan.batch_size % d == 0)
@@ -508,6 +600,7 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
 
 
 # -- training ------------------------------------------------------------------------------------
+
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none)."""
@@ -525,17 +618,26 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
     from transformers import Trainer
 
     if plan.micro_batch is None:
-        raise ValueError("plan.micro_batch is not set: run find_micro_batch(model, plan) and "
-                         "plan = plan.replace(micro_batch=...) first (or set it by hand)")
+        raise ValueError(
+            "plan.micro_batch is not set: run find_micro_batch(model, plan) and "
+            "plan = plan.replace(micro_batch=...) first (or set it by hand)"
+        )
     if len(dataset) == 0:
         raise ValueError("the dataset is empty: nothing to train on (check the data file and build_dataset's seq_len)")
     first = dataset[0]
     if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
-        raise ValueError("the dataset holds raw rows, not tokenized examples: pass "
-                         "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)")
+        raise ValueError(
+            "the dataset holds raw rows, not tokenized examples: pass "
+            "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return Trainer(model=model, args=plan.training_arguments(**argument_overrides), train_dataset=dataset,
-                   data_collator=lambda ex: collate(ex, pad), callbacks=list(callbacks))
+    return Trainer(
+        model=model,
+        args=plan.training_arguments(**argument_overrides),
+        train_dataset=dataset,
+        data_collator=lambda ex: collate(ex, pad),
+        callbacks=list(callbacks),
+    )
 
 
 @dataclass
@@ -560,14 +662,21 @@ class TrainResult:
 
     def __str__(self) -> str:
         start = f"resumed at step {self.resumed_from}" if self.resumed_from else "started from scratch"
-        loss = (f"; loss {self.first_loss:.3f} (step {self.losses[0][0]}) -> {self.last_loss:.3f} "
-                f"(step {self.losses[-1][0]})" if self.losses else "")
-        return (f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
-                f"checkpoints in {self.output_dir}")
+        loss = (
+            f"; loss {self.first_loss:.3f} (step {self.losses[0][0]}) -> {self.last_loss:.3f} "
+            f"(step {self.losses[-1][0]})"
+            if self.losses
+            else ""
+        )
+        return (
+            f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
+            f"checkpoints in {self.output_dir}"
+        )
 
 
-def train(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True,
-          **argument_overrides) -> TrainResult:
+def train(
+    model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True, **argument_overrides
+) -> TrainResult:
     """Train with ``Trainer``; continue from the last checkpoint in the output folder when ``resume``.
 
     A checkpoint holds the adapter, optimizer, scheduler and RNG states, so a rerun after a
@@ -584,11 +693,13 @@ def train(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    return TrainResult(out, resumed, trainer.state.global_step, trainer.state.max_steps, losses,
-                       time.perf_counter() - started, history)
+    return TrainResult(
+        out, resumed, trainer.state.global_step, trainer.state.max_steps, losses, time.perf_counter() - started, history
+    )
 
 
 # -- adapter -------------------------------------------------------------------------------------
+
 
 @dataclass
 class AdapterReport:
@@ -600,9 +711,11 @@ class AdapterReport:
         return sum(self.files.values())
 
     def __str__(self) -> str:
-        return (f"adapter saved to {self.path}: {format_bytes(self.bytes)} in {', '.join(sorted(self.files))} "
-                "(LoRA weights and config only; load it on the base model with "
-                f"helpers.loading.load(LoadPlan(<base>, load=..., adapter='{self.path}')))")
+        return (
+            f"adapter saved to {self.path}: {format_bytes(self.bytes)} in {', '.join(sorted(self.files))} "
+            "(LoRA weights and config only; load it on the base model with "
+            f"helpers.loading.load(LoadPlan(<base>, load=..., adapter='{self.path}')))"
+        )
 
 
 def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:

@@ -41,10 +41,12 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | 
         return str(v) if isinstance(v, Markup) else escape(str(v))
 
     head = "".join(f"<th style='text-align:left;padding:2px 8px'>{escape(h)}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td style='padding:2px 8px'>{cell(c)}</td>" for c in r) + "</tr>" for r in rows
+    body = "".join("<tr>" + "".join(f"<td style='padding:2px 8px'>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
+    cap = (
+        f"<caption style='text-align:left;font-weight:bold;white-space:nowrap'>{escape(title)}</caption>"
+        if title
+        else ""
     )
-    cap = f"<caption style='text-align:left;font-weight:bold;white-space:nowrap'>{escape(title)}</caption>" if title else ""
     return f"<table style='border-collapse:collapse;font-family:monospace'>{cap}<tr>{head}</tr>{body}</table>"
 
 

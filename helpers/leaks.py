@@ -252,8 +252,11 @@ def _ipython():
 
 
 def _roots(namespace: dict) -> list[tuple[str, object]]:
-    roots = [(k, v) for k, v in namespace.items()
-             if not k.startswith("_") and k not in _SKIP_NAMES and not isinstance(v, _OPAQUE)]
+    roots = [
+        (k, v)
+        for k, v in namespace.items()
+        if not k.startswith("_") and k not in _SKIP_NAMES and not isinstance(v, _OPAQUE)
+    ]
     out = namespace.get("Out")
     ip = _ipython()
     if not isinstance(out, dict) and ip is not None and namespace is ip.user_ns:
@@ -341,8 +344,10 @@ class TensorGroup:
     def __str__(self) -> str:
         names = ", ".join(self.holders[:3]) + (f" (+{len(self.holders) - 3})" if len(self.holders) > 3 else "")
         graph = f"  [{self.with_graph} with grad_fn]" if self.with_graph else ""
-        return (f"{format_bytes(self.nbytes):>11}  {self.count:>4} x {self.device:<6} {self.dtype:<9} "
-                f"{str(list(self.shape)):<18} {names or '(unnamed)'}{graph}")
+        return (
+            f"{format_bytes(self.nbytes):>11}  {self.count:>4} x {self.device:<6} {self.dtype:<9} "
+            f"{str(list(self.shape)):<18} {names or '(unnamed)'}{graph}"
+        )
 
 
 _UNNAMED = "(no name: held by a library, a closure or an autograd graph)"
@@ -368,8 +373,11 @@ class TensorCensus:
 
     def held_by(self, name: str) -> list[TensorEntry]:
         """Entries with a holder path starting with ``name`` (``"losses"``, ``"model.lm_head"``)."""
-        return [e for e in self.entries if any(h == name or h.startswith((name + "[", name + ".", name + " "))
-                                               for h in e.holders)]
+        return [
+            e
+            for e in self.entries
+            if any(h == name or h.startswith((name + "[", name + ".", name + " ")) for h in e.holders)
+        ]
 
     def by_holder(self) -> list[tuple[str, int, int]]:
         """(holder group, count, bytes), largest first: ``losses[…]`` sums every ``losses[i]``."""
@@ -385,9 +393,18 @@ class TensorCensus:
         return "\n".join(lines)
 
     def _repr_html_(self, limit: int = 15) -> str:
-        rows = [[format_bytes(g.nbytes), g.count, g.device, g.dtype, str(list(g.shape)),
-                 ", ".join(g.holders[:3]) + (f" (+{len(g.holders) - 3})" if len(g.holders) > 3 else "")
-                 or "(unnamed)", g.with_graph or ""] for g in self.groups[:limit]]
+        rows = [
+            [
+                format_bytes(g.nbytes),
+                g.count,
+                g.device,
+                g.dtype,
+                str(list(g.shape)),
+                ", ".join(g.holders[:3]) + (f" (+{len(g.holders) - 3})" if len(g.holders) > 3 else "") or "(unnamed)",
+                g.with_graph or "",
+            ]
+            for g in self.groups[:limit]
+        ]
         title = f"Tensor census: {len(self.entries)} storages, {format_bytes(self.total)}"
         return table(["bytes", "count", "device", "dtype", "shape", "held by", "grad_fn"], rows, title)
 
@@ -443,8 +460,17 @@ def census(namespace: dict | None = None) -> TensorCensus:
     entries = []
     for key, v in live.items():
         t = v.tensor
-        entries.append(TensorEntry(str(t.device), str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                   v.nbytes, names.get(key, []), v.grad_fn, key))
+        entries.append(
+            TensorEntry(
+                str(t.device),
+                str(t.dtype).removeprefix("torch."),
+                tuple(t.shape),
+                v.nbytes,
+                names.get(key, []),
+                v.grad_fn,
+                key,
+            )
+        )
     entries.sort(key=lambda e: -e.nbytes)
     groups: dict[tuple, TensorGroup] = {}
     for e in entries:
@@ -486,15 +512,18 @@ class CensusDiff:
         return rows[0][0] if rows else None
 
     def __str__(self) -> str:
-        lines = [f"new since the first census: {format_bytes(self.new_bytes)} in {len(self.new)} storages, "
-                 f"freed {format_bytes(self.freed_bytes)}"]
+        lines = [
+            f"new since the first census: {format_bytes(self.new_bytes)} in {len(self.new)} storages, "
+            f"freed {format_bytes(self.freed_bytes)}"
+        ]
         lines += [f"{format_bytes(b):>11}  {c:>4} x  {g}" for g, c, b in self.by_holder()[:10]]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         rows = [[format_bytes(b), c, g] for g, c, b in self.by_holder()[:10]]
-        return table(["new bytes", "storages", "held by"], rows,
-                     f"Appeared and survived: {format_bytes(self.new_bytes)}")
+        return table(
+            ["new bytes", "storages", "held by"], rows, f"Appeared and survived: {format_bytes(self.new_bytes)}"
+        )
 
 
 def diff(before: TensorCensus, after: TensorCensus) -> CensusDiff:
@@ -502,8 +531,7 @@ def diff(before: TensorCensus, after: TensorCensus) -> CensusDiff:
     same size reads as unchanged, so counts are a lower bound)."""
     old = {e.key for e in before.entries}
     now = {e.key for e in after.entries}
-    return CensusDiff([e for e in after.entries if e.key not in old],
-                      [e for e in before.entries if e.key not in now])
+    return CensusDiff([e for e in after.entries if e.key not in old], [e for e in before.entries if e.key not in now])
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,18 +580,21 @@ class GrowthReport:
     def __str__(self) -> str:
         lines = [f"growth: {self.verdict}"]
         if self.samples:
-            lines.append(f"  {self.measure}: {format_bytes(self.samples[0])} at step 1 -> "
-                         f"{format_bytes(self.samples[-1])} at step {self.steps}; trend "
-                         f"{format_bytes(int(self.bytes_per_step))}/step"
-                         + (", accelerating" if self.accelerating else ""))
+            lines.append(
+                f"  {self.measure}: {format_bytes(self.samples[0])} at step 1 -> "
+                f"{format_bytes(self.samples[-1])} at step {self.steps}; trend "
+                f"{format_bytes(int(self.bytes_per_step))}/step" + (", accelerating" if self.accelerating else "")
+            )
         if self.predicted_oom_step is not None:
             lines.append(f"  at this rate memory runs out at about step {self.predicted_oom_step:,}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         status = "warn" if self.leaking else "pass"
-        return (f"<div style='font-family:monospace'>{badge(status)} {Markup(_esc(self.verdict))}"
-                f"<br>{_sparkline(self.samples)}<br><pre>{_esc(str(self))}</pre></div>")
+        return (
+            f"<div style='font-family:monospace'>{badge(status)} {Markup(_esc(self.verdict))}"
+            f"<br>{_sparkline(self.samples)}<br><pre>{_esc(str(self))}</pre></div>"
+        )
 
 
 def _esc(s: str) -> str:
@@ -577,11 +608,14 @@ def _sparkline(ys: list[int], width: int = 320, height: int = 60) -> str:
         return ""
     lo, hi = min(ys), max(ys)
     span = (hi - lo) or 1
-    pts = " ".join(f"{i * width / (len(ys) - 1):.1f},{height - 4 - (y - lo) * (height - 8) / span:.1f}"
-                   for i, y in enumerate(ys))
-    return (f"<svg width='{width}' height='{height}' style='background:#fafafa'>"
-            f"<polyline fill='none' stroke='#c0392b' stroke-width='2' points='{pts}'/></svg>"
-            f"<br><small>{format_bytes(lo)} … {format_bytes(hi)} over {len(ys)} steps</small>")
+    pts = " ".join(
+        f"{i * width / (len(ys) - 1):.1f},{height - 4 - (y - lo) * (height - 8) / span:.1f}" for i, y in enumerate(ys)
+    )
+    return (
+        f"<svg width='{width}' height='{height}' style='background:#fafafa'>"
+        f"<polyline fill='none' stroke='#c0392b' stroke-width='2' points='{pts}'/></svg>"
+        f"<br><small>{format_bytes(lo)} … {format_bytes(hi)} over {len(ys)} steps</small>"
+    )
 
 
 class GrowthDetector:
@@ -602,15 +636,27 @@ class GrowthDetector:
             :func:`tensor_bytes`.
     """
 
-    def __init__(self, warmup: int = 4, window: int = 10, min_growth: int = 1024, *,
-                 capacity: int | None = None, measure: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        warmup: int = 4,
+        window: int = 10,
+        min_growth: int = 1024,
+        *,
+        capacity: int | None = None,
+        measure: Callable[[], int] | None = None,
+    ) -> None:
         if window < 3:
             raise ValueError("GrowthDetector(window=...) needs at least 3 steps to see a trend")
         self.warmup, self.window, self.min_growth = warmup, window, min_growth
         self.capacity = capacity
         self.measure = measure or _measure
-        self.measure_name = ("GPU allocated" if measure is None and torch.cuda.is_available()
-                             else "tensor bytes" if measure is None else "memory")
+        self.measure_name = (
+            "GPU allocated"
+            if measure is None and torch.cuda.is_available()
+            else "tensor bytes"
+            if measure is None
+            else "memory"
+        )
         self.samples: list[int] = []
         self._detected_at: int | None = None
 
@@ -625,8 +671,8 @@ class GrowthDetector:
         return leaking
 
     def _recent(self) -> list[int]:
-        post = self.samples[self.warmup:]
-        return post[-(self.window + 1):] if len(post) > self.window else []
+        post = self.samples[self.warmup :]
+        return post[-(self.window + 1) :] if len(post) > self.window else []
 
     def _leaking(self) -> bool:
         w = self._recent()
@@ -640,7 +686,7 @@ class GrowthDetector:
 
     def report(self) -> GrowthReport:
         n = len(self.samples)
-        post = self.samples[self.warmup:]
+        post = self.samples[self.warmup :]
         leaking = self._leaking()
         w = self._recent()
         slope = _theil_sen(w) if w else (_theil_sen(post) if len(post) > 2 else 0.0)
@@ -657,12 +703,22 @@ class GrowthDetector:
         if not w:
             verdict = f"not enough steps yet ({n} of {self.warmup + self.window + 1} needed)"
         elif leaking:
-            verdict = (f"LEAK: memory grew {format_bytes(int(slope))} per step over the last {self.window} steps"
-                       + (" and the growth is accelerating" if accelerating else ""))
+            verdict = f"LEAK: memory grew {format_bytes(int(slope))} per step over the last {self.window} steps" + (
+                " and the growth is accelerating" if accelerating else ""
+            )
         else:
             verdict = f"no leak: memory is flat over the last {self.window} steps (after {self.warmup} warm-up steps)"
-        return GrowthReport(n, list(self.samples), leaking, slope, accelerating, oom,
-                            self._detected_at if leaking else None, verdict, self.measure_name)
+        return GrowthReport(
+            n,
+            list(self.samples),
+            leaking,
+            slope,
+            accelerating,
+            oom,
+            self._detected_at if leaking else None,
+            verdict,
+            self.measure_name,
+        )
 
 
 def _steps_until(room: int, post: list[int], slope: float, accelerating: bool) -> int:
@@ -711,17 +767,27 @@ class WatchReport:
         return "".join(parts)
 
 
-def watch(step_fn: Callable, steps: int, *, namespace: dict | None = None, warmup: int = 4,
-          window: int = 10, min_growth: int = 1024, capacity: int | None = None,
-          stop_on_leak: bool = False) -> WatchReport:
+def watch(
+    step_fn: Callable,
+    steps: int,
+    *,
+    namespace: dict | None = None,
+    warmup: int = 4,
+    window: int = 10,
+    min_growth: int = 1024,
+    capacity: int | None = None,
+    stop_on_leak: bool = False,
+) -> WatchReport:
     """Run ``step_fn`` ``steps`` times (it gets the step index if it takes an argument), measure memory
     after each step, and say whether it leaks, who gained memory, and which leak pattern is present.
 
     >>> report = watch(lambda i: train_step(batch), steps=30)   # doctest: +SKIP
     """
     if not callable(step_fn):
-        raise TypeError(f"watch() runs a function once per step, got {type(step_fn).__name__}: "
-                        "pass the step itself, e.g. watch(lambda: train_step(batch), steps=30)")
+        raise TypeError(
+            f"watch() runs a function once per step, got {type(step_fn).__name__}: "
+            "pass the step itself, e.g. watch(lambda: train_step(batch), steps=30)"
+        )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     ns = _caller_namespace(namespace)
@@ -739,8 +805,10 @@ def watch(step_fn: Callable, steps: int, *, namespace: dict | None = None, warmu
             e.watch_report = WatchReport(det.report(), None, None)
             if hasattr(e, "add_note"):  # Python 3.11+
                 first = str(e.watch_report).splitlines()[0]
-                e.add_note(f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
-                           f"before it are in the exception's .watch_report ({first})")
+                e.add_note(
+                    f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
+                    f"before it are in the exception's .watch_report ({first})"
+                )
             raise
         if i + 1 == warmup or (baseline is None and i + 1 == steps):
             baseline = census(ns)
@@ -830,17 +898,27 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
     seen_params: set[int] = set()
     for path, obj in _walk(ns):
         if isinstance(obj, torch.Tensor):
-            if (obj.grad_fn is not None and "[" in path and not path.startswith("Out[")
-                    and "__traceback__" not in path):  # those belong to the traceback check
+            if (
+                obj.grad_fn is not None and "[" in path and not path.startswith("Out[") and "__traceback__" not in path
+            ):  # those belong to the traceback check
                 graph_holders.setdefault(_container_of(path), []).append((path, obj))
         elif isinstance(obj, torch.nn.Module):
             for kind in _HOOK_DICTS:
-                fns = [f for f in getattr(obj, kind, {}).values()
-                       if not (getattr(f, "__module__", None) or "").startswith(_LIBRARY_PREFIXES)]
+                fns = [
+                    f
+                    for f in getattr(obj, kind, {}).values()
+                    if not (getattr(f, "__module__", None) or "").startswith(_LIBRARY_PREFIXES)
+                ]
                 if fns:
                     names = sorted({getattr(f, "__qualname__", type(f).__name__) for f in fns})
-                    hooks.append((path, f"{len(fns)} {kind.strip('_').replace('_', ' ')[:-1]}"
-                                        f"{'s' if len(fns) > 1 else ''} ({', '.join(names)})", len(fns)))
+                    hooks.append(
+                        (
+                            path,
+                            f"{len(fns)} {kind.strip('_').replace('_', ' ')[:-1]}"
+                            f"{'s' if len(fns) > 1 else ''} ({', '.join(names)})",
+                            len(fns),
+                        )
+                    )
             if not obj.training:
                 for p in obj.parameters():
                     if p.grad is not None and id(p) not in seen_params:
@@ -850,8 +928,12 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
             items = list(obj.items())
             if all(_shape_key(k) and _holds_tensor(v) for k, v in items):
                 caches.append((path, obj))
-        elif (isinstance(obj, (BaseException, types.TracebackType)) and not path.startswith("Out[")
-              and "__traceback__" not in path and " local " not in path):  # outermost holder only
+        elif (
+            isinstance(obj, (BaseException, types.TracebackType))
+            and not path.startswith("Out[")
+            and "__traceback__" not in path
+            and " local " not in path
+        ):  # outermost holder only
             exceptions.append((path, obj))
 
     found: list[Check] = []
@@ -864,23 +946,33 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
         where = "; ".join(f"{c} holds {n} tensor{'s' if n > 1 else ''} with grad_fn" for _, c, n in rows[:3])
-        found.append(Check("graph in container", "warn",
-                           f"{where}: their autograd graphs keep {format_bytes(total)} of activations alive",
-                           "store plain numbers: losses.append(loss.item()) (or loss.detach() to keep a tensor); "
-                           "run evaluation under torch.no_grad()",
-                           {"holders": [c for _, c, _ in rows], "bytes": total}))
+        found.append(
+            Check(
+                "graph in container",
+                "warn",
+                f"{where}: their autograd graphs keep {format_bytes(total)} of activations alive",
+                "store plain numbers: losses.append(loss.item()) (or loss.detach() to keep a tensor); "
+                "run evaluation under torch.no_grad()",
+                {"holders": [c for _, c, _ in rows], "bytes": total},
+            )
+        )
     else:
         found.append(Check("graph in container", "pass", "no list or dict holds tensors that carry a graph"))
 
     if hooks:
         total = sum(n for _, _, n in hooks)
-        found.append(Check("hooks", "warn",
-                           f"{total} hook{'s' if total > 1 else ''} still attached: "
-                           + "; ".join(f"{p}: {d}" for p, d, _ in hooks[:3])
-                           + (f" (+{len(hooks) - 3} modules)" if len(hooks) > 3 else ""),
-                           "keep the handle and remove it when done: h = m.register_forward_hook(fn); ...; "
-                           "h.remove() (re-running the cell adds another hook each time)",
-                           {"holders": [p for p, _, _ in hooks], "count": total}))
+        found.append(
+            Check(
+                "hooks",
+                "warn",
+                f"{total} hook{'s' if total > 1 else ''} still attached: "
+                + "; ".join(f"{p}: {d}" for p, d, _ in hooks[:3])
+                + (f" (+{len(hooks) - 3} modules)" if len(hooks) > 3 else ""),
+                "keep the handle and remove it when done: h = m.register_forward_hook(fn); ...; "
+                "h.remove() (re-running the cell adds another hook each time)",
+                {"holders": [p for p, _, _ in hooks], "count": total},
+            )
+        )
     else:
         found.append(Check("hooks", "pass", "no user forward/backward hooks on the models in this namespace"))
 
@@ -891,12 +983,17 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
     held = [(k, v) for k, v in (out or {}).items() if _bytes_of(v, 1000)[1]]
     if held:
         nbytes, _ = _bytes_of([v for _, v in held])
-        found.append(Check("output history", "warn",
-                           f"IPython's Out keeps {len(held)} displayed value{'s' if len(held) > 1 else ''} with "
-                           f"tensors alive ({format_bytes(nbytes)}): {_names([f'Out[{k}]' for k, _ in held])}",
-                           "end cells that return tensors with ';' (or assign them); free it now with "
-                           "helpers.cleanup(); in a notebook, %config ZMQInteractiveShell.cache_size = 0",
-                           {"holders": [f"Out[{k}]" for k, _ in held], "bytes": nbytes}))
+        found.append(
+            Check(
+                "output history",
+                "warn",
+                f"IPython's Out keeps {len(held)} displayed value{'s' if len(held) > 1 else ''} with "
+                f"tensors alive ({format_bytes(nbytes)}): {_names([f'Out[{k}]' for k, _ in held])}",
+                "end cells that return tensors with ';' (or assign them); free it now with "
+                "helpers.cleanup(); in a notebook, %config ZMQInteractiveShell.cache_size = 0",
+                {"holders": [f"Out[{k}]" for k, _ in held], "bytes": nbytes},
+            )
+        )
     else:
         found.append(Check("output history", "pass", "no tensors in IPython's output history"))
 
@@ -912,12 +1009,17 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
     if tb_rows:
         tb_rows.sort(reverse=True)
         total = sum(r[0] for r in tb_rows)
-        found.append(Check("stored traceback", "warn",
-                           f"{_names([w for _, _, w in tb_rows])} keep{'s' if len(tb_rows) == 1 else ''} frames alive "
-                           f"with {format_bytes(total)} of tensors in their local variables",
-                           "keep the message, not the exception: errors.append(repr(e)) or "
-                           "traceback.format_exc(); after an OOM in a notebook run helpers.cleanup()",
-                           {"holders": [p for _, p, _ in tb_rows], "bytes": total}))
+        found.append(
+            Check(
+                "stored traceback",
+                "warn",
+                f"{_names([w for _, _, w in tb_rows])} keep{'s' if len(tb_rows) == 1 else ''} frames alive "
+                f"with {format_bytes(total)} of tensors in their local variables",
+                "keep the message, not the exception: errors.append(repr(e)) or "
+                "traceback.format_exc(); after an OOM in a notebook run helpers.cleanup()",
+                {"holders": [p for _, p, _ in tb_rows], "bytes": total},
+            )
+        )
     else:
         found.append(Check("stored traceback", "pass", "no stored exception or traceback holds tensors"))
 
@@ -925,15 +1027,19 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
         rows = [(_bytes_of(c)[0], p, len(c)) for p, c in caches]
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        found.append(Check("shape-keyed cache", "warn",
-                           "; ".join(f"{p} holds {n} tensors keyed by shape ({format_bytes(b)})" for b, p, n in rows[:3])
-                           + ": it grows with every new input shape",
-                           "bound it (functools.lru_cache(maxsize=...) or evict the oldest), or pad inputs to a "
-                           "few fixed lengths so few shapes ever occur",
-                           {"holders": [p for _, p, _ in rows], "bytes": total}))
+        found.append(
+            Check(
+                "shape-keyed cache",
+                "warn",
+                "; ".join(f"{p} holds {n} tensors keyed by shape ({format_bytes(b)})" for b, p, n in rows[:3])
+                + ": it grows with every new input shape",
+                "bound it (functools.lru_cache(maxsize=...) or evict the oldest), or pad inputs to a "
+                "few fixed lengths so few shapes ever occur",
+                {"holders": [p for _, p, _ in rows], "bytes": total},
+            )
+        )
     else:
-        found.append(Check("shape-keyed cache", "pass",
-                           f"no dict of {cache_entries}+ tensors keyed by shape"))
+        found.append(Check("shape-keyed cache", "pass", f"no dict of {cache_entries}+ tensors keyed by shape"))
 
     if eval_grads:
         rows = []
@@ -942,12 +1048,16 @@ def checks(namespace: dict | None = None, *, cache_entries: int = 16) -> LeakChe
             rows.append((nbytes, path, len(grads)))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        found.append(Check("grads after eval", "warn",
-                           "; ".join(f"{p}: {n} parameters still hold .grad ({format_bytes(b)})" for b, p, n in rows[:3])
-                           + " while in eval mode",
-                           "model.zero_grad(set_to_none=True) after training, and evaluate under "
-                           "torch.inference_mode()",
-                           {"holders": [p for _, p, _ in rows], "bytes": total}))
+        found.append(
+            Check(
+                "grads after eval",
+                "warn",
+                "; ".join(f"{p}: {n} parameters still hold .grad ({format_bytes(b)})" for b, p, n in rows[:3])
+                + " while in eval mode",
+                "model.zero_grad(set_to_none=True) after training, and evaluate under torch.inference_mode()",
+                {"holders": [p for _, p, _ in rows], "bytes": total},
+            )
+        )
     else:
         found.append(Check("grads after eval", "pass", "no model in eval mode keeps gradients"))
     return LeakChecks(found)
@@ -972,12 +1082,16 @@ class AllocationSites:
         return "\n".join([head, *(f"{format_bytes(b):>11}  {c:>5} x  {s}" for s, b, c in self.sites)])
 
     def _repr_html_(self) -> str:
-        return table(["bytes", "blocks", "allocated at"], [[format_bytes(b), c, s] for s, b, c in self.sites],
-                     f"Top allocation sites ({format_bytes(self.total)} live)")
+        return table(
+            ["bytes", "blocks", "allocated at"],
+            [[format_bytes(b), c, s] for s, b, c in self.sites],
+            f"Top allocation sites ({format_bytes(self.total)} live)",
+        )
 
 
 def _site(frames: list[dict]) -> str:
     """The first frame outside torch and the libraries: the line the user can change."""
+
     def lib(f):
         fn = f.get("filename", "")
         # Snapshots list C/C++ frames too (allocator, libpython: "??", "Python/ceval.c", a .so path);
@@ -1027,8 +1141,9 @@ class _Recording:
 
 
 @contextmanager
-def record_allocations(path: str | Path = "memory_snapshot.pickle", max_entries: int = 100_000,
-                       top: int = 10) -> Iterator[_Recording]:
+def record_allocations(
+    path: str | Path = "memory_snapshot.pickle", max_entries: int = 100_000, top: int = 10
+) -> Iterator[_Recording]:
     """Record every CUDA allocation inside the block, then dump a snapshot for
     https://pytorch.org/memory_viz and summarize the top allocation sites (``rec.sites``).
 

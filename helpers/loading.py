@@ -35,11 +35,13 @@ LOAD_MODES = ("fp16", "bf16", "fp32", "int8", "nf4", "fp4")
 QUANTIZED = ("int8", "nf4", "fp4")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-BNB_INSTALL = 'pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)'
+BNB_INSTALL = "pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)"
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
-TOKEN_HELP = ("Accept the model's licence on its Hugging Face page, then give this runtime a token: in Colab, "
-              "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
-              "HF_TOKEN environment variable or run `huggingface-cli login`")
+TOKEN_HELP = (
+    "Accept the model's licence on its Hugging Face page, then give this runtime a token: in Colab, "
+    "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
+    "HF_TOKEN environment variable or run `huggingface-cli login`"
+)
 # Leave this much of the GPU free beyond the estimate when capping device_map's GPU share: the
 # allocator's rounding and the first kernels' workspaces are not in the weights.
 GPU_MARGIN = 256 * MiB
@@ -115,7 +117,9 @@ class LoadPlan:
 
     def __post_init__(self):
         if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
-            raise ValueError(f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}")
+            raise ValueError(
+                f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}"
+            )
         self.model = str(self.model)
         if self.load not in LOAD_MODES:
             hint = " (4-bit is 'nf4' or 'fp4')" if str(self.load).lower() in ("int4", "4bit", "4-bit") else ""
@@ -125,8 +129,9 @@ class LoadPlan:
         for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_new_tokens" else 1):
-                raise ValueError(f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, got {value!r}"
+                )
 
     @property
     def quantized(self) -> bool:
@@ -200,10 +205,16 @@ class LoadPlan:
         """
         from .estimate import estimate
 
-        return estimate(self.model if model is None else model, load=self.load, double_quant=self.double_quant,
-                        compute_dtype=self.estimate_compute_dtype(device), batch_size=self.batch_size,
-                        prompt_tokens=self.prompt_tokens, max_new_tokens=self.max_new_tokens,
-                        device="cpu" if device == "current" and _device_kind() != "cuda" else device)
+        return estimate(
+            self.model if model is None else model,
+            load=self.load,
+            double_quant=self.double_quant,
+            compute_dtype=self.estimate_compute_dtype(device),
+            batch_size=self.batch_size,
+            prompt_tokens=self.prompt_tokens,
+            max_new_tokens=self.max_new_tokens,
+            device="cpu" if device == "current" and _device_kind() != "cuda" else device,
+        )
 
     def estimate_compute_dtype(self, device: Any = "current") -> str:
         """The compute dtype to estimate with: this machine's for ``"current"``, else the estimator's auto."""
@@ -215,9 +226,11 @@ class LoadPlan:
 
     def __str__(self) -> str:
         dq = " + double quant" if self.load in ("nf4", "fp4") and self.double_quant else ""
-        return (f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
-                f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "
-                f"device_map={self.device_map!r})")
+        return (
+            f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
+            f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "
+            f"device_map={self.device_map!r})"
+        )
 
 
 def _transformers_major() -> int:
@@ -231,8 +244,12 @@ def _transformers_major() -> int:
 
 def _looks_like_path(model: str) -> bool:
     """True for strings that can only be paths: absolute, ./, ../, ~, Windows drives, or 3+ parts."""
-    return (model.startswith(("/", "./", "../", "~", "\\")) or (len(model) > 1 and model[1] == ":")
-            or model.count("/") >= 2 or model.endswith((".safetensors", ".bin", ".json")))
+    return (
+        model.startswith(("/", "./", "../", "~", "\\"))
+        or (len(model) > 1 and model[1] == ":")
+        or model.count("/") >= 2
+        or model.endswith((".safetensors", ".bin", ".json"))
+    )
 
 
 def _drive_hint(path: str) -> str:
@@ -243,8 +260,10 @@ def _drive_hint(path: str) -> str:
         return f" Google Drive is not mounted: run `{DRIVE_MOUNT}` first."
     if path.startswith("/content/drive"):
         return " Google Drive is mounted: check the folder name under /content/drive/MyDrive (it is case-sensitive)."
-    return (" Files under /content are deleted when the Colab runtime restarts; keep models and adapters on "
-            f"Google Drive (`{DRIVE_MOUNT}`).")
+    return (
+        " Files under /content are deleted when the Colab runtime restarts; keep models and adapters on "
+        f"Google Drive (`{DRIVE_MOUNT}`)."
+    )
 
 
 def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
@@ -254,8 +273,10 @@ def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
     if parent is not None and parent != Path("/") and parent.is_dir():
         names = sorted(c.name for c in parent.iterdir())[:8]
         near = f" {parent} exists and holds: {', '.join(names) or '(nothing)'}."
-    return ModelNotFoundError(f"{kind} file not found: {path} does not exist ({what}).{near}{_drive_hint(path)}",
-                              f"Pass the directory that holds {what}, or a hub id such as 'org/name'")
+    return ModelNotFoundError(
+        f"{kind} file not found: {path} does not exist ({what}).{near}{_drive_hint(path)}",
+        f"Pass the directory that holds {what}, or a hub id such as 'org/name'",
+    )
 
 
 def _check_fields(changes: dict) -> None:
@@ -275,9 +296,11 @@ def check_model_source(model: str, token: str | None = None) -> str:
     p = Path(model).expanduser()
     if p.exists():
         if p.is_dir() and not (p / "config.json").exists():
-            raise ModelNotFoundError(f"Model file not found: {p} has no config.json, so it is not a saved model "
-                                     f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
-                                     "Point at the folder written by save_pretrained() (it has config.json)")
+            raise ModelNotFoundError(
+                f"Model file not found: {p} has no config.json, so it is not a saved model "
+                f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+                "Point at the folder written by save_pretrained() (it has config.json)",
+            )
         return "local"
     if _looks_like_path(model):
         raise _missing_path_error("Model", model, "config.json and the weight files")
@@ -313,7 +336,8 @@ def _check_hub(model: str, token: str | None) -> str:
         raise ModelNotFoundError(
             f"{model!r} is not a local path and is not in the Hugging Face cache, and this machine is offline "
             f"({offline}), so the hub cannot be asked whether the model exists",
-            "Pass a local directory with config.json and the weights, or go online once to download it")
+            "Pass a local directory with config.json and the weights, or go online once to download it",
+        )
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
     try:
@@ -325,10 +349,13 @@ def _check_hub(model: str, token: str | None) -> str:
         raise ModelNotFoundError(
             f"Unknown model id {model!r}: the Hugging Face Hub has no such model (or it is private)",
             "Check the spelling (org/name, case-sensitive) on huggingface.co; for a private model, log in: "
-            + TOKEN_HELP) from None
+            + TOKEN_HELP,
+        ) from None
     except HFValidationError as e:
-        raise ModelNotFoundError(f"{model!r} is neither an existing path nor a valid hub id: {e}",
-                                 "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory") from None
+        raise ModelNotFoundError(
+            f"{model!r} is neither an existing path nor a valid hub id: {e}",
+            "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory",
+        ) from None
     return "hub"
 
 
@@ -340,9 +367,11 @@ def check_adapter(adapter: str) -> None:
             return  # a hub adapter id; PEFT resolves it
         raise _missing_path_error("Adapter", adapter, "adapter_config.json and adapter_model.safetensors")
     if not (p / "adapter_config.json").exists():
-        raise ModelNotFoundError(f"Adapter file not found: {p} has no adapter_config.json "
-                                 f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
-                                 "Point at the folder written by model.save_pretrained() after LoRA training")
+        raise ModelNotFoundError(
+            f"Adapter file not found: {p} has no adapter_config.json "
+            f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+            "Point at the folder written by model.save_pretrained() after LoRA training",
+        )
 
 
 def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None = None) -> None:
@@ -362,9 +391,11 @@ def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None =
     bits = "8-bit" if load == "int8" else "4-bit"
     if "not installed" in why:
         raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, which is not installed", BNB_INSTALL)
-    raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, but it cannot run here: {why}",
-                      "Use a CUDA GPU runtime (Colab: Runtime > Change runtime type > T4 GPU) and "
-                      f"{BNB_INSTALL}; or load in fp16/bf16 instead")
+    raise LoadRefused(
+        f"{load} ({bits}) loading needs bitsandbytes, but it cannot run here: {why}",
+        "Use a CUDA GPU runtime (Colab: Runtime > Change runtime type > T4 GPU) and "
+        f"{BNB_INSTALL}; or load in fp16/bf16 instead",
+    )
 
 
 def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
@@ -381,9 +412,11 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     if g is None:
         if estimate.total > ram:
             verdict = fit(estimate, device=ram)
-            raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) is more than the "
-                              f"{format_bytes(ram)} of RAM available: the process would be killed",
-                              _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4")
+            raise LoadRefused(
+                f"the estimate ({format_bytes(estimate.total)}) is more than the "
+                f"{format_bytes(ram)} of RAM available: the process would be killed",
+                _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
+            )
         return warnings
     room = _gpu_room(estimate, g)
     verdict = fit(estimate, device=room)
@@ -392,18 +425,28 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     extra = estimate.total - room
     fix = _top_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
-        raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the "
-                          f"{format_bytes(g.free)} free on {g.name}", fix)
+        raise LoadRefused(
+            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}",
+            fix,
+        )
     runtime = estimate.total - estimate.weights
     if runtime > room:
-        raise LoadRefused(f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
-                          f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help", fix)
+        raise LoadRefused(
+            f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
+            f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
+            fix,
+        )
     if extra > ram * 0.8 and not plan.offload_folder:
-        raise LoadRefused(f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
-                          f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "
-                          f"the {format_bytes(ram)} of RAM available either", fix)
-    warnings.append(f"about {format_bytes(extra)} of weights will be offloaded to "
-                    f"{'CPU RAM' if extra <= ram * 0.8 else 'disk'}: generation will be much slower. Better: {fix}")
+        raise LoadRefused(
+            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
+            f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "
+            f"the {format_bytes(ram)} of RAM available either",
+            fix,
+        )
+    warnings.append(
+        f"about {format_bytes(extra)} of weights will be offloaded to "
+        f"{'CPU RAM' if extra <= ram * 0.8 else 'disk'}: generation will be much slower. Better: {fix}"
+    )
     return warnings
 
 
@@ -456,8 +499,9 @@ class PlanCheck:
     max_memory: dict | None = None
 
 
-def check_plan(plan: LoadPlan, *, snapshot: MemorySnapshot | None = None, bnb: tuple[bool, str] | None = None,
-               estimate=None) -> PlanCheck:
+def check_plan(
+    plan: LoadPlan, *, snapshot: MemorySnapshot | None = None, bnb: tuple[bool, str] | None = None, estimate=None
+) -> PlanCheck:
     """Every check :func:`load` runs before loading; raises :class:`LoadError` with the reason and fix.
 
     ``snapshot``, ``bnb`` (``(usable, why)``) and ``estimate`` replace what would be measured,
@@ -518,13 +562,17 @@ def _offload_warnings(where: dict[str, int]) -> list[str]:
     on_cpu, on_disk = where.get("cpu", 0), where.get("disk", 0)
     if any(k.startswith("cuda") for k in where) and on_cpu:
         ms = on_cpu / PCIE_BYTES_PER_S * 1000
-        warnings.append(f"{format_bytes(on_cpu)} of weights were offloaded to CPU RAM: every generated token "
-                        f"copies them to the GPU (~{ms:.0f} ms per token at {format_bytes(PCIE_BYTES_PER_S)}/s "
-                        "PCIe, typically 5-20x slower generation). Quantize (int8/nf4) to keep it all on the GPU.")
+        warnings.append(
+            f"{format_bytes(on_cpu)} of weights were offloaded to CPU RAM: every generated token "
+            f"copies them to the GPU (~{ms:.0f} ms per token at {format_bytes(PCIE_BYTES_PER_S)}/s "
+            "PCIe, typically 5-20x slower generation). Quantize (int8/nf4) to keep it all on the GPU."
+        )
     if on_disk:
         s = on_disk / DISK_BYTES_PER_S
-        warnings.append(f"{format_bytes(on_disk)} of weights were offloaded to disk: ~{s:.1f} s per generated "
-                        "token just to read them back. This is not a fix; use a smaller model or nf4.")
+        warnings.append(
+            f"{format_bytes(on_disk)} of weights were offloaded to disk: ~{s:.1f} s per generated "
+            "token just to read them back. This is not a fix; use a smaller model or nf4."
+        )
     return warnings
 
 
@@ -551,12 +599,23 @@ class LoadReport:
 
     def rows(self) -> list[list[str]]:
         err = self.weights_error
-        rows = [["weights", format_bytes(self.estimated_weights), format_bytes(self.measured_weights),
-                 "n/a" if err is None else f"{err:+.2f} %"]]
+        rows = [
+            [
+                "weights",
+                format_bytes(self.estimated_weights),
+                format_bytes(self.measured_weights),
+                "n/a" if err is None else f"{err:+.2f} %",
+            ]
+        ]
         if self.cuda_allocated is not None:
-            rows.append(["CUDA allocated by the load", format_bytes(self.estimated_weights),
-                         format_bytes(self.cuda_allocated),
-                         f"{percent(self.cuda_allocated - self.estimated_weights, self.estimated_weights):+.2f} %"])
+            rows.append(
+                [
+                    "CUDA allocated by the load",
+                    format_bytes(self.estimated_weights),
+                    format_bytes(self.cuda_allocated),
+                    f"{percent(self.cuda_allocated - self.estimated_weights, self.estimated_weights):+.2f} %",
+                ]
+            )
         if self.adapter_bytes:
             rows.append(["adapter", "", format_bytes(self.adapter_bytes), ""])
         rows.append(["total while generating (estimate)", format_bytes(self.estimated_total), "", ""])
@@ -581,8 +640,11 @@ class LoadReport:
 
         title = f"{self.plan.model} as {self.plan.load}, loaded in {self.load_seconds:.1f} s"
         html = table(["", "estimated", "measured", "difference"], self.rows(), title=title)
-        html += table(["device", "bytes"], [[k, format_bytes(v)] for k, v in self.placement.items()],
-                      title="where the weights went")
+        html += table(
+            ["device", "bytes"],
+            [[k, format_bytes(v)] for k, v in self.placement.items()],
+            title="where the weights went",
+        )
         for w in self.warnings:
             html += f"<div style='font-family:monospace;color:#b06000'>&#9888; {escape(w)}</div>"
         return html
@@ -629,8 +691,14 @@ def _attn_supported(model: str, attn: str | None, trust_remote_code: bool) -> st
         return None
 
 
-def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot | None = None,
-         bnb: tuple[bool, str] | None = None, **plan_changes):
+def load(
+    plan: LoadPlan | str,
+    *,
+    check: bool = True,
+    snapshot: MemorySnapshot | None = None,
+    bnb: tuple[bool, str] | None = None,
+    **plan_changes,
+):
     """Check ``plan``, load the model and tokenizer, and report estimated vs measured memory.
 
     Args:
@@ -653,8 +721,10 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
         _check_fields(plan_changes)
         plan = LoadPlan(str(plan), **plan_changes)
     elif not isinstance(plan, LoadPlan):
-        raise TypeError(f"load() takes a LoadPlan or a model id/path, got {type(plan).__name__} {plan!r:.60}: "
-                        "e.g. load('Qwen/Qwen2.5-0.5B', load='nf4') or load(LoadPlan(...))")
+        raise TypeError(
+            f"load() takes a LoadPlan or a model id/path, got {type(plan).__name__} {plan!r:.60}: "
+            "e.g. load('Qwen/Qwen2.5-0.5B', load='nf4') or load(LoadPlan(...))"
+        )
     elif plan_changes:
         plan = plan.replace(**plan_changes)
     if check:
@@ -666,9 +736,10 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
             check_adapter(plan.adapter)
         check_bitsandbytes(plan.load, _device_kind(), bnb)
     est = checked.estimate
-    run_plan = plan.replace(max_memory=checked.max_memory,
-                            attn_implementation=_attn_supported(plan.model, plan.attn_implementation,
-                                                                plan.trust_remote_code))
+    run_plan = plan.replace(
+        max_memory=checked.max_memory,
+        attn_implementation=_attn_supported(plan.model, plan.attn_implementation, plan.trust_remote_code),
+    )
     if run_plan.token is None:
         run_plan.token = _find_token()
     kwargs = run_plan.from_pretrained_kwargs()
@@ -679,8 +750,9 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
-    tokenizer = AutoTokenizer.from_pretrained(plan.model, token=run_plan.token,
-                                              trust_remote_code=plan.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        plan.model, token=run_plan.token, trust_remote_code=plan.trust_remote_code
+    )
     measured = footprint(model)
     where = placement(model)
     adapter_bytes = 0
@@ -696,10 +768,16 @@ def load(plan: LoadPlan | str, *, check: bool = True, snapshot: MemorySnapshot |
     note = setup_tokenizer(tokenizer, model)
     model.eval()
     report = LoadReport(
-        plan=plan, estimated_weights=est.weights, measured_weights=measured, estimated_total=est.total,
-        load_seconds=seconds, placement=where,
+        plan=plan,
+        estimated_weights=est.weights,
+        measured_weights=measured,
+        estimated_total=est.total,
+        load_seconds=seconds,
+        placement=where,
         cuda_allocated=(torch.cuda.memory_allocated() - before) if cuda else None,
-        adapter_bytes=adapter_bytes, warnings=[*checked.warnings, *_offload_warnings(where)], estimate=est,
+        adapter_bytes=adapter_bytes,
+        warnings=[*checked.warnings, *_offload_warnings(where)],
+        estimate=est,
         tokenizer_note=note,
     )
     return model, tokenizer, report
@@ -726,14 +804,23 @@ def keep_4bit_layout(model: torch.nn.Module) -> int:
             from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
             module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
-                module.weight.data, state)
+                module.weight.data, state
+            )
             restored += 1
     return restored
 
 
 @torch.inference_mode()
-def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 32, batch_size: int = 4,
-                     progress: bool = True, **generate_kwargs) -> list[str]:
+def generate_batched(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 4,
+    progress: bool = True,
+    **generate_kwargs,
+) -> list[str]:
     """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
     from tqdm.auto import tqdm
 
@@ -743,10 +830,12 @@ def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: in
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if not callable(getattr(model, "generate", None)) or not callable(tokenizer):
-        raise TypeError(f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
-                        f"{type(tokenizer).__name__}: pass the model first, as load() returns them")
+        raise TypeError(
+            f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
+            f"{type(tokenizer).__name__}: pass the model first, as load() returns them"
+        )
     out: list[str] = []
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     device = next(model.parameters()).device
     # int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
@@ -755,9 +844,10 @@ def generate_batched(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     try:
         for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
             enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 **generate_kwargs)
-            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            ids = model.generate(
+                **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **generate_kwargs
+            )
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         bnb_log.removeFilter(quiet)
     return out

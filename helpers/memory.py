@@ -123,21 +123,31 @@ class MemorySnapshot:
         if not self.gpus and self.mps is None:
             lines.append("GPU: none (PyTorch sees no CUDA or MPS device; running on CPU)")
         for g in self.gpus:
-            lines.append(f"GPU {g.index}: {g.name} (sm_{g.capability[0]}{g.capability[1]}), "
-                         f"{f(g.used)} used of {f(g.total)}, {f(g.free)} free")
-            lines.append(f"  PyTorch: {f(g.allocated)} allocated, {f(g.reserved)} reserved "
-                         f"({f(g.reserved_unallocated)} reserved but unallocated)")
-            lines.append(f"  peak: {f(g.peak_allocated)} allocated, {f(g.peak_reserved)} reserved; "
-                         f"outside PyTorch: {f(g.non_pytorch)}")
+            lines.append(
+                f"GPU {g.index}: {g.name} (sm_{g.capability[0]}{g.capability[1]}), "
+                f"{f(g.used)} used of {f(g.total)}, {f(g.free)} free"
+            )
+            lines.append(
+                f"  PyTorch: {f(g.allocated)} allocated, {f(g.reserved)} reserved "
+                f"({f(g.reserved_unallocated)} reserved but unallocated)"
+            )
+            lines.append(
+                f"  peak: {f(g.peak_allocated)} allocated, {f(g.peak_reserved)} reserved; "
+                f"outside PyTorch: {f(g.non_pytorch)}"
+            )
             for p in g.processes or []:
                 lines.append(f"  process {p.pid} {p.name}: {f(p.used)}")
         if self.mps is not None:
             m = self.mps
-            lines.append(f"MPS: {f(m.allocated)} allocated, {f(m.driver_allocated)} held by the driver, "
-                         f"recommended max {f(m.recommended_max)}")
+            lines.append(
+                f"MPS: {f(m.allocated)} allocated, {f(m.driver_allocated)} held by the driver, "
+                f"recommended max {f(m.recommended_max)}"
+            )
         r = self.ram
-        lines.append(f"RAM: {f(r.total - r.available)} used of {f(r.total)}, {f(r.available)} available; "
-                     f"this process {f(r.process_rss)}")
+        lines.append(
+            f"RAM: {f(r.total - r.available)} used of {f(r.total)}, {f(r.available)} available; "
+            f"this process {f(r.process_rss)}"
+        )
         for d in self.disks:
             lines.append(f"Disk ({d.label}, {d.path}): {f(d.free)} free of {f(d.total)}")
         return "\n".join(lines)
@@ -148,11 +158,17 @@ class MemorySnapshot:
             parts.append("<div style='font-family:monospace'>GPU: none (running on CPU)</div>")
         for g in self.gpus:
             parts.append(bar(g.used, g.total, f"GPU {g.index} {g.name}"))
-            parts.append(table(
-                ["allocated", "reserved", "reserved unallocated", "peak allocated", "outside PyTorch"],
-                [[format_bytes(x) for x in (g.allocated, g.reserved, g.reserved_unallocated,
-                                            g.peak_allocated, g.non_pytorch)]],
-            ))
+            parts.append(
+                table(
+                    ["allocated", "reserved", "reserved unallocated", "peak allocated", "outside PyTorch"],
+                    [
+                        [
+                            format_bytes(x)
+                            for x in (g.allocated, g.reserved, g.reserved_unallocated, g.peak_allocated, g.non_pytorch)
+                        ]
+                    ],
+                )
+            )
         if self.mps is not None and self.mps.recommended_max:
             parts.append(bar(self.mps.driver_allocated, self.mps.recommended_max, "MPS"))
         r = self.ram
@@ -239,18 +255,20 @@ def gpu_readouts(processes: bool = True) -> list[GPUReadout]:
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
-        out.append(GPUReadout(
-            index=i,
-            name=props.name,
-            capability=(props.major, props.minor),
-            total=total,
-            free=free,
-            allocated=torch.cuda.memory_allocated(i),
-            reserved=torch.cuda.memory_reserved(i),
-            peak_allocated=torch.cuda.max_memory_allocated(i),
-            peak_reserved=torch.cuda.max_memory_reserved(i),
-            processes=_nvml_processes(i) if processes else None,
-        ))
+        out.append(
+            GPUReadout(
+                index=i,
+                name=props.name,
+                capability=(props.major, props.minor),
+                total=total,
+                free=free,
+                allocated=torch.cuda.memory_allocated(i),
+                reserved=torch.cuda.memory_reserved(i),
+                peak_allocated=torch.cuda.max_memory_allocated(i),
+                peak_reserved=torch.cuda.max_memory_reserved(i),
+                processes=_nvml_processes(i) if processes else None,
+            )
+        )
     return out
 
 
@@ -268,8 +286,9 @@ def _mps_readout() -> MPSReadout | None:
 
 def ram_readout() -> RAMReadout:
     vm = psutil.virtual_memory()
-    return RAMReadout(total=vm.total, available=vm.available, used=vm.used,
-                      process_rss=psutil.Process().memory_info().rss)
+    return RAMReadout(
+        total=vm.total, available=vm.available, used=vm.used, process_rss=psutil.Process().memory_info().rss
+    )
 
 
 def disk_readouts(paths: dict[str, str | Path] | None = None) -> list[DiskReadout]:

@@ -58,8 +58,10 @@ class ThresholdCrossing:
     top: list[tuple[str, int, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"{self.what} at {format_bytes(self.used)} of {format_bytes(self.capacity)} "
-                 f"({self.used / self.capacity:.0%}) at t={self.t:.1f} s; largest live tensors:"]
+        lines = [
+            f"{self.what} at {format_bytes(self.used)} of {format_bytes(self.capacity)} "
+            f"({self.used / self.capacity:.0%}) at t={self.t:.1f} s; largest live tensors:"
+        ]
         lines += [f"  {format_bytes(b):>10}  {name}  {desc}" for name, b, desc in self.top] or ["  (none found)"]
         return "\n".join(lines)
 
@@ -81,22 +83,45 @@ class MemoryMonitor:
     >>> mon.plot()  # doctest: +SKIP
     """
 
-    def __init__(self, interval: float = 0.5, *, threshold: float = 0.9, capacity: int | None = None,
-                 device: int | None = None, top: int = 5, warn: bool = True) -> None:
+    def __init__(
+        self,
+        interval: float = 0.5,
+        *,
+        threshold: float = 0.9,
+        capacity: int | None = None,
+        device: int | None = None,
+        top: int = 5,
+        warn: bool = True,
+    ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
             raise ValueError(f"interval is in seconds and must be a positive number, got {interval!r}")
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold <= 1:
-            hint = f" (for {threshold} %, pass {threshold / 100:g})" if isinstance(threshold, int | float) and 1 < threshold <= 100 else ""
+            hint = (
+                f" (for {threshold} %, pass {threshold / 100:g})"
+                if isinstance(threshold, int | float) and 1 < threshold <= 100
+                else ""
+            )
             raise ValueError(f"threshold is a share of capacity in (0, 1], got {threshold!r}{hint}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
-            raise ValueError(f"capacity is a positive number of bytes (e.g. 15 * helpers.units.GiB) or None for "
-                             f"the GPU's total memory, got {capacity!r}")
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0
+        ):
+            raise ValueError(
+                f"capacity is a positive number of bytes (e.g. 15 * helpers.units.GiB) or None for "
+                f"the GPU's total memory, got {capacity!r}"
+            )
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
         self.device = (torch.cuda.current_device() if device is None else device) if self.cuda else None
         self._nvml, self._handle = nvml_handle(self.device) if self.cuda else (None, None)
-        self.capacity = int(capacity) if capacity else (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
-                                     else psutil.virtual_memory().total)
+        self.capacity = (
+            int(capacity)
+            if capacity
+            else (
+                torch.cuda.get_device_properties(self.device).total_memory
+                if self.cuda
+                else psutil.virtual_memory().total
+            )
+        )
         self.samples: list[Sample] = []
         self.marks: list[Mark] = []
         self.crossings: list[ThresholdCrossing] = []
@@ -119,8 +144,9 @@ class MemoryMonitor:
                 except Exception:
                     dev_used = None
         vm = psutil.virtual_memory()
-        s = Sample(time.perf_counter() - self._t0, alloc, res, dev_used, vm.total - vm.available,
-                   self._proc.memory_info().rss)
+        s = Sample(
+            time.perf_counter() - self._t0, alloc, res, dev_used, vm.total - vm.available, self._proc.memory_info().rss
+        )
         self.samples.append(s)
         self._check(s)
         return s
@@ -196,8 +222,18 @@ class MemoryMonitor:
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["t", "allocated", "reserved", "device_used", "ram_used", "process_rss", "mark"])
-        rows = [(s.t, s.allocated, s.reserved, "" if s.device_used is None else s.device_used, s.ram_used,
-                 s.process_rss, "") for s in list(self.samples)]
+        rows = [
+            (
+                s.t,
+                s.allocated,
+                s.reserved,
+                "" if s.device_used is None else s.device_used,
+                s.ram_used,
+                s.process_rss,
+                "",
+            )
+            for s in list(self.samples)
+        ]
         rows += [(m.t, "", "", "", "", "", m.label) for m in self.marks]
         for r in sorted(rows, key=lambda r: r[0]):
             w.writerow([f"{r[0]:.3f}", *r[1:]])
@@ -222,18 +258,37 @@ class MemoryMonitor:
             ys = [getattr(s, key) for s in samples]
             if not ys or any(y is None for y in ys):
                 continue
-            line, = ax.plot(t, [y / 2**30 for y in ys], label=label)
+            (line,) = ax.plot(t, [y / 2**30 for y in ys], label=label)
             i = max(range(len(ys)), key=ys.__getitem__)
             late = i > len(ys) / 2  # label to the left of a late peak, so it stays inside the axes
-            ax.annotate(f"peak {format_bytes(ys[i])}", (t[i], ys[i] / 2**30), textcoords="offset points",
-                        xytext=(-4 if late else 4, 4), ha="right" if late else "left", fontsize=8,
-                        color=line.get_color())
-        ax.axhline(self.threshold * self.capacity / 2**30, color="#c0392b", ls="--", lw=1,
-                   label=f"{self.threshold:.0%} of {format_bytes(self.capacity)}")
+            ax.annotate(
+                f"peak {format_bytes(ys[i])}",
+                (t[i], ys[i] / 2**30),
+                textcoords="offset points",
+                xytext=(-4 if late else 4, 4),
+                ha="right" if late else "left",
+                fontsize=8,
+                color=line.get_color(),
+            )
+        ax.axhline(
+            self.threshold * self.capacity / 2**30,
+            color="#c0392b",
+            ls="--",
+            lw=1,
+            label=f"{self.threshold:.0%} of {format_bytes(self.capacity)}",
+        )
         for m in self.marks:
             ax.axvline(m.t, color="grey", lw=0.8, ls=":")
-            ax.annotate(m.label, (m.t, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
-                        va="top", ha="right", color="grey")
+            ax.annotate(
+                m.label,
+                (m.t, 1),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=7,
+                va="top",
+                ha="right",
+                color="grey",
+            )
         ax.set_xlabel("seconds")
         ax.set_ylabel("GiB")
         ax.set_title(title)
@@ -246,7 +301,7 @@ class MemoryMonitor:
             return "MemoryMonitor: no samples yet"
         p = self.peak()
         span = self.samples[-1].t - self.samples[0].t
-        head = (f"MemoryMonitor: {len(self.samples)} samples over {span:.1f} s, {len(self.marks)} marks; peaks: ")
+        head = f"MemoryMonitor: {len(self.samples)} samples over {span:.1f} s, {len(self.marks)} marks; peaks: "
         if self.cuda:
             head += f"allocated {format_bytes(p['allocated'])}, reserved {format_bytes(p['reserved'])}, "
         head += f"process RSS {format_bytes(p['process_rss'])}, RAM in use {format_bytes(p['ram_used'])}"
@@ -285,8 +340,15 @@ class MemoryCallback(TrainerCallback):
         measure: bytes to watch for growth; default CUDA allocated, or the process RSS on a CPU.
     """
 
-    def __init__(self, monitor: MemoryMonitor | None = None, *, warmup: int = 2, window: int = 6,
-                 min_growth: int = 1 * MiB, measure=None) -> None:
+    def __init__(
+        self,
+        monitor: MemoryMonitor | None = None,
+        *,
+        warmup: int = 2,
+        window: int = 6,
+        min_growth: int = 1 * MiB,
+        measure=None,
+    ) -> None:
         from .leaks import GrowthDetector
 
         self.monitor = monitor
@@ -325,9 +387,11 @@ class MemoryCallback(TrainerCallback):
             state.log_history[-1].update(figures)
         if self.detector.record() and not self.leaks:
             report = self.detector.report()
-            message = (f"step {state.global_step}: {report.verdict}. Something keeps tensors alive across steps "
-                       "(a list of losses without .item(), outputs kept for later, a growing cache); "
-                       "see notebooks/04_leak_hunting.")
+            message = (
+                f"step {state.global_step}: {report.verdict}. Something keeps tensors alive across steps "
+                "(a list of losses without .item(), outputs kept for later, a growing cache); "
+                "see notebooks/04_leak_hunting."
+            )
             self.leaks.append(message)
             warnings.warn(message, ResourceWarning, stacklevel=2)
 

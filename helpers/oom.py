@@ -67,21 +67,32 @@ _SIZE = r"(\d+(?:\.\d+)?\s*(?:[KMGT]i?B|bytes|B)\b)"
 # Each message form: (form, what it is, a regex that recognizes it). First match wins, so the more
 # specific forms come first. Figures are pulled out separately by _FIGURES (any form may carry them).
 OOM_FORMS: tuple[tuple[str, str, str], ...] = (
-    ("colab_ram", "Colab ran out of system RAM and restarted the runtime",
-     r"session crashed after using all available ram"),
+    (
+        "colab_ram",
+        "Colab ran out of system RAM and restarted the runtime",
+        r"session crashed after using all available ram",
+    ),
     ("mps", "Apple MPS allocator", r"mps backend out of memory"),
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
-    ("cuda_legacy", "CUDA caching allocator (PyTorch < 2.1 wording)",
-     r"cuda out of memory\..*\(gpu \d+; .*total capacity"),
+    (
+        "cuda_legacy",
+        "CUDA caching allocator (PyTorch < 2.1 wording)",
+        r"cuda out of memory\..*\(gpu \d+; .*total capacity",
+    ),
     ("cuda", "CUDA caching allocator", r"cuda out of memory|out of memory\. tried to allocate"),
-    ("bitsandbytes", "bitsandbytes kernel or paged optimizer",
-     r"bitsandbytes|bnb|cget_managed_ptr|paged"),
+    ("bitsandbytes", "bitsandbytes kernel or paged optimizer", r"bitsandbytes|bnb|cget_managed_ptr|paged"),
     ("cublas", "cuBLAS could not allocate its workspace", r"cublas_status_alloc_failed"),
-    ("cudnn", "cuDNN could not allocate its workspace",
-     r"cudnn_status_alloc_failed|cudnn_status_not_supported\. this error may appear if you passed in a non-contiguous"),
+    (
+        "cudnn",
+        "cuDNN could not allocate its workspace",
+        r"cudnn_status_alloc_failed|cudnn_status_not_supported\. this error may appear if you passed in a non-contiguous",
+    ),
     ("cuda_error", "the CUDA driver itself (outside PyTorch's allocator)", r"cuda error: out of memory"),
-    ("cpu", "CPU allocator (system RAM)",
-     r"defaultcpuallocator|can't allocate memory|cannot allocate memory|\bmemoryerror"),
+    (
+        "cpu",
+        "CPU allocator (system RAM)",
+        r"defaultcpuallocator|can't allocate memory|cannot allocate memory|\bmemoryerror",
+    ),
 )
 
 # Figures and the patterns that carry them, in any of the forms above.
@@ -107,51 +118,72 @@ _PROCESS = re.compile(rf"process (\d+) has {_SIZE} memory in use", re.I)
 
 # Cause classes, each with its fixes in the order to try them.
 CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "request_too_large": ("a single allocation is larger than the whole card", (
-        "This one tensor can never fit: shrink the dimension that made it (batch size, sequence length, "
-        "vocabulary-sized logits; e.g. compute the loss in chunks or keep only the last token's logits)",
-        "Load the model quantized (4-bit or 8-bit) or offload layers with device_map='auto'",
-    )),
-    "fragmentation": ("fragmentation: PyTorch holds enough free cache, but not in one piece", (
-        "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch touches the GPU (first cell, "
-        "then restart): segments grow in place instead of leaving holes between fixed blocks",
-        "Call helpers.cleanup() to return the cached blocks, then retry",
-        "Keep batch shapes steady (pad to a few fixed lengths): changing shapes fragment the cache",
-    )),
-    "held_elsewhere": ("memory is held outside this process's PyTorch tensors (another process, an old "
-                       "kernel, or CUDA context/library workspaces)", (
-        "Find who holds it: `nvidia-smi` (or helpers.snapshot()); kill the other process, or shut down the "
-        "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
-        "Restart this runtime if the holder is this process's earlier state",
-        "Then retry; if it still fails, follow the steady-state fixes",
-    )),
-    "process_cap": ("this process hit its own memory cap (torch.cuda.set_per_process_memory_fraction), "
-                    "not the card's limit", (
-        "If the cap is not deliberate, remove it: torch.cuda.set_per_process_memory_fraction(1.0), or drop "
-        "per_process_memory_fraction from PYTORCH_CUDA_ALLOC_CONF",
-        "If it is (sharing the GPU, or acting as a smaller card such as a T4), the memory to save is under the "
-        "cap: the fixes below apply to it",
-    )),
-    "steady_state": ("the model, activations and optimizer state together do not fit the card", (
-        "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
-        "Use a smaller batch (helpers.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
-        "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
-        "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
-    )),
-    "system_ram": ("system RAM, not GPU memory, ran out", (
-        "Load with low_cpu_mem_usage=True / device_map='auto' so weights go straight to the GPU",
-        "Load a safetensors checkpoint in a smaller dtype (torch_dtype=torch.float16 / bfloat16)",
-        "Free what the notebook holds: helpers.free('name'), helpers.cleanup(); keep datasets streamed",
-        "Check the requested size: a huge request usually means a wrong shape, not a small machine",
-    )),
-    "library_workspace": ("a CUDA library (cuBLAS/cuDNN) or the driver could not get memory for its workspace", (
-        "The GPU is full; the library just hit it first: free memory (helpers.cleanup()) and follow the "
-        "steady-state fixes",
-        "If it happens at the first matmul, another process may hold the card: check nvidia-smi",
-    )),
-    "unknown": ("the message does not say enough to tell", (
-        "Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",
-    )),
+    "request_too_large": (
+        "a single allocation is larger than the whole card",
+        (
+            "This one tensor can never fit: shrink the dimension that made it (batch size, sequence length, "
+            "vocabulary-sized logits; e.g. compute the loss in chunks or keep only the last token's logits)",
+            "Load the model quantized (4-bit or 8-bit) or offload layers with device_map='auto'",
+        ),
+    ),
+    "fragmentation": (
+        "fragmentation: PyTorch holds enough free cache, but not in one piece",
+        (
+            "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch touches the GPU (first cell, "
+            "then restart): segments grow in place instead of leaving holes between fixed blocks",
+            "Call helpers.cleanup() to return the cached blocks, then retry",
+            "Keep batch shapes steady (pad to a few fixed lengths): changing shapes fragment the cache",
+        ),
+    ),
+    "held_elsewhere": (
+        "memory is held outside this process's PyTorch tensors (another process, an old "
+        "kernel, or CUDA context/library workspaces)",
+        (
+            "Find who holds it: `nvidia-smi` (or helpers.snapshot()); kill the other process, or shut down the "
+            "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
+            "Restart this runtime if the holder is this process's earlier state",
+            "Then retry; if it still fails, follow the steady-state fixes",
+        ),
+    ),
+    "process_cap": (
+        "this process hit its own memory cap (torch.cuda.set_per_process_memory_fraction), not the card's limit",
+        (
+            "If the cap is not deliberate, remove it: torch.cuda.set_per_process_memory_fraction(1.0), or drop "
+            "per_process_memory_fraction from PYTORCH_CUDA_ALLOC_CONF",
+            "If it is (sharing the GPU, or acting as a smaller card such as a T4), the memory to save is under the "
+            "cap: the fixes below apply to it",
+        ),
+    ),
+    "steady_state": (
+        "the model, activations and optimizer state together do not fit the card",
+        (
+            "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
+            "Use a smaller batch (helpers.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
+            "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
+            "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
+        ),
+    ),
+    "system_ram": (
+        "system RAM, not GPU memory, ran out",
+        (
+            "Load with low_cpu_mem_usage=True / device_map='auto' so weights go straight to the GPU",
+            "Load a safetensors checkpoint in a smaller dtype (torch_dtype=torch.float16 / bfloat16)",
+            "Free what the notebook holds: helpers.free('name'), helpers.cleanup(); keep datasets streamed",
+            "Check the requested size: a huge request usually means a wrong shape, not a small machine",
+        ),
+    ),
+    "library_workspace": (
+        "a CUDA library (cuBLAS/cuDNN) or the driver could not get memory for its workspace",
+        (
+            "The GPU is full; the library just hit it first: free memory (helpers.cleanup()) and follow the "
+            "steady-state fixes",
+            "If it happens at the first matmul, another process may hold the card: check nvidia-smi",
+        ),
+    ),
+    "unknown": (
+        "the message does not say enough to tell",
+        ("Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",),
+    ),
 }
 
 
@@ -193,19 +225,30 @@ class OOMReport:
 
     def figures(self) -> list[tuple[str, str]]:
         """(label, value) for every figure, 'unknown' where the message lacks it."""
-        names = [("requested", "tried to allocate"), ("total", "GPU capacity" if self.form != "cpu" else "capacity"),
-                 ("free", "free"), ("allocated", "allocated by PyTorch"), ("reserved_unallocated",
-                 "reserved but unallocated"), ("reserved", "reserved by PyTorch"), ("this_process",
-                 "this process in total"), ("held_elsewhere", "held outside this process's PyTorch")]
+        names = [
+            ("requested", "tried to allocate"),
+            ("total", "GPU capacity" if self.form != "cpu" else "capacity"),
+            ("free", "free"),
+            ("allocated", "allocated by PyTorch"),
+            ("reserved_unallocated", "reserved but unallocated"),
+            ("reserved", "reserved by PyTorch"),
+            ("this_process", "this process in total"),
+            ("held_elsewhere", "held outside this process's PyTorch"),
+        ]
         if self.form == "mps":
-            names = [("requested", "tried to allocate"), ("mps_allocated", "MPS allocated"),
-                     ("other_allocations", "other allocations"), ("max_allowed", "max allowed")]
+            names = [
+                ("requested", "tried to allocate"),
+                ("mps_allocated", "MPS allocated"),
+                ("other_allocations", "other allocations"),
+                ("max_allowed", "max allowed"),
+            ]
         if self.form in ("cpu", "colab_ram"):
             names = [("requested", "tried to allocate")]
         if self.process_cap is not None:
             names.insert(2, ("process_cap", "allowed for this process (its cap)"))
-        return [(label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown")
-                for n, label in names]
+        return [
+            (label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown") for n, label in names
+        ]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -216,13 +259,21 @@ class OOMReport:
     @property
     def not_oom(self) -> bool:
         """True when nothing in the message (or exception) reads as running out of memory."""
-        return (self.form == "unknown" and self.cause == "unknown" and not is_oom_text(self.message)
-                and "outofmemoryerror" not in self.message.lower() and self.requested is None and self.total is None)
+        return (
+            self.form == "unknown"
+            and self.cause == "unknown"
+            and not is_oom_text(self.message)
+            and "outofmemoryerror" not in self.message.lower()
+            and self.requested is None
+            and self.total is None
+        )
 
     def _not_oom_text(self) -> str:
         first = self.message.splitlines()[0][:200] if self.message else "(empty message)"
-        return (f"Not an out-of-memory error: {first}\nexplain_oom only explains OOMs; this error's own message "
-                "and traceback say what went wrong (for an OOM, pass its exception or full message text).")
+        return (
+            f"Not an out-of-memory error: {first}\nexplain_oom only explains OOMs; this error's own message "
+            "and traceback say what went wrong (for an OOM, pass its exception or full message text)."
+        )
 
     def __str__(self) -> str:
         if self.not_oom:
@@ -250,8 +301,10 @@ class OOMReport:
 
         if self.not_oom:
             return "<pre>" + escape(self._not_oom_text()) + "</pre>"
-        parts = [f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
-                 f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"]
+        parts = [
+            f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
+            f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"
+        ]
         if self.total and self.free is not None:
             parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
         rows = [[label, value] for label, value in self.figures()]
@@ -259,9 +312,13 @@ class OOMReport:
         parts.append(table(["figure", "value"], rows, title="What the message says"))
         parts.append("<ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
         if self.tensors:
-            parts.append(table(["tensor", "size", "shape / dtype / device"],
-                               [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
-                               title="Largest live tensors"))
+            parts.append(
+                table(
+                    ["tensor", "size", "shape / dtype / device"],
+                    [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
+                    title="Largest live tensors",
+                )
+            )
         if self.snapshot is not None and hasattr(self.snapshot, "_repr_html_"):
             parts.append(self.snapshot._repr_html_())
         return "<div>" + "".join(parts) + "</div>"
@@ -318,8 +375,13 @@ def _classify(f: dict) -> list[str]:
         causes.append("request_too_large")
     if req is not None and f.get("reserved_unallocated") is not None and f["reserved_unallocated"] >= req:
         causes.append("fragmentation")
-    if (form == "cuda_legacy" and req is not None and f.get("reserved") is not None
-            and f.get("allocated") is not None and f["reserved"] - f["allocated"] >= req):
+    if (
+        form == "cuda_legacy"
+        and req is not None
+        and f.get("reserved") is not None
+        and f.get("allocated") is not None
+        and f["reserved"] - f["allocated"] >= req
+    ):
         causes.append("fragmentation")
     held = f.get("held_elsewhere")
     if held is not None and total and held >= max(req or 0, 0.05 * total):
@@ -334,8 +396,9 @@ def _classify(f: dict) -> list[str]:
         # the card may have room; this process's cap is what refused (first when the card had the room)
         free = f.get("free")
         causes.insert(0 if free is None or req is None or free >= req else len(causes), "process_cap")
-    if "request_too_large" not in causes and (total is not None or form in ("cuda", "hip", "mps", "cuda_legacy",
-                                                                           "bitsandbytes")):
+    if "request_too_large" not in causes and (
+        total is not None or form in ("cuda", "hip", "mps", "cuda_legacy", "bitsandbytes")
+    ):
         causes.append("steady_state")
     if not causes:
         causes.append("unknown")
@@ -454,18 +517,40 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
     if "steady_state" in causes:
         fixes += [x for x in _estimator_fixes() if x not in fixes]
     wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
-        f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"])
+        f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"]
+    )
     if f["form"] in ("cuda_error", "cublas", "cudnn", "unknown", "bitsandbytes") and "total" not in f:
         wanted = ["requested", "total", "free"]
     unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
     if f["form"] == "cuda_legacy":
         unknown = [u for u in unknown if u != "reserved unallocated"]
     report = OOMReport(
-        form=f["form"], source=f["source"], cause=causes[0], causes=causes, fixes=fixes, unknown=unknown,
-        message=text.strip(), exception_type=type(exc).__name__ if exc is not None else None,
-        **{k: f.get(k) for k in ("device", "requested", "total", "free", "allocated", "reserved",
-                                 "reserved_unallocated", "this_process", "held_elsewhere", "mps_allocated",
-                                 "other_allocations", "max_allowed", "process_cap")},
+        form=f["form"],
+        source=f["source"],
+        cause=causes[0],
+        causes=causes,
+        fixes=fixes,
+        unknown=unknown,
+        message=text.strip(),
+        exception_type=type(exc).__name__ if exc is not None else None,
+        **{
+            k: f.get(k)
+            for k in (
+                "device",
+                "requested",
+                "total",
+                "free",
+                "allocated",
+                "reserved",
+                "reserved_unallocated",
+                "this_process",
+                "held_elsewhere",
+                "mps_allocated",
+                "other_allocations",
+                "max_allowed",
+                "process_cap",
+            )
+        },
         processes=f.get("processes", []),
     )
     if live if live is not None else exc is not None:
@@ -478,20 +563,30 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file or stdin."""
-    parser = argparse.ArgumentParser(prog="python -m helpers explain",
-                                     description="Explain an out-of-memory message: cause, figures, fixes.")
-    parser.add_argument("file", nargs="?", help="a file holding the message or log, or the message itself in "
-                                                "quotes (default: stdin)")
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers explain", description="Explain an out-of-memory message: cause, figures, fixes."
+    )
+    parser.add_argument(
+        "file", nargs="?", help="a file holding the message or log, or the message itself in quotes (default: stdin)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    if args.file and args.file != "-" and not os.path.exists(args.file) and (" " in args.file or is_oom_text(args.file)):
+    if (
+        args.file
+        and args.file != "-"
+        and not os.path.exists(args.file)
+        and (" " in args.file or is_oom_text(args.file))
+    ):
         text = args.file  # the message pasted as the argument, not a file name
     elif args.file and args.file != "-":
         try:
             text = open(args.file, encoding="utf-8", errors="replace").read()
         except OSError as e:
-            print(f"cannot read {args.file}: {e.strerror}. Pass a file holding the message, the message itself in "
-                  "quotes, or pipe it in: ... | python -m helpers explain", file=sys.stderr)
+            print(
+                f"cannot read {args.file}: {e.strerror}. Pass a file holding the message, the message itself in "
+                "quotes, or pipe it in: ... | python -m helpers explain",
+                file=sys.stderr,
+            )
             return 2
     else:
         if sys.stdin.isatty():
@@ -527,11 +622,13 @@ def _handler(shell, etype, value, tb, tb_offset=None):
     del tb
     freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
     after = _readout()
-    readout = (f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
-               + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")
-               + f"; now {format_bytes(after[2])} RSS"
-               + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
-               + f" ({freed.objects_collected} objects collected)")
+    readout = (
+        f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
+        + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")
+        + f"; now {format_bytes(after[2])} RSS"
+        + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
+        + f" ({freed.objects_collected} objects collected)"
+    )
     stb = ["".join(short).rstrip(), "", str(report), "", readout]
     shell._showtraceback(etype, value, stb)  # shown as the cell's error, so "run all" still stops here
     return None

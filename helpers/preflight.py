@@ -164,21 +164,45 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
 
 def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
     if snap.backend == "mps":
-        return [Check("GPU", "info", "Apple MPS backend: bitsandbytes 8-bit/4-bit may not run here",
-                      "Use fp16 loading, or a CUDA machine for quantized models")]
+        return [
+            Check(
+                "GPU",
+                "info",
+                "Apple MPS backend: bitsandbytes 8-bit/4-bit may not run here",
+                "Use fp16 loading, or a CUDA machine for quantized models",
+            )
+        ]
     g = snap.gpu
     if g is None:
-        fix = COLAB_GPU_FIX if colab else ("No CUDA device: everything runs on the CPU (minutes, not seconds). "
-                                           "On Colab: Runtime > Change runtime type > T4 GPU.")
+        fix = (
+            COLAB_GPU_FIX
+            if colab
+            else (
+                "No CUDA device: everything runs on the CPU (minutes, not seconds). "
+                "On Colab: Runtime > Change runtime type > T4 GPU."
+            )
+        )
         return [Check("GPU", "warn", "no GPU: PyTorch sees no CUDA device", fix)]
-    checks = [Check("GPU", "pass", f"{g.name}, compute capability {g.capability[0]}.{g.capability[1]}, "
-                                   f"{format_bytes(g.total)}", data={"index": g.index})]
+    checks = [
+        Check(
+            "GPU",
+            "pass",
+            f"{g.name}, compute capability {g.capability[0]}.{g.capability[1]}, {format_bytes(g.total)}",
+            data={"index": g.index},
+        )
+    ]
     if g.supports_bf16:
         checks.append(Check("bf16", "pass", "bf16 supported: use bf16 as compute dtype"))
     else:
-        checks.append(Check("bf16", "info", f"sm_{g.capability[0]}{g.capability[1]} has no bf16: compute dtype "
-                                            "must be fp16 (oomkit's 'auto' picks it)",
-                            "Do not pass bf16=True or torch_dtype=bfloat16 on this GPU"))
+        checks.append(
+            Check(
+                "bf16",
+                "info",
+                f"sm_{g.capability[0]}{g.capability[1]} has no bf16: compute dtype "
+                "must be fp16 (oomkit's 'auto' picks it)",
+                "Do not pass bf16=True or torch_dtype=bfloat16 on this GPU",
+            )
+        )
     return checks
 
 
@@ -191,17 +215,31 @@ def _check_gpu_memory(snap: MemorySnapshot) -> list[Check]:
     others = [p for p in (g.processes or []) if p.pid != _pid()]
     if foreign > FOREIGN_GPU_WARN:
         who = ", ".join(f"PID {p.pid} {p.name} {format_bytes(p.used)}" for p in others) or "unknown processes"
-        checks.append(Check("GPU memory held elsewhere", "warn",
-                            f"{format_bytes(foreign)} in use outside this process's PyTorch ({who})",
-                            "A previous kernel or another process holds the GPU: Runtime > Restart session, "
-                            "or kill the process named above", data={"bytes": foreign}))
+        checks.append(
+            Check(
+                "GPU memory held elsewhere",
+                "warn",
+                f"{format_bytes(foreign)} in use outside this process's PyTorch ({who})",
+                "A previous kernel or another process holds the GPU: Runtime > Restart session, "
+                "or kill the process named above",
+                data={"bytes": foreign},
+            )
+        )
     status = "pass"
     fix = None
     if g.free < min(12 * GiB, int(g.total * 0.8)):
         status = "warn"
         fix = "Free memory first: helpers.cleanup() or unload(model); restart the runtime if it does not come back"
-    checks.append(Check("free GPU memory", status, f"{format_bytes(g.free)} free of {format_bytes(g.total)} "
-                        f"({format_bytes(g.allocated)} allocated by this process)", fix, data={"free": g.free}))
+    checks.append(
+        Check(
+            "free GPU memory",
+            status,
+            f"{format_bytes(g.free)} free of {format_bytes(g.total)} "
+            f"({format_bytes(g.allocated)} allocated by this process)",
+            fix,
+            data={"free": g.free},
+        )
+    )
     return checks
 
 
@@ -209,8 +247,12 @@ def _check_versions(vers: dict[str, str | None]) -> Check:
     missing = [p for p in PACKAGES if vers.get(p) is None]
     listing = ", ".join(f"{p} {vers.get(p) or 'missing'}" for p in PACKAGES) + f", CUDA {vers.get('cuda') or 'none'}"
     if missing:
-        return Check("versions", "fail" if "torch" in missing or "transformers" in missing else "warn",
-                     listing, f"pip install {' '.join(missing)}")
+        return Check(
+            "versions",
+            "fail" if "torch" in missing or "transformers" in missing else "warn",
+            listing,
+            f"pip install {' '.join(missing)}",
+        )
     return Check("versions", "pass", listing)
 
 
@@ -219,30 +261,49 @@ def _check_bnb(snap: MemorySnapshot, status: tuple[bool, str] | None) -> Check:
     ok, why = status if status is not None else bitsandbytes_status(device)
     if ok:
         return Check("bitsandbytes", "pass", why)
-    return Check("bitsandbytes", "warn", why + ": 8-bit and 4-bit loading will not work",
-                 "pip install -U bitsandbytes (then restart the runtime)")
+    return Check(
+        "bitsandbytes",
+        "warn",
+        why + ": 8-bit and 4-bit loading will not work",
+        "pip install -U bitsandbytes (then restart the runtime)",
+    )
 
 
 def _check_ram(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
     avail = snap.ram.available
     if total is None:
-        return Check("RAM for loading", "info", f"{format_bytes(avail)} RAM available; checkpoint size unknown: "
-                     f"{source}")
+        return Check(
+            "RAM for loading", "info", f"{format_bytes(avail)} RAM available; checkpoint size unknown: {source}"
+        )
     # Loading streams one shard at a time through RAM (low_cpu_mem_usage); a shard larger than
     # free RAM is what kills a Colab kernel without a message.
     need = int(largest * 1.2)
     data = {"available": avail, "checkpoint": total, "largest_shard": largest}
     if avail < need:
-        return Check("RAM for loading", "fail", f"{format_bytes(avail)} RAM available, the largest weight file is "
-                     f"{format_bytes(largest)}: the kernel would die while loading",
-                     "Use a checkpoint with smaller shards (e.g. a -sharded variant), free RAM (helpers.cleanup()), "
-                     "or a High-RAM runtime", data)
+        return Check(
+            "RAM for loading",
+            "fail",
+            f"{format_bytes(avail)} RAM available, the largest weight file is "
+            f"{format_bytes(largest)}: the kernel would die while loading",
+            "Use a checkpoint with smaller shards (e.g. a -sharded variant), free RAM (helpers.cleanup()), "
+            "or a High-RAM runtime",
+            data,
+        )
     if avail < total:
-        return Check("RAM for loading", "warn", f"{format_bytes(avail)} RAM available, checkpoint is "
-                     f"{format_bytes(total)}: fine for GPU loading, but offloading layers to CPU will not fit",
-                     "Keep device_map on the GPU; quantize instead of offloading", data)
-    return Check("RAM for loading", "pass", f"{format_bytes(avail)} RAM available for a "
-                 f"{format_bytes(total)} checkpoint ({source})", data=data)
+        return Check(
+            "RAM for loading",
+            "warn",
+            f"{format_bytes(avail)} RAM available, checkpoint is "
+            f"{format_bytes(total)}: fine for GPU loading, but offloading layers to CPU will not fit",
+            "Keep device_map on the GPU; quantize instead of offloading",
+            data,
+        )
+    return Check(
+        "RAM for loading",
+        "pass",
+        f"{format_bytes(avail)} RAM available for a {format_bytes(total)} checkpoint ({source})",
+        data=data,
+    )
 
 
 def _check_disk(snap: MemorySnapshot, model: str | None, total: int | None) -> Check | None:
@@ -253,9 +314,13 @@ def _check_disk(snap: MemorySnapshot, model: str | None, total: int | None) -> C
     if model is None or local or total is None:
         return Check("disk", "info", f"{format_bytes(cache.free)} free in the Hugging Face cache ({cache.path})")
     if cache.free < total * 1.1:
-        return Check("disk", "fail", f"{format_bytes(cache.free)} free in {cache.path}, the download is "
-                     f"{format_bytes(total)}", "Delete old models (huggingface-cli delete-cache) or set HF_HOME "
-                     "to a larger disk", {"free": cache.free, "download": total})
+        return Check(
+            "disk",
+            "fail",
+            f"{format_bytes(cache.free)} free in {cache.path}, the download is {format_bytes(total)}",
+            "Delete old models (huggingface-cli delete-cache) or set HF_HOME to a larger disk",
+            {"free": cache.free, "download": total},
+        )
     return Check("disk", "pass", f"{format_bytes(cache.free)} free for a {format_bytes(total)} download")
 
 
@@ -307,8 +372,9 @@ def preflight(
         total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
         checks.append(_check_ram(snap, total, largest, source))
     else:
-        checks.append(Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of "
-                            f"{format_bytes(snap.ram.total)}"))
+        checks.append(
+            Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
+        )
     disk = _check_disk(snap, model, total)
     if disk is not None:
         checks.append(disk)
@@ -318,8 +384,9 @@ def preflight(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m helpers preflight",
-                                     description="Check GPU, RAM, disk and versions before loading a model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers preflight", description="Check GPU, RAM, disk and versions before loading a model."
+    )
     parser.add_argument("--model", help="hub id or local path of the model you plan to load")
     parser.add_argument("--load", default="auto", help="load mode: auto, fp16, bf16, fp32, int8, nf4, fp4")
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -29,8 +29,10 @@ def format_bytes(n: int | float | None, precision: int = 2) -> str:
     if n is None:
         return "n/a"
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
-        raise TypeError(f"format_bytes() takes a byte count (int), got {type(n).__name__} {n!r}; "
-                        "for text such as '1.5 GiB' use parse_bytes()")
+        raise TypeError(
+            f"format_bytes() takes a byte count (int), got {type(n).__name__} {n!r}; "
+            "for text such as '1.5 GiB' use parse_bytes()"
+        )
     sign = "-" if n < 0 else ""
     n = abs(n)
     for name, factor in _UNITS:
@@ -46,8 +48,10 @@ def parse_bytes(text: str) -> int:
     ``ValueError`` naming the accepted units when the text is not a size.
     """
     if isinstance(text, numbers.Real) and not isinstance(text, bool):
-        raise TypeError(f"parse_bytes() reads text such as '1.5 GiB'; {text!r} is already a number "
-                        "(bytes need no parsing; for GiB multiply by helpers.units.GiB)")
+        raise TypeError(
+            f"parse_bytes() reads text such as '1.5 GiB'; {text!r} is already a number "
+            "(bytes need no parsing; for GiB multiply by helpers.units.GiB)"
+        )
     if not isinstance(text, str):
         raise TypeError(f"parse_bytes() reads text such as '1.5 GiB', got {type(text).__name__}")
     m = _PARSE_RE.match(text)

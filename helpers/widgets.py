@@ -106,8 +106,10 @@ class PanelState:
         return list(out.items())
 
     def verdict_text(self) -> str:
-        text = (f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
-                f"{self._on()} (headroom {format_bytes(self.headroom)})")
+        text = (
+            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
+            f"{self._on()} (headroom {format_bytes(self.headroom)})"
+        )
         if self.suggestion is not None:
             text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)})"
         return text
@@ -118,11 +120,15 @@ class PanelState:
         spans, legend = [], []
         for (label, nbytes), (_, _, alpha) in zip(self.segments(), SEGMENTS, strict=True):
             pct = 100 * nbytes / scale
-            spans.append(f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
-                         f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>")
+            spans.append(
+                f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
+                f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>"
+            )
             # nowrap: a narrow output area wraps between items, never between a label and its size
-            legend.append(f"<span style='white-space:nowrap'><span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> "
-                          f"{escape(label)} {format_bytes(nbytes)}</span>")
+            legend.append(
+                f"<span style='white-space:nowrap'><span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> "
+                f"{escape(label)} {format_bytes(nbytes)}</span>"
+            )
         cap_mark = 100 * self.capacity / scale
         return (
             "<div style='font-family:monospace'>"
@@ -139,12 +145,16 @@ class PanelState:
         color = COLORS[VERDICT_STATUS[self.verdict]]
         fix = ""
         if self.suggestion is not None:
-            fix = (f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
-                   f"(saves {format_bytes(self.suggestion.saving)})</div>")
-        return (f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
-                f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
-                f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
-                f"(headroom {format_bytes(self.headroom)}){fix}</div>")
+            fix = (
+                f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
+                f"(saves {format_bytes(self.suggestion.saving)})</div>"
+            )
+        return (
+            f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
+            f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
+            f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
+            f"(headroom {format_bytes(self.headroom)}){fix}</div>"
+        )
 
 
 class LoadPanel:
@@ -162,21 +172,43 @@ class LoadPanel:
     ``panel.load()`` loads it (or returns what the Load button already loaded for that plan).
     """
 
-    def __init__(self, model: str, device: Any = "current", *, load: str = "nf4", double_quant: bool = True,
-                 max_new_tokens: int = 256, batch_size: int = 1, prompt_tokens: int = 512,
-                 widgets: bool | None = None, **plan_fields):
+    def __init__(
+        self,
+        model: str,
+        device: Any = "current",
+        *,
+        load: str = "nf4",
+        double_quant: bool = True,
+        max_new_tokens: int = 256,
+        batch_size: int = 1,
+        prompt_tokens: int = 512,
+        widgets: bool | None = None,
+        **plan_fields,
+    ):
         from .estimate import resolve_config
 
-        self._base = LoadPlan(str(model), load=load, double_quant=double_quant, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, prompt_tokens=prompt_tokens, **plan_fields)
+        self._base = LoadPlan(
+            str(model),
+            load=load,
+            double_quant=double_quant,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            prompt_tokens=prompt_tokens,
+            **plan_fields,
+        )
         self.device = device
         # Read the config once; the estimator then caches the meta-device layout for it, so a
         # slider move only redoes arithmetic.
         self._config = resolve_config(str(model))[0]
         self._capacity, self._device_label, self._est_device = self._resolve_device(device)
         self._cache: dict[tuple, PanelState] = {}
-        self._values = {"load": load, "double_quant": double_quant, "max_new_tokens": max_new_tokens,
-                        "batch_size": batch_size, "prompt_tokens": prompt_tokens}
+        self._values = {
+            "load": load,
+            "double_quant": double_quant,
+            "max_new_tokens": max_new_tokens,
+            "batch_size": batch_size,
+            "prompt_tokens": prompt_tokens,
+        }
         self.loaded: tuple | None = None  # (model, tokenizer, report) after Load
         self._loaded_plan: LoadPlan | None = None
         self.error: Exception | None = None
@@ -215,9 +247,16 @@ class LoadPanel:
 
         def slider(rng, value, description):
             lo, hi, step = rng
-            return w.IntSlider(value=value, min=min(lo, value), max=max(hi, value), step=step,
-                               description=description, continuous_update=True, style=style,
-                               layout=w.Layout(width="480px"))
+            return w.IntSlider(
+                value=value,
+                min=min(lo, value),
+                max=max(hi, value),
+                step=step,
+                description=description,
+                continuous_update=True,
+                style=style,
+                layout=w.Layout(width="480px"),
+            )
 
         c = {
             "load": w.Dropdown(options=list(LOAD_MODES_ORDER), value=v["load"], description="Load mode", style=style),
@@ -227,19 +266,38 @@ class LoadPanel:
             "prompt_tokens": slider(PROMPT_TOKENS_RANGE, v["prompt_tokens"], "Prompt tokens"),
             "estimate": w.HTML(),
             "verdict": w.HTML(),
-            "button": w.Button(description="Load", button_style="primary", icon="download",
-                               tooltip="load(panel.plan) and show the LoadReport"),
+            "button": w.Button(
+                description="Load",
+                button_style="primary",
+                icon="download",
+                tooltip="load(panel.plan) and show the LoadReport",
+            ),
             "output": w.Output(),
         }
-        for key, cls in (("estimate", "oomkit-estimate"), ("verdict", "oomkit-verdict"), ("button", "oomkit-load"),
-                         ("output", "oomkit-report")):
+        for key, cls in (
+            ("estimate", "oomkit-estimate"),
+            ("verdict", "oomkit-verdict"),
+            ("button", "oomkit-load"),
+            ("output", "oomkit-report"),
+        ):
             c[key].add_class(cls)
         for key in ("load", "double_quant", "max_new_tokens", "batch_size", "prompt_tokens"):
             c[key].observe(self._on_change, names="value")
         c["button"].on_click(lambda _: self._on_load())
         title = w.HTML(f"<b>oomkit load panel</b>: {escape(self._base.model)}")
-        c["box"] = w.VBox([title, w.HBox([c["load"], c["double_quant"]]), c["max_new_tokens"], c["batch_size"],
-                           c["prompt_tokens"], c["estimate"], c["verdict"], c["button"], c["output"]])
+        c["box"] = w.VBox(
+            [
+                title,
+                w.HBox([c["load"], c["double_quant"]]),
+                c["max_new_tokens"],
+                c["batch_size"],
+                c["prompt_tokens"],
+                c["estimate"],
+                c["verdict"],
+                c["button"],
+                c["output"],
+            ]
+        )
         c["box"].add_class("oomkit-panel")
         return c
 
@@ -320,8 +378,9 @@ class LoadPanel:
             target = self._capacity if self._est_device == "cpu" else self._est_device
             sugg = fit(est, target).suggestions
             suggestion = sugg[0] if sugg else None
-        state = PanelState(plan, est, verdict, self._capacity, self._device_label, suggestion,
-                           time.perf_counter() - started)
+        state = PanelState(
+            plan, est, verdict, self._capacity, self._device_label, suggestion, time.perf_counter() - started
+        )
         if use_cache and key is not None:
             self._cache[key] = state
         return state
@@ -371,8 +430,12 @@ class LoadPanel:
         s = self.state
         est = s.estimate
         segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
-        lines = [f"oomkit load panel: {self._base.model}", f"  plan: {self.plan}",
-                 f"  estimate: {segs}", f"  {s.verdict_text()}"]
+        lines = [
+            f"oomkit load panel: {self._base.model}",
+            f"  plan: {self.plan}",
+            f"  estimate: {segs}",
+            f"  {s.verdict_text()}",
+        ]
         if est.warnings:
             lines += [f"  note: {m}" for m in est.warnings]
         if self.controls is None:
@@ -390,8 +453,10 @@ class LoadPanel:
             if isinstance(bundle, tuple):  # (data, metadata)
                 bundle = bundle[0]
             return {**bundle, "text/plain": self.summary()}
-        html = (f"<div style='font-family:monospace'><b>oomkit load panel</b>: {escape(self._base.model)}<br>"
-                f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html())
+        html = (
+            f"<div style='font-family:monospace'><b>oomkit load panel</b>: {escape(self._base.model)}<br>"
+            f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html()
+        )
         return {"text/plain": self.summary(), "text/html": html}
 
     def show(self) -> None:

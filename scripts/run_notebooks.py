@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             first = str(e).strip().splitlines()
             reason = next((ln for ln in reversed(first) if ln.strip()), type(e).__name__)[:160]
-            print(f"FAILED {run.label:32s} {reason}  (see {run.output.relative_to(REPO)} and "
-                  f"{run.log.relative_to(REPO)})", flush=True)
+            print(
+                f"FAILED {run.label:32s} {reason}  (see {run.output.relative_to(REPO)} and "
+                f"{run.log.relative_to(REPO)})",
+                flush=True,
+            )
     print(f"\n{len(runs) - failed} of {len(runs)} notebook runs passed; executed copies in {RUNS.relative_to(REPO)}/")
     return 1 if failed else 0
 

@@ -31,15 +31,20 @@ from pathlib import Path
 
 CHROMIUM = os.environ.get("OOMKIT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-dev-shm-usage",  # containers often have a 64 MB /dev/shm
 ]
 # JupyterLab user settings: no news/update popups over the notebook; render every cell (Lab 4
 # otherwise virtualizes off-screen cells, so their outputs would not be in the DOM).
 LAB_SETTINGS = {
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
-                                                                         "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
 
@@ -55,8 +60,11 @@ def missing_requirements() -> list[str]:
     missing = []
     if not Path(CHROMIUM).exists():
         missing.append(f"Chromium ({CHROMIUM}; `apt-get install chromium`)")
-    for module, pkg in (("playwright", "playwright"), ("jupyterlab", "jupyterlab"),
-                        ("jupyterlab_widgets", "jupyterlab_widgets")):
+    for module, pkg in (
+        ("playwright", "playwright"),
+        ("jupyterlab", "jupyterlab"),
+        ("jupyterlab_widgets", "jupyterlab_widgets"),
+    ):
         try:
             __import__(module)
         except ImportError:
@@ -94,21 +102,45 @@ class LabServer:
             f = state / "settings" / rel
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(json.dumps(values))
-        env = {**os.environ, **self.env, "JUPYTER_CONFIG_DIR": str(state / "config"),
-               "JUPYTER_RUNTIME_DIR": str(state / "runtime"), "JUPYTER_PLATFORM_DIRS": "1"}
+        env = {
+            **os.environ,
+            **self.env,
+            "JUPYTER_CONFIG_DIR": str(state / "config"),
+            "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
+            "JUPYTER_PLATFORM_DIRS": "1",
+        }
         self.port = free_port()
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
-               "--port-retries=0", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-               "--ServerApp.allow_remote_access=False", f"--LabApp.user_settings_dir={state / 'settings'}",
-               f"--LabApp.workspaces_dir={state / 'workspaces'}", "--LabApp.expose_app_in_browser=True",
-               "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--ServerApp.allow_remote_access=False",
+            f"--LabApp.user_settings_dir={state / 'settings'}",
+            f"--LabApp.workspaces_dir={state / 'workspaces'}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI containers run as root; Jupyter refuses otherwise
             cmd.append("--allow-root")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as out:
             # New session: stop() can kill the whole process group at once.
-            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=self.root,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         atexit.register(self.stop)
         self._stop_on_sigterm()
         deadline = time.monotonic() + self.startup_timeout
@@ -206,8 +238,13 @@ def chromium_page(viewport=(1280, 1000)):
 
     with tempfile.TemporaryDirectory(prefix="oomkit-chromium-") as profile, sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": viewport[0], "height": viewport[1]}, device_scale_factor=1)
+            profile,
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": viewport[0], "height": viewport[1]},
+            device_scale_factor=1,
+        )
         try:
             page = context.pages[0] if context.pages else context.new_page()
             yield page
@@ -280,8 +317,12 @@ class LabPage:
                 # A click that landed while the page was still settling runs nothing: an idle kernel and
                 # no cell run or queued 10 s later means the command never started, so click again.
                 queued = self.page.locator(".jp-NotebookPanel:visible .jp-InputPrompt", has_text="[*]").count()
-                if (s["kernel"] == "idle" and not queued and time.monotonic() - clicked > 10
-                        and not any(c.get("execution_count") for c in code)):
+                if (
+                    s["kernel"] == "idle"
+                    and not queued
+                    and time.monotonic() - clicked > 10
+                    and not any(c.get("execution_count") for c in code)
+                ):
                     self.menu("Run", "Run All Cells")
                     clicked = time.monotonic()
             if time.monotonic() > deadline:
@@ -296,8 +337,13 @@ class LabPage:
 
 def errors(nb: dict) -> list[str]:
     """``ename: evalue`` of every error output in a notebook (nbformat JSON)."""
-    return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb["cells"] if c["cell_type"] == "code"
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    return [
+        f"{o.get('ename')}: {o.get('evalue')}"
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
 
 
 def output_text(cell: dict) -> str:

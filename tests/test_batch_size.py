@@ -17,6 +17,7 @@ def budget_step(max_ok: int, calls: list | None = None, error=torch.OutOfMemoryE
             calls.append(batch_size)
         if batch_size > max_ok:
             raise error(f"CUDA out of memory. Tried to allocate {batch_size} MiB")
+
     return step
 
 
@@ -56,18 +57,22 @@ def test_cache_per_key_starts_there():
 
 
 def test_runtime_error_ooms_and_real_cpu_oom_are_caught():
-    for error in (lambda m: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
-                  lambda m: RuntimeError("CUDA error: out of memory")):
+    for error in (
+        lambda m: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+        lambda m: RuntimeError("CUDA error: out of memory"),
+    ):
         assert find_max_batch_size(budget_step(20, error=error), limit=64).max_ok >= 18
 
     def real(batch_size):
         torch.empty(batch_size << 42 if batch_size > 5 else batch_size)  # a real allocator failure past 5
+
     assert find_max_batch_size(real, limit=64, tolerance=1.0).max_ok == 5
 
 
 def test_other_errors_propagate():
     def step(batch_size):
         raise ValueError("bad shape")
+
     with pytest.raises(ValueError, match="bad shape") as e:
         find_max_batch_size(step)
     if hasattr(e.value, "add_note"):  # the note says where the search was and that it is not an OOM

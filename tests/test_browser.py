@@ -45,9 +45,18 @@ def _params() -> dict:
     """
     run = next(r for r in run_notebooks.planned_runs([NOTEBOOK.stem]) if r.name == "nf4")
     p = run.parameters
-    totals = {load: estimate(p["MODEL"], load=load, double_quant=p["DOUBLE_QUANT"], batch_size=p["BATCH_SIZE"],
-                             prompt_tokens=p["PROMPT_TOKENS"], max_new_tokens=p["MAX_NEW_TOKENS"],
-                             device=64 * GiB).total for load in ("int8", "fp32")}
+    totals = {
+        load: estimate(
+            p["MODEL"],
+            load=load,
+            double_quant=p["DOUBLE_QUANT"],
+            batch_size=p["BATCH_SIZE"],
+            prompt_tokens=p["PROMPT_TOKENS"],
+            max_new_tokens=p["MAX_NEW_TOKENS"],
+            device=64 * GiB,
+        ).total
+        for load in ("int8", "fp32")
+    }
     return {**p, "DEVICE": (totals["int8"] + totals["fp32"]) // 2}
 
 
@@ -118,9 +127,12 @@ class PanelView:
         sizes = dict(re.findall(r"(weights|KV cache|activations|overheads) ([\d.]+ [KMGT]?i?B)", est))
         total = re.search(r"total ([\d.]+ [KMGT]?i?B) /", est)
         return {
-            "weights": parse_bytes(sizes["weights"]), "kv": parse_bytes(sizes["KV cache"]),
-            "total": parse_bytes(total.group(1)), "verdict": self.verdict_box.get_attribute("data-verdict"),
-            "verdict_text": self.verdict_box.inner_text(), "max_new_tokens": int(self.readout.inner_text()),
+            "weights": parse_bytes(sizes["weights"]),
+            "kv": parse_bytes(sizes["KV cache"]),
+            "total": parse_bytes(total.group(1)),
+            "verdict": self.verdict_box.get_attribute("data-verdict"),
+            "verdict_text": self.verdict_box.inner_text(),
+            "max_new_tokens": int(self.readout.inner_text()),
             "load": self.dropdown.input_value(),
         }
 
@@ -139,13 +151,24 @@ class PanelView:
 def expected(load: str, max_new_tokens: int) -> dict:
     """The estimator's numbers for these values, formatted as the page formats them."""
     base = _params()
-    panel = LoadPanel(base["MODEL"], device=base["DEVICE"], load=load, double_quant=base["DOUBLE_QUANT"],
-                      max_new_tokens=max_new_tokens, batch_size=base["BATCH_SIZE"],
-                      prompt_tokens=base["PROMPT_TOKENS"], widgets=False)
+    panel = LoadPanel(
+        base["MODEL"],
+        device=base["DEVICE"],
+        load=load,
+        double_quant=base["DOUBLE_QUANT"],
+        max_new_tokens=max_new_tokens,
+        batch_size=base["BATCH_SIZE"],
+        prompt_tokens=base["PROMPT_TOKENS"],
+        widgets=False,
+    )
     s = panel.state
     segs = dict(s.segments())
-    return {"weights": parse_bytes(format_bytes(segs["weights"])), "kv": parse_bytes(format_bytes(segs["KV cache"])),
-            "total": parse_bytes(format_bytes(s.estimate.total)), "verdict": s.verdict}
+    return {
+        "weights": parse_bytes(format_bytes(segs["weights"])),
+        "kv": parse_bytes(format_bytes(segs["KV cache"])),
+        "total": parse_bytes(format_bytes(s.estimate.total)),
+        "verdict": s.verdict,
+    }
 
 
 def settles_on(view: PanelView, load: str):
@@ -205,8 +228,9 @@ def test_load_panel_in_jupyterlab(lab, page):
 
     # Load: the kernel loads the plan the page shows and the report appears under the button.
     view.button.click()
-    report = wait_until(lambda: "loaded in" in view.report.inner_text() and view.report.inner_text(),
-                        "the load report", timeout=180)
+    report = wait_until(
+        lambda: "loaded in" in view.report.inner_text() and view.report.inner_text(), "the load report", timeout=180
+    )
     assert "as int8" in report and "Not loaded" not in report
     assert "weights" in report and "estimated" in report and "measured" in report
     wait_until(lambda: view.button.is_enabled(), "the Load button to be enabled again")
@@ -216,16 +240,26 @@ def test_load_panel_in_jupyterlab(lab, page):
 
 # The README's screenshot: a real 7B model planned for a free Colab T4 (its shipped config makes the
 # estimate work offline; no weights are loaded), in a notebook of just the two install-free cells.
-T4_PANEL = {"model": "codellama/CodeLlama-7b-hf", "device": "t4", "load": "nf4", "max_new_tokens": 1024,
-            "batch_size": 4, "prompt_tokens": 512}
+T4_PANEL = {
+    "model": "codellama/CodeLlama-7b-hf",
+    "device": "t4",
+    "load": "nf4",
+    "max_new_tokens": 1024,
+    "batch_size": 4,
+    "prompt_tokens": 512,
+}
 
 
 def t4_notebook(dest_dir: Path) -> Path:
     import nbformat
 
     args = ", ".join([repr(T4_PANEL["model"])] + [f"{k}={v!r}" for k, v in T4_PANEL.items() if k != "model"])
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("from helpers.widgets import LoadPanel"),
-                                         nbformat.v4.new_code_cell(f"LoadPanel({args})")])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("from helpers.widgets import LoadPanel"),
+            nbformat.v4.new_code_cell(f"LoadPanel({args})"),
+        ]
+    )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / "load_panel_t4.ipynb"
@@ -242,9 +276,13 @@ def t4_expected(load: str) -> dict:
     if verdict.suggestions:
         top = verdict.suggestions[0]
         text += f" Top fix: {top.change} (saves {format_bytes(top.saving)})"
-    return {"weights": format_bytes(est.weights), "kv": format_bytes(est.row("KV cache").bytes),
-            "total": f"total {format_bytes(est.total)} / {format_bytes(verdict.capacity)} (t4)",
-            "verdict": verdict.verdict, "verdict_text": text}
+    return {
+        "weights": format_bytes(est.weights),
+        "kv": format_bytes(est.row("KV cache").bytes),
+        "total": f"total {format_bytes(est.total)} / {format_bytes(verdict.capacity)} (t4)",
+        "verdict": verdict.verdict,
+        "verdict_text": text,
+    }
 
 
 def t4_shows(view: PanelView, load: str):
@@ -253,11 +291,13 @@ def t4_shows(view: PanelView, load: str):
 
     def check():
         est = view.estimate_box.inner_text()
-        now = {"weights": re.search(r"weights ([\d.]+ [KMGT]?i?B)", est).group(1),
-               "kv": re.search(r"KV cache ([\d.]+ [KMGT]?i?B)", est).group(1),
-               "total": re.search(r"total .*", est).group(0).strip(),
-               "verdict": view.verdict_box.get_attribute("data-verdict"),
-               "verdict_text": " ".join(view.verdict_box.inner_text().split())}
+        now = {
+            "weights": re.search(r"weights ([\d.]+ [KMGT]?i?B)", est).group(1),
+            "kv": re.search(r"KV cache ([\d.]+ [KMGT]?i?B)", est).group(1),
+            "total": re.search(r"total .*", est).group(0).strip(),
+            "verdict": view.verdict_box.get_attribute("data-verdict"),
+            "verdict_text": " ".join(view.verdict_box.inner_text().split()),
+        }
         return now if now == want and view.dropdown.input_value() == load else None
 
     return check, want
@@ -304,13 +344,20 @@ def test_server_and_kernels_stop_when_a_test_fails(tmp_path):
         pytest.fail("browser test needs: " + "; ".join(missing))
     server = LabServer(tmp_path, tmp_path / "lab.log", startup_timeout=TIMEOUT)
     with pytest.raises(RuntimeError, match="a failing test"), server:
-        req = urllib.request.Request(server.url("api/kernels"), data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            server.url("api/kernels"), data=b"{}", method="POST", headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             kernel_id = json.load(r)["id"]
         # The kernel process is up (it runs in its own session, outside the server's process group).
-        kernels = wait_until(lambda: [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                                      if "ipykernel" in " ".join(p.cmdline())], f"kernel {kernel_id} to start")
+        kernels = wait_until(
+            lambda: [
+                p
+                for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if "ipykernel" in " ".join(p.cmdline())
+            ],
+            f"kernel {kernel_id} to start",
+        )
         server.track()
         pids = [server.proc.pid, *(k.pid for k in kernels)]
         raise RuntimeError("a failing test")

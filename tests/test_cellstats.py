@@ -60,8 +60,17 @@ def test_in_a_real_kernel(tmp_path):
     """A notebook executed by a Jupyter kernel: %load_ext helpers, a growing cell re-run, %oomkit off."""
     from nbclient import NotebookClient
 
-    cells = [f"import sys\nsys.path.insert(0, {str(REPO)!r})", "%load_ext helpers", "import torch\nkeep = []",
-             GROW, GROW, GROW, GROW, "%oomkit off", "z = 3"]
+    cells = [
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})",
+        "%load_ext helpers",
+        "import torch\nkeep = []",
+        GROW,
+        GROW,
+        GROW,
+        GROW,
+        "%oomkit off",
+        "z = 3",
+    ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
 

@@ -91,8 +91,11 @@ def test_unload_releases_quantized_weights_and_their_state(tiny_llama, mode):
 
     model, _, _ = load(LoadPlan(str(tiny_llama), load=mode), check=False)
     layer = model.model.layers[0].self_attn.q_proj.weight
-    held = [weakref.ref(t) for t in (getattr(layer, "CB", None), getattr(layer, "SCB", None), layer.data)
-            if isinstance(t, torch.Tensor)]
+    held = [
+        weakref.ref(t)
+        for t in (getattr(layer, "CB", None), getattr(layer, "SCB", None), layer.data)
+        if isinstance(t, torch.Tensor)
+    ]
     state = getattr(layer, "quant_state", None)
     held += [weakref.ref(state.absmax)] if state is not None else []
     del layer, state

@@ -42,10 +42,12 @@ def _load(path, mode):
     logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
     if mode in ("fp32", "fp16", "bf16"):
-        return AutoModelForCausalLM.from_pretrained(path, dtype={"fp32": torch.float32, "fp16": torch.float16,
-                                                                 "bf16": torch.bfloat16}[mode])
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16,
-                                                quantization_config=BitsAndBytesConfig(**QUANT[mode]))
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype={"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float16, quantization_config=BitsAndBytesConfig(**QUANT[mode])
+    )
 
 
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "int8", "nf4", "nf4+dq", "fp4", "fp4+dq"])
@@ -53,13 +55,20 @@ def test_predicted_weights_equal_real_loaded_bytes(tiny_llama, tiny_qwen2, mode)
     for path in (tiny_llama, tiny_qwen2):
         model = _load(path, mode)
         load = mode.split("+")[0]
-        est = estimate(path, load=load, double_quant=mode.endswith("+dq"),
-                       compute_dtype="fp16" if load in ("int8", "nf4", "fp4") else "auto")
+        est = estimate(
+            path,
+            load=load,
+            double_quant=mode.endswith("+dq"),
+            compute_dtype="fp16" if load in ("int8", "nf4", "fp4") else "auto",
+        )
         assert est.weights == footprint(model), (path.name, mode)
         assert est.params == sum(p.numel() for p in _load(path, "fp32").parameters())
         # the same layout read from the loaded (quantized) model itself
-        assert estimate(model, load=load, double_quant=mode.endswith("+dq"), compute_dtype="fp16").weights == \
-            est.weights if load in ("int8", "nf4", "fp4") else True
+        assert (
+            estimate(model, load=load, double_quant=mode.endswith("+dq"), compute_dtype="fp16").weights == est.weights
+            if load in ("int8", "nf4", "fp4")
+            else True
+        )
 
 
 def test_layout_arithmetic_by_hand(tiny_llama):
@@ -78,7 +87,8 @@ def test_layout_arithmetic_by_hand(tiny_llama):
     assert nf4.row("weights: quantization state").bytes == n * sum(4 * b + 64 for b in blocks)
     dq = estimate(tiny_llama, load="nf4", double_quant=True, compute_dtype="fp16")
     assert dq.row("weights: quantization state").bytes == n * sum(
-        b + 4 * math.ceil(b / 256) + 4 + 1024 + 64 for b in blocks)
+        b + 4 * math.ceil(b / 256) + 4 + 1024 + 64 for b in blocks
+    )
     assert dq.row("weights: unquantized (embeddings, norms, lm_head)").bytes == plain * 2
 
 
@@ -185,8 +195,14 @@ def test_footprint_counts_quant_state_that_transformers_misses(tiny_llama):
 def test_preflight_check_without_gpu_says_t4(tiny_llama):
     from helpers.preflight import preflight
 
-    report = preflight(str(tiny_llama), snapshot=_cpu_snapshot(), package_versions={}, bnb=(True, "ok"),
-                       colab=False, checkpoint=(1, 1, "test"))
+    report = preflight(
+        str(tiny_llama),
+        snapshot=_cpu_snapshot(),
+        package_versions={},
+        bnb=(True, "ok"),
+        colab=False,
+        checkpoint=(1, 1, "test"),
+    )
     check = report.check("fit")
     assert check.status == "pass" and "T4" in check.summary and check.data["load"] == "fp16"
 
@@ -236,8 +252,18 @@ def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
     with pytest.raises(EstimateError, match="no 'model_type'.*lacks num_hidden_layers, vocab_size"):
         estimate(bad, load="fp16")
     unknown = tmp_path / "unknown.json"
-    unknown.write_text(json.dumps({"model_type": "brand-new-arch", "hidden_size": 256, "num_hidden_layers": 2,
-                                   "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000}))
+    unknown.write_text(
+        json.dumps(
+            {
+                "model_type": "brand-new-arch",
+                "hidden_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+            }
+        )
+    )
     est = estimate(unknown, load="fp16")
     assert est.approximate and "brand-new-arch" in str(est)
     assert est.params == 2 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 256 + 1000 * 256  # tied by default
@@ -250,8 +276,15 @@ def test_unknown_architecture_falls_back_to_approximate_count(monkeypatch):
         raise NotImplementedError("no modeling code for this architecture")
 
     monkeypatch.setattr(E, "_meta_model", boom)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-                      vocab_size=1000, tie_word_embeddings=False, name_or_path="fallback-test")
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+        name_or_path="fallback-test",
+    )
     est = estimate(cfg, load="nf4")
     assert est.approximate and "approximate" in str(est)
     # q, k, v, o, gate, up, down + norms; embeddings and lm_head: the dimension count of a Llama
@@ -269,8 +302,11 @@ def test_current_device_honours_a_per_process_memory_cap(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9),
+    )
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.1875)
     name, dev = _device("current")
     assert dev["capacity"] == 15 * 2**30 and "capped at 19%" in name

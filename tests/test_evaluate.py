@@ -88,8 +88,9 @@ def test_injected_ooms_never_lose_or_change_a_result(tiny, reference, tmp_path):
         path = tmp_path / f"run{seed}.jsonl"
         budget_tokens = longest + NEW + (seed * 37) % 150  # from "one prompt at a time" to "most at once"
         with simulated_budget(model, tokens=budget_tokens, oom_rate=0.15, seed=seed) as budget:
-            report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False,
-                                   batch_size=len(PROMPTS))
+            report = safe_generate(
+                model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False, batch_size=len(PROMPTS)
+            )
         assert report.oom_retries == budget.ooms
         assert report.full_collections == 0  # refcounting freed every failed batch: no 0.2 s gc.collect()
         assert report.truncated == 0
@@ -103,8 +104,9 @@ def test_adapts_instead_of_halving_and_grows_back(tiny, tmp_path):
     bs.clear_cache()
     prompts = [" ".join(["x"] * n) for n in (40, 38, 36, 34, 6, 5, 5, 4, 4, 3, 3, 2, 2, 2, 1, 1)]
     with simulated_budget(model, tokens=4 * (42 + NEW)) as budget:
-        report = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=tmp_path / "r.jsonl",
-                               progress=False, batch_size=16)
+        report = safe_generate(
+            model, tok, prompts, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False, batch_size=16
+        )
     assert budget.ooms >= 1
     assert report.done == len(prompts)
     # the longest prompts went first in small batches; the short ones later in bigger batches
@@ -134,8 +136,7 @@ def test_context_overflow_caps_new_tokens_and_records_it(tiny, tmp_path):
     keep = tok.decode(tok(long)["input_ids"][: ctx - 6], skip_special_tokens=True)
     m = len(tok(keep)["input_ids"])
     assert ctx - 16 < m < ctx
-    report = safe_generate(model, tok, [keep, "short"], max_new_tokens=16, results=tmp_path / "r.jsonl",
-                           progress=False)
+    report = safe_generate(model, tok, [keep, "short"], max_new_tokens=16, results=tmp_path / "r.jsonl", progress=False)
     capped = next(r for r in report.records if r["prompt"] == keep)
     assert capped["truncated"] and capped["truncated_reason"] == "context" and capped["max_new_tokens"] == ctx - m
     assert not next(r for r in report.records if r["prompt"] == "short")["truncated"]
@@ -157,8 +158,9 @@ def test_interrupted_run_resumes_without_loss(tiny, reference, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False, batch_size=3,
-                      on_result=stop_after_5)
+        safe_generate(
+            model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False, batch_size=3, on_result=stop_after_5
+        )
     # the callback saw 5; the whole second batch (3, then 6: it doubles while it fits) was on disk first
     written = [r["id"] for r in _lines(path)]
     assert written[:5] == seen and len(written) == 9
@@ -248,8 +250,13 @@ def test_bad_inputs_fail_before_any_generation(tiny, tmp_path):
         with pytest.raises(EvalError, match="cannot write results"):
             safe_generate(model, tok, PROMPTS, results=blocker / "r.jsonl", progress=False)
         with pytest.raises(EvalError, match="twice"):
-            safe_generate(model, tok, [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}],
-                          results=tmp_path / "b.jsonl", progress=False)
+            safe_generate(
+                model,
+                tok,
+                [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}],
+                results=tmp_path / "b.jsonl",
+                progress=False,
+            )
         with pytest.raises(EvalError, match="score"):
             safe_generate(model, tok, PROMPTS, score="bleu", results=tmp_path / "c.jsonl", progress=False)
         with pytest.raises(EvalError, match="not found"):
@@ -257,7 +264,6 @@ def test_bad_inputs_fail_before_any_generation(tiny, tmp_path):
         with pytest.raises(EvalError, match="max_batch_size must be a positive int"):
             safe_generate(model, tok, PROMPTS, max_batch_size=0, results=tmp_path / "e.jsonl", progress=False)
     assert budget.calls == 0
-
 
 
 def test_typical_prompt_mistakes_say_what_to_pass(tiny, tmp_path):
@@ -273,19 +279,23 @@ def test_typical_prompt_mistakes_say_what_to_pass(tiny, tmp_path):
         with pytest.raises(EvalError, match="line 1 is a JSON array; the file must be JSONL"):
             safe_generate(model, tok, array, results=tmp_path / "a.jsonl", progress=False)
         with pytest.raises(EvalError, match="generation_kwargs must be a dict"):
-            safe_generate(model, tok, PROMPTS, generation_kwargs=["do_sample"], results=tmp_path / "a.jsonl",
-                          progress=False)
+            safe_generate(
+                model, tok, PROMPTS, generation_kwargs=["do_sample"], results=tmp_path / "a.jsonl", progress=False
+            )
         with pytest.raises(EvalError, match="pass them in that order"):
             safe_generate(tok, model, PROMPTS, results=tmp_path / "a.jsonl", progress=False)
         with pytest.raises(EvalError, match="got LlamaForCausalLM and NoneType"):
             safe_generate(model, None, PROMPTS, results=tmp_path / "a.jsonl", progress=False)
     assert budget.calls == 0 and not (tmp_path / "a.jsonl").exists()
 
+
 def test_prompt_forms_and_stable_ids(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "q1", "prompt": "one", "reference": "1"}\n\n{"prompt": "two"}\n')
-    assert load_prompts(path) == [{"id": "q1", "prompt": "one", "reference": "1"},
-                                  {"id": prompt_id("two"), "prompt": "two", "reference": None}]
+    assert load_prompts(path) == [
+        {"id": "q1", "prompt": "one", "reference": "1"},
+        {"id": prompt_id("two"), "prompt": "two", "reference": None},
+    ]
     twice = load_prompts(["same", "same"])
     assert [p["id"] for p in twice] == [prompt_id("same"), prompt_id("same") + "#2"]
     assert prompt_id("same") == prompt_id("same") and len(prompt_id("same")) == 12
@@ -302,8 +312,15 @@ def test_scores_and_report(tiny, tmp_path):
     model, tok = tiny
     rows = [{"id": f"p{k}", "prompt": p, "reference": "memory"} for k, p in enumerate(PROMPTS[:4])]
     rows.append({"id": "noref", "prompt": "no reference here"})
-    report = safe_generate(model, tok, rows, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False,
-                           score=lambda out, ref: float(len(out) > 0))
+    report = safe_generate(
+        model,
+        tok,
+        rows,
+        max_new_tokens=NEW,
+        results=tmp_path / "r.jsonl",
+        progress=False,
+        score=lambda out, ref: float(len(out) > 0),
+    )
     assert report.scores == {"<lambda>": 1.0}
     assert [r["id"] for r in report.records] == [r["id"] for r in rows]
     assert "score" not in report.records[-1]

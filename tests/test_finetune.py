@@ -31,8 +31,18 @@ ROWS = load_instructions()[:48]
 
 
 def _plan(model, out, **kw):
-    base = dict(seq_len=64, batch_size=4, max_steps=6, save_steps=2, logging_steps=1, output_dir=str(out),
-                learning_rate=1e-3, warmup_steps=0, r=8, alpha=16)
+    base = dict(
+        seq_len=64,
+        batch_size=4,
+        max_steps=6,
+        save_steps=2,
+        logging_steps=1,
+        output_dir=str(out),
+        learning_rate=1e-3,
+        warmup_steps=0,
+        r=8,
+        alpha=16,
+    )
     return TrainPlan(str(model), **{**base, **kw})
 
 
@@ -73,15 +83,16 @@ def test_plan_defaults_and_validation(tiny_llama, tmp_path):
     assert est.capacity and est.total < est.capacity
 
 
-
 def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for bad, match in ((dict(load="int4"), "unknown load mode 'int4'; use nf4"),
-                       (dict(micro_batch="4"), "micro_batch must be a whole number, got '4'"),
-                       (dict(max_steps=0, epochs="1"), "epochs must be a number, got '1'"),
-                       (dict(dropout=2), r"dropout is a probability in \[0, 1\)"),
-                       (dict(learning_rate="2e-4"), "learning_rate must be a number")):
+    for bad, match in (
+        (dict(load="int4"), "unknown load mode 'int4'; use nf4"),
+        (dict(micro_batch="4"), "micro_batch must be a whole number, got '4'"),
+        (dict(max_steps=0, epochs="1"), "epochs must be a number, got '1'"),
+        (dict(dropout=2), r"dropout is a probability in \[0, 1\)"),
+        (dict(learning_rate="2e-4"), "learning_rate must be a number"),
+    ):
         with pytest.raises(ValueError, match=match):
             TrainPlan("x", **bad)
     a_file = tmp_path / "notes.txt"
@@ -95,7 +106,10 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
         target_modules(model, ["q_projj"])
     wrong_keys = tmp_path / "qa.jsonl"
     wrong_keys.write_text('{"question": "a", "answer": "b"}\n')
-    with pytest.raises(ValueError, match="qa.jsonl:1: .*it has keys 'question', 'answer'. Rename the fields, e.g. rows = \\[\\{'instruction': r\\['question'\\], 'response': r\\['answer'\\]\\} for r"):
+    with pytest.raises(
+        ValueError,
+        match="qa.jsonl:1: .*it has keys 'question', 'answer'. Rename the fields, e.g. rows = \\[\\{'instruction': r\\['question'\\], 'response': r\\['answer'\\]\\} for r",
+    ):
         load_instructions(wrong_keys)
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"instruction": "a", "response": "b"}\n{bad}\n')
@@ -111,6 +125,7 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
         make_trainer(model, tok, plan, [])
     with pytest.raises(ValueError, match=r"raw rows.*build_dataset\(tokenizer, rows, plan.seq_len\)"):
         make_trainer(model, tok, plan, ROWS[:2])
+
 
 def test_prompt_is_masked_and_answer_trains(tiny_llama):
     from transformers import AutoTokenizer
@@ -168,8 +183,11 @@ def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_ll
     if _cpu_repacks():
         assert all(m.weight.quant_state.packing_format_for_cpu for m in layers), "generation repacked them"
     model = prepare_qlora(model, plan)[0]
-    assert not any(getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)
-                   for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu"))
+    assert not any(
+        getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False)
+        for m in model.modules()
+        if hasattr(m, "support_avx512bf16_for_cpu")
+    )
     grads = _lora_b_grads(model, tok)
     assert not [w for w in recwarn if "autograd kernel was not registered" in str(w.message)]
     assert grads.keys() == reference.keys() and grads
@@ -210,12 +228,16 @@ def test_qlora_lowers_loss_and_adapter_reloads(tiny_llama, tmp_path):
     assert "adapter_model.safetensors" in report.files and "model.safetensors" not in report.files
     assert report.bytes < 2 * 4 * trainable.trainable + 64 * 1024  # LoRA weights only
     model.eval()
-    ids = tok(prompt_text(tok, "Count the features in wells.csv."), return_tensors="pt",
-              add_special_tokens=False).input_ids
+    ids = tok(
+        prompt_text(tok, "Count the features in wells.csv."), return_tensors="pt", add_special_tokens=False
+    ).input_ids
     with torch.no_grad():
         trained = model(input_ids=ids).logits
-    fresh, _, rep = load(LoadPlan(str(tiny_llama), load="nf4", compute_dtype=plan.resolved_precision(),
-                                  adapter=str(tmp_path / "adapter")))
+    fresh, _, rep = load(
+        LoadPlan(
+            str(tiny_llama), load="nf4", compute_dtype=plan.resolved_precision(), adapter=str(tmp_path / "adapter")
+        )
+    )
     assert rep.adapter_bytes > 0
     with torch.no_grad():
         reloaded = fresh(input_ids=ids).logits
@@ -242,8 +264,9 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
     again = train(model, tok, plan, ds)
     assert again.resumed_from == 4 and again.global_step == 6
     assert [s for s, _ in again.losses] == [1, 2, 3, 4, 5, 6]
-    torch.testing.assert_close(torch.tensor([x for _, x in again.losses]),
-                               torch.tensor([x for _, x in ref.losses]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor([x for _, x in again.losses]), torch.tensor([x for _, x in ref.losses]), rtol=1e-4, atol=1e-4
+    )
     state = json.loads((last_checkpoint(plan.output_dir) / "trainer_state.json").read_text())
     assert state["global_step"] == 6
     for name in ("optimizer.pt", "scheduler.pt", "adapter_model.safetensors"):

@@ -71,12 +71,15 @@ def test_detector_sees_acceleration():
     assert det.report().accelerating
 
 
-@pytest.mark.parametrize("name, values", [
-    ("flat", [5_000_000] * 30),
-    ("warm-up spike", [9_000_000, 9_000_000, 7_000_000, 5_000_000] + [5_000_000] * 26),
-    ("cache fills then stays", [5_000_000 + min(i, 8) * 200_000 for i in range(30)]),
-    ("noise", [5_000_000 + (i % 3) * 3000 for i in range(30)]),
-])
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("flat", [5_000_000] * 30),
+        ("warm-up spike", [9_000_000, 9_000_000, 7_000_000, 5_000_000] + [5_000_000] * 26),
+        ("cache fills then stays", [5_000_000 + min(i, 8) * 200_000 for i in range(30)]),
+        ("noise", [5_000_000 + (i % 3) * 3000 for i in range(30)]),
+    ],
+)
 def test_detector_has_no_false_positive(name, values):
     det = leaks.GrowthDetector()
     assert not any(_run(det, values)), name
@@ -90,7 +93,6 @@ def test_watch_finds_a_planted_leak_and_its_holder():
     assert report.leaking and report.suspect == "kept[…]"
     clean = leaks.watch(lambda: torch.zeros(4096).sum(), 20, namespace={"x": 1})
     assert not clean.leaking
-
 
 
 def test_watch_keeps_the_measured_steps_when_a_step_raises():
@@ -111,6 +113,7 @@ def test_watch_keeps_the_measured_steps_when_a_step_raises():
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got '5'"):
         leaks.watch(lambda: None, "5")
 
+
 def test_checks_find_each_pattern():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     feats = []
@@ -122,11 +125,21 @@ def test_checks_find_each_pattern():
         raise ValueError("boom")
     except ValueError as e:
         err = e
-    ns = {"model": model, "feats": feats, "val_losses": [_grad_tensor()], "errors": [err],
-          "cache": {(1, n): torch.zeros(n) for n in range(20)}}
+    ns = {
+        "model": model,
+        "feats": feats,
+        "val_losses": [_grad_tensor()],
+        "errors": [err],
+        "cache": {(1, n): torch.zeros(n) for n in range(20)},
+    }
     found = leaks.checks(ns)
-    assert {c.name for c in found.problems} == {"graph in container", "hooks", "stored traceback",
-                                                "shape-keyed cache", "grads after eval"}
+    assert {c.name for c in found.problems} == {
+        "graph in container",
+        "hooks",
+        "stored traceback",
+        "shape-keyed cache",
+        "grads after eval",
+    }
     assert found.check("hooks").data["holders"] == ["model[0]"]
     assert found.check("stored traceback").data["holders"] == ["errors"]
     assert found.check("shape-keyed cache").data["holders"] == ["cache"]
@@ -148,15 +161,23 @@ def test_output_history_check_in_ipython(ipython_shell):
 
 def test_top_allocation_sites_groups_by_user_line():
     # innermost first, as PyTorch records them; C++ frames come from source paths such as /pytorch/c10/...
-    frames_user = [{"filename": "/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 1077, "name": "malloc"},
-                   {"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
-                   {"filename": "/content/train.py", "line": 12, "name": "step"}]
-    snap = {"segments": [{"blocks": [
-        {"size": 4096, "state": "active_allocated", "frames": frames_user},
-        {"size": 4096, "state": "active_allocated", "frames": frames_user},
-        {"size": 1 << 20, "state": "inactive", "frames": frames_user},
-        {"size": 512, "state": "active_allocated", "frames": []},
-    ]}]}
+    frames_user = [
+        {"filename": "/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 1077, "name": "malloc"},
+        {"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+        {"filename": "/content/train.py", "line": 12, "name": "step"},
+    ]
+    snap = {
+        "segments": [
+            {
+                "blocks": [
+                    {"size": 4096, "state": "active_allocated", "frames": frames_user},
+                    {"size": 4096, "state": "active_allocated", "frames": frames_user},
+                    {"size": 1 << 20, "state": "inactive", "frames": frames_user},
+                    {"size": 512, "state": "active_allocated", "frames": []},
+                ]
+            }
+        ]
+    }
     sites = leaks.top_allocation_sites(snap)
     assert sites.sites[0] == ("/content/train.py:12 step", 8192, 2)
     assert sites.total == 8192 + 512

@@ -74,7 +74,6 @@ def test_bad_plan_values_list_the_valid_ones():
         LoadPlan("m", batch_size=0)
 
 
-
 def test_typical_plan_and_call_mistakes_say_what_to_pass(tiny_llama):
     from transformers import AutoTokenizer
 
@@ -97,6 +96,7 @@ def test_typical_plan_and_call_mistakes_say_what_to_pass(tiny_llama):
         generate_batched(object(), tok, ["hello"], max_new_tokens="8")
     with pytest.raises(TypeError, match="pass the model first"):
         generate_batched(tok, object(), ["hello"])
+
 
 def test_token_is_never_shown():
     plan = LoadPlan("org/model", token="hf_SECRETsecret")
@@ -121,8 +121,9 @@ def test_load_reports_measured_within_1_percent_of_estimated_weights(tiny_llama,
     assert type(layer).__name__ == ("Linear8bitLt" if mode == "int8" else "Linear4bit")
     # tokenizer ready for batched generation
     assert tok.pad_token is not None and tok.padding_side == "left"
-    outs = generate_batched(model, tok, ["hello", "the memory of a small GPU is"], max_new_tokens=4,
-                            batch_size=2, progress=False)
+    outs = generate_batched(
+        model, tok, ["hello", "the memory of a small GPU is"], max_new_tokens=4, batch_size=2, progress=False
+    )
     assert len(outs) == 2 and all(isinstance(o, str) for o in outs)
 
 
@@ -234,11 +235,13 @@ def test_plan_that_does_not_fit_the_gpu_is_refused_with_the_top_fix(tiny_llama):
     # offloading weights does not shrink the KV cache
     huge_cache = big.replace(max_new_tokens=4096, batch_size=64)
     with pytest.raises(LoadRefused, match="KV cache, activations and overheads alone .* offloading weights cannot"):
-        check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK,
-                   estimate=huge_cache)
+        check_plan(
+            plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK, estimate=huge_cache
+        )
     # with enough RAM it loads, warned that generation will be slow
-    checked = check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK,
-                         estimate=big)
+    checked = check_plan(
+        plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK, estimate=big
+    )
     assert any("offloaded" in w and "slower" in w for w in checked.warnings)
 
 
@@ -250,8 +253,7 @@ def test_cpu_only_plan_larger_than_ram_is_refused(tiny_llama):
 
 def test_weight_file_larger_than_ram_is_refused_before_the_kernel_dies(tiny_llama):
     with pytest.raises(LoadRefused, match="the kernel would die while loading"):
-        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=machine(gpu=False, ram_avail=64 * 1024),
-                   bnb=BNB_OK)
+        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=machine(gpu=False, ram_avail=64 * 1024), bnb=BNB_OK)
 
 
 def test_max_memory_keeps_room_for_the_kv_cache():
@@ -301,14 +303,22 @@ def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
 
     import helpers  # noqa: F401 - installs the filter
 
-    out = subprocess.run([sys.executable, "-c", "import helpers, bitsandbytes"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import helpers, bitsandbytes"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kernels-community" not in out.stderr
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     keep = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "something else went wrong", None, None)
-    drop = logging.LogRecord(log.name, logging.WARNING, __file__, 1,
-                             "Failed to load CPU gemm_4bit_forward from kernels-community: %s", ("x",), None)
+    drop = logging.LogRecord(
+        log.name,
+        logging.WARNING,
+        __file__,
+        1,
+        "Failed to load CPU gemm_4bit_forward from kernels-community: %s",
+        ("x",),
+        None,
+    )
     assert log.filter(keep) and not log.filter(drop)
 
 

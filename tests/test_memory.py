@@ -33,8 +33,18 @@ def test_snapshot_disks_cover_hf_cache_and_working_dir():
 
 def t4(allocated=0, reserved=0, free=None, processes=None) -> GPUReadout:
     total = int(14.74 * GiB)
-    return GPUReadout(0, "Tesla T4", (7, 5), total, free if free is not None else total - reserved - 300 * MiB,
-                      allocated, reserved, allocated, reserved, processes)
+    return GPUReadout(
+        0,
+        "Tesla T4",
+        (7, 5),
+        total,
+        free if free is not None else total - reserved - 300 * MiB,
+        allocated,
+        reserved,
+        allocated,
+        reserved,
+        processes,
+    )
 
 
 def test_gpu_readout_derived_figures():
@@ -46,8 +56,11 @@ def test_gpu_readout_derived_figures():
 
 
 def test_snapshot_str_and_html_show_gpu_figures():
-    snap = MemorySnapshot("cuda", [t4(1 * GiB, 2 * GiB, processes=[GPUProcess(42, 3 * GiB, "python")])],
-                          RAMReadout(12 * GiB, 10 * GiB, 2 * GiB, 1 * GiB))
+    snap = MemorySnapshot(
+        "cuda",
+        [t4(1 * GiB, 2 * GiB, processes=[GPUProcess(42, 3 * GiB, "python")])],
+        RAMReadout(12 * GiB, 10 * GiB, 2 * GiB, 1 * GiB),
+    )
     text = str(snap)
     assert "Tesla T4" in text and "1.00 GiB allocated" in text and "process 42 python: 3.00 GiB" in text
     html = snap._repr_html_()
@@ -79,8 +92,11 @@ def test_nvml_handle_matches_the_torch_device_by_uuid(monkeypatch):
         nvmlDeviceGetHandleByIndex=lambda i: calls.append(("index", i)) or "by-index",
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: types.SimpleNamespace(uuid="5f1c2d3e-0000-1111-2222-333344445555"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: types.SimpleNamespace(uuid="5f1c2d3e-0000-1111-2222-333344445555"),
+    )
     assert nvml_handle(0) == (fake, "by-uuid")
     assert calls == [("uuid", b"GPU-5f1c2d3e-0000-1111-2222-333344445555")]
 

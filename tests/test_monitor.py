@@ -68,7 +68,6 @@ def test_threshold_crossing_names_the_largest_tensor():
         MemoryMonitor(threshold=1.5)
 
 
-
 def test_bad_settings_say_what_to_pass():
     for bad in (0, -1, "1", None):
         with pytest.raises(ValueError, match="interval is in seconds and must be a positive number"):
@@ -78,6 +77,7 @@ def test_bad_settings_say_what_to_pass():
     for bad in (-1, "15GiB"):
         with pytest.raises(ValueError, match="capacity is a positive number of bytes"):
             MemoryMonitor(capacity=bad)
+
 
 def _log(cb, step, state):
     state.global_step = step

@@ -14,8 +14,13 @@ RUNS = run_notebooks.planned_runs()
 def test_notebook_executes(run, tiny_models):
     run_notebooks.execute(run)
     executed = nbformat.read(run.output, as_version=4)
-    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o
+        for c in executed.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors
 
 
@@ -33,5 +38,6 @@ def test_notebook_is_stored_clean_and_paired(path):
     import jupytext
 
     paired = jupytext.read(path.with_suffix(".py"))
-    assert [c.source for c in paired.cells] == [c.source for c in nbformat.read(path, 4).cells], \
+    assert [c.source for c in paired.cells] == [c.source for c in nbformat.read(path, 4).cells], (
         "the .ipynb and .py differ: run make sync-notebooks"
+    )

@@ -56,12 +56,16 @@ CPU = (
     "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
     "tried to allocate 281474976710656 bytes. Error code 12 (Cannot allocate memory)"
 )
-CUDA_ERROR = ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
-              "some other API call, so the stacktrace below might be incorrect.")
+CUDA_ERROR = (
+    "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
+    "some other API call, so the stacktrace below might be incorrect."
+)
 CUBLAS = "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 CUDNN = "RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED"
-BNB = ("bitsandbytes/functional.py:1042 in dequantize_4bit\nRuntimeError: CUDA out of memory. Tried to allocate "
-       "3.00 GiB. GPU 0 has a total capacity of 14.75 GiB of which 1.9 GiB is free.")
+BNB = (
+    "bitsandbytes/functional.py:1042 in dequantize_4bit\nRuntimeError: CUDA out of memory. Tried to allocate "
+    "3.00 GiB. GPU 0 has a total capacity of 14.75 GiB of which 1.9 GiB is free."
+)
 BNB_PAGED = "bitsandbytes paged optimizer: cget_managed_ptr failed: out of memory"
 COLAB = "Your session crashed after using all available RAM. If you are interested in access to high-RAM runtimes..."
 
@@ -184,8 +188,9 @@ def test_real_cpu_oom_live_report():
 def test_cli(tmp_path, monkeypatch, capsys):
     path = tmp_path / "log.txt"
     path.write_text("some training log\n" + CUDA_FRAGMENTED + "\n")
-    out = subprocess.run([sys.executable, "-m", "helpers", "explain", str(path), "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "helpers", "explain", str(path), "--json"], capture_output=True, text=True, check=True
+    ).stdout
     assert json.loads(out)["cause"] == "fragmentation"
     monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
     assert main([]) == 0 and "system RAM" in capsys.readouterr().out
@@ -198,11 +203,13 @@ def test_cli(tmp_path, monkeypatch, capsys):
 def test_ipython_handler_in_process(ipython_shell, capsys):
     assert install(ipython_shell)
     try:
-        ipython_shell.run_cell("import torch\n"
-                               "def f():\n    x = torch.ones(1 << 22)\n    torch.empty(1 << 45)\n"
-                               "import weakref\n")
-        ipython_shell.run_cell("def g():\n    global ref\n    x = torch.ones(1 << 22)\n    ref = weakref.ref(x)\n"
-                               "    torch.empty(1 << 45)\n")
+        ipython_shell.run_cell(
+            "import torch\ndef f():\n    x = torch.ones(1 << 22)\n    torch.empty(1 << 45)\nimport weakref\n"
+        )
+        ipython_shell.run_cell(
+            "def g():\n    global ref\n    x = torch.ones(1 << 22)\n    ref = weakref.ref(x)\n"
+            "    torch.empty(1 << 45)\n"
+        )
         ipython_shell.run_cell("g()")
         out = capsys.readouterr()
         assert "Cause: system RAM" in out.out + out.err and "Released what the traceback pinned" in out.out + out.err
@@ -217,10 +224,12 @@ def test_ipython_handler_in_process(ipython_shell, capsys):
 
 def test_a_process_cap_is_named_as_the_cause_when_the_card_had_room():
     """torch adds 'X allowed;' when set_per_process_memory_fraction caps the process (real message form)."""
-    capped = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. GPU 0 has a total capacity "
-              "of 79.19 GiB of which 60.06 GiB is free. Including non-PyTorch memory, this process has 15.81 GiB "
-              "memory in use. 14.74 GiB allowed; Of the allocated memory 14.44 GiB is allocated by PyTorch, and "
-              "59.88 MiB is reserved by PyTorch but unallocated.")
+    capped = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 996.00 MiB. GPU 0 has a total capacity "
+        "of 79.19 GiB of which 60.06 GiB is free. Including non-PyTorch memory, this process has 15.81 GiB "
+        "memory in use. 14.74 GiB allowed; Of the allocated memory 14.44 GiB is allocated by PyTorch, and "
+        "59.88 MiB is reserved by PyTorch but unallocated."
+    )
     r = explain_oom(capped)
     assert r.cause == "process_cap" and abs(r.process_cap - 14.74 * 2**30) < 2**20
     assert "set_per_process_memory_fraction(1.0)" in r.fixes[0]

@@ -20,8 +20,7 @@ CELLS = [
     "    rss_held = psutil.Process().memory_info().rss\n"
     "    return torch.empty(1 << 45)  # a real CPU allocation failure",
     "train_step()",
-    "print('FREED', ref() is None)\n"
-    "print('RSS_DROP_MIB', (rss_held - psutil.Process().memory_info().rss) >> 20)",
+    "print('FREED', ref() is None)\nprint('RSS_DROP_MIB', (rss_held - psutil.Process().memory_info().rss) >> 20)",
     "%unload_ext helpers",
     "train_step()",
     "print('KEPT', ref() is not None)",
@@ -33,8 +32,9 @@ def _run(tmp_path: Path):
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{env_path}" if env_path else str(REPO)
     try:
-        NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=120, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     finally:
         os.environ["PYTHONPATH"] = env_path
     return nb

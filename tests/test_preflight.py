@@ -22,14 +22,17 @@ def machine(gpu=True, free=None, reserved=0, processes=None, ram_avail=11 * GiB,
         free = T4_TOTAL - reserved - 400 * MiB if free is None else free
         gpus = [GPUReadout(0, "Tesla T4", (7, 5), T4_TOTAL, free, 0, reserved, 0, reserved, processes)]
     return MemorySnapshot(
-        "cuda" if gpu else "cpu", gpus, RAMReadout(int(12.7 * GiB), ram_avail, 1 * GiB, 500 * MiB),
+        "cuda" if gpu else "cpu",
+        gpus,
+        RAMReadout(int(12.7 * GiB), ram_avail, 1 * GiB, 500 * MiB),
         [DiskReadout("HF cache", "/root/.cache/huggingface/hub", 100 * GiB, disk_free)],
     )
 
 
 def run(snap, model=None, checkpoint=None, **kw):
-    return preflight(model, snapshot=snap, package_versions=VERSIONS, bnb=(True, "ok"), colab=True,
-                     checkpoint=checkpoint, **kw)
+    return preflight(
+        model, snapshot=snap, package_versions=VERSIONS, bnb=(True, "ok"), colab=True, checkpoint=checkpoint, **kw
+    )
 
 
 def test_no_gpu_on_colab_warns_with_runtime_fix():
@@ -74,8 +77,9 @@ def test_disk_too_small_for_download_fails():
 
 def test_missing_bitsandbytes_warns_with_install_line():
     vers = dict(VERSIONS, bitsandbytes=None)
-    report = preflight(snapshot=machine(), package_versions=vers, bnb=(False, "bitsandbytes is not installed"),
-                       colab=True)
+    report = preflight(
+        snapshot=machine(), package_versions=vers, bnb=(False, "bitsandbytes is not installed"), colab=True
+    )
     assert report.check("versions").status == "warn" and "pip install bitsandbytes" in report.check("versions").fix
     assert report.check("bitsandbytes").status == "warn"
 
@@ -100,7 +104,6 @@ def test_checkpoint_size_of_local_dir(tiny_llama):
     assert source == "local files"
 
 
-
 def test_missing_local_path_and_bad_cli_load_say_so(capsys):
     from helpers.preflight import main
 
@@ -110,14 +113,16 @@ def test_missing_local_path_and_bad_cli_load_say_so(capsys):
         main(["--load", "int4"])
     assert e.value.code == 2 and "--load 'int4': use auto, fp32, fp16" in capsys.readouterr().err
 
+
 def test_real_machine_bitsandbytes_runs_on_cpu():
     report = preflight()
     assert report.check("bitsandbytes").status == "pass"
 
 
 def test_cli_json_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "helpers", "preflight", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "helpers", "preflight", "--json"], capture_output=True, text=True, check=True
+    ).stdout
     data = json.loads(out)
     checks = {c["name"]: c for c in data["checks"]}
     assert checks["GPU"]["status"] == "warn" and "T4 GPU" in checks["GPU"]["fix"]

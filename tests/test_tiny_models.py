@@ -24,16 +24,20 @@ def test_tokenizer_is_a_trained_bpe_with_chat_template(tiny_llama):
     ids = tok("Quantization stores weights in fewer bits.")["input_ids"]
     assert len(ids) < 20  # merges learned from the corpus, not one token per byte
     assert tok.decode(ids, skip_special_tokens=True) == "Quantization stores weights in fewer bits."
-    assert "<|assistant|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                      add_generation_prompt=True)
+    assert "<|assistant|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_bitsandbytes_quantizes_real_linear_layers_on_cpu(tiny_llama, mode):
     import bitsandbytes as bnb
 
-    q = (BitsAndBytesConfig(load_in_8bit=True) if mode == "int8" else
-         BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    q = (
+        BitsAndBytesConfig(load_in_8bit=True)
+        if mode == "int8"
+        else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=q, device_map="cpu")
     cls = bnb.nn.Linear8bitLt if mode == "int8" else bnb.nn.Linear4bit
     quantized = [m for m in model.modules() if isinstance(m, cls)]

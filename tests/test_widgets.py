@@ -16,8 +16,14 @@ def panel(tiny_llama):
 
 def test_controls_have_stable_labels_for_browser_tests(panel):
     c = panel.controls
-    assert c["load"].description == "Load mode" and set(c["load"].options) == {"fp32", "fp16", "bf16", "int8",
-                                                                               "nf4", "fp4"}
+    assert c["load"].description == "Load mode" and set(c["load"].options) == {
+        "fp32",
+        "fp16",
+        "bf16",
+        "int8",
+        "nf4",
+        "fp4",
+    }
     assert c["double_quant"].description == "Double quant"
     assert c["max_new_tokens"].description == "max_new_tokens"
     assert c["batch_size"].description == "Batch size" and c["prompt_tokens"].description == "Prompt tokens"
@@ -136,8 +142,10 @@ def test_load_button_loads_the_current_plan(panel):
 
 
 def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, '
-                                          '"num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 64}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 64}'
+    )
     panel = LoadPanel(str(tmp_path), load="fp32", widgets=True, adapter=str(tmp_path / "missing-adapter"))
     panel.controls["button"].click()  # no exception escapes the click handler
     assert isinstance(panel.error, LoadError) and "Adapter file not found" in str(panel.error)
