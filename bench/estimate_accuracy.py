@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import format_table, write_results  # noqa: E402
-from helpers.estimate import CONFIG_DIR, estimate, footprint  # noqa: E402
+from helpers.estimator import estimate, footprint  # noqa: E402
+from helpers.sources import data_path  # noqa: E402
+
+CONFIG_DIR = data_path("configs")
 
 FAMILIES = {  # family -> (shipped config, scaled-down overrides)
     "Llama-2": ("meta-llama--Llama-2-7b-hf", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
@@ -50,7 +53,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def build(family: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from helpers.estimate import resolve_config
+    from helpers.estimator import resolve_config
 
     name, overrides = FAMILIES[family]
     d = json.loads((CONFIG_DIR / f"{name}.json").read_text())
@@ -156,7 +159,7 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
-    from helpers.estimate import LoraTraining
+    from helpers.estimator import LoraTraining
 
     cfg = LlamaConfig(**PEAK_CONFIG)
     out = []
@@ -218,7 +221,7 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
     (fp16, paged 8-bit AdamW, checkpointing) with the process capped at a T4's memory. None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    from helpers.estimate import DEVICES
+    from helpers.devices import DEVICES
     from helpers.finetune import TrainPlan, prepare_qlora
     from helpers.loading import load as load_plan
 
@@ -272,7 +275,7 @@ def cuda_generate_row(batch: int = 4, prompt: int = 512, new: int = 128) -> dict
         return None
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from helpers.estimate import DEVICES
+    from helpers.devices import DEVICES
 
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, DEVICES["t4"]["capacity"] / total))

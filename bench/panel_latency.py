@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table, write_results  # noqa: E402
 
-import helpers.estimate as estimate_mod  # noqa: E402
+from helpers.estimator import fit  # noqa: E402
+from helpers.estimator.layout import clear_layout_cache  # noqa: E402
 from helpers.widgets import LoadPanel  # noqa: E402
 
 MOVES = 40
@@ -55,12 +56,12 @@ def _uncached_moves(panel: LoadPanel, model: str, values: list[int]) -> list[flo
     """Re-read the config and recount on the meta device for every move (the layout cache cleared)."""
     out = []
     for v in values:
-        estimate_mod._LAYOUTS.clear()
+        clear_layout_cache()
         t = time.perf_counter()
         plan = panel.plan.replace(max_new_tokens=v)
         est = plan.estimate(panel._est_device)  # from the model id or path: config read again
         target = panel._capacity if panel._est_device == "cpu" else panel._est_device
-        verdict = estimate_mod.fit(est, target)
+        verdict = fit(est, target)
         html = verdict._repr_html_() + est._repr_html_()
         out.append(time.perf_counter() - t)
         assert html

@@ -1,4 +1,4 @@
-"""Build the small GIS instruction dataset (data/instructions.jsonl) and held-out prompts.
+"""Build the small GIS instruction dataset (helpers/data/instructions.jsonl) and held-out prompts.
 
 Written for oomkit from templates: short geodata questions with short Python answers (geopandas,
 shapely, rasterio, pyproj), the seeds' use case (a LoRA adapter for a GIS assistant). Deterministic:
@@ -16,8 +16,8 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TRAIN = HERE / "instructions.jsonl"
-HELDOUT = HERE / "heldout_prompts.jsonl"
+TRAIN = HERE.parent / "helpers" / "data" / "instructions.jsonl"
+HELDOUT = HERE.parent / "helpers" / "data" / "heldout_prompts.jsonl"
 
 FILES = [("roads.shp", "roads"), ("parcels.gpkg", "parcels"), ("rivers.geojson", "rivers"),
          ("buildings.shp", "buildings"), ("wells.csv", "wells"), ("districts.geojson", "districts"),

@@ -1,19 +1,56 @@
 """oomkit: load, fine-tune and evaluate Hugging Face models on small GPUs without OOM crashes.
 
-The notebook-facing API is re-exported here; each concern lives in its own module.
+The notebook API is importable from here (``from helpers import snapshot, estimate, LoadPlan``).
+Names load lazily, on first use, so ``import helpers`` costs little more than ``import torch``;
+each concern lives in its own module (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-
-from .cleanup import CleanupReport, cleanup, free, unload
-from .memory import MemorySnapshot, allocated, reserved, snapshot
-from .preflight import PreflightReport, preflight
-from .units import GiB, MiB, format_bytes, parse_bytes
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it; the one table of the notebook API
+_API: dict[str, str] = {
+    **dict.fromkeys(["GiB", "MiB", "format_bytes", "parse_bytes"], "units"),
+    **dict.fromkeys(["OomkitError"], "errors"),
+    **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved"], "memory"),
+    **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "reclaim"),
+    **dict.fromkeys(["PreflightReport", "preflight"], "environment"),
+    **dict.fromkeys(
+        ["estimate", "fit", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
+         "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
+    **dict.fromkeys(["data_path", "shipped_configs"], "sources"),
+    **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
+    **dict.fromkeys(["LoadPanel"], "widgets"),
+    **dict.fromkeys(["explain_oom", "is_oom", "OOMReport"], "oom"),
+    **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),
+    **dict.fromkeys(["safe_generate", "load_prompts", "EvalReport", "simulated_budget"], "evaluate"),
+    **dict.fromkeys(
+        ["TrainPlan", "prepare_qlora", "find_micro_batch", "train", "save_adapter", "merge_adapter",
+         "load_instructions", "build_dataset", "answer"], "finetune"),
+    **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
+    **dict.fromkeys(
+        ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),
+}  # fmt: skip
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> Any:
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'helpers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
 
 
 def _quiet_optional_cpu_kernel(record: logging.LogRecord) -> bool:
@@ -25,26 +62,15 @@ def _quiet_optional_cpu_kernel(record: logging.LogRecord) -> bool:
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_optional_cpu_kernel)
 
-__all__ = [
-    "CleanupReport", "cleanup", "free", "unload",
-    "MemorySnapshot", "allocated", "reserved", "snapshot",
-    "PreflightReport", "preflight",
-    "GiB", "MiB", "format_bytes", "parse_bytes",
-]  # fmt: skip
-
-# Modules that hook into IPython when a notebook runs `%load_ext helpers`. Each exposes
-# `_load_ipython_extension(ip)` / `_unload_ipython_extension(ip)`; a module not yet present is skipped.
+# Modules that hook into IPython when a notebook runs `%load_ext helpers`; each has
+# `load_ipython_extension(ip)` / `unload_ipython_extension(ip)`.
 IPYTHON_EXTENSIONS = ["helpers.oom", "helpers.cellstats"]
 
 
 def _extension_modules():
     for name in IPYTHON_EXTENSIONS:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "_load_ipython_extension"):
-            yield mod
+        mod = importlib.import_module(name)
+        yield mod
 
 
 def load_ipython_extension(ip) -> None:
@@ -55,5 +81,4 @@ def load_ipython_extension(ip) -> None:
 
 def unload_ipython_extension(ip) -> None:
     for mod in _extension_modules():
-        if hasattr(mod, "_unload_ipython_extension"):
-            mod._unload_ipython_extension(ip)
+        mod._unload_ipython_extension(ip)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .cleanup import release_after_oom
 from .oom import is_oom
+from .reclaim import release_after_oom
 
 __all__ = ["Trial", "BatchSearch", "find_max_batch_size", "adaptive_batch", "clear_cache", "BatchSizeError"]
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from .batch_size import _CACHE, BatchSearch
-from .cleanup import release_after_oom
 from .memory import allocated, ram_readout, reserved
 from .oom import is_oom
+from .reclaim import release_after_oom
 from .units import format_bytes
 
 __all__ = [
@@ -497,7 +497,7 @@ def _start_size(
     if cached is not None and cached.max_ok > 0:
         return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
     if _device_of(model).type == "cuda":
-        from .estimate import EstimateError, max_batch_that_fits
+        from .estimator import EstimateError, max_batch_that_fits
 
         try:
             predicted = max_batch_that_fits(

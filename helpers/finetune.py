@@ -23,9 +23,14 @@ from typing import Any
 
 import torch
 
-from .loading import keep_4bit_layout
+from .batch_size import find_max_batch_size
+from .devices import cuda_capability
+from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
+from .loading import LoadPlan, keep_4bit_layout
 from .memory import in_colab
+from .sources import data_path
 from .units import format_bytes
+from .vocab import LOAD_MODES, QUANTIZED, supports_bf16
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
@@ -33,15 +38,9 @@ __all__ = [
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter",
 ]  # fmt: skip
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 DRIVE = Path("/content/drive/MyDrive")
 IGNORE = -100  # label value the loss skips
-DATA_URL = "https://raw.githubusercontent.com/oomkit/oomkit/main/data"
 FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
-
-
-def _cuda_capability() -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
 @dataclass
@@ -93,8 +92,6 @@ class TrainPlan:
     logging_steps: int = 5
 
     def __post_init__(self):
-        from .estimate import LOAD_MODES
-
         if not str(self.model or "").strip():
             raise ValueError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
@@ -157,8 +154,8 @@ class TrainPlan:
     def resolved_precision(self) -> str:
         if self.precision != "auto":
             return self.precision
-        cap = _cuda_capability()
-        return "fp32" if cap is None else ("bf16" if cap[0] >= 8 else "fp16")
+        cap = cuda_capability()
+        return "fp32" if cap is None else ("bf16" if supports_bf16(cap) else "fp16")
 
     def resolved_optimizer(self) -> str:
         if self.optimizer != "auto":
@@ -175,7 +172,6 @@ class TrainPlan:
 
     def load_plan(self, **changes):
         """The :class:`helpers.loading.LoadPlan` that loads the base model for this run."""
-        from .loading import LoadPlan
 
         prec = self.resolved_precision()
         compute = "auto" if self.load in ("fp16", "bf16", "fp32") else prec
@@ -185,7 +181,6 @@ class TrainPlan:
 
     def lora_training(self, gpu: bool | None = None):
         """The estimator's :class:`helpers.estimate.LoraTraining` for this plan (on a GPU when ``gpu``)."""
-        from .estimate import OPTIMIZERS, LoraTraining
 
         opt = "paged_adamw_8bit" if gpu and self.optimizer == "auto" else self.resolved_optimizer()
         return LoraTraining(r=self.r, alpha=self.alpha, targets=self.targets,
@@ -200,13 +195,12 @@ class TrainPlan:
             device: a preset such as ``"t4"`` (default: plan for the free Colab GPU), ``"current"`` or bytes.
             model: what to estimate instead of ``self.model`` (e.g. the loaded model).
         """
-        from .estimate import estimate
 
         here = device in ("current", "cpu", None)
         prec = self.resolved_precision() if here else ("auto" if self.precision == "auto" else self.precision)
         if device == "current" and not torch.cuda.is_available():
             device = "cpu"
-        compute = prec if self.load in ("int8", "nf4", "fp4") else "auto"
+        compute = prec if self.load in QUANTIZED else "auto"
         est = estimate(
             self.model if model is None else model,
             load=self.load,
@@ -215,15 +209,14 @@ class TrainPlan:
             training=self.lora_training(gpu=device != "cpu"),
             device=device,
         )
-        if self.load in ("int8", "nf4", "fp4") and compute != "fp32":
+        if self.load in QUANTIZED and compute != "fp32":
             # prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms, lm_head)
             # to fp32 for training: those weights take twice the room they took after loading
-            from .estimate import EstimateRow
-
-            plain = est.row("weights: unquantized (embeddings, norms, lm_head)")
+            plain = est.row("weights.unquantized")
             est.rows.insert(
                 est.rows.index(plain) + 2,
                 EstimateRow(
+                    "training.fp32_upcast",
                     "fp32 upcast of unquantized weights",
                     plain.bytes,
                     "exact",
@@ -366,36 +359,14 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
 # -- data ----------------------------------------------------------------------------------------
 
 
-def _shipped_data(name: str) -> Path:
-    """``data/<name>`` of the repository; where oomkit was pip-installed (Colab), a cached download of it."""
-    local = DATA / name
-    if local.exists():
-        return local
-    cached = Path.home() / ".cache" / "oomkit" / name
-    if not cached.exists():
-        import urllib.request
-
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            urllib.request.urlretrieve(f"{DATA_URL}/{name}", cached)
-        except OSError as e:
-            raise FileNotFoundError(
-                f"data/{name} is not installed here and could not be downloaded ({e}); "
-                "pass the path of a JSONL file instead"
-            ) from None
-    return cached
-
-
 def load_instructions(path: str | Path | None = None, *, heldout: bool = False) -> list[dict]:
     """Rows of an instruction JSONL file.
 
     Args:
         path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
-            default the shipped ``data/instructions.jsonl`` (``data/heldout_prompts.jsonl`` with ``heldout``).
+            default the shipped ``helpers/data/instructions.jsonl`` (``heldout_prompts.jsonl`` with ``heldout``).
     """
-    path = (
-        Path(path) if path is not None else _shipped_data("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
-    )
+    path = Path(path) if path is not None else data_path("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
     if not path.exists():
         raise FileNotFoundError(
             f"no instruction file at {path}; pass a JSONL path with one "
@@ -561,7 +532,6 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     within the margin, so micro-batch x accumulation is exactly the effective batch asked for.
     Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
-    from .batch_size import find_max_batch_size
 
     vocab = model.get_input_embeddings().num_embeddings
     device = next(p for p in model.parameters()).device

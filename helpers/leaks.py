@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .checks import Check
 from .html import Markup, badge, table
-from .preflight import Check
 from .units import format_bytes
 
 __all__ = [

@@ -13,7 +13,6 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,21 +21,23 @@ from typing import Any
 
 import torch
 
+from .checks import Check
+from .devices import bitsandbytes_status, device_kind
+from .errors import OomkitError
+from .estimator import estimate as estimate_memory
+from .estimator import fit, footprint
 from .html import table
-from .memory import MemorySnapshot, in_colab
+from .memory import MemorySnapshot
+from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, nearest_existing
 from .units import GiB, MiB, format_bytes, percent
+from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, supports_bf16, torch_dtype
 
 __all__ = [
-    "LOAD_MODES", "QUANTIZED", "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
+    "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
     "load", "check_plan", "setup_tokenizer", "generate_batched", "placement", "keep_4bit_layout",
 ]  # fmt: skip
 
-LOAD_MODES = ("fp16", "bf16", "fp32", "int8", "nf4", "fp4")
-QUANTIZED = ("int8", "nf4", "fp4")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BNB_INSTALL = "pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)"
-DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
 TOKEN_HELP = (
     "Accept the model's licence on its Hugging Face page, then give this runtime a token: in Colab, "
     "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
@@ -48,9 +49,12 @@ GPU_MARGIN = 256 * MiB
 # Offloaded weights cross PCIe on every forward pass; a T4 in Colab sees roughly this much.
 PCIE_BYTES_PER_S = 8 * GiB
 DISK_BYTES_PER_S = 300 * MiB
+# Offloaded weights may take this share of available RAM: the rest is for the tokenizer, the
+# Python process and Colab itself, which dies without a message when RAM runs out.
+OFFLOAD_RAM_SHARE = 0.8
 
 
-class LoadError(RuntimeError):
+class LoadError(OomkitError, RuntimeError):
     """A load refused before it started: ``reason`` says why, ``fix`` what to do."""
 
     def __init__(self, reason: str, fix: str | None = None):
@@ -66,18 +70,11 @@ class LoadRefused(LoadError):
     """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""
 
 
-def _device_kind() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    return "mps" if mps is not None and mps.is_available() else "cpu"
-
-
 def auto_compute_dtype(device: str | None = None) -> str:
     """fp16 on pre-Ampere GPUs (T4, V100), bf16 on Ampere and later, fp16 on MPS, fp32 on CPU."""
-    device = device or _device_kind()
+    device = device or device_kind()
     if device == "cuda":
-        return "bf16" if torch.cuda.get_device_capability() >= (8, 0) else "fp16"
+        return "bf16" if supports_bf16(torch.cuda.get_device_capability()) else "fp16"
     return "fp16" if device == "mps" else "fp32"
 
 
@@ -124,8 +121,10 @@ class LoadPlan:
         if self.load not in LOAD_MODES:
             hint = " (4-bit is 'nf4' or 'fp4')" if str(self.load).lower() in ("int4", "4bit", "4-bit") else ""
             raise ValueError(f"unknown load mode {self.load!r}{hint}; valid: {', '.join(LOAD_MODES)}")
-        if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
-            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        try:
+            self.compute_dtype = dtype_name(self.compute_dtype)  # torch.float16, "float16", "half" ... -> "fp16"
+        except ValueError as e:
+            raise ValueError(f"compute_dtype: {e}") from None
         for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_new_tokens" else 1):
@@ -146,13 +145,13 @@ class LoadPlan:
         """The compute dtype name this plan uses on ``device`` (default: this machine)."""
         if self.compute_dtype != "auto":
             return self.compute_dtype
-        if self.load in DTYPES:
+        if self.load in DTYPE_BYTES:
             return self.load
         return auto_compute_dtype(device)
 
     def weights_dtype(self, device: str | None = None) -> torch.dtype:
         """dtype of the unquantized tensors: the load mode itself, or the compute dtype for int8/4-bit."""
-        return DTYPES[self.load] if self.load in DTYPES else DTYPES[self.resolved_compute_dtype(device)]
+        return torch_dtype(self.load if self.load in DTYPE_BYTES else self.resolved_compute_dtype(device))
 
     def quantization_config(self, device: str | None = None):
         """``BitsAndBytesConfig`` for int8/nf4/fp4, ``None`` otherwise."""
@@ -163,13 +162,13 @@ class LoadPlan:
         if self.load == "int8":
             # fp32 CPU offload lets device_map put the modules that do not fit on the CPU
             # instead of failing; the report warns about the speed.
-            offload = self.device_map == "auto" and _device_kind() == "cuda"
+            offload = self.device_map == "auto" and device_kind() == "cuda"
             return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=self.load,
             bnb_4bit_use_double_quant=self.double_quant,
-            bnb_4bit_compute_dtype=DTYPES[self.resolved_compute_dtype(device)],
+            bnb_4bit_compute_dtype=torch_dtype(self.resolved_compute_dtype(device)),
         )
 
     def from_pretrained_kwargs(self, device: str | None = None) -> dict[str, Any]:
@@ -203,9 +202,7 @@ class LoadPlan:
             device: ``"current"`` (this machine: the GPU, or the CPU), a preset such as ``"t4"``, or bytes.
             model: what to estimate instead of ``self.model`` (a resolved config, to skip re-reading it).
         """
-        from .estimate import estimate
-
-        return estimate(
+        return estimate_memory(
             self.model if model is None else model,
             load=self.load,
             double_quant=self.double_quant,
@@ -213,12 +210,12 @@ class LoadPlan:
             batch_size=self.batch_size,
             prompt_tokens=self.prompt_tokens,
             max_new_tokens=self.max_new_tokens,
-            device="cpu" if device == "current" and _device_kind() != "cuda" else device,
+            device="cpu" if device == "current" and device_kind() != "cuda" else device,
         )
 
     def estimate_compute_dtype(self, device: Any = "current") -> str:
         """The compute dtype to estimate with: this machine's for ``"current"``, else the estimator's auto."""
-        if self.compute_dtype != "auto" or self.load in DTYPES:
+        if self.compute_dtype != "auto" or self.load in DTYPE_BYTES:
             return self.resolved_compute_dtype()
         if device in ("current", None, "cpu"):
             return auto_compute_dtype("cpu" if device == "cpu" else None)
@@ -242,39 +239,9 @@ def _transformers_major() -> int:
 # ----------------------------------------------------------------------------- checks
 
 
-def _looks_like_path(model: str) -> bool:
-    """True for strings that can only be paths: absolute, ./, ../, ~, Windows drives, or 3+ parts."""
-    return (
-        model.startswith(("/", "./", "../", "~", "\\"))
-        or (len(model) > 1 and model[1] == ":")
-        or model.count("/") >= 2
-        or model.endswith((".safetensors", ".bin", ".json"))
-    )
-
-
-def _drive_hint(path: str) -> str:
-    """What to check on Colab when a path is missing (Drive not mounted, or a typo under MyDrive)."""
-    if not in_colab() and not path.startswith("/content"):
-        return ""
-    if path.startswith("/content/drive") and not Path("/content/drive/MyDrive").exists():
-        return f" Google Drive is not mounted: run `{DRIVE_MOUNT}` first."
-    if path.startswith("/content/drive"):
-        return " Google Drive is mounted: check the folder name under /content/drive/MyDrive (it is case-sensitive)."
-    return (
-        " Files under /content are deleted when the Colab runtime restarts; keep models and adapters on "
-        f"Google Drive (`{DRIVE_MOUNT}`)."
-    )
-
-
 def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
-    p = Path(path).expanduser()
-    parent = next((q for q in p.parents if q.exists()), None)
-    near = ""
-    if parent is not None and parent != Path("/") and parent.is_dir():
-        names = sorted(c.name for c in parent.iterdir())[:8]
-        near = f" {parent} exists and holds: {', '.join(names) or '(nothing)'}."
     return ModelNotFoundError(
-        f"{kind} file not found: {path} does not exist ({what}).{near}{_drive_hint(path)}",
+        f"{kind} file not found: {path} does not exist ({what}).{nearest_existing(path)}{drive_hint(path)}",
         f"Pass the directory that holds {what}, or a hub id such as 'org/name'",
     )
 
@@ -302,7 +269,7 @@ def check_model_source(model: str, token: str | None = None) -> str:
                 "Point at the folder written by save_pretrained() (it has config.json)",
             )
         return "local"
-    if _looks_like_path(model):
+    if looks_like_path(model):
         raise _missing_path_error("Model", model, "config.json and the weight files")
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -314,16 +281,6 @@ def check_model_source(model: str, token: str | None = None) -> str:
     return _check_hub(model, token)
 
 
-def _hub_offline_reason() -> str | None:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return "HF_HUB_OFFLINE is set"
-    try:  # a quick probe: huggingface_hub itself retries for ~30 s before giving up
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-    except OSError as e:
-        return f"huggingface.co cannot be reached ({type(e).__name__})"
-    return None
-
-
 def _hub_access(model: str, token: str | None) -> None:
     from huggingface_hub import auth_check
 
@@ -331,7 +288,7 @@ def _hub_access(model: str, token: str | None) -> None:
 
 
 def _check_hub(model: str, token: str | None) -> str:
-    offline = _hub_offline_reason()
+    offline = hub_offline_reason()
     if offline:
         raise ModelNotFoundError(
             f"{model!r} is not a local path and is not in the Hugging Face cache, and this machine is offline "
@@ -363,7 +320,7 @@ def check_adapter(adapter: str) -> None:
     """Raise :class:`ModelNotFoundError` unless ``adapter`` is a PEFT adapter directory."""
     p = Path(adapter).expanduser()
     if not p.exists():
-        if not _looks_like_path(adapter) and "/" in adapter:
+        if not looks_like_path(adapter) and "/" in adapter:
             return  # a hub adapter id; PEFT resolves it
         raise _missing_path_error("Adapter", adapter, "adapter_config.json and adapter_model.safetensors")
     if not (p / "adapter_config.json").exists():
@@ -382,8 +339,6 @@ def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None =
         if importlib.util.find_spec("bitsandbytes") is None:
             status = (False, "bitsandbytes is not installed")
         else:
-            from .preflight import bitsandbytes_status
-
             status = bitsandbytes_status(device)
     ok, why = status
     if ok:
@@ -404,8 +359,6 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     On a GPU the estimate must fit the free GPU memory, or (with ``device_map="auto"``) what
     does not fit must fit in RAM. Without a GPU everything lives in RAM.
     """
-    from .estimate import fit
-
     warnings: list[str] = []
     ram = snap.ram.available
     g = snap.gpu
@@ -420,7 +373,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
         return warnings
     room = _gpu_room(estimate, g)
     verdict = fit(estimate, device=room)
-    if verdict.verdict != "does not fit":
+    if verdict.verdict != DOES_NOT_FIT:
         return warnings
     extra = estimate.total - room
     fix = _top_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
@@ -436,7 +389,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
             f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
             fix,
         )
-    if extra > ram * 0.8 and not plan.offload_folder:
+    if extra > ram * OFFLOAD_RAM_SHARE and not plan.offload_folder:
         raise LoadRefused(
             f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
             f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "
@@ -445,7 +398,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
         )
     warnings.append(
         f"about {format_bytes(extra)} of weights will be offloaded to "
-        f"{'CPU RAM' if extra <= ram * 0.8 else 'disk'}: generation will be much slower. Better: {fix}"
+        f"{'CPU RAM' if extra <= ram * OFFLOAD_RAM_SHARE else 'disk'}: generation will be much slower. Better: {fix}"
     )
     return warnings
 
@@ -454,7 +407,7 @@ def _gpu_room(estimate, g) -> int:
     """Free GPU memory to compare ``estimate.total`` with. The estimate has a row for the CUDA context,
     which reading the free memory has already created (it is outside the free figure): counting it
     again would refuse or offload about 400 MiB early on a T4."""
-    paid = sum(r.bytes for r in estimate.rows if r.name.startswith("CUDA context"))
+    paid = sum(r.bytes for r in estimate.rows if r.key == "overhead.cuda_context")
     return g.free + paid
 
 
@@ -466,14 +419,50 @@ def _top_fix(verdict) -> str | None:
     return f"{s.change} (saves {format_bytes(s.saving)})"
 
 
+def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
+    """Whether RAM can hold the largest weight file while loading (the Colab kernel dies silently if not)."""
+    avail = snap.ram.available
+    if total is None:
+        return Check(
+            "RAM for loading", "info", f"{format_bytes(avail)} RAM available; checkpoint size unknown: {source}"
+        )
+    # Loading streams one shard at a time through RAM (low_cpu_mem_usage); a shard larger than
+    # free RAM is what kills a Colab kernel without a message.
+    need = int(largest * 1.2)
+    data = {"available": avail, "checkpoint": total, "largest_shard": largest}
+    if avail < need:
+        return Check(
+            "RAM for loading",
+            "fail",
+            f"{format_bytes(avail)} RAM available, the largest weight file is "
+            f"{format_bytes(largest)}: the kernel would die while loading",
+            "Use a checkpoint with smaller shards (e.g. a -sharded variant), free RAM (helpers.cleanup()), "
+            "or a High-RAM runtime",
+            data,
+        )
+    if avail < total:
+        return Check(
+            "RAM for loading",
+            "warn",
+            f"{format_bytes(avail)} RAM available, checkpoint is "
+            f"{format_bytes(total)}: fine for GPU loading, but offloading layers to CPU will not fit",
+            "Keep device_map on the GPU; quantize instead of offloading",
+            data,
+        )
+    return Check(
+        "RAM for loading",
+        "pass",
+        f"{format_bytes(avail)} RAM available for a {format_bytes(total)} checkpoint ({source})",
+        data=data,
+    )
+
+
 def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
     """Refuse when the largest weight file does not fit in RAM (the Colab kernel would die silently)."""
-    from .preflight import _check_ram, checkpoint_size
-
     p = Path(model).expanduser()
     if not p.exists():
         return  # a hub model: preflight asks the hub for file sizes; loading should not wait for that
-    check = _check_ram(snap, *checkpoint_size(model))
+    check = ram_for_loading(snap, *checkpoint_size(model))
     if check.status == "fail":
         raise LoadRefused(check.summary, check.fix)
 
@@ -485,7 +474,7 @@ def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
         return None
     runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
     gpu_cap = max(0, _gpu_room(estimate, g) - runtime - GPU_MARGIN)
-    return {g.index: gpu_cap, "cpu": int(snap.ram.available * 0.8)}
+    return {g.index: gpu_cap, "cpu": int(snap.ram.available * OFFLOAD_RAM_SHARE)}
 
 
 @dataclass
@@ -715,8 +704,6 @@ def load(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .estimate import footprint
-
     if isinstance(plan, str | os.PathLike):
         _check_fields(plan_changes)
         plan = LoadPlan(str(plan), **plan_changes)
@@ -734,7 +721,7 @@ def load(
         checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate("current"))
         if plan.adapter:
             check_adapter(plan.adapter)
-        check_bitsandbytes(plan.load, _device_kind(), bnb)
+        check_bitsandbytes(plan.load, device_kind(), bnb)
     est = checked.estimate
     run_plan = plan.replace(
         max_memory=checked.max_memory,
@@ -743,7 +730,7 @@ def load(
     if run_plan.token is None:
         run_plan.token = _find_token()
     kwargs = run_plan.from_pretrained_kwargs()
-    if _device_kind() != "cuda" and kwargs.get("device_map") == "auto":
+    if device_kind() != "cuda" and kwargs.get("device_map") == "auto":
         kwargs["device_map"] = None  # nothing to place on a CPU-only machine; keeps module devices simple
     cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if cuda else 0

@@ -18,6 +18,7 @@ import torch
 
 from .html import Markup, bar, table
 from .units import format_bytes
+from .vocab import supports_bf16
 
 __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
@@ -67,7 +68,7 @@ class GPUReadout:
 
     @property
     def supports_bf16(self) -> bool:
-        return self.capability >= (8, 0)
+        return supports_bf16(self.capability)
 
 
 @dataclass

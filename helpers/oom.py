@@ -419,7 +419,7 @@ def _held_elsewhere(f: dict) -> int | None:
 def _estimator_fixes() -> list[str]:
     """The estimator's fix ladder (issue 3), when that module is present; otherwise nothing."""
     try:
-        from . import estimate
+        from . import estimator as estimate
     except ImportError:
         return []
     ladder = getattr(estimate, "FIX_LADDER", None) or getattr(estimate, "fix_ladder", None)
@@ -612,16 +612,16 @@ def _handler(shell, etype, value, tb, tb_offset=None):
     if not is_oom(value):
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         return None
-    from .cleanup import _readout, cleanup
+    from .reclaim import cleanup, counters
 
-    before = _readout()
+    before = counters()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
     report = explain_oom(value)
     # the traceback's frames keep every tensor the failed code created: clear them, then collect
     traceback.clear_frames(tb)
     del tb
     freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
-    after = _readout()
+    after = counters()
     readout = (
         f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
         + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")

@@ -20,18 +20,22 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from .devices import resolve_device
+from .estimator import fit, resolve_config
 from .html import COLORS
-from .loading import LOAD_MODES, LoadError, LoadPlan, load
+from .loading import LoadError, LoadPlan, load
+from .memory import in_colab, ram_readout
+from .oom import is_oom
 from .units import format_bytes
+from .vocab import FITS, FOUR_BIT, LOAD_MODES, VERDICT_STATUS, verdict
 
 __all__ = ["LoadPanel", "PanelState", "widgets_available"]
 
-VERDICT_STATUS = {"fits": "pass", "tight": "warn", "does not fit": "fail"}
-SEGMENTS = [  # (label, row-name test, opacity) in bar order
-    ("weights", lambda n: n.startswith("weights"), 1.0),
-    ("KV cache", lambda n: n == "KV cache", 0.7),
-    ("activations", lambda n: "activations" in n or n.startswith("logits"), 0.5),
-    ("overheads", lambda n: True, 0.3),
+SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; training state counts as overhead here
+    ("weights", ("weights",), 1.0),
+    ("KV cache", ("kv_cache",), 0.7),
+    ("activations", ("activations",), 0.5),
+    ("overheads", ("training", "overhead"), 0.3),
 ]
 MAX_NEW_TOKENS_RANGE = (16, 4096, 16)  # min, max, step: every multiple of 16, so 16/32/64 are reachable
 PROMPT_TOKENS_RANGE = (16, 8192, 16)
@@ -60,7 +64,6 @@ def widgets_available() -> bool:
 
 def _enable_colab_widgets() -> None:
     """Colab renders ipywidgets 8 only through its custom widget manager."""
-    from .memory import in_colab
 
     if not in_colab():
         return
@@ -99,11 +102,7 @@ class PanelState:
 
     def segments(self) -> list[tuple[str, int]]:
         """Bytes per bar segment: weights, KV cache, activations, overheads."""
-        out = {label: 0 for label, _, _ in SEGMENTS}
-        for row in self.estimate.rows:
-            label = next(lbl for lbl, test, _ in SEGMENTS if test(row.name))
-            out[label] += row.bytes
-        return list(out.items())
+        return [(label, sum(self.estimate.group_bytes(g) for g in groups)) for label, groups, _ in SEGMENTS]
 
     def verdict_text(self) -> str:
         text = (
@@ -185,8 +184,6 @@ class LoadPanel:
         widgets: bool | None = None,
         **plan_fields,
     ):
-        from .estimate import resolve_config
-
         self._base = LoadPlan(
             str(model),
             load=load,
@@ -224,16 +221,10 @@ class LoadPanel:
         """(capacity bytes, label, device argument for the estimator)."""
         import torch
 
-        from .estimate import _device
-
         if device == "current" and not torch.cuda.is_available():
-            from .memory import ram_readout
-
             return ram_readout().available, "CPU RAM (no GPU)", "cpu"
-        label, dev = _device(device)
+        label, dev = resolve_device(device)
         if dev is None:  # "cpu": compare with this machine's free RAM, as "current" does without a GPU
-            from .memory import ram_readout
-
             return ram_readout().available, "CPU RAM", "cpu"
         return dev["capacity"], label, device
 
@@ -259,7 +250,7 @@ class LoadPanel:
             )
 
         c = {
-            "load": w.Dropdown(options=list(LOAD_MODES_ORDER), value=v["load"], description="Load mode", style=style),
+            "load": w.Dropdown(options=list(LOAD_MODES), value=v["load"], description="Load mode", style=style),
             "double_quant": w.Checkbox(value=v["double_quant"], description="Double quant", indent=False),
             "max_new_tokens": slider(MAX_NEW_TOKENS_RANGE, v["max_new_tokens"], "max_new_tokens"),
             "batch_size": slider(BATCH_RANGE, v["batch_size"], "Batch size"),
@@ -325,8 +316,6 @@ class LoadPanel:
                 print(f"Not loaded: {e}")
             except Exception as e:  # keep the panel usable; the message says what happened
                 out.clear_output()
-                from .oom import is_oom
-
                 kind = "out of memory" if is_oom(e) else type(e).__name__
                 print(f"Not loaded ({kind}): {str(e).splitlines()[0][:400] if str(e) else ''}")
             finally:
@@ -359,27 +348,25 @@ class LoadPanel:
 
     def _key(self) -> tuple:
         v = self._values
-        dq = v["double_quant"] if v["load"] in ("nf4", "fp4") else None
+        dq = v["double_quant"] if v["load"] in FOUR_BIT else None
         return (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
 
     def compute(self, plan: LoadPlan | None = None, *, use_cache: bool = True) -> PanelState:
         """Estimate and judge ``plan`` (default: the current one); cached per setting."""
-        from .estimate import fit
-
         started = time.perf_counter()
         key = self._key() if plan is None else None  # only the panel's own settings are cached
         plan = plan or self.plan
         if use_cache and key in self._cache:
             return self._cache[key]
         est = plan.estimate(self._est_device, model=self._config)
-        verdict = _verdict(est.total, self._capacity)
+        result = verdict(est.total, self._capacity)
         suggestion = None
-        if verdict != "fits":
+        if result != FITS:
             target = self._capacity if self._est_device == "cpu" else self._est_device
             sugg = fit(est, target).suggestions
             suggestion = sugg[0] if sugg else None
         state = PanelState(
-            plan, est, verdict, self._capacity, self._device_label, suggestion, time.perf_counter() - started
+            plan, est, result, self._capacity, self._device_label, suggestion, time.perf_counter() - started
         )
         if use_cache and key is not None:
             self._cache[key] = state
@@ -471,15 +458,3 @@ class LoadPanel:
             print(self.summary())
         else:
             display(self)
-
-
-LOAD_MODES_ORDER = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
-assert set(LOAD_MODES_ORDER) == set(LOAD_MODES)
-
-
-def _verdict(total: int, capacity: int) -> str:
-    from .estimate import TIGHT_FRACTION
-
-    if total > capacity:
-        return "does not fit"
-    return "tight" if total > capacity * TIGHT_FRACTION else "fits"

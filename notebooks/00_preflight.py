@@ -26,8 +26,10 @@
 # Install oomkit (in Colab only; locally the package is already installed by `make`).
 import sys
 
-if "google.colab" in sys.modules:
-    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
 # %% tags=["parameters"]
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
@@ -50,7 +52,7 @@ report
 # - **allocated**: bytes held by live tensors.
 # - **reserved**: what PyTorch's caching allocator holds from the driver. Freed tensors return
 #   their blocks to this cache, not to the GPU; `reserved - allocated` is cache or fragmentation.
-#   `helpers.cleanup()` gives it back.
+#   `cleanup()` gives it back.
 # - **outside PyTorch** (the "non-PyTorch memory" of OOM messages): CUDA context, cuBLAS workspace,
 #   and memory of *other processes*: a previous kernel that still holds the GPU shows up here.
 #   Only restarting that runtime frees it.
@@ -69,7 +71,7 @@ snap
 # Each row says whether it is exact, a formula or a rule of thumb; the fixes are re-estimates.
 
 # %%
-from helpers.estimate import estimate, fit
+from helpers import estimate, fit
 
 est = estimate(MODEL, load=report.check("fit").data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
 display(est)

@@ -27,8 +27,10 @@
 # Install oomkit (in Colab only; locally the package is already installed by `make`).
 import sys
 
-if "google.colab" in sys.modules:
-    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
 # %% tags=["parameters"]
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
@@ -81,7 +83,7 @@ preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
 # cell above decides. `panel.plan` is always the current choice.
 
 # %%
-from helpers.widgets import LoadPanel
+from helpers import LoadPanel
 
 panel = LoadPanel(MODEL, device=DEVICE, load=LOAD, double_quant=DOUBLE_QUANT, max_new_tokens=MAX_NEW_TOKENS,
                   batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS)
@@ -117,7 +119,7 @@ report.estimate
 # generation starts). Peak memory is read before and after.
 
 # %%
-from helpers.loading import generate_batched
+from helpers import generate_batched
 
 outputs = generate_batched(model, tokenizer, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE)
 for prompt, text in zip(PROMPTS, outputs, strict=True):
@@ -135,9 +137,7 @@ snapshot()
 # ## 6. Unload and prove the memory came back
 
 # %%
-from helpers import unload
-from helpers.estimate import footprint
-from helpers.units import format_bytes
+from helpers import footprint, format_bytes, unload
 
 weights = footprint(model)
 loaded = snapshot()

@@ -32,8 +32,10 @@
 # Install oomkit (in Colab only; locally the package is already installed by `make`).
 import sys
 
-if "google.colab" in sys.modules:
-    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
 # %% tags=["parameters"]
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path of the base model
@@ -45,7 +47,7 @@ ALPHA = 32  # LoRA scale
 MAX_STEPS = 60
 SAVE_STEPS = 10  # a disconnect loses at most this many steps
 LEARNING_RATE = 2e-4
-DATA = None  # None: the shipped GIS instructions (data/instructions.jsonl), or your own JSONL path
+DATA = None  # None: the shipped GIS instructions (shipped in the package), or your own JSONL path
 OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
 MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
 FRESH = False  # True: delete old checkpoints and start over instead of resuming
@@ -81,8 +83,7 @@ preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
 # %%
 import shutil
 
-from helpers.estimate import fit
-from helpers.finetune import TrainPlan
+from helpers import TrainPlan, fit
 
 plan = TrainPlan(MODEL, load=LOAD, r=R, alpha=ALPHA, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, max_steps=MAX_STEPS,
                  save_steps=SAVE_STEPS, logging_steps=max(1, MAX_STEPS // 10), warmup_steps=MAX_STEPS // 10,
@@ -99,7 +100,7 @@ estimate
 # Checked before any weight is read (model exists, bitsandbytes works, it fits, RAM suffices).
 
 # %%
-from helpers.loading import load
+from helpers import load
 
 model, tokenizer, report = load(plan.load_plan())
 report
@@ -109,7 +110,7 @@ report
 # Held-out prompts: file names, columns and values the training set never shows.
 
 # %%
-from helpers.finetune import answer, load_instructions
+from helpers import answer, load_instructions
 
 heldout = [row["instruction"] for row in load_instructions(heldout=True)]
 before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
@@ -120,7 +121,7 @@ before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
 # checkpointing, LoRA on every linear layer but the output layer.
 
 # %%
-from helpers.finetune import prepare_qlora
+from helpers import prepare_qlora
 
 model, trainable = prepare_qlora(model, plan)
 print(trainable)
@@ -132,7 +133,7 @@ print(trainable)
 # the effective batch. Gradient accumulation makes up the rest.
 
 # %%
-from helpers.finetune import find_micro_batch
+from helpers import find_micro_batch
 
 micro = find_micro_batch(model, plan)
 plan = plan.replace(micro_batch=micro.micro_batch)
@@ -148,8 +149,7 @@ micro
 # cell continues from the last checkpoint at the right step.
 
 # %%
-from helpers.finetune import build_dataset, train
-from helpers.monitor import MemoryCallback, MemoryMonitor
+from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
 
 data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len, packing=plan.packing)
 with MemoryMonitor(interval=0.5) as monitor:
@@ -175,7 +175,7 @@ monitor.plot(f"QLoRA on {MODEL}")
 # Megabytes, not the 13 GiB base: keep it on Drive, share it, load it on the base model.
 
 # %%
-from helpers.finetune import save_adapter
+from helpers import save_adapter
 
 adapter = save_adapter(model, result.output_dir / "adapter", tokenizer)
 print(adapter)
@@ -208,7 +208,7 @@ print("reloaded adapter gives the same answers:", reloaded == after[:2])
 
 # %%
 if MERGE:
-    from helpers.finetune import merge_adapter
+    from helpers import merge_adapter
 
     model = merge_adapter(model)
 
@@ -220,7 +220,7 @@ loaded = snapshot()
 freed = unload(model)
 after_cleanup = snapshot()
 print(freed)
-from helpers.units import format_bytes
+from helpers import format_bytes
 
 if after_cleanup.gpu is not None:
     print(f"GPU allocated: {format_bytes(loaded.gpu.allocated)} -> {format_bytes(after_cleanup.gpu.allocated)} "

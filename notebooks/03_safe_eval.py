@@ -25,17 +25,18 @@
 # interrupted halfway -> resume -> report, plot and a check that every prompt is there exactly once.
 
 # %%
-# Install oomkit and fetch the eval prompts (in Colab only; locally `make` has done both).
+# Install oomkit (in Colab only; locally `make` has done it). The eval prompts ship inside the package.
 import sys
 
-if "google.colab" in sys.modules:
-    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
-    # !mkdir -p data/eval && wget -q -nc -P data/eval https://raw.githubusercontent.com/oomkit/oomkit/main/data/eval/prompts.jsonl
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
 # %% tags=["parameters"]
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # hub id or local path
 LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
-PROMPTS_FILE = "data/eval/prompts.jsonl"  # JSONL: {"id", "prompt", "reference"} per line
+PROMPTS_FILE = None  # None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
 RESULTS = "eval_results.jsonl"  # in Colab, a Drive path survives a runtime reset
 MAX_NEW_TOKENS = 64
 BATCH_SIZE = "auto"  # or a starting int; it adapts either way
@@ -69,8 +70,7 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 # ## 1. Load with a plan
 
 # %%
-from helpers import snapshot
-from helpers.loading import LoadPlan, load
+from helpers import LoadPlan, load, snapshot
 
 plan = LoadPlan(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8, prompt_tokens=128)
 model, tokenizer, load_report = load(plan)
@@ -86,9 +86,9 @@ before
 # their text) and a `reference` answer for the score.
 
 # %%
-from helpers.evaluate import load_prompts
+from helpers import data_path, load_prompts
 
-prompts = load_prompts(PROMPTS_FILE)
+prompts = load_prompts(PROMPTS_FILE or data_path("eval_prompts.jsonl"))
 lengths = sorted(len(ids) for ids in tokenizer([p["prompt"] for p in prompts])["input_ids"])
 print(f"{len(prompts)} prompts, {lengths[0]} to {lengths[-1]} tokens (median {lengths[len(lengths) // 2]})")
 prompts[0]
@@ -103,7 +103,7 @@ prompts[0]
 # %%
 import contextlib
 
-from helpers.evaluate import safe_generate, simulated_budget
+from helpers import safe_generate, simulated_budget
 
 
 def memory_limit():

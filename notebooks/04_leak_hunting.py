@@ -31,8 +31,10 @@
 # Install oomkit (in Colab only; locally the package is already installed by `make`).
 import sys
 
-if "google.colab" in sys.modules:
-    # %pip install -q "oomkit @ git+https://github.com/oomkit/oomkit"
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
 # %% tags=["parameters"]
 MODEL = "Qwen/Qwen2.5-0.5B"  # hub id or local path; a small model is enough to see leaks

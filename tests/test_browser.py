@@ -22,7 +22,7 @@ import pytest
 import run_notebooks
 from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
 
-from helpers.estimate import estimate, fit
+from helpers.estimator import estimate, fit
 from helpers.units import GiB, format_bytes, parse_bytes
 from helpers.widgets import LoadPanel
 
@@ -278,7 +278,7 @@ def t4_expected(load: str) -> dict:
         text += f" Top fix: {top.change} (saves {format_bytes(top.saving)})"
     return {
         "weights": format_bytes(est.weights),
-        "kv": format_bytes(est.row("KV cache").bytes),
+        "kv": format_bytes(est.row("kv_cache").bytes),
         "total": f"total {format_bytes(est.total)} / {format_bytes(verdict.capacity)} (t4)",
         "verdict": verdict.verdict,
         "verdict_text": text,

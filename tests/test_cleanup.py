@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import cleanup, free, unload
-from helpers.cleanup import CleanupReport
+from helpers.reclaim import CleanupReport
 
 
 def test_cleanup_frees_tensor_held_by_stored_traceback():
@@ -138,8 +138,8 @@ def test_release_after_oom_skips_the_full_collection_when_refcounting_freed_the_
     """A generate that ran out of memory mid-forward dies with its exception: no gc.collect() needed."""
     import gc
 
-    from helpers.cleanup import release_after_oom
     from helpers.loading import load
+    from helpers.reclaim import release_after_oom
 
     model, tok, _ = load(str(tiny_llama), load="fp32", check=False)
     gc.disable()  # only refcounting may free it
@@ -155,7 +155,7 @@ def test_release_after_oom_collects_when_the_failed_call_is_still_alive():
     """Frames caught in a reference cycle keep the inputs alive: the full collection runs and frees them."""
     import gc
 
-    from helpers.cleanup import release_after_oom
+    from helpers.reclaim import release_after_oom
 
     class Node:
         pass

@@ -10,9 +10,11 @@ import warnings
 import pytest
 import torch
 
-import helpers.estimate as E
-from helpers.estimate import (
-    DEVICES,
+import helpers.estimator.layout as E
+from helpers.cli import estimate_main
+from helpers.devices import DEVICES, DeviceError, resolve_device
+from helpers.environment import fit_checks
+from helpers.estimator import (
     EstimateError,
     FullTraining,
     LoraTraining,
@@ -22,9 +24,8 @@ from helpers.estimate import (
     kv_cache_bytes,
     max_batch_that_fits,
     max_new_tokens_that_fit,
-    preflight_checks,
-    shipped_configs,
 )
+from helpers.sources import shipped_configs
 from helpers.units import GiB, MiB
 
 QUANT = {"int8": dict(load_in_8bit=True)}
@@ -79,17 +80,15 @@ def test_layout_arithmetic_by_hand(tiny_llama):
     plain = v * h * 2 + n * 2 * h + h  # embeddings + lm_head (unquantized), 2 norms per layer, final norm
     assert estimate(tiny_llama, load="fp16").params == q_numel + plain
     int8 = estimate(tiny_llama, load="int8", compute_dtype="fp16")
-    assert int8.row("weights: int8 linear layers").bytes == q_numel
-    assert int8.row("weights: quantization state").bytes == 4 * n * sum(o for o, _ in linears)
+    assert int8.row("weights.quantized").bytes == q_numel
+    assert int8.row("weights.quant_state").bytes == 4 * n * sum(o for o, _ in linears)
     nf4 = estimate(tiny_llama, load="nf4", double_quant=False, compute_dtype="fp16")
-    assert nf4.row("weights: 4-bit nf4 linear layers").bytes == q_numel // 2
+    assert nf4.row("weights.quantized").bytes == q_numel // 2
     blocks = [o * k // 64 for o, k in linears]
-    assert nf4.row("weights: quantization state").bytes == n * sum(4 * b + 64 for b in blocks)
+    assert nf4.row("weights.quant_state").bytes == n * sum(4 * b + 64 for b in blocks)
     dq = estimate(tiny_llama, load="nf4", double_quant=True, compute_dtype="fp16")
-    assert dq.row("weights: quantization state").bytes == n * sum(
-        b + 4 * math.ceil(b / 256) + 4 + 1024 + 64 for b in blocks
-    )
-    assert dq.row("weights: unquantized (embeddings, norms, lm_head)").bytes == plain * 2
+    assert dq.row("weights.quant_state").bytes == n * sum(b + 4 * math.ceil(b / 256) + 4 + 1024 + 64 for b in blocks)
+    assert dq.row("weights.unquantized").bytes == plain * 2
 
 
 def test_tied_embeddings_counted_once(tiny_qwen2):
@@ -105,13 +104,13 @@ def test_tied_embeddings_counted_once(tiny_qwen2):
 def test_gqa_kv_cache_uses_kv_heads():
     est = estimate("Mistral-7B-v0.1", load="fp16", batch_size=2, prompt_tokens=1000, max_new_tokens=24)
     # 32 layers x 2 (k, v) x batch 2 x 1024 tokens x 8 kv heads x 128 x 2 bytes
-    assert est.row("KV cache").bytes == 32 * 2 * 2 * 1024 * 8 * 128 * 2
+    assert est.row("kv_cache").bytes == 32 * 2 * 2 * 1024 * 8 * 128 * 2
     llama2 = estimate("Llama-2-7b-hf", load="fp16", batch_size=2, prompt_tokens=1000, max_new_tokens=24)
-    assert llama2.row("KV cache").bytes == 4 * est.row("KV cache").bytes  # MHA: 32 kv heads
+    assert llama2.row("kv_cache").bytes == 4 * est.row("kv_cache").bytes  # MHA: 32 kv heads
 
 
 def test_kv_cache_sliding_window_and_explicit_head_dim():
-    from helpers.estimate import resolve_config
+    from helpers.estimator import resolve_config
 
     gemma, _, _ = resolve_config("gemma-2-2b")
     # alternating sliding (4096) and global layers; head_dim 256 is explicit (2304 / 8 = 288 is wrong)
@@ -168,8 +167,8 @@ def test_training_estimates_and_fixes():
     qlora = estimate("Llama-2-7b-hf", load="nf4", training=LoraTraining(r=16))
     # all-linear LoRA on Llama-2-7B: 32 layers x r=16 x (in+out) summed over the 7 linears
     n = 32 * 16 * (3 * (4096 + 4096) + (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
-    assert qlora.row("LoRA adapters (fp32)").bytes == 4 * n
-    assert qlora.row("optimizer states (paged_adamw_8bit)").bytes == 2 * n
+    assert qlora.row("training.adapters").bytes == 4 * n
+    assert qlora.row("training.optimizer").bytes == 2 * n
     no_ckpt = qlora.replace(training=LoraTraining(r=16, gradient_checkpointing=False))
     assert no_ckpt.total > qlora.total
     full = estimate("Llama-2-7b-hf", load="bf16", training=FullTraining())
@@ -193,7 +192,7 @@ def test_footprint_counts_quant_state_that_transformers_misses(tiny_llama):
 
 
 def test_preflight_check_without_gpu_says_t4(tiny_llama):
-    from helpers.preflight import preflight
+    from helpers.environment import preflight
 
     report = preflight(
         str(tiny_llama),
@@ -208,9 +207,9 @@ def test_preflight_check_without_gpu_says_t4(tiny_llama):
 
 
 def test_preflight_auto_picks_a_mode_that_fits():
-    checks = preflight_checks("Llama-2-7b-hf", load="auto", max_new_tokens=256, snapshot=_cpu_snapshot())
+    checks = fit_checks("Llama-2-7b-hf", load="auto", max_new_tokens=256, snapshot=_cpu_snapshot())
     assert checks[0].data["load"] == "int8" and checks[0].status == "pass"
-    fp16 = preflight_checks("Llama-2-7b-hf", load="fp16", max_new_tokens=4096, snapshot=_cpu_snapshot())[0]
+    fp16 = fit_checks("Llama-2-7b-hf", load="fp16", max_new_tokens=4096, snapshot=_cpu_snapshot())[0]
     assert fp16.status == "fail" and fp16.fix
 
 
@@ -223,19 +222,19 @@ def _cpu_snapshot():
 @pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
 def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert E.main([hub_id, "--load", "nf4", "--json"]) == 0
+    assert estimate_main([hub_id, "--load", "nf4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] > 0 and out["total"] == sum(r["bytes"] for r in out["rows"])
     assert out["fit"]["verdict"] in ("fits", "tight", "does not fit")
 
 
 def test_cli_text_lora_and_bad_input(capsys):
-    assert E.main(["Llama-3.1-8B", "--load", "fp16", "--max-new-tokens", "4096", "--lora", "r=8"]) == 0
+    assert estimate_main(["Llama-3.1-8B", "--load", "fp16", "--max-new-tokens", "4096", "--lora", "r=8"]) == 0
     assert "LoRA adapters" in capsys.readouterr().out
-    assert E.main(["Llama-2-7b-hf", "--load", "int3"]) == 2
+    assert estimate_main(["Llama-2-7b-hf", "--load", "int3"]) == 2
     assert "fp32, fp16, bf16, int8, nf4, fp4" in capsys.readouterr().err
-    assert E.main(["Llama-2-7b-hf", "--max-new-tokens", "-5"]) == 2
-    assert E.main(["Llama-2-7b-hf", "--lora", "rank"]) == 2
+    assert estimate_main(["Llama-2-7b-hf", "--max-new-tokens", "-5"]) == 2
+    assert estimate_main(["Llama-2-7b-hf", "--lora", "rank"]) == 2
 
 
 def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
@@ -243,7 +242,7 @@ def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
         estimate("Llama-2-7b-hf", load="int3")
     with pytest.raises(EstimateError, match="max_new_tokens must be an integer >= 0"):
         estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=-1)
-    with pytest.raises(EstimateError, match="unknown device"):
+    with pytest.raises(DeviceError, match="unknown device"):
         estimate("Llama-2-7b-hf", load="fp16", device="tpu")
     with pytest.raises(EstimateError, match="data/configs"):  # no network here, and none needed
         estimate("someone/not-a-real-model-xyz", load="fp16")
@@ -298,8 +297,6 @@ def test_current_device_honours_a_per_process_memory_cap(monkeypatch):
     """set_per_process_memory_fraction (acting as a T4 on a bigger card) is the allocator's real limit."""
     import types
 
-    from helpers.estimate import _device
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
@@ -308,10 +305,10 @@ def test_current_device_honours_a_per_process_memory_cap(monkeypatch):
         lambda i: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9),
     )
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.1875)
-    name, dev = _device("current")
+    name, dev = resolve_device("current")
     assert dev["capacity"] == 15 * 2**30 and "capped at 19%" in name
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
-    assert _device("current")[1]["capacity"] == 80 * 2**30
+    assert resolve_device("current")[1]["capacity"] == 80 * 2**30
 
 
 def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys):
@@ -324,12 +321,12 @@ def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys)
     est = estimate("Llama-2-7b-hf", load="fp16")
     with pytest.raises(EstimateError, match=r"call fit\(estimate\(model, load=...\), device\)"):
         fit("Llama-2-7b-hf", "t4")
-    with pytest.raises(EstimateError, match=r"less than 1 MiB; for 15 GiB pass 15 \* GiB"):
+    with pytest.raises(DeviceError, match=r"less than 1 MiB; for 15 GiB pass 15 \* GiB"):
         fit(est, 15)
     assert fit(est, "24GiB").capacity == fit(est, "24 GiB").capacity == 24 * GiB  # as the CLI's --device
     with pytest.raises(EstimateError, match="footprint.*loaded model.*use estimate"):
         footprint("Llama-2-7b-hf")
     with pytest.raises(EstimateError, match="training.r must be an integer >= 1, got 0"):
         estimate("Llama-2-7b-hf", load="nf4", training=LoraTraining(r=0))
-    assert E.main(["Llama-2-7b-hf", "--lora", "r=x"]) == 2
+    assert estimate_main(["Llama-2-7b-hf", "--lora", "r=x"]) == 2
     assert "--lora r='x': r takes a whole number, e.g. r=16" in capsys.readouterr().err

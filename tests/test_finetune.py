@@ -78,8 +78,8 @@ def test_plan_defaults_and_validation(tiny_llama, tmp_path):
     est = plan.estimate("t4")
     names = [r.name for r in est.rows]
     assert "LoRA adapters (fp32)" in names and "optimizer states (paged_adamw_8bit)" in names
-    upcast = est.row("fp32 upcast of unquantized weights")  # prepare_model_for_kbit_training's fp32 copy
-    assert upcast.bytes == est.row("weights: unquantized (embeddings, norms, lm_head)").bytes
+    upcast = est.row("training.fp32_upcast")  # prepare_model_for_kbit_training's fp32 copy
+    assert upcast.bytes == est.row("weights.unquantized").bytes
     assert est.capacity and est.total < est.capacity
 
 

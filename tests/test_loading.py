@@ -7,7 +7,8 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from transformers import BitsAndBytesConfig
 
 import helpers.loading as loading
-from helpers.estimate import estimate
+import helpers.sources as sources
+from helpers.estimator import estimate
 from helpers.loading import (
     LoadPlan,
     LoadRefused,
@@ -66,7 +67,7 @@ def test_auto_compute_dtype_follows_the_device(monkeypatch):
 
 
 def test_bad_plan_values_list_the_valid_ones():
-    with pytest.raises(ValueError, match="valid: fp16, bf16, fp32, int8, nf4, fp4"):
+    with pytest.raises(ValueError, match="valid: fp32, fp16, bf16, int8, nf4, fp4"):
         LoadPlan("m", load="int4")
     with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0"):
         LoadPlan("m", max_new_tokens=-1)
@@ -145,7 +146,7 @@ def test_missing_model_path_names_it(tmp_path):
 
 
 def test_missing_path_on_colab_says_drive_is_not_mounted(monkeypatch):
-    monkeypatch.setattr(loading, "in_colab", lambda: True)
+    monkeypatch.setattr(sources, "in_colab", lambda: True)
     path = "/content/drive/MyDrive/adapters/gis-lora"
     with pytest.raises(ModelNotFoundError, match="Google Drive is not mounted") as e:
         check_plan(LoadPlan("/content/drive/MyDrive/models/codellama", load="fp32"), snapshot=machine(False))
@@ -178,7 +179,7 @@ def test_unknown_model_id_offline_says_so(monkeypatch):
 
 
 def test_unknown_model_id_online(monkeypatch):
-    monkeypatch.setattr(loading, "_hub_offline_reason", lambda: None)
+    monkeypatch.setattr(loading, "hub_offline_reason", lambda: None)
 
     def missing(model, token):
         raise hub_error(RepositoryNotFoundError, 404)
@@ -191,7 +192,7 @@ def test_unknown_model_id_online(monkeypatch):
 
 @pytest.mark.parametrize("token", [None, "hf_SECRETsecret"])
 def test_gated_model_explains_hf_token_and_never_prints_it(monkeypatch, token):
-    monkeypatch.setattr(loading, "_hub_offline_reason", lambda: None)
+    monkeypatch.setattr(loading, "hub_offline_reason", lambda: None)
     monkeypatch.setattr(loading, "_find_token", lambda: None)
 
     def gated(model, tok):
@@ -260,7 +261,7 @@ def test_max_memory_keeps_room_for_the_kv_cache():
     est = estimate("mistralai/Mistral-7B-v0.1", load="nf4", compute_dtype="fp16", device="t4", max_new_tokens=1024)
     snap = machine()
     mm = max_memory_for(est, snap)
-    context = est.row("CUDA context + cuBLAS workspace").bytes  # already paid when free memory was read
+    context = est.row("overhead.cuda_context").bytes  # already paid when free memory was read
     runtime = est.total - est.weights
     assert mm[0] == snap.gpu.free + context - runtime - loading.GPU_MARGIN
     assert mm[0] == snap.gpu.free - (runtime - context) - loading.GPU_MARGIN  # KV cache etc. still get room
@@ -325,7 +326,7 @@ def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
 def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
     """Generation on CPU must not repack the 4-bit weights (bf16 absmax, nested state expanded):
     the footprint after generating is still the one measured at load and estimated."""
-    from helpers.estimate import footprint
+    from helpers.estimator import footprint
 
     model, tok, report = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=True), check=False)
     assert footprint(model) == report.measured_weights

@@ -7,8 +7,9 @@ import sys
 import psutil
 import pytest
 
+from helpers.environment import COLAB_GPU_FIX, preflight
 from helpers.memory import DiskReadout, GPUProcess, GPUReadout, MemorySnapshot, RAMReadout
-from helpers.preflight import COLAB_GPU_FIX, checkpoint_size, preflight
+from helpers.sources import checkpoint_size
 from helpers.units import GiB, MiB
 
 VERSIONS = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2",
@@ -105,7 +106,7 @@ def test_checkpoint_size_of_local_dir(tiny_llama):
 
 
 def test_missing_local_path_and_bad_cli_load_say_so(capsys):
-    from helpers.preflight import main
+    from helpers.cli import preflight_main as main
 
     total, largest, source = checkpoint_size("/no/such/model")
     assert total is None and "/no/such/model does not exist" in source and "hub" not in source

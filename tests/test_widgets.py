@@ -37,13 +37,13 @@ def test_controls_have_stable_labels_for_browser_tests(panel):
 
 def test_setting_widget_values_updates_plan_and_estimate(panel):
     c = panel.controls
-    kv_64 = panel.state.estimate.row("KV cache").bytes
+    kv_64 = panel.state.estimate.row("kv_cache").bytes
     c["max_new_tokens"].value = 160
     assert panel.plan.max_new_tokens == 160
-    kv_160 = panel.state.estimate.row("KV cache").bytes
+    kv_160 = panel.state.estimate.row("kv_cache").bytes
     assert kv_160 * (32 + 64) == kv_64 * (32 + 160)  # KV cache grows with prompt + new tokens
     c["batch_size"].value = 4
-    assert panel.plan.batch_size == 4 and panel.state.estimate.row("KV cache").bytes == 4 * kv_160
+    assert panel.plan.batch_size == 4 and panel.state.estimate.row("kv_cache").bytes == 4 * kv_160
     nf4_weights = panel.state.estimate.weights
     c["load"].value = "int8"
     assert panel.plan.load == "int8" and panel.state.estimate.load == "int8"
@@ -100,7 +100,7 @@ def test_updates_are_cached_per_setting(panel):
 def test_set_rejects_unknown_and_invalid_values(panel):
     with pytest.raises(TypeError, match="unknown panel value"):
         panel.set(lora_rank=8)
-    with pytest.raises(ValueError, match="valid: fp16"):
+    with pytest.raises(ValueError, match="valid: fp32, fp16"):
         panel.set(load="int3")
     assert panel.plan.load == "nf4"
 
@@ -153,7 +153,7 @@ def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
 
 
 def test_cpu_device_and_a_missing_model_path(tiny_llama):
-    from helpers.estimate import EstimateError
+    from helpers.estimator import EstimateError
 
     panel = LoadPanel(str(tiny_llama), device="cpu", load="fp32", widgets=False)  # was: TypeError on None
     assert panel.state.device == "CPU RAM" and panel.state.verdict == "fits"

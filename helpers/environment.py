@@ -7,46 +7,34 @@ busy GPU or a small-RAM machine without touching torch.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .checks import Check
+from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
+from .estimator import EstimateError, estimate, fit, format_params
 from .html import badge, table
+from .loading import ram_for_loading
 from .memory import MemorySnapshot, in_colab
 from .memory import snapshot as take_snapshot
+from .sources import checkpoint_size
 from .units import GiB, format_bytes
+from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, verdict
 
-__all__ = ["Check", "PreflightReport", "preflight", "checkpoint_size", "versions", "bitsandbytes_status"]
+__all__ = ["PreflightReport", "preflight", "versions", "fit_checks"]
 
 COLAB_GPU_FIX = "In Colab: Runtime > Change runtime type > T4 GPU, then re-run this notebook."
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "bitsandbytes"]
-STATUS_ORDER = {"pass": 0, "info": 0, "warn": 1, "fail": 2}
 
 # A fresh CUDA context plus cuBLAS workspace takes a few hundred MiB; more than this outside
 # PyTorch means another process (often a previous kernel) holds the card.
 FOREIGN_GPU_WARN = 1 * GiB
-T4_USABLE = 14 * GiB  # a T4 reports 14.74 GiB; the seeds' "warn under 12 GB free" rule sits below it
-
-
-@dataclass
-class Check:
-    """One preflight verdict."""
-
-    name: str
-    status: str  # pass | warn | fail | info
-    summary: str
-    fix: str | None = None
-    data: dict = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        mark = {"pass": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}[self.status]
-        fix = f"\n        fix: {self.fix}" if self.fix else ""
-        return f"[{mark}] {self.name}: {self.summary}{fix}"
 
 
 @dataclass
@@ -110,56 +98,6 @@ def versions() -> dict[str, str | None]:
     out["cuda"] = torch.version.cuda
     out["python"] = sys.version.split()[0]
     return out
-
-
-def bitsandbytes_status(device: str) -> tuple[bool, str]:
-    """Whether bitsandbytes can really quantize on ``device``: a 4-bit round trip, not just an import."""
-    try:
-        import bitsandbytes.functional as bnbf
-    except ImportError:
-        return False, "bitsandbytes is not installed"
-    except Exception as e:  # a broken native library surfaces here on some machines
-        return False, f"bitsandbytes failed to import: {str(e).splitlines()[0]}"
-    try:
-        x = torch.randn(64, 64, device=device)
-        q, state = bnbf.quantize_4bit(x, quant_type="nf4")
-        err = (bnbf.dequantize_4bit(q, state).float() - x).abs().mean().item()
-        if not err < 0.2:
-            return False, f"bitsandbytes 4-bit round trip on {device} is wrong (mean error {err:.3f})"
-    except Exception as e:
-        return False, f"bitsandbytes cannot run on {device}: {str(e).splitlines()[0][:200]}"
-    return True, f"bitsandbytes quantizes on {device}"
-
-
-def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
-    """``(total_bytes, largest_file_bytes, source)`` of a checkpoint's weight files.
-
-    Local directories are measured on disk; hub ids ask the hub for file sizes (no download).
-    Returns ``(None, None, reason)`` when it cannot be known (offline, private model).
-    """
-    path = Path(model).expanduser()
-    if path.exists():
-        files = [f for pat in ("*.safetensors", "*.bin") for f in path.glob(pat)] if path.is_dir() else [path]
-        if not files:
-            return None, None, f"no *.safetensors or *.bin files in {path}"
-        sizes = [f.stat().st_size for f in files if f.suffix == ".safetensors"] or [f.stat().st_size for f in files]
-        return sum(sizes), max(sizes), "local files"
-    from .loading import _looks_like_path
-
-    if _looks_like_path(model):  # asking the hub would only say it is not a valid repo id
-        return None, None, f"{model} does not exist; check the path (on Colab: is Drive mounted?)"
-    try:
-        from huggingface_hub import HfApi
-
-        info = HfApi().model_info(model, files_metadata=True, timeout=10)
-        weights = [s for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
-        weights = weights or [s for s in info.siblings or [] if s.rfilename.endswith(".bin")]
-        sizes = [s.size for s in weights if s.size]
-        if not sizes:
-            return None, None, "the hub lists no weight files for this model"
-        return sum(sizes), max(sizes), "hub file list"
-    except Exception as e:
-        return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"
 
 
 def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
@@ -269,43 +207,6 @@ def _check_bnb(snap: MemorySnapshot, status: tuple[bool, str] | None) -> Check:
     )
 
 
-def _check_ram(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
-    avail = snap.ram.available
-    if total is None:
-        return Check(
-            "RAM for loading", "info", f"{format_bytes(avail)} RAM available; checkpoint size unknown: {source}"
-        )
-    # Loading streams one shard at a time through RAM (low_cpu_mem_usage); a shard larger than
-    # free RAM is what kills a Colab kernel without a message.
-    need = int(largest * 1.2)
-    data = {"available": avail, "checkpoint": total, "largest_shard": largest}
-    if avail < need:
-        return Check(
-            "RAM for loading",
-            "fail",
-            f"{format_bytes(avail)} RAM available, the largest weight file is "
-            f"{format_bytes(largest)}: the kernel would die while loading",
-            "Use a checkpoint with smaller shards (e.g. a -sharded variant), free RAM (helpers.cleanup()), "
-            "or a High-RAM runtime",
-            data,
-        )
-    if avail < total:
-        return Check(
-            "RAM for loading",
-            "warn",
-            f"{format_bytes(avail)} RAM available, checkpoint is "
-            f"{format_bytes(total)}: fine for GPU loading, but offloading layers to CPU will not fit",
-            "Keep device_map on the GPU; quantize instead of offloading",
-            data,
-        )
-    return Check(
-        "RAM for loading",
-        "pass",
-        f"{format_bytes(avail)} RAM available for a {format_bytes(total)} checkpoint ({source})",
-        data=data,
-    )
-
-
 def _check_disk(snap: MemorySnapshot, model: str | None, total: int | None) -> Check | None:
     cache = next((d for d in snap.disks if d.label == "HF cache"), None)
     if cache is None:
@@ -324,13 +225,51 @@ def _check_disk(snap: MemorySnapshot, model: str | None, total: int | None) -> C
     return Check("disk", "pass", f"{format_bytes(cache.free)} free for a {format_bytes(total)} download")
 
 
-def _fit_checks(model: str, load: str, max_new_tokens: int, snap: MemorySnapshot) -> list[Check]:
-    """Will the named model fit, and with which load mode (needs :mod:`helpers.estimate`)."""
+def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None) -> list:
+    """The "fit" check of :func:`preflight`: does ``model`` fit this GPU (or a T4)?"""
+    gpu = snapshot.gpu if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else None
+    if gpu is not None:
+        # What this process can still use: free memory plus what it already holds.
+        capacity = gpu.free + gpu.allocated
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            capacity += CUDA_CONTEXT + CUBLAS_WORKSPACE  # already paid: free memory excludes it
+        device = {"capacity": capacity}
+        where = f"{gpu.name} ({format_bytes(capacity)} usable)"
+        dev_arg: Any = capacity
+        bf16 = bool(gpu.supports_bf16)
+    else:
+        device = DEVICES[DEFAULT_DEVICE]
+        where = f"a T4 ({format_bytes(device['capacity'])}; no GPU here, so checked against Colab's)"
+        dev_arg = DEFAULT_DEVICE
+        bf16 = False
+    half = "bf16" if bf16 else "fp16"
+    loads = [half, "int8", "nf4"] if load == "auto" else [load]
     try:
-        from .estimate import preflight_checks
-    except ImportError:
-        return []
-    return preflight_checks(model, load=load, max_new_tokens=max_new_tokens, snapshot=snap)
+        ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg,
+                         compute_dtype=half if m in QUANTIZED else "auto") for m in loads]  # fmt: skip
+    except EstimateError as e:
+        return [Check("fit", "info", f"cannot estimate: {e}")]
+    cap = device["capacity"]
+    chosen = next((e for e in ests if verdict(e.total, cap) == FITS), None)
+    chosen = chosen or next((e for e in ests if verdict(e.total, cap) == TIGHT), None) or ests[-1]
+    v = fit(chosen, dev_arg)
+    data = {"load": chosen.load, "total": chosen.total, "weights": chosen.weights, "params": chosen.params,
+            "capacity": cap, "verdict": v.verdict, "headroom": v.headroom,
+            "all": {e.load: e.total for e in ests}}  # fmt: skip
+    summary = (
+        f"{chosen.model} ({format_params(chosen.params)} params) with load={chosen.load} and "
+        f"max_new_tokens={max_new_tokens}: {format_bytes(chosen.total)} predicted "
+        f"(weights {format_bytes(chosen.weights)}) on {where}: {v.verdict}"
+    )
+    if load == "auto" and len(ests) > 1:
+        summary += " [" + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
+    status = VERDICT_STATUS[v.verdict]
+    fix = None
+    if v.suggestions:
+        fix = f"{v.suggestions[0]}"
+    elif load == "auto" and chosen.load != loads[0]:
+        fix = f"load with {chosen.load} ({loads[0]} needs {format_bytes(ests[0].total)})"
+    return [Check("fit", status, summary, fix, data)]
 
 
 def _pid() -> int:
@@ -370,7 +309,7 @@ def preflight(
     source = "no model named"
     if model is not None:
         total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
-        checks.append(_check_ram(snap, total, largest, source))
+        checks.append(ram_for_loading(snap, total, largest, source))
     else:
         checks.append(
             Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
@@ -379,25 +318,5 @@ def preflight(
     if disk is not None:
         checks.append(disk)
     if model is not None:
-        checks += _fit_checks(model, load, max_new_tokens, snap)
+        checks += fit_checks(model, load=load, max_new_tokens=max_new_tokens, snapshot=snap)
     return PreflightReport(checks=checks, snapshot=snap, versions=vers, model=model, colab=colab)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m helpers preflight", description="Check GPU, RAM, disk and versions before loading a model."
-    )
-    parser.add_argument("--model", help="hub id or local path of the model you plan to load")
-    parser.add_argument("--load", default="auto", help="load mode: auto, fp16, bf16, fp32, int8, nf4, fp4")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 0:
-        parser.error("--max-new-tokens must be >= 0")
-    from .estimate import LOAD_MODES
-
-    if args.load not in ("auto", *LOAD_MODES):
-        parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
-    report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens)
-    print(report.to_json() if args.json else report)
-    return 0

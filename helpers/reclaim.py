@@ -113,7 +113,7 @@ def drop_output_history() -> list[str]:
     return [f"Out ({n} outputs)"] if n else []
 
 
-def _readout() -> tuple[int, int, int]:
+def counters() -> tuple[int, int, int]:
     if torch.cuda.is_available():
         return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), psutil.Process().memory_info().rss
     return 0, 0, psutil.Process().memory_info().rss
@@ -161,7 +161,7 @@ def release_after_oom(
 
 
 def _report(before: tuple[int, int, int], started: float, collected: int, dropped: list[str]) -> CleanupReport:
-    after = _readout()
+    after = counters()
     return CleanupReport(
         gpu_allocated_freed=before[0] - after[0],
         gpu_reserved_freed=before[1] - after[1],
@@ -179,7 +179,7 @@ def cleanup(*, drop_history: bool = True, drop_traceback: bool = True) -> Cleanu
     collector, then returns cached CUDA blocks to the driver.
     """
     started = time.perf_counter()
-    before = _readout()
+    before = counters()
     dropped: list[str] = []
     if drop_traceback:
         dropped += drop_exception_state()
@@ -213,7 +213,7 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
             f"pass the names as strings, e.g. free('model')"
         )
     started = time.perf_counter()
-    before = _readout()
+    before = counters()
     for n in names:
         del ns[n]
     report = cleanup()
@@ -234,7 +234,7 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
             f"unload() takes a torch.nn.Module, got {type(model).__name__}; to drop other objects use free('name')"
         )
     started = time.perf_counter()
-    before = _readout()
+    before = counters()
     dropped: list[str] = []
     try:
         from accelerate.hooks import remove_hook_from_module

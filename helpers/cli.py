@@ -1,0 +1,141 @@
+"""``python -m helpers COMMAND ...``: the oomkit command line; every command's arguments are parsed here.
+
+Commands import what they run only when called, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from typing import Any
+
+from .devices import DEFAULT_DEVICE, DEVICES
+from .environment import preflight
+from .estimator import EstimateError, FullTraining, LoraTraining, estimate, fit
+from .sources import shipped_configs
+from .units import parse_bytes
+from .vocab import LOAD_MODES
+
+__all__ = ["main", "COMMANDS"]
+
+COMMANDS = {
+    "preflight": ("helpers.cli:preflight_main", "check GPU, RAM, disk and versions before loading a model"),
+    "estimate": ("helpers.cli:estimate_main", "estimate the memory a model needs and whether it fits"),
+    "explain": ("helpers.oom:main", "explain an out-of-memory message (stdin or a file)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m helpers COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "python -m helpers COMMAND --help for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, func = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module_name), func)(rest) or 0
+
+
+def preflight_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers preflight", description="Check GPU, RAM, disk and versions before loading a model."
+    )
+    parser.add_argument("--model", help="hub id or local path of the model you plan to load")
+    parser.add_argument("--load", default="auto", help=f"load mode: auto, {', '.join(LOAD_MODES)}")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 0:
+        parser.error("--max-new-tokens must be >= 0")
+    if args.load not in ("auto", *LOAD_MODES):
+        parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
+    report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens)
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
+
+
+def _parse_lora(text: str) -> LoraTraining:
+    kw: dict[str, Any] = {}
+    for part in filter(None, text.split(",")):
+        if "=" not in part:
+            raise EstimateError(f"--lora takes key=value pairs like r=16,optimizer=adamw_8bit, got {part!r}")
+        k, v = part.split("=", 1)
+        k = k.strip().replace("-", "_")
+        fields = {f.name: f for f in dataclasses.fields(LoraTraining)}
+        if k not in fields:
+            raise EstimateError(f"unknown --lora key {k!r}; use {', '.join(fields)}")
+        try:
+            if k in ("r", "alpha", "seq_len", "micro_batch"):
+                kw[k] = int(v)
+            elif k == "lora_dropout":
+                kw[k] = float(v)
+        except ValueError:
+            raise EstimateError(
+                f"--lora {k}={v!r}: {k} takes a {'number' if k == 'lora_dropout' else 'whole number'}"
+                f", e.g. {'lora_dropout=0.05' if k == 'lora_dropout' else k + '=16'}"
+            ) from None
+        if k in ("r", "alpha", "seq_len", "micro_batch", "lora_dropout"):
+            continue
+        if k == "gradient_checkpointing":
+            kw[k] = v.lower() in ("1", "true", "yes", "on")
+        elif k == "targets":
+            kw[k] = v if v == "all-linear" else v.split("+")
+        else:
+            kw[k] = v
+    return LoraTraining(**kw)
+
+
+def estimate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers estimate",
+        description="Estimate the GPU memory a model needs and whether it fits (reads only config.json).",
+        epilog=f"Offline configs: {', '.join(shipped_configs())}",
+    )
+    parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
+    parser.add_argument("--load", default="auto", help=f"{', '.join(LOAD_MODES)} or auto (default)")
+    parser.add_argument("--no-double-quant", action="store_true", help="4-bit without double quantization")
+    parser.add_argument("--compute-dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--lora", metavar="K=V,...", help="estimate a LoRA training step, e.g. r=16,seq_len=1024")
+    parser.add_argument("--full", action="store_true", help="estimate a full fine-tuning step")
+    parser.add_argument("--device", default=DEFAULT_DEVICE, help=f"{', '.join(DEVICES)}, current, or bytes like 24GiB")
+    parser.add_argument("--json", action="store_true", help="print the breakdown and verdict as JSON")
+    args = parser.parse_args(argv)
+    try:
+        device: Any = args.device
+        if device.lower() not in DEVICES and device.lower() not in ("current", "cpu"):
+            try:
+                device = parse_bytes(device)
+            except ValueError:
+                pass  # _device() explains the valid names
+        training = _parse_lora(args.lora) if args.lora is not None else (FullTraining() if args.full else None)
+        est = estimate(args.model, load=args.load, double_quant=not args.no_double_quant,
+                       compute_dtype=args.compute_dtype, batch_size=args.batch, prompt_tokens=args.prompt_tokens,
+                       max_new_tokens=args.max_new_tokens, training=training, device=device)  # fmt: skip
+        verdict = fit(est, device) if est.capacity else None
+    except (EstimateError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = est.to_dict()
+        out["fit"] = verdict.to_dict() if verdict else None
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(est)
+        if verdict:
+            print(verdict)
+    return 0

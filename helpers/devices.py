@@ -1,0 +1,128 @@
+"""Device presets and what a device is: capacity, name, bf16 support; resolving ``"current"``.
+
+Capacities are ``torch.cuda.get_device_properties().total_memory`` as each card reports it (what
+OOM messages call "total capacity"), so a plan for "t4" on a laptop matches Colab's T4 to the byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import OomkitError
+from .units import MiB, format_bytes, parse_bytes
+from .vocab import supports_bf16
+
+__all__ = [
+    "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "DeviceError", "resolve_device",
+    "cuda_capability", "device_kind", "bitsandbytes_status",
+]  # fmt: skip
+
+DEVICES: dict[str, dict[str, Any]] = {
+    "t4": {"name": "Tesla T4 (Colab free)", "capacity": 15_828_320_256, "bf16": False},
+    "l4": {"name": "NVIDIA L4", "capacity": 23_580_639_232, "bf16": True},
+    "v100": {"name": "Tesla V100 16 GB", "capacity": 16_935_682_048, "bf16": False},
+    "v100-32": {"name": "Tesla V100 32 GB", "capacity": 34_089_730_048, "bf16": False},
+    "a100-40": {"name": "NVIDIA A100 40 GB", "capacity": 42_481_811_456, "bf16": True},
+    "a100-80": {"name": "NVIDIA A100 80 GB", "capacity": 85_051_572_224, "bf16": True},
+    "rtx3090": {"name": "NVIDIA GeForce RTX 3090", "capacity": 25_438_126_080, "bf16": True},
+    "rtx4090": {"name": "NVIDIA GeForce RTX 4090", "capacity": 25_386_352_640, "bf16": True},
+    "h100": {"name": "NVIDIA H100 80GB HBM3", "capacity": 85_045_477_376, "bf16": True},
+}
+DEFAULT_DEVICE = "t4"  # oomkit plans for the free Colab GPU unless told otherwise
+
+# What lives on the GPU besides tensors (not counted by memory_allocated()); rules of thumb until
+# `make gpu-check` measures them: the driver context and torch's kernels take 300-500 MiB depending
+# on GPU and version, cuBLAS keeps one :4096:8 workspace per stream.
+CUDA_CONTEXT = 400 * MiB
+CUBLAS_WORKSPACE = 32 * MiB
+
+
+class DeviceError(OomkitError, ValueError):
+    """An unknown device preset or a capacity that cannot be right."""
+
+
+def device_kind() -> str:
+    """``"cuda"``, ``"mps"`` or ``"cpu"``: where tensors go on this machine."""
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else "cpu"
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, ``None`` without one (never starts CUDA otherwise)."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def _current() -> tuple[str, dict | None]:
+    if not torch.cuda.is_available():
+        return "cpu", None
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    capacity, name = props.total_memory, props.name
+    # a cap set with set_per_process_memory_fraction (e.g. to act as a T4 on a bigger card) is the
+    # allocator's real limit: past it, it raises an OOM with the card half empty
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
+    if 0 < fraction < 1:
+        capacity = int(capacity * fraction)
+        name = f"{props.name}, capped at {fraction:.0%}"
+    return name, {"name": name, "capacity": capacity, "bf16": supports_bf16((props.major, getattr(props, "minor", 0)))}
+
+
+def _size(device: int | float) -> tuple[str, dict]:
+    if device <= 0:
+        raise DeviceError(f"device capacity must be positive bytes, got {device}")
+    if device < MiB:
+        # 15 or 15.0 is a size in GiB written without its unit, not a 15-byte GPU
+        raise DeviceError(
+            f"device capacity is in bytes, and {device} bytes is less than 1 MiB; for "
+            f"{device:g} GiB pass {device:g} * GiB (helpers.units.GiB) or the string '{device:g}GiB'"
+        )
+    label = format_bytes(int(device))
+    return label, {"name": label, "capacity": int(device), "bf16": True}
+
+
+def resolve_device(device: Any) -> tuple[str, dict | None]:
+    """``(label, {'name', 'capacity', 'bf16'})`` for a preset name, a byte count, a size such as
+    ``"24GiB"``, ``"current"`` (this process's GPU, honouring a per-process cap) or ``None`` (the
+    default preset). CPU (``"cpu"``, or ``"current"`` without a GPU) gives ``("cpu", None)``."""
+    if device is None:
+        device = DEFAULT_DEVICE
+    if isinstance(device, bool):
+        raise DeviceError("device must be a preset name, a byte count or 'current'")
+    if isinstance(device, int | float):
+        return _size(device)
+    key = str(device).lower().replace(" ", "").replace("_", "-")
+    if key == "current":
+        return _current()
+    if key == "cpu":
+        return "cpu", None
+    if key in DEVICES:
+        return key, DEVICES[key]
+    if key[:1].isdigit():
+        try:
+            return _size(parse_bytes(key))  # "24GiB", as the CLI's --device takes it
+        except (ValueError, OverflowError):
+            pass  # the message below lists what is accepted
+    raise DeviceError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB")
+
+
+def bitsandbytes_status(device: str) -> tuple[bool, str]:
+    """Whether bitsandbytes can really quantize on ``device``: a 4-bit round trip, not just an import."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError:
+        return False, "bitsandbytes is not installed"
+    except Exception as e:  # a broken native library surfaces here on some machines
+        return False, f"bitsandbytes failed to import: {str(e).splitlines()[0]}"
+    try:
+        x = torch.randn(64, 64, device=device)
+        q, state = bnbf.quantize_4bit(x, quant_type="nf4")
+        err = (bnbf.dequantize_4bit(q, state).float() - x).abs().mean().item()
+        if not err < 0.2:
+            return False, f"bitsandbytes 4-bit round trip on {device} is wrong (mean error {err:.3f})"
+    except Exception as e:
+        return False, f"bitsandbytes cannot run on {device}: {str(e).splitlines()[0][:200]}"
+    return True, f"bitsandbytes quantizes on {device}"

@@ -1,0 +1,31 @@
+"""Memory estimator: exact weight bytes for every load mode, plus KV cache, activations and training.
+
+The architecture is built once on the meta device (no memory, no download) and every parameter is
+counted per module, so bitsandbytes' real layout applies layer by layer: which ``nn.Linear`` get
+quantized (transformers' own skip rules), int8 row scales, 4-bit packing with absmax per block of
+64 and the nested (double-quant) state. Everything else is a formula or a rule of thumb, and each
+row of the breakdown says which.
+
+    >>> est = estimate("mistralai/Mistral-7B-v0.1", load="nf4")   # doctest: +SKIP
+    >>> fit(est, "t4")                                            # doctest: +SKIP
+
+Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
+``layout`` (weights per module on the meta device), ``training`` (training-step rows), ``core``
+(``estimate``), ``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model).
+"""
+
+from __future__ import annotations
+
+from .configs import resolve_config
+from .core import FRAGMENTATION, MemoryEstimate, estimate
+from .fitting import FitVerdict, Suggestion, fit, format_params, max_batch_that_fits, max_new_tokens_that_fit
+from .footprint import footprint
+from .layout import kv_cache_bytes, weight_rows
+from .rows import ROW_GROUPS, EstimateError, EstimateRow
+from .training import OPTIMIZERS, FullTraining, LoraTraining
+
+__all__ = [
+    "estimate", "fit", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
+    "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "LoraTraining", "FullTraining",
+    "OPTIMIZERS", "FRAGMENTATION", "ROW_GROUPS", "kv_cache_bytes", "weight_rows", "format_params",
+]  # fmt: skip

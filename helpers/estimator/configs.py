@@ -1,0 +1,112 @@
+"""Resolve what the user named (hub id, shipped config, folder, config.json, config, model) to a config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..sources import (
+    SourceError,
+    data_path,
+    drive_hint,
+    hub_offline_reason,
+    looks_like_path,
+    nearest_existing,
+    read_json,
+    shipped_config,
+    shipped_configs,
+)
+from .rows import EstimateError
+
+__all__ = ["resolve_config", "config_from_dict"]
+
+
+def config_from_dict(d: dict, where: str):
+    """A transformers config for a config.json dict; an unknown or missing ``model_type`` gives a
+    generic config (counted from its dimensions, marked approximate) instead of an error."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
+    model_type = d.pop("model_type", None)
+    why = None
+    if model_type is None:
+        why = f"{where} has no 'model_type' field, so the architecture is unknown"
+    else:
+        try:
+            return AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError) as e:
+            why = (
+                f"model_type {model_type!r} in {where} is not known to this transformers version "
+                f"({str(e).splitlines()[0][:100]})"
+            )
+    config = PretrainedConfig(**d)
+    config.oomkit_unknown = why
+    return config
+
+
+def _from_file(path: Path, name: str):
+    try:
+        d = read_json(path, "config.json")
+    except SourceError as e:
+        raise EstimateError(str(e)) from None
+    if not isinstance(d, dict):
+        raise EstimateError(f"{path} holds a JSON {type(d).__name__}, not a config object; pass a model's config.json")
+    label = name if path.name != "config.json" else str(path.parent)
+    return config_from_dict(d, str(path)), d.get("_name_or_path") or label, None
+
+
+def _missing(name: str) -> EstimateError:
+    # a hub lookup would only add "Repo id must be in the form 'namespace/repo_name'"
+    return EstimateError(
+        f"{name} does not exist.{nearest_existing(name)}{drive_hint(name)} Pass an existing model folder (with "
+        "config.json) or its config.json, a hub id such as 'org/name', or a shipped config name"
+    )
+
+
+def _from_hub(name: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None), name, None
+    except Exception as e:
+        known = ", ".join(shipped_configs()) or "none"
+        raise EstimateError(
+            f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
+            f"Offline or private? Pass a local folder or config.json, or one of the configs in "
+            f"{data_path('configs')} that work offline: {known}"
+        ) from None
+
+
+def resolve_config(model: Any):
+    """``(config, name, loaded_module_or_None)`` for a hub id, short name, directory, json path,
+    config object or loaded model."""
+    from transformers import PretrainedConfig
+
+    if isinstance(model, torch.nn.Module):
+        cfg = getattr(model, "config", None)
+        if cfg is None:
+            raise EstimateError("this module has no .config; pass the model's config.json instead")
+        return cfg, getattr(cfg, "_name_or_path", None) or type(model).__name__, model
+    if isinstance(model, PretrainedConfig):
+        return model, getattr(model, "_name_or_path", None) or model.model_type, None
+    if isinstance(model, dict):
+        return config_from_dict(model, "the config dict"), model.get("_name_or_path") or "config", None
+    if not isinstance(model, str | os.PathLike):
+        raise EstimateError(f"model must be a hub id, a path, a config or a loaded model, not {type(model).__name__}")
+    name = str(model)
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.is_file():
+        return _from_file(path, name)
+    if path.exists():
+        raise EstimateError(f"{path} has no config.json; pass the model folder or its config.json")
+    if looks_like_path(name):
+        raise _missing(name)
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(read_json(shipped), str(shipped)), shipped.stem.replace("--", "/", 1), None
+    return _from_hub(name)

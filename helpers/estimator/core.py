@@ -1,0 +1,222 @@
+"""``estimate()``: the rows of a model's GPU memory for a load mode and a use (generation or training)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+from ..devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, resolve_device
+from ..html import Markup, bar, table
+from ..units import format_bytes
+from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, dtype_name
+from .configs import resolve_config
+from .layout import dims, kv_cache_bytes, layout, prefill_bytes, weight_rows
+from .rows import EstimateError, EstimateRow
+from .training import OPTIMIZERS, FullTraining, LoraTraining, training_rows
+
+__all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION"]
+
+FRAGMENTATION = 0.05  # of the transient (KV cache, activations) memory: a rule of thumb until measured on a GPU
+
+
+@dataclass
+class MemoryEstimate:
+    """The predicted memory of a model with given settings, as rows you can read and add up."""
+
+    model: str
+    load: str
+    rows: list[EstimateRow]
+    params: int
+    device: str
+    capacity: int | None
+    approximate: bool = False
+    warnings: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict, repr=False)
+    source: Any = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> int:
+        """Bytes of the loaded weights (parameters, buffers, quantization state)."""
+        return sum(r.bytes for r in self.rows if r.group == "weights")
+
+    @property
+    def total(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def row(self, key: str) -> EstimateRow:
+        """The row with this key (``"kv_cache"``, ``"weights.quant_state"``, ...)."""
+        for r in self.rows:
+            if r.key == key:
+                return r
+        raise KeyError(f"no row {key!r}; rows: {[r.key for r in self.rows]}")
+
+    def group_bytes(self, group: str) -> int:
+        """Bytes of every row in a group (``"weights"``, ``"kv_cache"``, ``"activations"``, ...)."""
+        return sum(r.bytes for r in self.rows if r.group == group)
+
+    def replace(self, **changes) -> MemoryEstimate:
+        """Re-estimate the same model with some settings changed (``load``, ``max_new_tokens``, ...)."""
+        kwargs = {**self.inputs, **changes}
+        return estimate(self.source, **kwargs)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "load": self.load, "params": self.params, "device": self.device,
+            "capacity": self.capacity, "weights": self.weights, "total": self.total,
+            "approximate": self.approximate, "warnings": self.warnings,
+            "rows": [{"key": r.key, "name": r.name, "bytes": r.bytes, "kind": r.kind, "note": r.note} for r in self.rows],
+            "inputs": {k: (dataclasses.asdict(v) | {"type": type(v).__name__}) if dataclasses.is_dataclass(v) else v
+                       for k, v in self.inputs.items()},
+        }  # fmt: skip
+
+    def __str__(self) -> str:
+        head = f"{self.model}: {self.params:,} parameters, load={self.load}" + (
+            " (approximate count)" if self.approximate else ""
+        )
+        w = max(len(r.name) for r in self.rows)
+        lines = [head] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
+        cap = f" of {format_bytes(self.capacity)} on {self.device}" if self.capacity else ""
+        lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
+        lines += [f"  note: {m}" for m in self.warnings]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = [[r.name, format_bytes(r.bytes), r.kind, r.note] for r in self.rows]
+        rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"), "", ""])
+        title = f"{self.model}: {self.params:,} parameters, load={self.load}"
+        html = table(["", "bytes", "kind", "note"], rows, title=title)
+        if self.capacity:
+            html += bar(self.total, self.capacity, f"vs {self.device}")
+        return html + "".join(f"<div>note: {escape(m)}</div>" for m in self.warnings)
+
+
+def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str, int]:
+    try:
+        compute_dtype = dtype_name(compute_dtype)
+    except ValueError as e:
+        raise EstimateError(f"compute_dtype: {e}") from None
+    if compute_dtype == "auto":
+        if load in DTYPE_BYTES:
+            return load, DTYPE_BYTES[load]
+        compute_dtype = "bf16" if (dev or {}).get("bf16") else "fp16"
+    return compute_dtype, DTYPE_BYTES[compute_dtype]
+
+
+def estimate(
+    model: Any,
+    *,
+    load: str,
+    double_quant: bool = True,
+    compute_dtype: str = "auto",
+    batch_size: int = 1,
+    prompt_tokens: int = 512,
+    max_new_tokens: int = 256,
+    training: LoraTraining | FullTraining | None = None,
+    device: Any = None,
+    skip_modules: list[str] | None = None,
+) -> MemoryEstimate:
+    """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
+
+    Args:
+        model: hub id (only its config.json is read), short name or hub id of a shipped config
+            (``helpers/data/configs``, offline), local folder, config.json path, config object or loaded model.
+        load: fp32, fp16, bf16, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit); "auto" picks the
+            widest that fits ``device``.
+        double_quant: 4-bit only: quantize the absmax values too (bnb_4bit_use_double_quant).
+        compute_dtype: dtype of activations, KV cache and unquantized weights for quantized loads;
+            "auto": the load dtype, or bf16 where the device supports it, else fp16.
+        batch_size, prompt_tokens, max_new_tokens: generation shape (ignored when ``training``).
+        training: :class:`LoraTraining` or :class:`FullTraining` for one training step instead.
+        device: preset name (see ``DEVICES``), capacity in bytes, "current" or "cpu" (default T4).
+        skip_modules: like ``llm_int8_skip_modules``: module names kept unquantized.
+    """
+    inputs = dict(load=load, double_quant=double_quant, compute_dtype=compute_dtype, batch_size=batch_size,
+                  prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, training=training, device=device,
+                  skip_modules=skip_modules)  # fmt: skip
+    _check_inputs(inputs)
+    label, dev = resolve_device(device)
+    config, name, loaded = resolve_config(model)
+    if load == "auto":
+        return _auto(model, inputs)
+    if load not in LOAD_MODES:
+        raise EstimateError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)} (or 'auto')")
+    lay = layout(config, loaded)
+    _, b = _compute_bytes(compute_dtype, load, dev)
+    rows = weight_rows(lay, load, b, double_quant, skip_modules)
+    if training is None:
+        rows += _generation_rows(config, b, batch_size, prompt_tokens, max_new_tokens)
+    else:
+        rows += training_rows(lay, config, load, b, training)[0]
+    rows += _overhead_rows(rows, len(lay.entries), cuda=dev is not None)
+    return MemoryEstimate(
+        model=str(name),
+        load=load,
+        rows=rows,
+        params=lay.params,
+        device=label,
+        capacity=(dev or {}).get("capacity"),
+        approximate=lay.approximate,
+        warnings=[f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else [],
+        inputs=inputs,
+        source=model,
+    )
+
+
+def _check_inputs(inputs: dict) -> None:
+    for k in ("batch_size", "prompt_tokens", "max_new_tokens"):
+        v = inputs[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k == "batch_size" and v < 1):
+            raise EstimateError(f"{k} must be an integer >= {1 if k == 'batch_size' else 0}, got {v!r}")
+    training = inputs["training"]
+    if training is None:
+        return
+    if not isinstance(training, LoraTraining | FullTraining):
+        raise EstimateError("training must be LoraTraining(...), FullTraining(...) or None")
+    for k in ("seq_len", "micro_batch") + (("r",) if isinstance(training, LoraTraining) else ()):
+        if not isinstance(getattr(training, k), int) or getattr(training, k) < 1:
+            raise EstimateError(f"training.{k} must be an integer >= 1, got {getattr(training, k)!r}")
+    if training.optimizer not in OPTIMIZERS:
+        raise EstimateError(f"unknown optimizer {training.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def _generation_rows(config, b: int, batch_size: int, prompt_tokens: int, max_new_tokens: int) -> list[EstimateRow]:
+    d = dims(config)
+    tokens = prompt_tokens + max_new_tokens
+    kv_note = f"{d['layers']} layers x 2 x {batch_size} x {tokens} tokens x {d['kv']} kv heads x {d['hd']} x {b} B"
+    return [
+        EstimateRow("kv_cache", "KV cache", kv_cache_bytes(config, batch_size, tokens, b), "formula", kv_note),
+        EstimateRow("activations.prefill", "prefill activations", prefill_bytes(d, batch_size, prompt_tokens, b),
+                    "formula", "widest layer of the prompt's forward pass"),
+        EstimateRow("activations.logits", "logits (last position, fp32 copy)", batch_size * d["vocab"] * (b + 4) * 2,
+                    "formula", "generate() keeps logits of the last token only"),
+    ]  # fmt: skip
+
+
+def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, cuda: bool) -> list[EstimateRow]:
+    transient = sum(r.bytes for r in rows if r.group != "weights")
+    out = [
+        EstimateRow("overhead.rounding", "allocator rounding", n_tensors * 256, "formula",
+                    "512-byte blocks, ~256 B lost per tensor"),
+        EstimateRow("overhead.fragmentation", "fragmentation margin", int(transient * FRAGMENTATION), "rule of thumb",
+                    f"{FRAGMENTATION:.0%} of the transient memory"),
+    ]  # fmt: skip
+    if cuda:
+        out.append(
+            EstimateRow("overhead.cuda_context", "CUDA context + cuBLAS workspace", CUDA_CONTEXT + CUBLAS_WORKSPACE,
+                        "rule of thumb", "outside PyTorch; 300-500 MiB")
+        )  # fmt: skip
+    return out
+
+
+def _auto(model, inputs) -> MemoryEstimate:
+    """load="auto": the widest load mode that fits the device (the smallest if none does)."""
+    _, dev = resolve_device(inputs["device"])
+    half = "bf16" if (dev or {}).get("bf16") else "fp16"
+    est = None
+    for load in (half, "int8", "nf4"):
+        est = estimate(model, **{**inputs, "load": load})
+        if est.capacity is None or est.total <= est.capacity * TIGHT_FRACTION:
+            return est
+    return est

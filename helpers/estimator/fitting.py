@@ -1,0 +1,260 @@
+"""Does an estimate fit a device, and if not, which changes would make it fit (each re-estimated)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+from ..devices import DEFAULT_DEVICE, resolve_device
+from ..html import badge, bar, table
+from ..sources import shipped_configs
+from ..units import format_bytes
+from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
+from .core import MemoryEstimate, estimate
+from .rows import EstimateError
+from .training import OPTIMIZERS, FullTraining, LoraTraining
+
+__all__ = ["Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits"]
+
+
+@dataclass
+class Suggestion:
+    """One change that lowers memory, with its saving computed by re-estimating."""
+
+    change: str
+    kwargs: dict
+    saving: int
+    estimate: MemoryEstimate
+
+    def __str__(self) -> str:
+        return f"{self.change}: saves {format_bytes(self.saving)} (total {format_bytes(self.estimate.total)})"
+
+
+@dataclass
+class FitVerdict:
+    """Whether an estimate fits a device: "fits", "tight" or "does not fit", and what to change."""
+
+    verdict: str
+    headroom: int
+    capacity: int
+    device: str
+    estimate: MemoryEstimate
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != DOES_NOT_FIT
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
+                "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
+                                 "total": s.estimate.total} for s in self.suggestions]}  # fmt: skip
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
+            f"{self.device} (headroom {format_bytes(self.headroom)})"
+        )
+        return "\n".join([head] + [f"  fix {i}. {s}" for i, s in enumerate(self.suggestions, 1)])
+
+    def _repr_html_(self) -> str:
+        status = VERDICT_STATUS[self.verdict]
+        html = (
+            f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
+            f"{format_bytes(self.headroom)}</div>" + bar(self.estimate.total, self.capacity, self.estimate.model)
+        )
+        if self.suggestions:
+            rows = [
+                [
+                    i,
+                    s.change,
+                    format_bytes(s.saving),
+                    format_bytes(s.estimate.total),
+                    "fits" if s.estimate.total <= self.capacity else "no",
+                ]
+                for i, s in enumerate(self.suggestions, 1)
+            ]
+            html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
+        return html
+
+
+def format_params(n: int) -> str:
+    """``7.24 B``, ``494.0 M``, ``853.1 K`` parameters."""
+    for unit, f in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= f:
+            return f"{n / f:.{2 if unit == 'B' else 1}f} {unit}"
+    return str(n)
+
+
+def _jsonable(kw: dict) -> dict:
+    return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in kw.items()}
+
+
+def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> FitVerdict:
+    """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
+
+    When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
+    fit and by how much they save, each computed by re-estimating.
+    """
+    if not isinstance(est, MemoryEstimate):
+        raise EstimateError(
+            f"fit() compares an estimate with a device, got {type(est).__name__} {est!r:.60}: "
+            "call fit(estimate(model, load=...), device)"
+        )
+    if device is None:
+        device = est.inputs.get("device") or DEFAULT_DEVICE
+    label, dev = resolve_device(device)
+    if dev is None:
+        raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
+    if dev.get("bf16") != (resolve_device(est.inputs.get("device"))[1] or {}).get("bf16") and est.source is not None:
+        est = est.replace(device=device)  # compute dtype follows the device
+    cap = dev["capacity"]
+    result = verdict(est.total, cap)
+    out = FitVerdict(result, cap - est.total, cap, label, est)
+    if suggest and result != FITS and est.source is not None:
+        out.suggestions = _suggestions(est, device, cap)
+    return out
+
+
+def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
+    inp = est.inputs
+    tr = inp.get("training")
+    cands: list[tuple[str, dict]] = []
+    order = ["fp32", "bf16", "fp16", "int8", "nf4"]
+    if est.load in order:
+        for load in order[order.index(est.load) + 1 :]:
+            if load == "bf16" and est.load == "fp16":
+                continue
+            if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
+                cands.append(
+                    (
+                        f"QLoRA: load={load} with LoraTraining()",
+                        {"load": load, "training": LoraTraining(seq_len=tr.seq_len, micro_batch=tr.micro_batch)},
+                    )
+                )
+                continue
+            cands.append((f"load={load}", {"load": load}))
+    if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
+        cands.append(("double_quant=True", {"double_quant": True}))
+    if tr is None:
+        n = max_new_tokens_that_fit(est, device=cap)
+        if 0 < n < inp["max_new_tokens"]:
+            cands.append((f"max_new_tokens={n}", {"max_new_tokens": n}))
+        if inp["batch_size"] > 1:
+            bmax = max_batch_that_fits(est, device=cap)
+            cands.append((f"batch_size={max(1, bmax)}", {"batch_size": max(1, bmax)}))
+        if inp["prompt_tokens"] > 128:
+            p = inp["prompt_tokens"] // 2
+            cands.append((f"prompt_tokens={p} (truncate inputs)", {"prompt_tokens": p}))
+    else:
+        if not tr.gradient_checkpointing:
+            cands.append(
+                ("gradient_checkpointing=True", {"training": dataclasses.replace(tr, gradient_checkpointing=True)})
+            )
+        if OPTIMIZERS.get(tr.optimizer) in (None, 8):
+            cands.append(
+                ("optimizer=paged_adamw_8bit", {"training": dataclasses.replace(tr, optimizer="paged_adamw_8bit")})
+            )
+        if tr.micro_batch > 1:
+            cands.append(
+                (
+                    f"micro_batch=1 (gradient accumulation x{tr.micro_batch})",
+                    {"training": dataclasses.replace(tr, micro_batch=1)},
+                )
+            )
+        if tr.seq_len > 128:
+            cands.append((f"seq_len={tr.seq_len // 2}", {"training": dataclasses.replace(tr, seq_len=tr.seq_len // 2)}))
+        if isinstance(tr, FullTraining) and est.load not in QUANTIZED:
+            cands.append(
+                (
+                    "LoRA instead of full fine-tuning",
+                    {
+                        "training": LoraTraining(
+                            seq_len=tr.seq_len,
+                            micro_batch=tr.micro_batch,
+                            gradient_checkpointing=tr.gradient_checkpointing,
+                        )
+                    },
+                )
+            )
+    return cands
+
+
+def _suggestions(est: MemoryEstimate, device, cap) -> list[Suggestion]:
+    out = []
+    for change, kw in _candidates(est, device, cap):
+        try:
+            new = est.replace(**kw)
+        except EstimateError:
+            continue
+        if new.total < est.total:
+            out.append(Suggestion(change, kw, est.total - new.total, new))
+    smaller = _smaller_model(est, cap)
+    if smaller is not None:
+        out.append(smaller)
+    # Ranked: changes that make it fit first (the least drastic of those: smallest saving that fits),
+    # then the rest by saving.
+    out.sort(key=lambda s: (s.estimate.total > cap, s.saving if s.estimate.total <= cap else -s.saving))
+    return out
+
+
+def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
+    """The largest shipped model smaller than this one that fits with the same settings."""
+    best = None
+    for hub_id in shipped_configs():
+        try:
+            kw = {k: v for k, v in est.inputs.items()}
+            new = estimate(hub_id, **kw)
+        except Exception:
+            continue
+        if new.params < est.params and new.total <= cap * TIGHT_FRACTION and (best is None or new.params > best.params):
+            best = new
+    if best is None:
+        return None
+    return Suggestion(
+        f"a smaller model: {best.model} ({format_params(best.params)} parameters)",
+        {"model": best.model},
+        est.total - best.total,
+        best,
+    )
+
+
+def _search(est: MemoryEstimate, key: str, cap: int, lo: int, hi: int) -> int:
+    """Largest value of ``key`` in [lo, hi] whose estimate fits ``cap`` (lo - 1 when none)."""
+    if est.replace(**{key: lo}).total > cap:
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if est.replace(**{key: mid}).total <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _as_estimate(model_or_est, kwargs) -> MemoryEstimate:
+    if isinstance(model_or_est, MemoryEstimate):
+        return model_or_est.replace(**kwargs) if kwargs else model_or_est
+    kwargs.setdefault("load", "fp16")
+    return estimate(model_or_est, **kwargs)
+
+
+def _capacity(device) -> int:
+    _, dev = resolve_device(device)
+    if dev is None:
+        raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
+    return dev["capacity"]
+
+
+def max_new_tokens_that_fit(model_or_estimate, *, device: Any = DEFAULT_DEVICE, limit: int = 1 << 20, **kwargs) -> int:
+    """The largest ``max_new_tokens`` that fits ``device`` (0 if even the prompt alone does not fit: -1)."""
+    est = _as_estimate(model_or_estimate, kwargs)
+    return _search(est, "max_new_tokens", _capacity(device), 0, limit)
+
+
+def max_batch_that_fits(model_or_estimate, *, device: Any = DEFAULT_DEVICE, limit: int = 4096, **kwargs) -> int:
+    """The largest ``batch_size`` that fits ``device`` (0 when batch 1 does not fit)."""
+    est = _as_estimate(model_or_estimate, kwargs)
+    return _search(est, "batch_size", _capacity(device), 1, limit)

@@ -1,0 +1,291 @@
+"""The weights of a model counted module by module on the meta device, in every load mode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..vocab import QUANTIZED
+from .rows import EstimateError, EstimateRow
+
+__all__ = [
+    "Param",
+    "Layout",
+    "layout",
+    "weight_rows",
+    "dims",
+    "kv_cache_bytes",
+    "prefill_bytes",
+    "should_convert",
+    "clear_layout_cache",
+]
+
+
+@dataclass
+class Param:
+    name: str
+    numel: int
+    fixed_bytes: int | None  # element size when the dtype does not follow the load dtype (fp32 buffers)
+    linear: tuple[int, int] | None  # (out, in) when this is the weight of a quantizable linear
+    module: str
+
+
+@dataclass
+class Layout:
+    params: int
+    entries: list[Param]  # parameters (unique) then buffers
+    not_convert: list[str]
+    keep_fp32: list[str]
+    n_layers: int
+    approximate: bool = False
+    missing: list[str] = field(default_factory=list)
+
+
+def _config_key(config) -> str:
+    try:
+        return config.to_json_string(use_diff=False)
+    except Exception:
+        return repr(sorted(config.to_dict().items()))
+
+
+_LAYOUTS: dict[str, Layout] = {}
+
+
+def clear_layout_cache() -> None:
+    """Forget every architecture built so far (the next estimate of each rebuilds it on the meta device)."""
+    _LAYOUTS.clear()
+
+
+def layout(config, loaded: torch.nn.Module | None = None) -> Layout:
+    """Per-parameter layout, from the meta device (cached per config) or from a loaded model."""
+    key = _config_key(config)
+    if loaded is None and key in _LAYOUTS:
+        return _LAYOUTS[key]
+    if loaded is not None:
+        lay = _layout_of(loaded, config)
+    else:
+        try:
+            lay = _layout_of(_meta_model(config), config)
+        except EstimateError:
+            raise
+        except Exception as e:
+            lay = _dimension_layout(config, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        _LAYOUTS[key] = lay
+    return lay
+
+
+def _meta_model(config):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "oomkit_unknown", None):
+        raise ValueError(config.oomkit_unknown)
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except ValueError:
+            return transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
+
+
+def _layout_of(model: torch.nn.Module, config) -> Layout:
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+
+    keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    try:
+        not_convert = HfQuantizer.get_modules_to_not_convert(model, None, keep_fp32)
+    except Exception:
+        not_convert = ["lm_head"]
+    modules = dict(model.named_modules())
+    entries = []
+    seen = set()
+    total = 0
+    for name, p in model.named_parameters():
+        mod_name = name.rsplit(".", 1)[0] if "." in name else ""
+        mod = modules.get(mod_name)
+        linear = None
+        if name.endswith(".weight") and mod is not None and p.dim() == 2:
+            if type(mod) is torch.nn.Linear or _is_bnb_linear(mod):
+                linear = (mod.out_features, mod.in_features)
+            elif isinstance(mod, Conv1D):
+                linear = (p.shape[1], p.shape[0])
+        numel = _logical_numel(p, linear)
+        total += numel
+        seen.add(id(p))
+        entries.append(Param(name, numel, None, linear, mod_name))
+    for name, b in model.named_buffers():
+        if b is None:
+            continue
+        follows = b.is_floating_point() and b.dtype == torch.bfloat16
+        entries.append(Param(name, b.numel(), None if follows else b.element_size(), None, "buffer"))
+    n_layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+    return Layout(total, entries, not_convert, keep_fp32, n_layers)
+
+
+def _is_bnb_linear(mod) -> bool:
+    return type(mod).__name__ in ("Linear8bitLt", "Linear4bit", "LinearNF4", "LinearFP4")
+
+
+def _logical_numel(p: torch.Tensor, linear: tuple[int, int] | None) -> int:
+    # A loaded 4-bit weight is packed (numel/2 bytes); count the logical matrix.
+    if linear is not None and p.dtype in (torch.uint8, torch.int8) and p.numel() != linear[0] * linear[1]:
+        return linear[0] * linear[1]
+    return p.numel()
+
+
+def _dimension_layout(config, why: str) -> Layout:
+    """Fallback when the architecture cannot be built: a Llama-shaped count from the dimensions."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    need = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer"),
+            "vocab_size": ("vocab_size",)}  # fmt: skip
+    got, missing = {}, []
+    for k, alts in need.items():
+        v = next((d[a] for a in alts if d.get(a)), None)
+        (got.__setitem__(k, v) if v else missing.append(k))
+    if missing:
+        raise EstimateError(
+            f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
+            "needed for the fallback dimension-based count; pass the model's full config.json"
+        )
+    h, n, v = got["hidden_size"], got["num_hidden_layers"], got["vocab_size"]
+    inter = d.get("intermediate_size") or d.get("n_inner") or 4 * h
+    heads = d.get("num_attention_heads") or d.get("n_head") or max(1, h // 64)
+    kv = d.get("num_key_value_heads") or heads
+    hd = d.get("head_dim") or h // heads
+    entries = [Param("embed", v * h, None, None, "embed")]
+    for i in range(n):
+        pre = f"layers.{i}"
+        for nm, o, k in [("q", heads * hd, h), ("k", kv * hd, h), ("v", kv * hd, h), ("o", h, heads * hd),
+                         ("gate", inter, h), ("up", inter, h), ("down", h, inter)]:  # fmt: skip
+            entries.append(Param(f"{pre}.{nm}.weight", o * k, None, (o, k), f"{pre}.{nm}"))
+        entries.append(Param(f"{pre}.norms", 2 * h, None, None, pre))
+    entries.append(Param("norm", h, None, None, "norm"))
+    if not d.get("tie_word_embeddings", True):
+        entries.append(Param("lm_head.weight", v * h, None, None, "lm_head"))
+    lay = Layout(sum(e.numel for e in entries), entries, ["lm_head"], [], n, approximate=True)
+    lay.missing = [why]
+    return lay
+
+
+def should_convert(module: str, not_convert: list[str]) -> bool:
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return should_convert_module(module, not_convert)
+
+
+def weight_rows(
+    lay: Layout,
+    load: str,
+    dtype_bytes: int,
+    double_quant: bool = True,
+    skip_modules: list[str] | None = None,
+    blocksize: int = 64,
+) -> list[EstimateRow]:
+    """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
+    not_convert = lay.not_convert if skip_modules is None else list(set(skip_modules) | set(lay.keep_fp32))
+    q_bytes = state_bytes = plain = buffers = 0
+    n_q = 0
+    half = 4 if load == "fp32" else dtype_bytes
+    for e in lay.entries:
+        if e.module == "buffer":
+            buffers += e.numel * (e.fixed_bytes or half)
+            continue
+        keep32 = any(k in e.name for k in lay.keep_fp32)
+        size = 4 if keep32 else half
+        if load in QUANTIZED and e.linear is not None and should_convert(e.module, not_convert):
+            n_q += 1
+            out_f = e.linear[0]
+            if load == "int8":
+                q_bytes += e.numel  # int8 matrix (CB shares its storage)
+                state_bytes += 4 * out_f  # SCB: one fp32 scale per output row
+            else:
+                q_bytes += (e.numel + 1) // 2  # two 4-bit values per uint8
+                blocks = math.ceil(e.numel / blocksize)
+                state_bytes += 16 * 4  # the 16-entry fp32 code of nf4/fp4, one per layer
+                if double_quant:
+                    # absmax quantized to uint8, one fp32 absmax per 256 of them, an fp32 offset, and
+                    # the 256-entry fp32 dynamic code of the nested state (a copy per layer)
+                    state_bytes += blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4
+                else:
+                    state_bytes += 4 * blocks
+            continue
+        plain += e.numel * size
+    rows = []
+    label = {"int8": "int8", "nf4": "4-bit nf4", "fp4": "4-bit fp4"}.get(load)
+    if label:
+        rows.append(
+            EstimateRow("weights.quantized", f"weights: {label} linear layers", q_bytes, "exact", f"{n_q} layers")
+        )
+        what = "row scales" if load == "int8" else ("absmax, nested absmax" if double_quant else "fp32 absmax")
+        rows.append(EstimateRow("weights.quant_state", "weights: quantization state", state_bytes, "exact", what))
+    rows.append(
+        EstimateRow(
+            "weights.unquantized",
+            "weights: unquantized (embeddings, norms, lm_head)" if label else f"weights: {load}",
+            plain,
+            "exact",
+            "tied embeddings counted once",
+        )
+    )
+    rows.append(EstimateRow("weights.buffers", "weights: buffers", buffers, "exact", "rotary tables, masks"))
+    return rows
+
+
+def dims(config) -> dict:
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    g = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None)), default)  # noqa: E731
+    h = g("hidden_size", "n_embd", "d_model")
+    heads = g("num_attention_heads", "n_head", "num_heads")
+    missing = [n for n, v in [("hidden_size", h), ("num_attention_heads", heads)] if not v]
+    layers = g("num_hidden_layers", "n_layer", "num_layers")
+    if not layers:
+        missing.append("num_hidden_layers")
+    vocab = g("vocab_size")
+    if not vocab:
+        missing.append("vocab_size")
+    if missing:
+        raise EstimateError(
+            f"the config lacks {', '.join(missing)}, needed for the KV cache and activations; "
+            "pass the model's full config.json"
+        )
+    kv = g("num_key_value_heads", "num_kv_heads", default=heads)
+    if getattr(c, "multi_query", False):
+        kv = 1
+    hd = g("head_dim", default=h // heads)
+    inter = g("intermediate_size", "n_inner", "ffn_dim", default=4 * h)
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    types = getattr(c, "layer_types", None)
+    if types is None and window:
+        types = ["sliding_attention"] * layers
+    return dict(
+        h=h,
+        heads=heads,
+        kv=kv,
+        hd=hd,
+        inter=inter,
+        layers=layers,
+        vocab=vocab,
+        window=window,
+        types=types or ["full_attention"] * layers,
+    )
+
+
+def kv_cache_bytes(config, batch: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Keys and values of every layer: 2 x batch x cached tokens x kv_heads x head_dim x bytes."""
+    d = dims(config)
+    total = 0
+    for t in d["types"][: d["layers"]]:
+        cached = min(tokens, d["window"]) if (t == "sliding_attention" and d["window"]) else tokens
+        total += 2 * batch * cached * d["kv"] * d["hd"] * dtype_bytes
+    return total
+
+
+def prefill_bytes(d: dict, batch: int, seq: int, b: int) -> int:
+    # Inference forward of one layer at its widest: the residual stream, q/k/v/out, then the MLP's
+    # gate, up and their product alive together (SDPA/flash attention: no seq x seq matrix).
+    attn = batch * seq * (2 * d["h"] + 2 * d["heads"] * d["hd"] + 2 * d["kv"] * d["hd"]) * b
+    mlp = batch * seq * (2 * d["h"] + 3 * d["inter"]) * b
+    return max(attn, mlp)

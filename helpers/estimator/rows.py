@@ -1,0 +1,37 @@
+"""The estimate's vocabulary: its error and its rows, each keyed so no code matches on the text users read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import OomkitError
+
+__all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS"]
+
+# A row's key is "<group>.<what>" (or just "<group>"); code selects rows by key or group, and the
+# label (``name``) is free to change. Groups in the order the panel's bar shows them:
+ROW_GROUPS = ("weights", "kv_cache", "activations", "training", "overhead")
+
+
+class EstimateError(OomkitError, ValueError):
+    """Bad input to the estimator; the message says what to pass instead."""
+
+
+@dataclass
+class EstimateRow:
+    """One line of the breakdown: ``key`` identifies it, ``name`` is its label, ``kind`` is "exact",
+    "formula" or "rule of thumb"."""
+
+    key: str
+    name: str
+    bytes: int
+    kind: str
+    note: str = ""
+
+    def __post_init__(self):
+        if self.group not in ROW_GROUPS:
+            raise ValueError(f"row key {self.key!r} must start with one of {', '.join(ROW_GROUPS)}")
+
+    @property
+    def group(self) -> str:
+        return self.key.split(".", 1)[0]

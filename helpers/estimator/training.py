@@ -1,0 +1,203 @@
+"""Training settings and the rows of one training step: adapters, gradients, optimizer, activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..vocab import QUANTIZED
+from .layout import Layout, dims, should_convert
+from .rows import EstimateError, EstimateRow
+
+__all__ = ["OPTIMIZERS", "LoraTraining", "FullTraining", "training_rows"]
+
+OPTIMIZERS = {  # bytes of optimizer state per trainable parameter (None: same dtype as the parameter, x2)
+    "adamw_torch": None, "adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2,
+    "adamw_bnb_8bit": 2, "sgd": 0, "sgd_momentum": None, "adafactor": 0,
+}  # fmt: skip
+
+# Capacity as torch.cuda.get_device_properties().total_memory reports it (what OOM messages call
+
+
+@dataclass
+class LoraTraining:
+    """LoRA / QLoRA fine-tuning settings that decide training memory.
+
+    Args:
+        r, alpha: LoRA rank and scale (alpha does not change memory).
+        targets: "all-linear" (every quantizable linear but the output layer, as peft does) or a list
+            of module-name suffixes such as ``["q_proj", "v_proj"]``.
+        optimizer: "paged_adamw_8bit", "adamw_8bit" (2 bytes/param), "adamw_torch" or
+            "paged_adamw_32bit" (8 bytes/param), "sgd".
+        gradient_checkpointing: recompute activations in the backward pass (saves most of them).
+        seq_len, micro_batch: tokens per sample and samples per step.
+        lora_dropout: dropout > 0 stores a dropped copy of each adapted layer's input.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    targets: str | list[str] = "all-linear"
+    optimizer: str = "paged_adamw_8bit"
+    gradient_checkpointing: bool = True
+    seq_len: int = 512
+    micro_batch: int = 1
+    lora_dropout: float = 0.05
+
+
+@dataclass
+class FullTraining:
+    """Full fine-tuning: every parameter trains (the load mode must be fp32, fp16 or bf16).
+
+    Args:
+        optimizer: as in :class:`LoraTraining`; "adamw_torch" keeps two states in the parameter dtype.
+        master_weights: keep an fp32 copy of half-precision weights (mixed-precision training).
+    """
+
+    optimizer: str = "adamw_torch"
+    gradient_checkpointing: bool = True
+    seq_len: int = 512
+    micro_batch: int = 1
+    master_weights: bool = False
+
+
+def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[EstimateRow], int, int]:
+    """Adapters, their gradients and optimizer states; and the bytes per token peft adds to activations."""
+    rows = []
+    targets = tr.targets
+    n_lora = 0
+    adapted = []
+    for e in lay.entries:
+        if e.linear is None or e.module == "buffer":
+            continue
+        if not should_convert(e.module, lay.not_convert):  # peft's all-linear skips the output layer
+            if targets == "all-linear":
+                continue
+        short = e.module.rsplit(".", 1)[-1]
+        if targets == "all-linear" or short in targets or e.module in targets:
+            n_lora += tr.r * (e.linear[0] + e.linear[1])
+            adapted.append(e)
+    if not adapted:
+        raise EstimateError(f"LoRA targets {targets!r} match no linear layer of this model")
+    trainable = n_lora
+    rows.append(
+        EstimateRow(
+            "training.adapters", "LoRA adapters (fp32)", 4 * n_lora, "exact", f"{n_lora:,} parameters, r={tr.r}"
+        )
+    )
+    rows.append(EstimateRow("training.gradients", "gradients (fp32)", 4 * n_lora, "exact"))
+    per_param = OPTIMIZERS.get(tr.optimizer)
+    rows.append(
+        EstimateRow(
+            "training.optimizer",
+            f"optimizer states ({tr.optimizer})",
+            (8 if per_param is None else per_param) * n_lora,
+            "formula",
+            "AdamW 32-bit 8 bytes/param, 8-bit 2",
+        )
+    )
+    # peft casts each adapted layer's input to the fp32 adapter dtype and, with dropout, keeps the
+    # dropped copy (4 B) and its mask (1 B) for backward: per adapted layer, per token.
+    lora_in = sum(e.linear[1] for e in adapted) // max(1, d["layers"])
+    per_tok_lora = lora_in * ((5 if tr.lora_dropout > 0 else 4) if b < 4 or tr.lora_dropout > 0 else 0)
+    return rows, trainable, per_tok_lora
+
+
+def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[EstimateRow], int]:
+    """Gradients, optimizer states and master weights when every parameter trains."""
+    rows = []
+    if load in QUANTIZED:
+        raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
+    trainable = lay.params
+    pb = 4 if load == "fp32" else b
+    rows.append(EstimateRow("training.gradients", f"gradients ({load})", pb * trainable, "exact"))
+    per_param = OPTIMIZERS.get(tr.optimizer)
+    opt = 2 * pb * trainable if per_param is None else per_param * trainable
+    rows.append(
+        EstimateRow(
+            "training.optimizer",
+            f"optimizer states ({tr.optimizer})",
+            opt,
+            "formula",
+            "torch AdamW: 2 states in the parameter dtype",
+        )
+    )
+    if tr.master_weights and load != "fp32":
+        rows.append(EstimateRow("training.master_weights", "fp32 master weights", 4 * trainable, "exact"))
+    return rows, trainable
+
+
+def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: int) -> list[EstimateRow]:
+    """What the forward pass keeps for backward, the loss's peak and the dequantized weights."""
+    rows = []
+    seq, mb = tr.seq_len, tr.micro_batch
+    # Saved activations per layer (bytes per token) of a Llama-like block: each RMSNorm keeps its
+    # fp32 upcast, the normalized fp32 value and the cast-back output; attention keeps q and k before
+    # and after rotary, v, the GQA-expanded k/v, its output and the o_proj input; the MLP keeps
+    # gate, act(gate), up and their product. Measured on CPU with live-tensor tracking (see
+    # bench/estimate_accuracy.py).
+    h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
+    attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
+    per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
+    # The loss's peak comes at the start of backward: log-softmax's fp32 output (saved), its incoming
+    # gradient and the gradient it returns, each batch x seq x vocab x 4 B (the model's own logits
+    # and the fp32 upcast are gone by then: measured with live-tensor tracking).
+    logits = mb * seq * d["vocab"] * 12
+    # A quantized layer's weight is dequantized to the compute dtype for each matmul (forward and
+    # backward): the largest one, twice, is alive at once. The output layer stays unquantized.
+    dequant = 0
+    if load in QUANTIZED:
+        biggest = max(
+            (e.linear[0] * e.linear[1] for e in lay.entries if e.linear and should_convert(e.module, lay.not_convert)),
+            default=0,
+        )
+        dequant = 2 * biggest * b
+    if tr.gradient_checkpointing:
+        # Only each layer's input is kept; one layer's activations are recomputed at a time during
+        # backward, after the loss's buffers are freed, so the peak is the larger of the two.
+        saved = d["layers"] * mb * seq * h * b
+        rows.append(
+            EstimateRow(
+                "activations.saved",
+                "activations (gradient checkpointing)",
+                saved,
+                "formula",
+                "one hidden state per layer",
+            )
+        )
+        layer = mb * seq * per_tok + dequant
+        rows.append(
+            EstimateRow(
+                "activations.backward_peak",
+                "backward peak: logits + loss or one recomputed layer",
+                max(logits, layer),
+                "formula",
+                "batch x seq x vocab x 3 fp32 buffers, or one layer's activations",
+            )
+        )
+    else:
+        saved = d["layers"] * mb * seq * per_tok
+        rows.append(
+            EstimateRow(
+                "activations.saved", "activations (no checkpointing)", saved, "formula", "tensors kept for backward"
+            )
+        )
+        rows.append(
+            EstimateRow(
+                "activations.loss", "logits + loss (fp32)", logits, "formula", "batch x seq x vocab x 3 fp32 buffers"
+            )
+        )
+    if dequant and not tr.gradient_checkpointing:
+        rows.append(
+            EstimateRow("activations.dequantized", "dequantized weight (backward)", dequant, "formula",
+                        "largest layer, transient")
+        )  # fmt: skip
+    return rows
+
+
+def training_rows(lay: Layout, config, load: str, b: int, tr) -> tuple[list[EstimateRow], int]:
+    """The rows of one training step and the number of trainable parameters."""
+    d = dims(config)
+    if isinstance(tr, LoraTraining):
+        rows, trainable, per_tok_lora = _lora_rows(lay, d, b, tr)
+    else:
+        (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
+    return rows + _activation_rows(lay, d, load, b, tr, per_tok_lora), trainable

@@ -1,0 +1,144 @@
+"""Where a model comes from: a hub id or a local path, its config, its weight files, the data that ships.
+
+Everything a notebook needs at run time ships inside the package (``helpers/data``: model configs
+that work offline, the instruction set, evaluation prompts) and is found with
+:mod:`importlib.resources`, so a wheel installed in Colab has it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import OomkitError
+from .memory import in_colab
+
+__all__ = [
+    "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
+    "nearest_existing", "hub_offline_reason", "checkpoint_size", "read_json", "DRIVE_MOUNT",
+]  # fmt: skip
+
+DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
+_HUB_PROBE_TIMEOUT_S = 3  # huggingface_hub itself retries for ~30 s before giving up
+
+
+class SourceError(OomkitError, ValueError):
+    """A file oomkit was pointed at cannot be read as what it should be."""
+
+
+def data_path(name: str = "") -> Path:
+    """Path of ``helpers/data/<name>`` (shipped with the package: configs, instructions, prompts)."""
+    return Path(str(resources.files("helpers").joinpath("data", name) if name else resources.files("helpers") / "data"))
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Hub id -> path of every ``config.json`` shipped in ``helpers/data/configs`` (usable offline)."""
+    return {p.stem.replace("--", "/", 1): p for p in sorted(data_path("configs").glob("*.json"))}
+
+
+def shipped_config(name: str) -> Path | None:
+    """The shipped config for a hub id or its short name (case-insensitive), or ``None``."""
+    configs = shipped_configs()
+    if name in configs:
+        return configs[name]
+    low = name.lower()
+    return next((p for hub_id, p in configs.items() if low in (hub_id.lower(), hub_id.split("/")[-1].lower())), None)
+
+
+def read_json(path: Path, what: str = "JSON") -> Any:
+    """Parse a JSON file; a file that is not UTF-8 or not JSON gets an error naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a {what} file") from None
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path} is not valid JSON ({e}); pass a {what} file") from None
+
+
+def looks_like_path(model: str) -> bool:
+    """True for strings that can only be paths: absolute, ./, ../, ~, Windows drives, 3+ parts, file suffixes."""
+    return (
+        model.startswith(("/", "./", "../", "~", "\\"))
+        or (len(model) > 1 and model[1] == ":")
+        or model.count("/") >= 2
+        or model.endswith((".safetensors", ".bin", ".json"))
+    )
+
+
+def drive_hint(path: str) -> str:
+    """What to check on Colab when a path is missing (Drive not mounted, or a typo under MyDrive)."""
+    if not in_colab() and not path.startswith("/content"):
+        return ""
+    if path.startswith("/content/drive") and not Path("/content/drive/MyDrive").exists():
+        return f" Google Drive is not mounted: run `{DRIVE_MOUNT}` first."
+    if path.startswith("/content/drive"):
+        return " Google Drive is mounted: check the folder name under /content/drive/MyDrive (it is case-sensitive)."
+    return (
+        " Files under /content are deleted when the Colab runtime restarts; keep models and adapters on "
+        f"Google Drive (`{DRIVE_MOUNT}`)."
+    )
+
+
+def nearest_existing(path: str | Path) -> str:
+    """`` <folder> exists and holds: a, b, c.`` for the nearest existing parent of a missing path ('' at /)."""
+    p = Path(path).expanduser()
+    parent = next((q for q in p.parents if q.exists()), None)
+    if parent is None or parent == Path("/") or not parent.is_dir():
+        return ""
+    names = sorted(c.name for c in parent.iterdir())[:8]
+    return f" {parent.resolve()} exists and holds: {', '.join(names) or '(nothing)'}."
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be asked (``HF_HUB_OFFLINE``, no network), or ``None`` if it answers.
+
+    A socket probe of a few seconds: without a network huggingface_hub retries for ~30 s first."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=_HUB_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        return f"{host} cannot be reached ({type(e).__name__})"
+    return None
+
+
+def _local_sizes(path: Path) -> tuple[int | None, int | None, str]:
+    files = [f for pat in ("*.safetensors", "*.bin") for f in path.glob(pat)] if path.is_dir() else [path]
+    if not files:
+        return None, None, f"no *.safetensors or *.bin files in {path}"
+    sizes = [f.stat().st_size for f in files if f.suffix == ".safetensors"] or [f.stat().st_size for f in files]
+    return sum(sizes), max(sizes), "local files"
+
+
+def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
+    """``(total_bytes, largest_file_bytes, source)`` of a checkpoint's weight files.
+
+    Local directories are measured on disk; hub ids ask the hub for file sizes (no download).
+    Returns ``(None, None, reason)`` when it cannot be known (offline, private model).
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        return _local_sizes(path)
+    if looks_like_path(model):  # asking the hub would only say it is not a valid repo id
+        return None, None, f"{model} does not exist; check the path (on Colab: is Drive mounted?)"
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(model, files_metadata=True, timeout=10)
+        weights = [s for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
+        weights = weights or [s for s in info.siblings or [] if s.rfilename.endswith(".bin")]
+        sizes = [s.size for s in weights if s.size]
+        if not sizes:
+            return None, None, "the hub lists no weight files for this model"
+        return sum(sizes), max(sizes), "hub file list"
+    except Exception as e:
+        return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"

@@ -1,0 +1,85 @@
+"""Each word of oomkit's vocabulary, defined once: load modes, dtype names, fit verdicts, statuses.
+
+Every module that takes a load mode or a dtype, shows a verdict or colours a status reads it from
+here, so a new mode or a reworded verdict is one edit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import OomkitError
+
+__all__ = [
+    "LOAD_MODES", "QUANTIZED", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
+    "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16",
+]  # fmt: skip
+
+# Widest first: the order users read them in (dropdowns, CLI help, error messages).
+LOAD_MODES = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
+QUANTIZED = ("int8", "nf4", "fp4")  # bitsandbytes: LLM.int8 and the two 4-bit data types
+FOUR_BIT = ("nf4", "fp4")
+HALF = ("fp16", "bf16")
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+# Every spelling users write for a dtype (transformers, BitsAndBytesConfig, torch) -> our name.
+_DTYPE_SPELLINGS = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}  # fmt: skip
+
+
+class DtypeError(OomkitError, ValueError):
+    """A dtype oomkit does not know; the message lists the accepted spellings."""
+
+
+def dtype_name(value: Any, *, allow_auto: bool = True) -> str:
+    """``"fp32"``, ``"fp16"``, ``"bf16"`` (or ``"auto"``) for any spelling: ``torch.float16``, ``"float16"``,
+    ``"half"``, ``"torch.bfloat16"``, ``"bf16"`` ... Raises :class:`DtypeError` naming the accepted ones."""
+    text = str(value).strip().lower() if value is not None else ""
+    if allow_auto and text == "auto":
+        return "auto"
+    name = _DTYPE_SPELLINGS.get(text)
+    if name is None:
+        accepted = ("auto, " if allow_auto else "") + "fp16/float16/torch.float16, bf16/bfloat16, fp32/float32"
+        raise DtypeError(f"unknown dtype {value!r}; use one of {accepted}")
+    return name
+
+
+def torch_dtype(name: str):
+    """The torch dtype of one of our dtype names (any spelling :func:`dtype_name` takes)."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name(name, allow_auto=False)]
+
+
+# Fit verdicts: an estimate against a device's capacity.
+FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
+VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)
+# Above this share of capacity a run works only without surprises: the allocator's rounding, a
+# longer prompt than planned or another notebook's tensors are not in the estimate.
+TIGHT_FRACTION = 0.90
+
+
+def verdict(total: int, capacity: int) -> str:
+    """:data:`FITS`, :data:`TIGHT` (over :data:`TIGHT_FRACTION` of capacity) or :data:`DOES_NOT_FIT`."""
+    if total > capacity:
+        return DOES_NOT_FIT
+    return TIGHT if total > capacity * TIGHT_FRACTION else FITS
+
+
+# Check statuses, mildest first; "info" reports without judging.
+STATUSES = ("pass", "info", "warn", "fail")
+STATUS_ORDER = {"pass": 0, "info": 0, "warn": 1, "fail": 2}
+VERDICT_STATUS = {FITS: "pass", TIGHT: "warn", DOES_NOT_FIT: "fail"}
+
+# bf16 tensor cores start with Ampere (sm_80); a T4 (sm_75) or V100 (sm_70) computes bf16 slowly
+# in emulation or not at all, so oomkit plans fp16 there.
+BF16_CAPABILITY = (8, 0)
+
+
+def supports_bf16(capability: tuple[int, int] | None) -> bool:
+    """Whether a CUDA device of this compute capability computes in bf16 (``None``: no GPU)."""
+    return capability is not None and tuple(capability) >= BF16_CAPABILITY
