@@ -2,7 +2,7 @@
 
 200 prompts of varied length (4 to ~130 tokens, built from data/eval/prompts.jsonl and the corpus),
 greedy decoding, ``--new`` new tokens each, on the tiny Llama. All three run side by side in one
-process under the same simulated memory budget (``helpers.evaluate.simulated_budget``: a generate
+process under the same simulated memory budget (``helpers.testing.simulated_budget``: a generate
 call with batch x (prompt + new tokens) above ``--budget`` tokens raises a real OOM; run at the
 budget and at half of it):
 
@@ -45,9 +45,10 @@ import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 
 from helpers import batch_size as bs  # noqa: E402
-from helpers.evaluate import _count_new, _stop_ids, load_prompts, safe_generate, simulated_budget  # noqa: E402
+from helpers.evaluate import _count_new, _stop_ids, load_prompts, safe_generate  # noqa: E402
 from helpers.loading import load  # noqa: E402
 from helpers.oom import is_oom  # noqa: E402
+from helpers.testing import simulated_budget  # noqa: E402
 
 
 def make_prompts(n: int, seed: int = 0) -> list[dict]:

@@ -27,8 +27,8 @@ from helpers.evaluate import (
     load_prompts,
     prompt_id,
     safe_generate,
-    simulated_budget,
 )
+from helpers.testing import simulated_budget
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 4  # new tokens per prompt: enough to tell outputs apart, cheap on 2 CPU cores
