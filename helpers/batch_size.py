@@ -24,10 +24,18 @@ from typing import Any
 
 import torch
 
-from .cleanup import release_after_oom
-from .oom import is_oom
+from .retry import attempt
 
-__all__ = ["Trial", "BatchSearch", "find_max_batch_size", "adaptive_batch", "clear_cache", "BatchSizeError"]
+__all__ = [
+    "Trial",
+    "BatchSearch",
+    "find_max_batch_size",
+    "adaptive_batch",
+    "clear_cache",
+    "remembered_batch",
+    "remember_batch",
+    "BatchSizeError",
+]
 
 
 class BatchSizeError(torch.OutOfMemoryError):
@@ -105,6 +113,16 @@ class BatchSearch:
 _CACHE: dict[Hashable, BatchSearch] = {}
 
 
+def remembered_batch(key: Hashable) -> BatchSearch | None:
+    """The search remembered for ``key`` (by :func:`find_max_batch_size` or :func:`remember_batch`), or None."""
+    return _CACHE.get(key)
+
+
+def remember_batch(key: Hashable, search: BatchSearch) -> None:
+    """Remember what worked for ``key``: a later search (or ``safe_generate``) with that key starts there."""
+    _CACHE[key] = search
+
+
 def clear_cache(key: Hashable | None = None) -> None:
     """Forget cached searches (all of them, or the one for ``key``)."""
     if key is None:
@@ -115,26 +133,8 @@ def clear_cache(key: Hashable | None = None) -> None:
 
 def _try(step: Callable[[int], Any], size: int) -> Trial:
     """Run ``step(size)``; an OOM becomes a failed Trial (and its memory is given back), anything else propagates."""
-    started = time.perf_counter()
-    baseline = _allocated()
-    message = None
-    try:
-        step(size)
-    except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-        if not is_oom(e):
-            raise
-        message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    if message is not None:
-        # outside the except block, where the exception (whose traceback pins the failed step's
-        # tensors) is no longer held by the interpreter
-        release_after_oom(baseline=baseline)
-        return Trial(size, False, time.perf_counter() - started, message)
-    return Trial(size, True, time.perf_counter() - started)
-
-
-def _allocated() -> int | None:
-    """CUDA memory allocated now (the baseline a failed step is checked against); None without CUDA."""
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    result = attempt(step, size)
+    return Trial(size, result.ok, result.elapsed, result.error)
 
 
 def _next_size(lo: int, hi: int) -> int:
@@ -196,6 +196,27 @@ def find_max_batch_size(
     >>> search = find_max_batch_size(lambda b: model(batch[:b]).loss.backward(), limit=256)  # doctest: +SKIP
     >>> search.batch_size  # doctest: +SKIP
     """
+    _check_search(step, start, limit, margin, key)
+    started = time.perf_counter()
+    cached = _CACHE.get(key) if key is not None else None
+    lo, hi, trials = _search(step, _first_size(start, limit, cached), limit, cached, growth, tolerance)
+    result = BatchSearch(
+        max_ok=lo,
+        batch_size=max(1, math.floor(lo * margin)),
+        trials=trials,
+        first_failed=hi,
+        limit=limit,
+        margin=margin,
+        key=key,
+        cached=cached is not None,
+        seconds=time.perf_counter() - started,
+    )
+    if key is not None:
+        _CACHE[key] = result
+    return result
+
+
+def _check_search(step: Any, start: Any, limit: Any, margin: Any, key: Any) -> None:
     if not callable(step):
         raise TypeError(
             f"step must be a function of the batch size, got {type(step).__name__}: "
@@ -212,26 +233,46 @@ def find_max_batch_size(
                 f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
                 "e.g. key=(model_name, seq_len)"
             ) from None
-    started = time.perf_counter()
-    lo, hi = 0, (limit + 1 if limit is not None else None)
-    trials: list[Trial] = []
-    cached = _CACHE.get(key) if key is not None else None
+
+
+def _first_size(start: int, limit: int | None, cached: BatchSearch | None) -> int:
     size = min(start, limit) if limit is not None else start
     if cached is not None and cached.max_ok > 0:
         size = min(cached.max_ok, limit) if limit is not None else cached.max_ok
+    return size
 
+
+def _tried(trials: list[Trial]) -> str:
+    return ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials)
+
+
+def _try_in_search(step: Callable[[int], Any], size: int, trials: list[Trial]) -> Trial:
+    """``_try``, with a note on a non-OOM error saying where the search was."""
+    try:
+        return _try(step, size)
+    except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(
+                f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
+                "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
+                "at any batch size). Tries before it: " + (_tried(trials) or "none")
+            )
+        raise
+
+
+def _search(
+    step: Callable[[int], Any],
+    size: int,
+    limit: int | None,
+    cached: BatchSearch | None,
+    growth: int,
+    tolerance: float,
+) -> tuple[int, int | None, list[Trial]]:
+    """Grow, then bisect: (largest size that ran, smallest that failed or limit + 1 or None, trials)."""
+    lo, hi = 0, (limit + 1 if limit is not None else None)
+    trials: list[Trial] = []
     while True:
-        try:
-            trial = _try(step, size)
-        except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
-            if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(
-                    f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
-                    "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
-                    "at any batch size). Tries before it: "
-                    + (", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials) or "none")
-                )
-            raise
+        trial = _try_in_search(step, size, trials)
         trials.append(trial)
         if trial.ok:
             lo = size
@@ -246,31 +287,15 @@ def find_max_batch_size(
             if size == 1:
                 raise BatchSizeError(
                     "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
-                    "sequence, quantize the model or enable gradient checkpointing. Tries: "
-                    + ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials)
+                    "sequence, quantize the model or enable gradient checkpointing. Tries: " + _tried(trials)
                 )
             if lo == 0:
                 # nothing has run yet: shrink as fast as we grew
                 size = max(1, size // growth)
                 continue
         if hi is None or _done(lo, hi, tolerance):
-            break
+            return lo, hi, trials
         size = _next_size(lo, hi)
-
-    result = BatchSearch(
-        max_ok=lo,
-        batch_size=max(1, math.floor(lo * margin)),
-        trials=trials,
-        first_failed=hi,
-        limit=limit,
-        margin=margin,
-        key=key,
-        cached=cached is not None,
-        seconds=time.perf_counter() - started,
-    )
-    if key is not None:
-        _CACHE[key] = result
-    return result
 
 
 class _AdaptiveState:
@@ -348,23 +373,12 @@ def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: flo
         def wrapper(*args, **kwargs):
             while True:
                 size = state.batch_size
-                started = time.perf_counter()
-                baseline = _allocated()
-                message = None
-                try:
-                    result = fn(size, *args, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-                    if not is_oom(e):
-                        raise
-                    message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-                if message is not None:
-                    release_after_oom(baseline=baseline)  # outside the except block: see _try
-                    state.trials.append(Trial(size, False, time.perf_counter() - started, message))
-                    state.after_oom(size)
-                    continue
-                state.trials.append(Trial(size, True, time.perf_counter() - started))
-                state.after_success(size)
-                return result
+                result = attempt(functools.partial(fn, size, *args, **kwargs))
+                state.trials.append(Trial(size, result.ok, result.elapsed, result.error))
+                if result.ok:
+                    state.after_success(size)
+                    return result.value
+                state.after_oom(size)
 
         return _Adaptive(wrapper, state)
 

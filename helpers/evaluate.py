@@ -22,7 +22,6 @@ import math
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .batch_size import _CACHE, BatchSearch
-from .cleanup import release_after_oom
+from .batch_size import BatchSearch, remember_batch, remembered_batch
+from .generation import Generated, encode, generate_batch, model_device, stop_token_ids
 from .memory import allocated, ram_readout, reserved
-from .oom import is_oom
+from .retry import Attempt, Watch, attempt
 from .testing import SimulatedBudget, simulated_budget  # re-exported: notebooks/03_safe_eval uses it
 from .units import format_bytes
 
@@ -431,13 +430,6 @@ class EvalReport:
 # memory readouts
 
 
-def _device_of(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
 def _memory(device: torch.device) -> int:
     """GPU bytes held by tensors on CUDA, the process's resident RAM elsewhere."""
     if device.type == "cuda":
@@ -477,7 +469,7 @@ def batch_cache_key(model, max_new_tokens: int) -> tuple:
     ``safe_generate`` of that model and length starts at the size found (and learns from each run).
     """
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return ("safe_generate", str(name), max_new_tokens, str(_device_of(model)))
+    return ("safe_generate", str(name), max_new_tokens, str(model_device(model)))
 
 
 def _start_size(
@@ -492,10 +484,10 @@ def _start_size(
         return min(batch_size, limit), "given"
     if batch_size != "auto":
         raise EvalError(f"batch_size must be 'auto', a positive int or a BatchSearch, got {batch_size!r}")
-    cached = _CACHE.get(key)
+    cached = remembered_batch(key)
     if cached is not None and cached.max_ok > 0:
         return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
-    if _device_of(model).type == "cuda":
+    if model_device(model).type == "cuda":
         from .estimate import EstimateError, max_batch_that_fits
 
         try:
@@ -519,7 +511,7 @@ def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
     if budget.ok > 0 and seq > 0:
         size = budget.ok // seq
         fail = (budget.fail // seq) if budget.fail else None
-        _CACHE[key] = BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key)
+        remember_batch(key, BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,25 +526,6 @@ def _context_length(model, tokenizer) -> int | None:
             return value
     value = getattr(tokenizer, "model_max_length", None)
     return value if isinstance(value, int) and 0 < value < 1 << 30 else None
-
-
-def _count_new(ids: torch.Tensor, stop: set[int]) -> int:
-    """New tokens up to and including the first end-of-sequence token (the rest is padding)."""
-    for i, t in enumerate(ids.tolist()):
-        if t in stop:
-            return i + 1
-    return len(ids)
-
-
-def _stop_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    return ids
 
 
 def safe_generate(
@@ -596,16 +569,44 @@ def safe_generate(
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
     """
+    gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
+    items = load_prompts(prompts)
+    if not items:
+        raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
+    scorer = _scorer(score)
+    # token ids once: the lengths (sorting, context limits) and the batches themselves
+    ids = encode(tokenizer, [it["prompt"] for it in items])
+    context = _context_length(model, tokenizer)
+    _check_context(items, ids, context)
+    store = ResultsFile(results)
+    done = _open_results(store, resume)
+    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
+    run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
+    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+    pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
+    _warn_other_settings(done, settings, store.path)
+    report.skipped = len(items) - len(pending)
+    longest = max(len(row) for row in ids)
+    try:
+        budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
+        try:
+            _Loop(run, pending, store, report, budget, progress, on_result).run()
+        finally:
+            _remember(key, budget, max_new_tokens + longest)
+    finally:
+        store.close()
+    _finish(report, run, store, items)
+    return report
+
+
+def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs) -> dict:
+    """Validate what does not depend on the prompts; the generate kwargs (greedy by default)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise EvalError(
             f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}"
         )
-    items = load_prompts(prompts)
-    if not items:
-        raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
-    scorer = _scorer(score)
     if generation_kwargs is not None and not isinstance(generation_kwargs, dict):
         raise EvalError(
             f"generation_kwargs must be a dict of model.generate arguments, e.g. "
@@ -630,193 +631,253 @@ def safe_generate(
             "the tokenizer has no pad token: load with helpers.loading.load, or call "
             "helpers.loading.setup_tokenizer(tokenizer, model) first"
         )
-    padding_side = tokenizer.padding_side
+    return gen_kwargs
 
-    # token lengths and context limits, before touching the model or the results file
-    lengths = [len(ids) for ids in tokenizer([it["prompt"] for it in items])["input_ids"]]
-    context = _context_length(model, tokenizer)
-    if context is not None:
-        too_long = [(it["id"], n) for it, n in zip(items, lengths, strict=True) if n >= context]
-        if too_long:
-            shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
-            raise EvalError(
-                f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
-                f"{context}-token context: {shown}. Shorten or drop them"
-            )
 
-    store = ResultsFile(results)
+def _check_context(items: list[dict], ids: list[list[int]], context: int | None) -> None:
+    """Refuse (before any generation) prompts that leave no room for one new token in the context."""
+    if context is None:
+        return
+    too_long = [(it["id"], len(row)) for it, row in zip(items, ids, strict=True) if len(row) >= context]
+    if too_long:
+        shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
+        raise EvalError(
+            f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
+            f"{context}-token context: {shown}. Shorten or drop them"
+        )
+
+
+def _open_results(store: ResultsFile, resume) -> dict[str, dict]:
+    """Start the results file over (``resume=False``) or read what it holds; the finished records by id."""
     if not resume and store.path.exists():
         try:
             store.path.unlink()
         except OSError as e:
             raise EvalError(f"cannot start {store.path} over: {e.strerror or e}") from None
-    done = store.open()
-    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
-    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
-    pending = [(it, n) for it, n in zip(items, lengths, strict=True) if it["id"] not in done]
+    return store.open()
+
+
+def _warn_other_settings(done: dict[str, dict], settings: dict, path: Path) -> None:
     other = sorted(
         {json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)}
     )
     if other:
         warnings.warn(
-            f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
+            f"{path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
             f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
-            stacklevel=2,
+            stacklevel=3,
         )
-    report.skipped = len(items) - len(pending)
 
-    device = _device_of(model)
-    report.memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
+
+@dataclass
+class _Run:
+    """What every batch of one ``safe_generate`` call shares."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    gen_kwargs: dict
+    settings: dict
+    max_new_tokens: int
+    context: int | None
+    scorer: tuple[str, Callable[[str, str], float]] | None
+    stop: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.stop = stop_token_ids(self.model, self.tokenizer)
+
+    def cap(self, prompt_tokens: int) -> int:
+        """New tokens a prompt of this length may get (the context may allow fewer than asked)."""
+        if self.context is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.context - prompt_tokens)
+
+
+def _plan_batches(
+    run: _Run, report: EvalReport, batch_size, max_batch_size: int, pending: int, longest: int
+) -> tuple[_TokenBudget, tuple]:
+    """The token budget the first batch starts from, and the cache key it is remembered under."""
+    device = run.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    key = batch_cache_key(model, max_new_tokens)
-    limit = max(1, min(max_batch_size, len(pending) or 1))
+    key = batch_cache_key(run.model, run.max_new_tokens)
+    limit = max(1, min(max_batch_size, pending or 1))
     start, source = _start_size(
-        model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens, limit=limit
+        run.model, batch_size, key=key, prompt_tokens=longest, max_new_tokens=run.max_new_tokens, limit=limit
     )
     budget = _TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
-    cached = _CACHE.get(key) if batch_size == "auto" else None
+    cached = remembered_batch(key) if batch_size == "auto" else None
     if cached is not None and cached.first_failed:
         # the bound a previous search (or run) found still holds unless memory got tighter
-        seq0 = max(lengths) + max_new_tokens
+        seq0 = longest + run.max_new_tokens
         budget.ok, budget.fail = start * seq0, max(cached.first_failed, start + 1) * seq0
-    stop = _stop_ids(model, tokenizer)
+    return budget, key
 
-    # longest first: the tightest batches come first, so memory limits are found early and
-    # later (shorter) batches grow; similar lengths together waste little compute on padding
-    pending.sort(key=lambda p: -p[1])
 
-    def cap(n: int) -> int:
-        return max_new_tokens if context is None else min(max_new_tokens, context - n)
+class _Loop:
+    """The batches of one run: longest prompts first, sizes from the token budget, OOMs retried."""
 
-    from tqdm.auto import tqdm
+    def __init__(self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result):
+        # longest first: the tightest batches come first, so memory limits are found early and
+        # later (shorter) batches grow; similar lengths together waste little compute on padding
+        self.pending = sorted(pending, key=lambda p: -len(p[1]))
+        self.run_, self.store, self.report, self.budget = run, store, report, budget
+        self.progress, self.on_result = progress, on_result
+        self.i = 0
+        self.single_retries = 0
+        self.shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
 
-    bar = tqdm(total=len(pending), desc="safe_generate", unit="sample", disable=not progress)
-    started = time.perf_counter()
-    peak = _memory(device)
-    tokenizer.padding_side = "left"  # every prompt must end where generation starts
-    i = 0
-    single_retries = 0
-    shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
-    try:
-        while i < len(pending):
-            first_len = pending[i][1]
-            new = cap(first_len)
-            if shrink_new is not None:
-                new = min(new, shrink_new)
-            seq = first_len + new
-            size = budget.size_for(seq) if shrink_new is None else 1
-            batch = [pending[i]]
-            # the same new-token budget for the whole batch (context-capped prompts go on their own)
-            while len(batch) < size and i + len(batch) < len(pending) and cap(pending[i + len(batch)][1]) >= new:
-                batch.append(pending[i + len(batch)])
-            size = len(batch)
-            t0 = time.perf_counter()
-            enc = probe = None
-            failed = False
-            baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-            try:
-                enc = tokenizer([it["prompt"] for it, _ in batch], return_tensors="pt", padding=True).to(device)
-                probe = weakref.ref(enc["input_ids"])  # the failed call's frames hold it: alive = still pinned
-                with torch.inference_mode():
-                    out = model.generate(**enc, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id, **gen_kwargs)
-                gen_ids = out[:, enc["input_ids"].shape[1] :].cpu()
-                del out, enc
-            except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-                if not is_oom(e) or (size == 1 and single_retries >= 1 and new <= 1):
-                    raise  # not an OOM, or not even one new token fits alone: nothing to record
-                failed = True
-            if failed:
-                # Outside the except block: inside it the interpreter still holds the exception, and
-                # through its traceback the failed batch's activations and KV cache.
-                del enc
-                if release_after_oom(probe, baseline=baseline, device=device):
-                    report.full_collections += 1
-                report.oom_retries += 1
-                report.cache_empties += 1
-                if size > 1:
-                    budget.after_oom(size, seq)
-                elif single_retries < 1:
-                    single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
+    def run(self) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=len(self.pending), desc="safe_generate", unit="sample", disable=not self.progress)
+        self.started = time.perf_counter()
+        self.peak = _memory(self.run_.device)
+        try:
+            while self.i < len(self.pending):
+                batch, new, seq = self._next_batch()
+                watch = Watch()  # the batch's input: alive after an OOM = the failed call is still pinned
+                result = attempt(self._generate, batch, new, watch, watch=watch, device=self.run_.device)
+                if result.ok:
+                    self._after_success(batch, new, seq, result)
                 else:
-                    shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
-                continue
-            seconds = time.perf_counter() - t0
-            texts = tokenizer.batch_decode(gen_ids, skip_special_tokens=True)
-            budget.after_success(size, seq)
-            records = []
-            for (it, n), ids, text in zip(batch, gen_ids, texts, strict=True):
-                truncated = new < max_new_tokens
-                reason = None
-                if truncated:
-                    reason = "memory" if shrink_new is not None else "context"
-                rec = {
-                    "id": it["id"],
-                    "prompt": it["prompt"],
-                    "reference": it["reference"],
-                    "output": text,
-                    "new_tokens": _count_new(ids, stop),
-                    "prompt_tokens": n,
-                    "truncated": truncated,
-                    "truncated_reason": reason,
-                    "max_new_tokens": new,
-                    "batch_size": size,
-                    "settings": settings,
-                    "seconds": round(seconds / size, 6),
-                    "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                }
-                if scorer is not None and it["reference"] is not None:
-                    rec["score"] = {scorer[0]: float(scorer[1](text, it["reference"]))}
-                records.append(rec)
-            # the whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)
-            for k, rec in enumerate(records):
-                try:
-                    store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
-                    if k == len(records) - 1:
-                        store.sync()
-                except OSError as e:
-                    raise ResultsWriteError(
-                        f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
-                        f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
-                        "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
-                        "results path, then rerun with resume=True: finished samples are skipped",
-                        records[k:],
-                    ) from e
-            report.done += len(records)
-            report.new_tokens += sum(r["new_tokens"] for r in records)
-            report.truncated += sum(r["truncated"] for r in records)
-            i += size
-            single_retries, shrink_new = 0, None
-            report.batch_sizes.append(size)
-            mem = _memory(device)
-            peak = max(peak, mem)
-            report.timeline.append((time.perf_counter() - started, size, mem))
-            if _should_empty_cache(device):
-                torch.cuda.empty_cache()
-                report.cache_empties += 1
-            bar.update(size)
-            elapsed = time.perf_counter() - started
-            bar.set_postfix_str(
-                f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
-            )
-            if on_result is not None:
-                for rec in records:
-                    on_result(rec)
-    finally:
-        tokenizer.padding_side = padding_side
-        report.seconds = time.perf_counter() - started
-        bar.close()
-        store.close()
-        _remember(key, budget, max_new_tokens + (max(lengths) if lengths else 0))
-    report.peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak
+                    self._after_oom(len(batch), new, seq, result)
+        finally:
+            self.report.seconds = time.perf_counter() - self.started
+            self.report.peak_memory = self.peak
+            self.bar.close()
+
+    def _next_batch(self) -> tuple[list, int, int]:
+        """The next prompts, their new-token count and sequence length (prompt + new tokens)."""
+        cap, pending, i = self.run_.cap, self.pending, self.i
+        first_len = len(pending[i][1])
+        new = cap(first_len)
+        if self.shrink_new is not None:
+            new = min(new, self.shrink_new)
+        seq = first_len + new
+        size = self.budget.size_for(seq) if self.shrink_new is None else 1
+        batch = [pending[i]]
+        # the same new-token budget for the whole batch (context-capped prompts go on their own)
+        while len(batch) < size and i + len(batch) < len(pending) and cap(len(pending[i + len(batch)][1])) >= new:
+            batch.append(pending[i + len(batch)])
+        return batch, new, seq
+
+    def _generate(self, batch: list, new: int, watch: Watch) -> Generated:
+        run = self.run_
+        return generate_batch(
+            run.model,
+            run.tokenizer,
+            [row for _, row in batch],
+            max_new_tokens=new,
+            stop=run.stop,
+            watch=watch,
+            **run.gen_kwargs,
+        )
+
+    def _after_oom(self, size: int, new: int, seq: int, result: Attempt) -> None:
+        if size == 1 and self.single_retries >= 1 and new <= 1:
+            # not even one new token fits alone: nothing to record
+            raise torch.OutOfMemoryError(f"{result.error} (even one prompt with one new token does not fit)")
+        self.report.full_collections += result.collected
+        self.report.oom_retries += 1
+        self.report.cache_empties += 1
+        if size > 1:
+            self.budget.after_oom(size, seq)
+        elif self.single_retries < 1:
+            self.single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
+        else:
+            self.shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
+
+    def _after_success(self, batch: list, new: int, seq: int, result: Attempt) -> None:
+        size = len(batch)
+        self.budget.after_success(size, seq)
+        records = _records(self.run_, batch, result.value, new, result.elapsed, memory=self.shrink_new is not None)
+        _write(self.store, records, self.report)
+        report = self.report
+        report.done += len(records)
+        report.new_tokens += sum(r["new_tokens"] for r in records)
+        report.truncated += sum(r["truncated"] for r in records)
+        self.i += size
+        self.single_retries, self.shrink_new = 0, None
+        self._progress(size)
+        if self.on_result is not None:
+            for rec in records:
+                self.on_result(rec)
+
+    def _progress(self, size: int) -> None:
+        device, report = self.run_.device, self.report
+        report.batch_sizes.append(size)
+        mem = _memory(device)
+        self.peak = max(self.peak, mem)
+        report.timeline.append((time.perf_counter() - self.started, size, mem))
+        if _should_empty_cache(device):
+            torch.cuda.empty_cache()
+            report.cache_empties += 1
+        self.bar.update(size)
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix_str(
+            f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
+        )
+
+
+def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *, memory: bool) -> list[dict]:
+    """The result records of one finished batch."""
+    size = len(batch)
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    records = []
+    for (it, row), count, text in zip(batch, gen.new_tokens, gen.texts, strict=True):
+        truncated = new < run.max_new_tokens
+        rec = {
+            "id": it["id"],
+            "prompt": it["prompt"],
+            "reference": it["reference"],
+            "output": text,
+            "new_tokens": count,
+            "prompt_tokens": len(row),
+            "truncated": truncated,
+            "truncated_reason": ("memory" if memory else "context") if truncated else None,
+            "max_new_tokens": new,
+            "batch_size": size,
+            "settings": run.settings,
+            "seconds": round(seconds / size, 6),
+            "time": now,
+        }
+        if run.scorer is not None and it["reference"] is not None:
+            rec["score"] = {run.scorer[0]: float(run.scorer[1](text, it["reference"]))}
+        records.append(rec)
+    return records
+
+
+def _write(store: ResultsFile, records: list[dict], report: EvalReport) -> None:
+    """The whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)."""
+    for k, rec in enumerate(records):
+        try:
+            store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
+            if k == len(records) - 1:
+                store.sync()
+        except OSError as e:
+            raise ResultsWriteError(
+                f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
+                f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
+                "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
+                "results path, then rerun with resume=True: finished samples are skipped",
+                records[k:],
+            ) from e
+
+
+def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]) -> None:
+    """Peak memory, every record for these prompts (in prompt order) and the mean scores."""
+    device = run.device
+    if device.type == "cuda":
+        report.peak_memory = torch.cuda.max_memory_allocated(device)
     finished = store.read()
     report.records = [finished[it["id"]] for it in items if it["id"] in finished]
-    if scorer is not None:
-        values = [r["score"][scorer[0]] for r in report.records if scorer[0] in (r.get("score") or {})]
+    if run.scorer is not None:
+        name = run.scorer[0]
+        values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
-            report.scores[scorer[0]] = sum(values) / len(values)
-    return report
+            report.scores[name] = sum(values) / len(values)
 
 
 def _jsonable(value: Any) -> bool:
