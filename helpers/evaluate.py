@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
@@ -26,6 +27,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; runs unlocked
+    fcntl = None
 
 import torch
 
@@ -45,6 +51,8 @@ __all__ = [
     "prompt_id",
     "ResultsFile",
     "batch_cache_key",
+    "model_identity",
+    "prompt_hash",
     "exact_match",
     "contains_reference",
     "SCORERS",
@@ -91,7 +99,7 @@ def _rows(prompts: Any) -> Iterable[Any]:
                 f"or a list of prompts.{one}"
             )
         rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -119,6 +127,30 @@ def _rows(prompts: Any) -> Iterable[Any]:
     )
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(
+            f"prompt file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+            "re-save it as UTF-8, e.g. text = open(path, encoding='latin-1').read(); "
+            "open(path, 'w', encoding='utf-8').write(text)"
+        ) from None
+
+
+def _check_text(value: Any, what: str) -> None:
+    """Refuse text UTF-8 cannot encode (a lone surrogate, e.g. from a bad decode): the results file could not hold it."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EvalError(
+            f"{what} holds a lone surrogate {value[e.start]!r} at character {e.start} (text {value[:40]!r}), "
+            "which UTF-8 cannot encode: clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
+        ) from None
+
+
 def load_prompts(prompts: Any) -> list[dict]:
     """Normalize prompts to ``[{'id', 'prompt', 'reference'}]`` (ids from the data or stable hashes).
 
@@ -133,6 +165,8 @@ def load_prompts(prompts: Any) -> list[dict]:
             row = {"prompt": row}
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise EvalError(f"prompt #{n} must be a string or a dict with a 'prompt' string, got {row!r:.80}")
+        for name in ("prompt", "id", "reference"):
+            _check_text(row.get(name), f"prompt #{n}'s {name}")
         if row.get("id") is not None:
             pid = str(row["id"])
             if pid in seen:
@@ -154,22 +188,76 @@ def load_prompts(prompts: Any) -> list[dict]:
 
 
 class ResultsFile:
-    """An append-only JSONL file of finished samples, flushed and fsynced per sample.
+    """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.
 
-    ``open()`` reads what a previous run finished; a last line torn by a crash (no newline, or not
-    valid JSON) is cut off and kept in ``<path>.torn`` for inspection, so it is neither lost nor
-    duplicated.
+    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<path>.lock``, which holds
+    the owner's pid), so two writers (a notebook re-run while an old kernel still runs, two tabs)
+    cannot both append: the second gets an error naming the first. It reads what a previous run
+    finished; a last line torn by a crash (no newline, or not valid JSON) is cut off and kept in
+    ``<path>.torn`` for inspection, so it is neither lost nor duplicated. The repair only touches a
+    file no other process holds.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.repaired = False
         self._fh = None
+        self._lock: int | None = None
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def lock(self) -> bool:
+        """Take the run's exclusive lock (without waiting); False where the file system has no locks.
+
+        Raises:
+            EvalError: another process holds it (the message names its pid).
+        """
+        if fcntl is None or self._lock is not None:
+            return self._lock is not None
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EvalError(
+                    f"{self.path} is being written by another run (process {holder}; this is {os.getpid()}): "
+                    "two writers would duplicate every result. Wait for it to finish or stop it (an old "
+                    "notebook kernel, another tab), or pass results= another path"
+                ) from None
+            return False  # no locks on this file system (some network mounts): run unlocked
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+        return True
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock, 0)
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
 
     def read(self) -> dict[str, dict]:
-        """Finished records by id (repairing a torn last line first)."""
+        """Finished records by id (repairing a torn last line first, unless another process holds the file)."""
         if not self.path.exists():
             return {}
+        if self._lock is None:
+            try:
+                self.lock()
+            except EvalError:
+                return self._parse(self.path.read_bytes(), repair=False)  # someone is writing: read only
+            try:
+                return self._parse(self.path.read_bytes(), repair=True)
+            finally:
+                self.unlock()
+        return self._parse(self.path.read_bytes(), repair=True)
+
+    def _parse(self, data: bytes, *, repair: bool) -> dict[str, dict]:
         data = self.path.read_bytes()
         records: dict[str, dict] = {}
         good_end = 0
@@ -197,7 +285,7 @@ class ResultsFile:
                 break
             records[str(rec["id"])] = rec
             good_end = pos = end
-        if good_end < len(data):
+        if repair and good_end < len(data):
             torn = data[good_end:]
             if torn.strip():
                 with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
@@ -207,18 +295,46 @@ class ResultsFile:
                 f.truncate(good_end)
         return records
 
-    def open(self) -> dict[str, dict]:
-        """Check the file can be written (before any generation) and return what is already finished."""
+    def open(self, *, fresh: bool = False) -> dict[str, dict]:
+        """Lock the file, check it can be written (before any generation), return what is already finished.
+
+        ``fresh``: start the file over (only a results file: anything else is refused, never deleted).
+        """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock()
+            if fresh:
+                self._start_over()
             done = self.read()
             self._fh = open(self.path, "a", encoding="utf-8")
         except OSError as e:
+            self.unlock()
             raise EvalError(
                 f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
                 "writable folder (in Colab, /content/... or a mounted Drive folder)"
             ) from None
+        except BaseException:
+            self.unlock()
+            raise
         return done
+
+    def _start_over(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb") as f:
+            first = f.readline(1 << 20)
+        try:
+            rec = json.loads(first)
+            ours = isinstance(rec, dict) and "id" in rec and ("output" in rec or "error" in rec)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise EvalError(
+                f"{self.path} is not a safe_generate results file (its first line is no result record), "
+                "so resume=False will not delete it: pass results= another path"
+            )
+        with open(self.path, "r+b") as f:
+            f.truncate(0)
 
     def append(self, record: dict, *, sync: bool = True) -> None:
         """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
@@ -236,6 +352,7 @@ class ResultsFile:
             with contextlib.suppress(OSError):
                 self._fh.close()
             self._fh = None
+        self.unlock()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +463,9 @@ class EvalReport:
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
+        failures, failed: prompts recorded as failed (``error: "does not fit"``: not even one new
+            token fits in memory with the prompt alone), with their ``prompt_tokens``; a rerun tries
+            them again.
     """
 
     results_path: Path
@@ -366,6 +486,11 @@ class EvalReport:
     started_from: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return len(self.failures)
 
     @property
     def tokens_per_s(self) -> float:
@@ -394,11 +519,18 @@ class EvalReport:
             (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
             ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
         ]
+        if self.failures:
+            shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
+            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}"))
         rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
         return rows
 
     def __repr__(self) -> str:
-        return f"<EvalReport {self.done} done, {self.skipped} skipped, {self.oom_retries} OOM retries: {self.results_path}>"
+        failed = f", {self.failed} failed" if self.failures else ""
+        return (
+            f"<EvalReport {self.done} done, {self.skipped} skipped{failed}, {self.oom_retries} OOM retries: "
+            f"{self.results_path}>"
+        )
 
     def __str__(self) -> str:
         return "EvalReport\n" + "\n".join(f"  {k:<26} {v}" for k, v in self._lines())
@@ -460,6 +592,36 @@ def _load_mode(model) -> str:
         return "int8"
     dtype = getattr(model, "dtype", torch.float16)
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
+
+
+def _adapter(model) -> str | None:
+    """The attached PEFT adapters: kind, rank and a fingerprint of their weights (None without any)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    with torch.no_grad():
+        sums = [
+            float(p.detach().float().abs().sum().cpu())
+            for n, p in model.named_parameters()
+            if "lora_" in n or "modules_to_save" in n
+        ]
+    digest = hashlib.sha1(json.dumps([f"{x:.4g}" for x in sums]).encode()).hexdigest()[:10]
+    kinds = ", ".join(
+        f"{name}: {getattr(getattr(c, 'peft_type', None), 'value', '?')} r={getattr(c, 'r', '?')}"
+        for name, c in configs.items()
+    )
+    return f"{kinds} #{digest}"
+
+
+def model_identity(model) -> dict:
+    """What made a result, recorded in every record: the model's name or path, load mode and adapters."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return {"name": str(name), "load": _load_mode(model), "adapter": _adapter(model)}
+
+
+def prompt_hash(prompt: str) -> str:
+    """The first 16 hex digits of the prompt's SHA-256 (recorded, so a resume never reuses another text's result)."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
 
 
 def batch_cache_key(model, max_new_tokens: int) -> tuple:
@@ -552,8 +714,11 @@ def safe_generate(
         max_new_tokens: new tokens per prompt (fewer only when the context or memory forces it; recorded).
         batch_size: ``"auto"`` (find_max_batch_size's cached value, else the estimator's prediction
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
-        results: the JSONL file every finished sample is appended to.
-        resume: skip ids already in ``results`` (False: start the file over).
+        results: the JSONL file every finished sample is appended to (never the prompt file); it is
+            locked for the run, so a second run on it fails at once instead of duplicating results.
+        resume: skip ids already in ``results`` when the same model (name, load mode, adapter),
+            settings and prompt text made them (a mismatch is an error); False: start the file over;
+            ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default).
         score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
         max_batch_size: never batch more prompts than this.
@@ -563,13 +728,17 @@ def safe_generate(
     Returns:
         An :class:`EvalReport`.
 
+    A prompt that does not fit in memory even alone with one new token is recorded as failed
+    (``error: "does not fit"``, see ``EvalReport.failures``) and the rest goes on.
+
     Raises:
-        EvalError: bad input (no prompts, a prompt longer than the context, an unwritable path),
-            raised before any generation.
+        EvalError: bad input (no prompts, a prompt longer than the context, an unwritable or locked
+            path, results made by another model or settings), raised before any generation.
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
     """
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
+    _check_results_arguments(results, resume)
     items = load_prompts(prompts)
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
@@ -578,16 +747,18 @@ def safe_generate(
     ids = encode(tokenizer, [it["prompt"] for it in items])
     context = _context_length(model, tokenizer)
     _check_context(items, ids, context)
-    store = ResultsFile(results)
-    done = _open_results(store, resume)
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
-    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
-    pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
-    _warn_other_settings(done, settings, store.path)
-    report.skipped = len(items) - len(pending)
-    longest = max(len(row) for row in ids)
+    store = ResultsFile(results)
+    _refuse_input_as_results(prompts, store.path)
+    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
     try:
+        done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
+        _check_reuse(done, items, run, resume, store.path)
+        pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
+        report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+        report.skipped = len(items) - len(pending)
+        longest = max(len(row) for row in ids)
         budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
         try:
             _Loop(run, pending, store, report, budget, progress, on_result).run()
@@ -616,6 +787,12 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
+    if gen_kwargs.get("num_return_sequences", 1) not in (1, None):
+        raise EvalError(
+            f"generation_kwargs num_return_sequences={gen_kwargs['num_return_sequences']!r}: safe_generate records "
+            "one output per prompt id. For several samples per prompt, repeat it under its own ids, e.g. "
+            "[{'id': f'{i}#{k}', 'prompt': p} for k in range(2)], with generation_kwargs={'do_sample': True}"
+        )
     if (
         not callable(getattr(model, "generate", None))
         or not callable(tokenizer)
@@ -634,6 +811,18 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
     return gen_kwargs
 
 
+def _check_results_arguments(results: Any, resume: Any) -> None:
+    if isinstance(results, bytes) or not isinstance(results, str | os.PathLike) or not str(results).strip():
+        raise EvalError(
+            f"results must be the path of a JSONL file to append results to, e.g. 'eval_results.jsonl', got {results!r}"
+        )
+    if not (resume is True or resume is False or resume == "force"):
+        raise EvalError(
+            f"resume must be True (skip finished ids), False (start the file over) or 'force' (reuse results "
+            f"even if made by another model or settings), got {resume!r}"
+        )
+
+
 def _check_context(items: list[dict], ids: list[list[int]], context: int | None) -> None:
     """Refuse (before any generation) prompts that leave no room for one new token in the context."""
     if context is None:
@@ -647,26 +836,47 @@ def _check_context(items: list[dict], ids: list[list[int]], context: int | None)
         )
 
 
-def _open_results(store: ResultsFile, resume) -> dict[str, dict]:
-    """Start the results file over (``resume=False``) or read what it holds; the finished records by id."""
-    if not resume and store.path.exists():
-        try:
-            store.path.unlink()
-        except OSError as e:
-            raise EvalError(f"cannot start {store.path} over: {e.strerror or e}") from None
-    return store.open()
+def _refuse_input_as_results(prompts: Any, results: Path) -> None:
+    """Never append to (or, with resume=False, empty) the prompt file itself."""
+    if isinstance(prompts, str | os.PathLike) and results.exists():
+        with contextlib.suppress(OSError):
+            if os.path.samefile(prompts, results):
+                raise EvalError(
+                    f"results={str(results)!r} is the prompt file: safe_generate appends to results (and "
+                    f"resume=False would empty it); pass another path, e.g. {str(results.with_suffix(''))!r} "
+                    "+ '.results.jsonl'"
+                )
 
 
-def _warn_other_settings(done: dict[str, dict], settings: dict, path: Path) -> None:
-    other = sorted(
-        {json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)}
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
+    """Why a finished record is not this run's result for ``item`` (None when it is)."""
+    if rec.get("prompt_hash", prompt_hash(str(rec.get("prompt", "")))) != prompt_hash(item["prompt"]):
+        return "another prompt text under the same id"
+    if "model" in rec and _canon(rec["model"]) != _canon(run.model_id):
+        return f"another model {_canon(rec['model'])} (this run: {_canon(run.model_id)})"
+    if _canon(rec.get("settings")) != _canon(run.settings):
+        return f"other settings {_canon(rec.get('settings'))} (this run: {_canon(run.settings)})"
+    return None
+
+
+def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, path: Path) -> None:
+    """Finished records are skipped only when this model, these settings and this prompt text made them."""
+    problems = [(it["id"], why) for it in items if it["id"] in done and (why := _mismatch(done[it["id"]], it, run))]
+    if not problems:
+        return
+    shown = "; ".join(f"id {i}: {why}" for i, why in problems[:3])[:600]
+    message = f"{path} holds results for {len(problems)} of these prompt ids made differently ({shown})"
+    if resume == "force":
+        warnings.warn(f"{message}; reused anyway (resume='force')", stacklevel=3)
+        return
+    raise EvalError(
+        f"{message}: they would be reused as this run's. Pass results= a new file to keep both, "
+        f"resume=False to redo {path.name} from scratch, or resume='force' to reuse them anyway"
     )
-    if other:
-        warnings.warn(
-            f"{path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
-            f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
-            stacklevel=3,
-        )
 
 
 @dataclass
@@ -682,9 +892,26 @@ class _Run:
     context: int | None
     scorer: tuple[str, Callable[[str, str], float]] | None
     stop: set[int] = field(default_factory=set)
+    model_id: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
+        self.model_id = model_identity(self.model)
+
+    def record(self, item: dict, prompt_tokens: int, new: int, **fields: Any) -> dict:
+        """A result record's common fields (what made it, for which prompt) and ``fields``."""
+        return {
+            "id": item["id"],
+            "prompt": item["prompt"],
+            "reference": item["reference"],
+            **fields,
+            "prompt_tokens": prompt_tokens,
+            "max_new_tokens": new,
+            "settings": self.settings,
+            "model": self.model_id,
+            "prompt_hash": prompt_hash(item["prompt"]),
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
 
     def cap(self, prompt_tokens: int) -> int:
         """New tokens a prompt of this length may get (the context may allow fewer than asked)."""
@@ -776,18 +1003,27 @@ class _Loop:
         )
 
     def _after_oom(self, size: int, new: int, seq: int, result: Attempt) -> None:
-        if size == 1 and self.single_retries >= 1 and new <= 1:
-            # not even one new token fits alone: nothing to record
-            raise torch.OutOfMemoryError(f"{result.error} (even one prompt with one new token does not fit)")
         self.report.full_collections += result.collected
-        self.report.oom_retries += 1
         self.report.cache_empties += 1
+        if size == 1 and self.single_retries >= 1 and new <= 1:
+            self._does_not_fit(result)  # not even one new token fits alone: recorded, the rest goes on
+            return
+        self.report.oom_retries += 1
         if size > 1:
             self.budget.after_oom(size, seq)
         elif self.single_retries < 1:
             self.single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
         else:
             self.shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
+
+    def _does_not_fit(self, result: Attempt) -> None:
+        item, row = self.pending[self.i]
+        rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
+        _write(self.store, [rec], self.report)
+        self.report.failures.append(rec)
+        self.i += 1
+        self.single_retries, self.shrink_new = 0, None
+        self.bar.update(1)
 
     def _after_success(self, batch: list, new: int, seq: int, result: Attempt) -> None:
         size = len(batch)
@@ -824,25 +1060,20 @@ class _Loop:
 def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *, memory: bool) -> list[dict]:
     """The result records of one finished batch."""
     size = len(batch)
-    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     records = []
     for (it, row), count, text in zip(batch, gen.new_tokens, gen.texts, strict=True):
         truncated = new < run.max_new_tokens
-        rec = {
-            "id": it["id"],
-            "prompt": it["prompt"],
-            "reference": it["reference"],
-            "output": text,
-            "new_tokens": count,
-            "prompt_tokens": len(row),
-            "truncated": truncated,
-            "truncated_reason": ("memory" if memory else "context") if truncated else None,
-            "max_new_tokens": new,
-            "batch_size": size,
-            "settings": run.settings,
-            "seconds": round(seconds / size, 6),
-            "time": now,
-        }
+        rec = run.record(
+            it,
+            len(row),
+            new,
+            output=text,
+            new_tokens=count,
+            truncated=truncated,
+            truncated_reason=("memory" if memory else "context") if truncated else None,
+            batch_size=size,
+            seconds=round(seconds / size, 6),
+        )
         if run.scorer is not None and it["reference"] is not None:
             rec["score"] = {run.scorer[0]: float(run.scorer[1](text, it["reference"]))}
         records.append(rec)
@@ -872,7 +1103,9 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
     if device.type == "cuda":
         report.peak_memory = torch.cuda.max_memory_allocated(device)
     finished = store.read()
-    report.records = [finished[it["id"]] for it in items if it["id"] in finished]
+    mine = [finished[it["id"]] for it in items if it["id"] in finished]
+    report.records = [r for r in mine if not r.get("error")]
+    report.failures = [r for r in mine if r.get("error")]
     if run.scorer is not None:
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
