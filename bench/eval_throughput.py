@@ -2,7 +2,7 @@
 
 200 prompts of varied length (4 to ~130 tokens, built from data/eval/prompts.jsonl and the corpus),
 greedy decoding, ``--new`` new tokens each, on the tiny Llama. All three run side by side in one
-process under the same simulated memory budget (``helpers.evaluate.simulated_budget``: a generate
+process under the same simulated memory budget (``helpers.testing.simulated_budget``: a generate
 call with batch x (prompt + new tokens) above ``--budget`` tokens raises a real OOM; run at the
 budget and at half of it):
 
@@ -45,9 +45,11 @@ import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 
 from helpers import batch_size as bs  # noqa: E402
-from helpers.evaluate import _count_new, _stop_ids, load_prompts, safe_generate, simulated_budget  # noqa: E402
+from helpers.evaluate import load_prompts, safe_generate  # noqa: E402
+from helpers.generation import count_new_tokens, stop_token_ids  # noqa: E402
 from helpers.loading import load  # noqa: E402
 from helpers.oom import is_oom  # noqa: E402
+from helpers.testing import simulated_budget  # noqa: E402
 
 
 def make_prompts(n: int, seed: int = 0) -> list[dict]:
@@ -73,13 +75,13 @@ def run_batch(model, tok, batch: list[dict], new: int, outputs: dict, stop) -> i
     tokens = 0
     for p, g in zip(batch, ids[:, enc["input_ids"].shape[1] :].cpu(), strict=True):
         outputs[p["id"]] = tok.decode(g, skip_special_tokens=True)
-        tokens += _count_new(g, stop)
+        tokens += count_new_tokens(g, stop)
     return tokens
 
 
 def naive(model, tok, prompts, new, collect: bool = False) -> dict:
     """Batch 1, ``empty_cache()`` (and with ``collect``, ``gc.collect()``) every 10 samples, stop at the first OOM."""
-    stop = _stop_ids(model, tok)
+    stop = stop_token_ids(model, tok)
     outputs, tokens, ooms = {}, 0, 0
     started = time.perf_counter()
     for k, p in enumerate(prompts):
@@ -105,7 +107,7 @@ def naive(model, tok, prompts, new, collect: bool = False) -> dict:
 
 def fixed(model, tok, prompts, new, size=8) -> dict:
     """Batches of ``size`` in dataset order; a batch that runs out of memory is skipped."""
-    stop = _stop_ids(model, tok)
+    stop = stop_token_ids(model, tok)
     outputs, tokens, ooms = {}, 0, 0
     started = time.perf_counter()
     for i in range(0, len(prompts), size):
@@ -129,7 +131,7 @@ def fixed(model, tok, prompts, new, size=8) -> dict:
 
 def oracle(model, tok, prompts, new, budget: int, cap: int = 64) -> dict:
     """The upper bound under a known budget: longest first, each batch exactly as large as fits; no OOM, no search."""
-    stop = _stop_ids(model, tok)
+    stop = stop_token_ids(model, tok)
     lengths = [len(x) for x in tok([p["prompt"] for p in prompts])["input_ids"]]
     order = sorted(range(len(prompts)), key=lambda k: -lengths[k])
     outputs, tokens, sizes = {}, 0, set()

@@ -28,7 +28,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["LoadPanel"], "widgets"),
     **dict.fromkeys(["explain_oom", "is_oom", "OOMReport"], "oom"),
     **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),
-    **dict.fromkeys(["safe_generate", "load_prompts", "EvalReport", "simulated_budget"], "evaluate"),
+    **dict.fromkeys(["safe_generate", "load_prompts", "EvalReport"], "evaluate"),
+    **dict.fromkeys(["simulated_budget"], "testing"),
     **dict.fromkeys(
         ["TrainPlan", "prepare_qlora", "find_micro_batch", "train", "save_adapter", "merge_adapter",
          "load_instructions", "build_dataset", "answer"], "finetune"),

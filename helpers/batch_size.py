@@ -18,19 +18,30 @@ import functools
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .oom import is_oom
-from .reclaim import release_after_oom
+from .errors import OomkitError
+from .retry import attempt
 
-__all__ = ["Trial", "BatchSearch", "find_max_batch_size", "adaptive_batch", "clear_cache", "BatchSizeError"]
+__all__ = [
+    "Trial",
+    "BatchSearch",
+    "find_max_batch_size",
+    "adaptive_batch",
+    "clear_cache",
+    "remembered_batch",
+    "remember_batch",
+    "BatchSizeError",
+    "DEFAULT_LIMIT",
+]
 
 
-class BatchSizeError(torch.OutOfMemoryError):
+class BatchSizeError(OomkitError, torch.OutOfMemoryError):
     """Even the smallest batch runs out of memory (a ``torch.OutOfMemoryError``, so OOM handlers see it)."""
 
 
@@ -79,6 +90,7 @@ class BatchSearch:
     key: Hashable | None = None
     cached: bool = False
     seconds: float = 0.0
+    note: str | None = None
 
     @property
     def oom_trials(self) -> int:
@@ -92,7 +104,7 @@ class BatchSearch:
         return (
             f"batch size {self.batch_size} (largest that ran: {self.max_ok}{bound}; "
             f"margin {self.margin:.0%}) after {len(self.trials)} tries, {self.oom_trials} out of memory "
-            f"[{tried}]{' (started from cache)' if self.cached else ''}"
+            f"[{tried}]{' (started from cache)' if self.cached else ''}" + (f"\n{self.note}" if self.note else "")
         )
 
     def _repr_html_(self) -> str:
@@ -103,6 +115,21 @@ class BatchSearch:
 
 
 _CACHE: dict[Hashable, BatchSearch] = {}
+
+# Without a limit the search grows until a size runs out of memory; a step that never does (on the
+# CPU, or one that ignores its argument) would grow forever. 4096 is past any batch a 16 GB T4 fits
+# for a language model, and reached in 7 tries from 1 at the default growth of 4.
+DEFAULT_LIMIT = 4096
+
+
+def remembered_batch(key: Hashable) -> BatchSearch | None:
+    """The search remembered for ``key`` (by :func:`find_max_batch_size` or :func:`remember_batch`), or None."""
+    return _CACHE.get(key)
+
+
+def remember_batch(key: Hashable, search: BatchSearch) -> None:
+    """Remember what worked for ``key``: a later search (or ``safe_generate``) with that key starts there."""
+    _CACHE[key] = search
 
 
 def clear_cache(key: Hashable | None = None) -> None:
@@ -115,26 +142,8 @@ def clear_cache(key: Hashable | None = None) -> None:
 
 def _try(step: Callable[[int], Any], size: int) -> Trial:
     """Run ``step(size)``; an OOM becomes a failed Trial (and its memory is given back), anything else propagates."""
-    started = time.perf_counter()
-    baseline = _allocated()
-    message = None
-    try:
-        step(size)
-    except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-        if not is_oom(e):
-            raise
-        message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    if message is not None:
-        # outside the except block, where the exception (whose traceback pins the failed step's
-        # tensors) is no longer held by the interpreter
-        release_after_oom(baseline=baseline)
-        return Trial(size, False, time.perf_counter() - started, message)
-    return Trial(size, True, time.perf_counter() - started)
-
-
-def _allocated() -> int | None:
-    """CUDA memory allocated now (the baseline a failed step is checked against); None without CUDA."""
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    result = attempt(step, size)
+    return Trial(size, result.ok, result.elapsed, result.error)
 
 
 def _next_size(lo: int, hi: int) -> int:
@@ -178,12 +187,13 @@ def find_max_batch_size(
             any other exception propagates.
         start: the first size to try.
         limit: the largest size worth having (e.g. the dataset size); never exceeded, never tried
-            unless the search reaches it.
+            unless the search reaches it. None: grow until a size runs out of memory, at most to
+            ``DEFAULT_LIMIT`` (4096; the result's ``note`` says when it stopped there).
         margin: ``batch_size = floor(max_ok * margin)``: headroom for longer sequences and
             fragmentation later.
         key: caches the result (e.g. ``(model_name, seq_len, device)``); a later search with the
             same key starts from the cached size and usually needs one try.
-        growth: factor by which the size grows while nothing has failed yet (no ``limit``).
+        growth: whole factor (>= 2) by which the size grows while nothing has failed yet (no ``limit``).
         tolerance: stop once the largest size that ran is within this fraction of the smallest
             that failed.
 
@@ -196,67 +206,19 @@ def find_max_batch_size(
     >>> search = find_max_batch_size(lambda b: model(batch[:b]).loss.backward(), limit=256)  # doctest: +SKIP
     >>> search.batch_size  # doctest: +SKIP
     """
-    if not callable(step):
-        raise TypeError(
-            f"step must be a function of the batch size, got {type(step).__name__}: "
-            "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())"
-        )
-    _check_sizes(start, limit)
-    if not 0 < margin <= 1:
-        raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
-    if key is not None:
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(
-                f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
-                "e.g. key=(model_name, seq_len)"
-            ) from None
+    _check_search(step, start, limit, margin, key, growth, tolerance)
     started = time.perf_counter()
-    lo, hi = 0, (limit + 1 if limit is not None else None)
-    trials: list[Trial] = []
     cached = _CACHE.get(key) if key is not None else None
-    size = min(start, limit) if limit is not None else start
-    if cached is not None and cached.max_ok > 0:
-        size = min(cached.max_ok, limit) if limit is not None else cached.max_ok
-
-    while True:
-        try:
-            trial = _try(step, size)
-        except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
-            if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(
-                    f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
-                    "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
-                    "at any batch size). Tries before it: "
-                    + (", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials) or "none")
-                )
-            raise
-        trials.append(trial)
-        if trial.ok:
-            lo = size
-            if cached is not None and size == cached.max_ok and cached.first_failed:
-                # the cached bound still holds unless memory got tighter: trust it
-                hi = min(hi, cached.first_failed) if hi is not None else cached.first_failed
-            if hi is None:
-                size = size * growth
-                continue
-        else:
-            hi = size
-            if size == 1:
-                raise BatchSizeError(
-                    "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
-                    "sequence, quantize the model or enable gradient checkpointing. Tries: "
-                    + ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials)
-                )
-            if lo == 0:
-                # nothing has run yet: shrink as fast as we grew
-                size = max(1, size // growth)
-                continue
-        if hi is None or _done(lo, hi, tolerance):
-            break
-        size = _next_size(lo, hi)
-
+    ceiling = limit if limit is not None else DEFAULT_LIMIT
+    lo, hi, trials = _search(step, _first_size(start, ceiling, cached), limit, cached, growth, tolerance)
+    note = None
+    if limit is None and lo >= DEFAULT_LIMIT:
+        note = (
+            f"stopped at the default limit {DEFAULT_LIMIT} without running out of memory (on the CPU, or "
+            "a step that ignores its batch size, nothing ever does): pass limit= the largest batch worth "
+            "having, e.g. the dataset size"
+        )
+        warnings.warn(f"find_max_batch_size {note}", stacklevel=2)
     result = BatchSearch(
         max_ok=lo,
         batch_size=max(1, math.floor(lo * margin)),
@@ -267,10 +229,101 @@ def find_max_batch_size(
         key=key,
         cached=cached is not None,
         seconds=time.perf_counter() - started,
+        note=note,
     )
     if key is not None:
         _CACHE[key] = result
     return result
+
+
+def _check_search(step: Any, start: Any, limit: Any, margin: Any, key: Any, growth: Any, tolerance: Any) -> None:
+    if not callable(step):
+        raise TypeError(
+            f"step must be a function of the batch size, got {type(step).__name__}: "
+            "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())"
+        )
+    _check_sizes(start, limit)
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
+    if isinstance(growth, bool) or not isinstance(growth, numbers.Integral) or growth < 2:
+        raise ValueError(
+            f"growth must be a whole number >= 2 (the factor the size grows by while nothing failed), got {growth!r}"
+        )
+    if not isinstance(tolerance, numbers.Real) or not 0 < tolerance <= 1:
+        raise ValueError(f"tolerance must be in (0, 1] (e.g. 0.92: stop within 8 % of the limit), got {tolerance!r}")
+    if key is not None:
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"key must be hashable, got {type(key).__name__} {key!r:.60}: use a tuple, "
+                "e.g. key=(model_name, seq_len)"
+            ) from None
+
+
+def _first_size(start: int, limit: int | None, cached: BatchSearch | None) -> int:
+    size = min(start, limit) if limit is not None else start
+    if cached is not None and cached.max_ok > 0:
+        size = min(cached.max_ok, limit) if limit is not None else cached.max_ok
+    return size
+
+
+def _tried(trials: list[Trial]) -> str:
+    return ", ".join(f"{t.size}{'' if t.ok else '✗'}" for t in trials)
+
+
+def _try_in_search(step: Callable[[int], Any], size: int, trials: list[Trial]) -> Trial:
+    """``_try``, with a note on a non-OOM error saying where the search was."""
+    try:
+        return _try(step, size)
+    except BaseException as e:  # not an OOM: the step itself is broken; say where the search was
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(
+                f"helpers.batch_size: step({size}) raised {type(e).__name__}, which is not an "
+                "out-of-memory error, so the batch-size search stopped (fix the step: it must run "
+                "at any batch size). Tries before it: " + (_tried(trials) or "none")
+            )
+        raise
+
+
+def _search(
+    step: Callable[[int], Any],
+    size: int,
+    limit: int | None,
+    cached: BatchSearch | None,
+    growth: int,
+    tolerance: float,
+) -> tuple[int, int | None, list[Trial]]:
+    """Grow, then bisect: (largest size that ran, smallest that failed or limit + 1 or None, trials)."""
+    lo, hi = 0, (limit + 1 if limit is not None else None)
+    trials: list[Trial] = []
+    while True:
+        trial = _try_in_search(step, size, trials)
+        trials.append(trial)
+        if trial.ok:
+            lo = size
+            if cached is not None and size == cached.max_ok and cached.first_failed:
+                # the cached bound still holds unless memory got tighter: trust it
+                hi = min(hi, cached.first_failed) if hi is not None else cached.first_failed
+            if hi is None:
+                if size >= DEFAULT_LIMIT:  # never ran out of memory: stop at the default limit
+                    return lo, None, trials
+                size = min(size * growth, DEFAULT_LIMIT)
+                continue
+        else:
+            hi = size
+            if size == 1:
+                raise BatchSizeError(
+                    "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
+                    "sequence, quantize the model or enable gradient checkpointing. Tries: " + _tried(trials)
+                )
+            if lo == 0:
+                # nothing has run yet: shrink as fast as we grew
+                size = max(1, size // growth)
+                continue
+        if hi is None or _done(lo, hi, tolerance):
+            return lo, hi, trials
+        size = _next_size(lo, hi)
 
 
 class _AdaptiveState:
@@ -348,23 +401,12 @@ def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: flo
         def wrapper(*args, **kwargs):
             while True:
                 size = state.batch_size
-                started = time.perf_counter()
-                baseline = _allocated()
-                message = None
-                try:
-                    result = fn(size, *args, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-                    if not is_oom(e):
-                        raise
-                    message = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-                if message is not None:
-                    release_after_oom(baseline=baseline)  # outside the except block: see _try
-                    state.trials.append(Trial(size, False, time.perf_counter() - started, message))
-                    state.after_oom(size)
-                    continue
-                state.trials.append(Trial(size, True, time.perf_counter() - started))
-                state.after_success(size)
-                return result
+                result = attempt(functools.partial(fn, size, *args, **kwargs))
+                state.trials.append(Trial(size, result.ok, result.elapsed, result.error))
+                if result.ok:
+                    state.after_success(size)
+                    return result.value
+                state.after_oom(size)
 
         return _Adaptive(wrapper, state)
 

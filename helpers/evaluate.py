@@ -8,34 +8,38 @@ batches again. A prompt that does not fit even alone is retried with fewer new t
 as truncated, never dropped. Every finished sample is appended to a JSONL file and flushed at once;
 a rerun skips finished ids and repairs a line torn by a crash.
 
-``simulated_budget(model, tokens=...)`` makes a CPU run behave like a small GPU (tests, benchmark,
-the notebook): a ``generate`` call whose batch x (prompt + new tokens) exceeds the budget runs out
-of memory for real (an allocation too large for any machine), raised as ``torch.OutOfMemoryError``.
+``simulated_budget`` (a test double that makes a CPU run behave like a small GPU) lives in
+:mod:`helpers.testing`; it is re-exported here because notebooks/03_safe_eval imports it from here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
 import os
-import random
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; runs unlocked
+    fcntl = None
+
 import torch
 
-from .batch_size import _CACHE, BatchSearch
+from .batch_size import BatchSearch, remember_batch, remembered_batch
+from .errors import OomkitError
+from .generation import Generated, encode, generate_batch, model_device, stop_token_ids
 from .memory import allocated, ram_readout, reserved
-from .oom import is_oom
-from .reclaim import release_after_oom
+from .retry import Attempt, Watch, attempt
 from .units import format_bytes
 
 __all__ = [
@@ -47,19 +51,19 @@ __all__ = [
     "prompt_id",
     "ResultsFile",
     "batch_cache_key",
+    "model_identity",
+    "prompt_hash",
     "exact_match",
     "contains_reference",
     "SCORERS",
-    "simulated_budget",
-    "SimulatedBudget",
 ]
 
 
-class EvalError(ValueError):
+class EvalError(OomkitError, ValueError):
     """Bad input to ``safe_generate`` (raised before any generation)."""
 
 
-class ResultsWriteError(OSError):
+class ResultsWriteError(OomkitError, OSError):
     """A finished result could not be written (disk full, file too large, permissions).
 
     ``unsaved`` holds the finished records that did not reach the disk, so even then nothing is lost.
@@ -93,7 +97,7 @@ def _rows(prompts: Any) -> Iterable[Any]:
                 f"or a list of prompts.{one}"
             )
         rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -121,6 +125,30 @@ def _rows(prompts: Any) -> Iterable[Any]:
     )
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(
+            f"prompt file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+            "re-save it as UTF-8, e.g. text = open(path, encoding='latin-1').read(); "
+            "open(path, 'w', encoding='utf-8').write(text)"
+        ) from None
+
+
+def _check_text(value: Any, what: str) -> None:
+    """Refuse text UTF-8 cannot encode (a lone surrogate, e.g. from a bad decode): the results file could not hold it."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EvalError(
+            f"{what} holds a lone surrogate {value[e.start]!r} at character {e.start} (text {value[:40]!r}), "
+            "which UTF-8 cannot encode: clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
+        ) from None
+
+
 def load_prompts(prompts: Any) -> list[dict]:
     """Normalize prompts to ``[{'id', 'prompt', 'reference'}]`` (ids from the data or stable hashes).
 
@@ -135,6 +163,8 @@ def load_prompts(prompts: Any) -> list[dict]:
             row = {"prompt": row}
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise EvalError(f"prompt #{n} must be a string or a dict with a 'prompt' string, got {row!r:.80}")
+        for name in ("prompt", "id", "reference"):
+            _check_text(row.get(name), f"prompt #{n}'s {name}")
         if row.get("id") is not None:
             pid = str(row["id"])
             if pid in seen:
@@ -156,22 +186,76 @@ def load_prompts(prompts: Any) -> list[dict]:
 
 
 class ResultsFile:
-    """An append-only JSONL file of finished samples, flushed and fsynced per sample.
+    """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.
 
-    ``open()`` reads what a previous run finished; a last line torn by a crash (no newline, or not
-    valid JSON) is cut off and kept in ``<path>.torn`` for inspection, so it is neither lost nor
-    duplicated.
+    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<path>.lock``, which holds
+    the owner's pid), so two writers (a notebook re-run while an old kernel still runs, two tabs)
+    cannot both append: the second gets an error naming the first. It reads what a previous run
+    finished; a last line torn by a crash (no newline, or not valid JSON) is cut off and kept in
+    ``<path>.torn`` for inspection, so it is neither lost nor duplicated. The repair only touches a
+    file no other process holds.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.repaired = False
         self._fh = None
+        self._lock: int | None = None
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def lock(self) -> bool:
+        """Take the run's exclusive lock (without waiting); False where the file system has no locks.
+
+        Raises:
+            EvalError: another process holds it (the message names its pid).
+        """
+        if fcntl is None or self._lock is not None:
+            return self._lock is not None
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EvalError(
+                    f"{self.path} is being written by another run (process {holder}; this is {os.getpid()}): "
+                    "two writers would duplicate every result. Wait for it to finish or stop it (an old "
+                    "notebook kernel, another tab), or pass results= another path"
+                ) from None
+            return False  # no locks on this file system (some network mounts): run unlocked
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+        return True
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock, 0)
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
 
     def read(self) -> dict[str, dict]:
-        """Finished records by id (repairing a torn last line first)."""
+        """Finished records by id (repairing a torn last line first, unless another process holds the file)."""
         if not self.path.exists():
             return {}
+        if self._lock is None:
+            try:
+                self.lock()
+            except EvalError:
+                return self._parse(self.path.read_bytes(), repair=False)  # someone is writing: read only
+            try:
+                return self._parse(self.path.read_bytes(), repair=True)
+            finally:
+                self.unlock()
+        return self._parse(self.path.read_bytes(), repair=True)
+
+    def _parse(self, data: bytes, *, repair: bool) -> dict[str, dict]:
         data = self.path.read_bytes()
         records: dict[str, dict] = {}
         good_end = 0
@@ -199,7 +283,7 @@ class ResultsFile:
                 break
             records[str(rec["id"])] = rec
             good_end = pos = end
-        if good_end < len(data):
+        if repair and good_end < len(data):
             torn = data[good_end:]
             if torn.strip():
                 with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
@@ -209,18 +293,46 @@ class ResultsFile:
                 f.truncate(good_end)
         return records
 
-    def open(self) -> dict[str, dict]:
-        """Check the file can be written (before any generation) and return what is already finished."""
+    def open(self, *, fresh: bool = False) -> dict[str, dict]:
+        """Lock the file, check it can be written (before any generation), return what is already finished.
+
+        ``fresh``: start the file over (only a results file: anything else is refused, never deleted).
+        """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock()
+            if fresh:
+                self._start_over()
             done = self.read()
             self._fh = open(self.path, "a", encoding="utf-8")
         except OSError as e:
+            self.unlock()
             raise EvalError(
                 f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
                 "writable folder (in Colab, /content/... or a mounted Drive folder)"
             ) from None
+        except BaseException:
+            self.unlock()
+            raise
         return done
+
+    def _start_over(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb") as f:
+            first = f.readline(1 << 20)
+        try:
+            rec = json.loads(first)
+            ours = isinstance(rec, dict) and "id" in rec and ("output" in rec or "error" in rec)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise EvalError(
+                f"{self.path} is not a safe_generate results file (its first line is no result record), "
+                "so resume=False will not delete it: pass results= another path"
+            )
+        with open(self.path, "r+b") as f:
+            f.truncate(0)
 
     def append(self, record: dict, *, sync: bool = True) -> None:
         """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
@@ -238,6 +350,7 @@ class ResultsFile:
             with contextlib.suppress(OSError):
                 self._fh.close()
             self._fh = None
+        self.unlock()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +461,9 @@ class EvalReport:
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
+        failures, failed: prompts recorded as failed (``error: "does not fit"``: not even one new
+            token fits in memory with the prompt alone), with their ``prompt_tokens``; a rerun tries
+            them again.
     """
 
     results_path: Path
@@ -368,6 +484,11 @@ class EvalReport:
     started_from: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return len(self.failures)
 
     @property
     def tokens_per_s(self) -> float:
@@ -396,11 +517,18 @@ class EvalReport:
             (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
             ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
         ]
+        if self.failures:
+            shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
+            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}"))
         rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
         return rows
 
     def __repr__(self) -> str:
-        return f"<EvalReport {self.done} done, {self.skipped} skipped, {self.oom_retries} OOM retries: {self.results_path}>"
+        failed = f", {self.failed} failed" if self.failures else ""
+        return (
+            f"<EvalReport {self.done} done, {self.skipped} skipped{failed}, {self.oom_retries} OOM retries: "
+            f"{self.results_path}>"
+        )
 
     def __str__(self) -> str:
         return "EvalReport\n" + "\n".join(f"  {k:<26} {v}" for k, v in self._lines())
@@ -430,13 +558,6 @@ class EvalReport:
 
 # ---------------------------------------------------------------------------------------------
 # memory readouts
-
-
-def _device_of(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
 
 
 def _memory(device: torch.device) -> int:
@@ -471,6 +592,36 @@ def _load_mode(model) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
 
 
+def _adapter(model) -> str | None:
+    """The attached PEFT adapters: kind, rank and a fingerprint of their weights (None without any)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    with torch.no_grad():
+        sums = [
+            float(p.detach().float().abs().sum().cpu())
+            for n, p in model.named_parameters()
+            if "lora_" in n or "modules_to_save" in n
+        ]
+    digest = hashlib.sha1(json.dumps([f"{x:.4g}" for x in sums]).encode()).hexdigest()[:10]
+    kinds = ", ".join(
+        f"{name}: {getattr(getattr(c, 'peft_type', None), 'value', '?')} r={getattr(c, 'r', '?')}"
+        for name, c in configs.items()
+    )
+    return f"{kinds} #{digest}"
+
+
+def model_identity(model) -> dict:
+    """What made a result, recorded in every record: the model's name or path, load mode and adapters."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return {"name": str(name), "load": _load_mode(model), "adapter": _adapter(model)}
+
+
+def prompt_hash(prompt: str) -> str:
+    """The first 16 hex digits of the prompt's SHA-256 (recorded, so a resume never reuses another text's result)."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+
+
 def batch_cache_key(model, max_new_tokens: int) -> tuple:
     """The ``find_max_batch_size`` cache key ``safe_generate(batch_size="auto")`` starts from.
 
@@ -478,7 +629,7 @@ def batch_cache_key(model, max_new_tokens: int) -> tuple:
     ``safe_generate`` of that model and length starts at the size found (and learns from each run).
     """
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return ("safe_generate", str(name), max_new_tokens, str(_device_of(model)))
+    return ("safe_generate", str(name), max_new_tokens, str(model_device(model)))
 
 
 def _start_size(
@@ -493,10 +644,10 @@ def _start_size(
         return min(batch_size, limit), "given"
     if batch_size != "auto":
         raise EvalError(f"batch_size must be 'auto', a positive int or a BatchSearch, got {batch_size!r}")
-    cached = _CACHE.get(key)
+    cached = remembered_batch(key)
     if cached is not None and cached.max_ok > 0:
         return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
-    if _device_of(model).type == "cuda":
+    if model_device(model).type == "cuda":
         from .estimator import EstimateError, max_batch_that_fits
 
         try:
@@ -520,7 +671,7 @@ def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
     if budget.ok > 0 and seq > 0:
         size = budget.ok // seq
         fail = (budget.fail // seq) if budget.fail else None
-        _CACHE[key] = BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key)
+        remember_batch(key, BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,25 +686,6 @@ def _context_length(model, tokenizer) -> int | None:
             return value
     value = getattr(tokenizer, "model_max_length", None)
     return value if isinstance(value, int) and 0 < value < 1 << 30 else None
-
-
-def _count_new(ids: torch.Tensor, stop: set[int]) -> int:
-    """New tokens up to and including the first end-of-sequence token (the rest is padding)."""
-    for i, t in enumerate(ids.tolist()):
-        if t in stop:
-            return i + 1
-    return len(ids)
-
-
-def _stop_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    return ids
 
 
 def safe_generate(
@@ -580,8 +712,11 @@ def safe_generate(
         max_new_tokens: new tokens per prompt (fewer only when the context or memory forces it; recorded).
         batch_size: ``"auto"`` (find_max_batch_size's cached value, else the estimator's prediction
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
-        results: the JSONL file every finished sample is appended to.
-        resume: skip ids already in ``results`` (False: start the file over).
+        results: the JSONL file every finished sample is appended to (never the prompt file); it is
+            locked for the run, so a second run on it fails at once instead of duplicating results.
+        resume: skip ids already in ``results`` when the same model (name, load mode, adapter),
+            settings and prompt text made them (a mismatch is an error); False: start the file over;
+            ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default).
         score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
         max_batch_size: never batch more prompts than this.
@@ -591,22 +726,56 @@ def safe_generate(
     Returns:
         An :class:`EvalReport`.
 
+    A prompt that does not fit in memory even alone with one new token is recorded as failed
+    (``error: "does not fit"``, see ``EvalReport.failures``) and the rest goes on.
+
     Raises:
-        EvalError: bad input (no prompts, a prompt longer than the context, an unwritable path),
-            raised before any generation.
+        EvalError: bad input (no prompts, a prompt longer than the context, an unwritable or locked
+            path, results made by another model or settings), raised before any generation.
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
     """
+    gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
+    _check_results_arguments(results, resume)
+    items = load_prompts(prompts)
+    if not items:
+        raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
+    scorer = _scorer(score)
+    # token ids once: the lengths (sorting, context limits) and the batches themselves
+    ids = encode(tokenizer, [it["prompt"] for it in items])
+    context = _context_length(model, tokenizer)
+    _check_context(items, ids, context)
+    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
+    run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
+    store = ResultsFile(results)
+    _refuse_input_as_results(prompts, store.path)
+    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
+    try:
+        done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
+        _check_reuse(done, items, run, resume, store.path)
+        pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
+        report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+        report.skipped = len(items) - len(pending)
+        longest = max(len(row) for row in ids)
+        budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
+        try:
+            _Loop(run, pending, store, report, budget, progress, on_result).run()
+        finally:
+            _remember(key, budget, max_new_tokens + longest)
+    finally:
+        store.close()
+    _finish(report, run, store, items)
+    return report
+
+
+def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs) -> dict:
+    """Validate what does not depend on the prompts; the generate kwargs (greedy by default)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise EvalError(
             f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}"
         )
-    items = load_prompts(prompts)
-    if not items:
-        raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
-    scorer = _scorer(score)
     if generation_kwargs is not None and not isinstance(generation_kwargs, dict):
         raise EvalError(
             f"generation_kwargs must be a dict of model.generate arguments, e.g. "
@@ -616,6 +785,12 @@ def safe_generate(
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
+    if gen_kwargs.get("num_return_sequences", 1) not in (1, None):
+        raise EvalError(
+            f"generation_kwargs num_return_sequences={gen_kwargs['num_return_sequences']!r}: safe_generate records "
+            "one output per prompt id. For several samples per prompt, repeat it under its own ids, e.g. "
+            "[{'id': f'{i}#{k}', 'prompt': p} for k in range(2)], with generation_kwargs={'do_sample': True}"
+        )
     if (
         not callable(getattr(model, "generate", None))
         or not callable(tokenizer)
@@ -631,193 +806,309 @@ def safe_generate(
             "the tokenizer has no pad token: load with helpers.loading.load, or call "
             "helpers.loading.setup_tokenizer(tokenizer, model) first"
         )
-    padding_side = tokenizer.padding_side
+    return gen_kwargs
 
-    # token lengths and context limits, before touching the model or the results file
-    lengths = [len(ids) for ids in tokenizer([it["prompt"] for it in items])["input_ids"]]
-    context = _context_length(model, tokenizer)
-    if context is not None:
-        too_long = [(it["id"], n) for it, n in zip(items, lengths, strict=True) if n >= context]
-        if too_long:
-            shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
-            raise EvalError(
-                f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
-                f"{context}-token context: {shown}. Shorten or drop them"
-            )
 
-    store = ResultsFile(results)
-    if not resume and store.path.exists():
-        try:
-            store.path.unlink()
-        except OSError as e:
-            raise EvalError(f"cannot start {store.path} over: {e.strerror or e}") from None
-    done = store.open()
-    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
-    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
-    pending = [(it, n) for it, n in zip(items, lengths, strict=True) if it["id"] not in done]
-    other = sorted(
-        {json.dumps(r.get("settings"), sort_keys=True) for r in done.values()} - {json.dumps(settings, sort_keys=True)}
-    )
-    if other:
-        warnings.warn(
-            f"{store.path} holds results made with other settings ({', '.join(other)[:200]}); they are kept "
-            f"and skipped. Use another results path (or resume=False) to redo them with {settings}",
-            stacklevel=2,
+def _check_results_arguments(results: Any, resume: Any) -> None:
+    if isinstance(results, bytes) or not isinstance(results, str | os.PathLike) or not str(results).strip():
+        raise EvalError(
+            f"results must be the path of a JSONL file to append results to, e.g. 'eval_results.jsonl', got {results!r}"
         )
-    report.skipped = len(items) - len(pending)
+    if not (resume is True or resume is False or resume == "force"):
+        raise EvalError(
+            f"resume must be True (skip finished ids), False (start the file over) or 'force' (reuse results "
+            f"even if made by another model or settings), got {resume!r}"
+        )
 
-    device = _device_of(model)
-    report.memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
+
+def _check_context(items: list[dict], ids: list[list[int]], context: int | None) -> None:
+    """Refuse (before any generation) prompts that leave no room for one new token in the context."""
+    if context is None:
+        return
+    too_long = [(it["id"], len(row)) for it, row in zip(items, ids, strict=True) if len(row) >= context]
+    if too_long:
+        shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
+        raise EvalError(
+            f"{len(too_long)} prompt(s) do not leave room for one new token in the model's "
+            f"{context}-token context: {shown}. Shorten or drop them"
+        )
+
+
+def _refuse_input_as_results(prompts: Any, results: Path) -> None:
+    """Never append to (or, with resume=False, empty) the prompt file itself."""
+    if isinstance(prompts, str | os.PathLike) and results.exists():
+        with contextlib.suppress(OSError):
+            if os.path.samefile(prompts, results):
+                raise EvalError(
+                    f"results={str(results)!r} is the prompt file: safe_generate appends to results (and "
+                    f"resume=False would empty it); pass another path, e.g. {str(results.with_suffix(''))!r} "
+                    "+ '.results.jsonl'"
+                )
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
+    """Why a finished record is not this run's result for ``item`` (None when it is)."""
+    if rec.get("prompt_hash", prompt_hash(str(rec.get("prompt", "")))) != prompt_hash(item["prompt"]):
+        return "another prompt text under the same id"
+    if "model" in rec and _canon(rec["model"]) != _canon(run.model_id):
+        return f"another model {_canon(rec['model'])} (this run: {_canon(run.model_id)})"
+    if _canon(rec.get("settings")) != _canon(run.settings):
+        return f"other settings {_canon(rec.get('settings'))} (this run: {_canon(run.settings)})"
+    return None
+
+
+def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, path: Path) -> None:
+    """Finished records are skipped only when this model, these settings and this prompt text made them."""
+    problems = [(it["id"], why) for it in items if it["id"] in done and (why := _mismatch(done[it["id"]], it, run))]
+    if not problems:
+        return
+    shown = "; ".join(f"id {i}: {why}" for i, why in problems[:3])[:600]
+    message = f"{path} holds results for {len(problems)} of these prompt ids made differently ({shown})"
+    if resume == "force":
+        warnings.warn(f"{message}; reused anyway (resume='force')", stacklevel=3)
+        return
+    raise EvalError(
+        f"{message}: they would be reused as this run's. Pass results= a new file to keep both, "
+        f"resume=False to redo {path.name} from scratch, or resume='force' to reuse them anyway"
+    )
+
+
+@dataclass
+class _Run:
+    """What every batch of one ``safe_generate`` call shares."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    gen_kwargs: dict
+    settings: dict
+    max_new_tokens: int
+    context: int | None
+    scorer: tuple[str, Callable[[str, str], float]] | None
+    stop: set[int] = field(default_factory=set)
+    model_id: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.stop = stop_token_ids(self.model, self.tokenizer)
+        self.model_id = model_identity(self.model)
+
+    def record(self, item: dict, prompt_tokens: int, new: int, **fields: Any) -> dict:
+        """A result record's common fields (what made it, for which prompt) and ``fields``."""
+        return {
+            "id": item["id"],
+            "prompt": item["prompt"],
+            "reference": item["reference"],
+            **fields,
+            "prompt_tokens": prompt_tokens,
+            "max_new_tokens": new,
+            "settings": self.settings,
+            "model": self.model_id,
+            "prompt_hash": prompt_hash(item["prompt"]),
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    def cap(self, prompt_tokens: int) -> int:
+        """New tokens a prompt of this length may get (the context may allow fewer than asked)."""
+        if self.context is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.context - prompt_tokens)
+
+
+def _plan_batches(
+    run: _Run, report: EvalReport, batch_size, max_batch_size: int, pending: int, longest: int
+) -> tuple[_TokenBudget, tuple]:
+    """The token budget the first batch starts from, and the cache key it is remembered under."""
+    device = run.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    key = batch_cache_key(model, max_new_tokens)
-    limit = max(1, min(max_batch_size, len(pending) or 1))
+    key = batch_cache_key(run.model, run.max_new_tokens)
+    limit = max(1, min(max_batch_size, pending or 1))
     start, source = _start_size(
-        model, batch_size, key=key, prompt_tokens=max(lengths), max_new_tokens=max_new_tokens, limit=limit
+        run.model, batch_size, key=key, prompt_tokens=longest, max_new_tokens=run.max_new_tokens, limit=limit
     )
     budget = _TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
-    cached = _CACHE.get(key) if batch_size == "auto" else None
+    cached = remembered_batch(key) if batch_size == "auto" else None
     if cached is not None and cached.first_failed:
         # the bound a previous search (or run) found still holds unless memory got tighter
-        seq0 = max(lengths) + max_new_tokens
+        seq0 = longest + run.max_new_tokens
         budget.ok, budget.fail = start * seq0, max(cached.first_failed, start + 1) * seq0
-    stop = _stop_ids(model, tokenizer)
+    return budget, key
 
-    # longest first: the tightest batches come first, so memory limits are found early and
-    # later (shorter) batches grow; similar lengths together waste little compute on padding
-    pending.sort(key=lambda p: -p[1])
 
-    def cap(n: int) -> int:
-        return max_new_tokens if context is None else min(max_new_tokens, context - n)
+class _Loop:
+    """The batches of one run: longest prompts first, sizes from the token budget, OOMs retried."""
 
-    from tqdm.auto import tqdm
+    def __init__(self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result):
+        # longest first: the tightest batches come first, so memory limits are found early and
+        # later (shorter) batches grow; similar lengths together waste little compute on padding
+        self.pending = sorted(pending, key=lambda p: -len(p[1]))
+        self.run_, self.store, self.report, self.budget = run, store, report, budget
+        self.progress, self.on_result = progress, on_result
+        self.i = 0
+        self.single_retries = 0
+        self.shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
 
-    bar = tqdm(total=len(pending), desc="safe_generate", unit="sample", disable=not progress)
-    started = time.perf_counter()
-    peak = _memory(device)
-    tokenizer.padding_side = "left"  # every prompt must end where generation starts
-    i = 0
-    single_retries = 0
-    shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
-    try:
-        while i < len(pending):
-            first_len = pending[i][1]
-            new = cap(first_len)
-            if shrink_new is not None:
-                new = min(new, shrink_new)
-            seq = first_len + new
-            size = budget.size_for(seq) if shrink_new is None else 1
-            batch = [pending[i]]
-            # the same new-token budget for the whole batch (context-capped prompts go on their own)
-            while len(batch) < size and i + len(batch) < len(pending) and cap(pending[i + len(batch)][1]) >= new:
-                batch.append(pending[i + len(batch)])
-            size = len(batch)
-            t0 = time.perf_counter()
-            enc = probe = None
-            failed = False
-            baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-            try:
-                enc = tokenizer([it["prompt"] for it, _ in batch], return_tensors="pt", padding=True).to(device)
-                probe = weakref.ref(enc["input_ids"])  # the failed call's frames hold it: alive = still pinned
-                with torch.inference_mode():
-                    out = model.generate(**enc, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id, **gen_kwargs)
-                gen_ids = out[:, enc["input_ids"].shape[1] :].cpu()
-                del out, enc
-            except BaseException as e:  # noqa: BLE001 - re-raised unless it is an OOM
-                if not is_oom(e) or (size == 1 and single_retries >= 1 and new <= 1):
-                    raise  # not an OOM, or not even one new token fits alone: nothing to record
-                failed = True
-            if failed:
-                # Outside the except block: inside it the interpreter still holds the exception, and
-                # through its traceback the failed batch's activations and KV cache.
-                del enc
-                if release_after_oom(probe, baseline=baseline, device=device):
-                    report.full_collections += 1
-                report.oom_retries += 1
-                report.cache_empties += 1
-                if size > 1:
-                    budget.after_oom(size, seq)
-                elif single_retries < 1:
-                    single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
+    def run(self) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=len(self.pending), desc="safe_generate", unit="sample", disable=not self.progress)
+        self.started = time.perf_counter()
+        self.peak = _memory(self.run_.device)
+        try:
+            while self.i < len(self.pending):
+                batch, new, seq = self._next_batch()
+                watch = Watch()  # the batch's input: alive after an OOM = the failed call is still pinned
+                result = attempt(self._generate, batch, new, watch, watch=watch, device=self.run_.device)
+                if result.ok:
+                    self._after_success(batch, new, seq, result)
                 else:
-                    shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
-                continue
-            seconds = time.perf_counter() - t0
-            texts = tokenizer.batch_decode(gen_ids, skip_special_tokens=True)
-            budget.after_success(size, seq)
-            records = []
-            for (it, n), ids, text in zip(batch, gen_ids, texts, strict=True):
-                truncated = new < max_new_tokens
-                reason = None
-                if truncated:
-                    reason = "memory" if shrink_new is not None else "context"
-                rec = {
-                    "id": it["id"],
-                    "prompt": it["prompt"],
-                    "reference": it["reference"],
-                    "output": text,
-                    "new_tokens": _count_new(ids, stop),
-                    "prompt_tokens": n,
-                    "truncated": truncated,
-                    "truncated_reason": reason,
-                    "max_new_tokens": new,
-                    "batch_size": size,
-                    "settings": settings,
-                    "seconds": round(seconds / size, 6),
-                    "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                }
-                if scorer is not None and it["reference"] is not None:
-                    rec["score"] = {scorer[0]: float(scorer[1](text, it["reference"]))}
-                records.append(rec)
-            # the whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)
-            for k, rec in enumerate(records):
-                try:
-                    store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
-                    if k == len(records) - 1:
-                        store.sync()
-                except OSError as e:
-                    raise ResultsWriteError(
-                        f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
-                        f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
-                        "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
-                        "results path, then rerun with resume=True: finished samples are skipped",
-                        records[k:],
-                    ) from e
-            report.done += len(records)
-            report.new_tokens += sum(r["new_tokens"] for r in records)
-            report.truncated += sum(r["truncated"] for r in records)
-            i += size
-            single_retries, shrink_new = 0, None
-            report.batch_sizes.append(size)
-            mem = _memory(device)
-            peak = max(peak, mem)
-            report.timeline.append((time.perf_counter() - started, size, mem))
-            if _should_empty_cache(device):
-                torch.cuda.empty_cache()
-                report.cache_empties += 1
-            bar.update(size)
-            elapsed = time.perf_counter() - started
-            bar.set_postfix_str(
-                f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
-            )
-            if on_result is not None:
-                for rec in records:
-                    on_result(rec)
-    finally:
-        tokenizer.padding_side = padding_side
-        report.seconds = time.perf_counter() - started
-        bar.close()
-        store.close()
-        _remember(key, budget, max_new_tokens + (max(lengths) if lengths else 0))
-    report.peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak
+                    self._after_oom(len(batch), new, seq, result)
+        finally:
+            self.report.seconds = time.perf_counter() - self.started
+            self.report.peak_memory = self.peak
+            self.bar.close()
+
+    def _next_batch(self) -> tuple[list, int, int]:
+        """The next prompts, their new-token count and sequence length (prompt + new tokens)."""
+        cap, pending, i = self.run_.cap, self.pending, self.i
+        first_len = len(pending[i][1])
+        new = cap(first_len)
+        if self.shrink_new is not None:
+            new = min(new, self.shrink_new)
+        seq = first_len + new
+        size = self.budget.size_for(seq) if self.shrink_new is None else 1
+        batch = [pending[i]]
+        # the same new-token budget for the whole batch (context-capped prompts go on their own)
+        while len(batch) < size and i + len(batch) < len(pending) and cap(len(pending[i + len(batch)][1])) >= new:
+            batch.append(pending[i + len(batch)])
+        return batch, new, seq
+
+    def _generate(self, batch: list, new: int, watch: Watch) -> Generated:
+        run = self.run_
+        return generate_batch(
+            run.model,
+            run.tokenizer,
+            [row for _, row in batch],
+            max_new_tokens=new,
+            stop=run.stop,
+            watch=watch,
+            **run.gen_kwargs,
+        )
+
+    def _after_oom(self, size: int, new: int, seq: int, result: Attempt) -> None:
+        self.report.full_collections += result.collected
+        self.report.cache_empties += 1
+        if size == 1 and self.single_retries >= 1 and new <= 1:
+            self._does_not_fit(result)  # not even one new token fits alone: recorded, the rest goes on
+            return
+        self.report.oom_retries += 1
+        if size > 1:
+            self.budget.after_oom(size, seq)
+        elif self.single_retries < 1:
+            self.single_retries += 1  # maybe a transient spike: try once more as is, the cache now empty
+        else:
+            self.shrink_new = new // 2  # it does not fit alone: fewer new tokens, recorded as truncated
+
+    def _does_not_fit(self, result: Attempt) -> None:
+        item, row = self.pending[self.i]
+        rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
+        _write(self.store, [rec], self.report)
+        self.report.failures.append(rec)
+        self.i += 1
+        self.single_retries, self.shrink_new = 0, None
+        self.bar.update(1)
+
+    def _after_success(self, batch: list, new: int, seq: int, result: Attempt) -> None:
+        size = len(batch)
+        self.budget.after_success(size, seq)
+        records = _records(self.run_, batch, result.value, new, result.elapsed, memory=self.shrink_new is not None)
+        _write(self.store, records, self.report)
+        report = self.report
+        report.done += len(records)
+        report.new_tokens += sum(r["new_tokens"] for r in records)
+        report.truncated += sum(r["truncated"] for r in records)
+        self.i += size
+        self.single_retries, self.shrink_new = 0, None
+        self._progress(size)
+        if self.on_result is not None:
+            for rec in records:
+                self.on_result(rec)
+
+    def _progress(self, size: int) -> None:
+        device, report = self.run_.device, self.report
+        report.batch_sizes.append(size)
+        mem = _memory(device)
+        self.peak = max(self.peak, mem)
+        report.timeline.append((time.perf_counter() - self.started, size, mem))
+        if _should_empty_cache(device):
+            torch.cuda.empty_cache()
+            report.cache_empties += 1
+        self.bar.update(size)
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix_str(
+            f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
+        )
+
+
+def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *, memory: bool) -> list[dict]:
+    """The result records of one finished batch."""
+    size = len(batch)
+    records = []
+    for (it, row), count, text in zip(batch, gen.new_tokens, gen.texts, strict=True):
+        truncated = new < run.max_new_tokens
+        rec = run.record(
+            it,
+            len(row),
+            new,
+            output=text,
+            new_tokens=count,
+            truncated=truncated,
+            truncated_reason=("memory" if memory else "context") if truncated else None,
+            batch_size=size,
+            seconds=round(seconds / size, 6),
+        )
+        if run.scorer is not None and it["reference"] is not None:
+            rec["score"] = {run.scorer[0]: float(run.scorer[1](text, it["reference"]))}
+        records.append(rec)
+    return records
+
+
+def _write(store: ResultsFile, records: list[dict], report: EvalReport) -> None:
+    """The whole batch goes to disk before anything else can interrupt (a callback, Ctrl-C)."""
+    for k, rec in enumerate(records):
+        try:
+            store.append(rec, sync=False)  # flush each; fsync once per batch (they finished together)
+            if k == len(records) - 1:
+                store.sync()
+        except OSError as e:
+            raise ResultsWriteError(
+                f"could not write the result for {rec['id']} to {store.path}: {e.strerror or e}. "
+                f"{report.done + k} results of this run (and {report.skipped} earlier ones) are safe in "
+                "the file; the unsaved ones are in this error's .unsaved. Free disk space or pick another "
+                "results path, then rerun with resume=True: finished samples are skipped",
+                records[k:],
+            ) from e
+
+
+def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]) -> None:
+    """Peak memory, every record for these prompts (in prompt order) and the mean scores."""
+    device = run.device
+    if device.type == "cuda":
+        report.peak_memory = torch.cuda.max_memory_allocated(device)
     finished = store.read()
-    report.records = [finished[it["id"]] for it in items if it["id"] in finished]
-    if scorer is not None:
-        values = [r["score"][scorer[0]] for r in report.records if scorer[0] in (r.get("score") or {})]
+    mine = [finished[it["id"]] for it in items if it["id"] in finished]
+    report.records = [r for r in mine if not r.get("error")]
+    report.failures = [r for r in mine if r.get("error")]
+    if run.scorer is not None:
+        name = run.scorer[0]
+        values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
-            report.scores[scorer[0]] = sum(values) / len(values)
-    return report
+            report.scores[name] = sum(values) / len(values)
 
 
 def _jsonable(value: Any) -> bool:
@@ -826,60 +1117,3 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-# ---------------------------------------------------------------------------------------------
-# a memory budget for CPU runs
-
-
-@dataclass
-class SimulatedBudget:
-    """A ``generate`` that runs out of memory like a small GPU (see :func:`simulated_budget`)."""
-
-    tokens: int
-    oom_rate: float = 0.0
-    seed: int = 0
-    calls: int = 0
-    ooms: int = 0
-    _rng: random.Random = field(default=None, repr=False)
-    _last_oom: bool = field(default=False, repr=False)
-
-    def check(self, batch: int, seq: int) -> None:
-        self.calls += 1
-        over = batch * seq > self.tokens
-        spike = not self._last_oom and self.oom_rate > 0 and self._rng.random() < self.oom_rate
-        self._last_oom = over or spike
-        if over or spike:
-            self.ooms += 1
-            try:
-                torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocator failure
-            except RuntimeError as e:
-                why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory (simulated budget: {why}). Tried to allocate {format_bytes(1 << 50)}"
-                ) from e
-
-
-@contextlib.contextmanager
-def simulated_budget(model, tokens: int, *, oom_rate: float = 0.0, seed: int = 0):
-    """Within the block, ``model.generate`` runs out of memory when batch x (prompt + new tokens) > ``tokens``.
-
-    With ``oom_rate`` > 0 it also fails at random moments (seeded; never twice in a row), like a
-    fragmentation spike on a real GPU. The error is a ``torch.OutOfMemoryError`` raised from a real
-    allocator failure, so ``is_oom`` and the cleanup path see exactly what a GPU OOM gives them.
-    Yields the :class:`SimulatedBudget` (``.calls``, ``.ooms``).
-    """
-    budget = SimulatedBudget(tokens=tokens, oom_rate=oom_rate, seed=seed, _rng=random.Random(seed))
-    original = model.generate
-
-    def generate(*args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        batch, prompt = (ids.shape[0], ids.shape[1]) if ids is not None else (1, 0)
-        budget.check(batch, prompt + int(kwargs.get("max_new_tokens", 0)))
-        return original(*args, **kwargs)
-
-    model.generate = generate
-    try:
-        yield budget
-    finally:
-        del model.generate  # the instance attribute goes, the class method is back

@@ -26,6 +26,7 @@ import torch
 from .batch_size import find_max_batch_size
 from .devices import cuda_capability
 from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
+from .generation import generate_batched
 from .loading import LoadPlan, keep_4bit_layout
 from .memory import in_colab
 from .sources import data_path
@@ -480,27 +481,9 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 @torch.inference_mode()
 def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4) -> list[str]:
     """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS)."""
-    was_training = model.training
-    model.eval()
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # every prompt ends where generation starts
-    device = next(model.parameters()).device
-    out = []
-    try:
-        for i in range(0, len(instructions), batch_size):
-            prompts = [prompt_text(tokenizer, q) for q in instructions[i : i + batch_size]]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            ids = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return out
+    prompts = [prompt_text(tokenizer, q) for q in instructions]
+    return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            progress=False, add_special_tokens=False, do_sample=False, use_cache=True)  # fmt: skip
 
 
 # -- micro-batch ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import generation
 from .checks import Check
 from .devices import bitsandbytes_status, device_kind
 from .errors import OomkitError
@@ -196,7 +197,7 @@ class LoadPlan:
         return kwargs
 
     def estimate(self, device: Any = "current", model: Any = None):
-        """The :func:`helpers.estimate.estimate` of this plan (weights, KV cache, activations, overheads).
+        """The :func:`helpers.estimator.estimate` of this plan (weights, KV cache, activations, overheads).
 
         Args:
             device: ``"current"`` (this machine: the GPU, or the CPU), a preset such as ``"t4"``, or bytes.
@@ -809,8 +810,6 @@ def generate_batched(
     **generate_kwargs,
 ) -> list[str]:
     """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
-    from tqdm.auto import tqdm
-
     if isinstance(prompts, str):
         raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
@@ -821,23 +820,17 @@ def generate_batched(
             f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
             f"{type(tokenizer).__name__}: pass the model first, as load() returns them"
         )
-    out: list[str] = []
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    device = next(model.parameters()).device
     # int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
     quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
     bnb_log.addFilter(quiet)
     try:
-        for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
-            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-            ids = model.generate(
-                **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **generate_kwargs
-            )
-            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        return generation.generate_batched(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress,
+            **generate_kwargs,
+        )  # fmt: skip
     finally:
         bnb_log.removeFilter(quiet)
-    return out
 
 
 class _DropMessage(logging.Filter):

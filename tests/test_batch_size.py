@@ -137,3 +137,38 @@ def test_adaptive_batch_non_oom_propagates():
 
     with pytest.raises(KeyError):
         run()
+
+
+def test_step_that_never_runs_out_of_memory_stops_at_the_default_limit():
+    """Issue 16 item 9: without limit= a step that never OOMs (CPU, or ignoring its argument) grew forever."""
+    from helpers.batch_size import DEFAULT_LIMIT
+
+    calls: list[int] = []
+
+    def step(batch_size):
+        calls.append(batch_size)
+        if len(calls) > 40:  # the old search never returned: fail instead of hanging the suite
+            raise AssertionError("the search does not stop")
+
+    with pytest.warns(UserWarning, match="default limit"):
+        s = find_max_batch_size(step)
+    assert s.max_ok == DEFAULT_LIMIT and max(calls) == DEFAULT_LIMIT and len(calls) <= 8
+    assert "pass limit=" in s.note and s.note in str(s)
+
+
+@pytest.mark.parametrize("growth", [1, 0, -2, 2.5, True])
+def test_growth_that_would_loop_forever_or_go_negative_is_refused(growth):
+    calls: list[int] = []
+
+    def step(batch_size):
+        calls.append(batch_size)
+        if len(calls) > 40 or batch_size < 1:
+            raise AssertionError(f"tried {batch_size} after {len(calls)} tries")
+        if batch_size > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(ValueError, match=f"growth must be a whole number >= 2.*got {growth!r}"):
+        find_max_batch_size(step, start=64, growth=growth)
+    assert calls == []
+    with pytest.raises(ValueError, match="tolerance must be in"):
+        find_max_batch_size(step, tolerance=float("nan"))

@@ -27,8 +27,8 @@ from helpers.evaluate import (
     load_prompts,
     prompt_id,
     safe_generate,
-    simulated_budget,
 )
+from helpers.testing import simulated_budget
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 4  # new tokens per prompt: enough to tell outputs apart, cheap on 2 CPU cores
@@ -169,8 +169,14 @@ def test_interrupted_run_resumes_without_loss(tiny, reference, tmp_path):
     _assert_complete(path, reference)
     again = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
     assert again.done == 0 and again.skipped == len(PROMPTS) and len(again.records) == len(PROMPTS)
-    with pytest.warns(UserWarning, match="other settings"):
+    # results made with other settings are not reused silently (issue 16 item 3): an error, or resume="force"
+    with pytest.raises(EvalError, match="other settings.*new file.*resume='force'"):
         safe_generate(model, tok, PROMPTS, max_new_tokens=NEW + 1, results=path, progress=False)
+    with pytest.warns(UserWarning, match="other settings"):
+        forced = safe_generate(
+            model, tok, PROMPTS, max_new_tokens=NEW + 1, results=path, progress=False, resume="force"
+        )
+    assert forced.done == 0 and forced.skipped == len(PROMPTS)
 
 
 def test_torn_last_line_is_repaired_not_duplicated(tiny, reference, tmp_path):
@@ -364,3 +370,120 @@ def test_runs_on_cuda_and_reports_gpu_memory(tmp_path, tiny_llama):  # pragma: n
     report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
     assert report.done == len(PROMPTS) and report.memory_kind == "GPU allocated"
     assert torch.cuda.memory_allocated() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16: resume that never trusts the wrong results, one writer, no abort, clear input errors
+
+
+def test_resume_refuses_results_of_another_model_or_prompt_text(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    rows = [{"id": f"q{k}", "prompt": p} for k, p in enumerate(PROMPTS[:3])]
+    first = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False)
+    rec = first.records[0]
+    assert rec["model"] == {"name": str(model.config._name_or_path), "load": "fp32", "adapter": None}
+    assert len(rec["prompt_hash"]) == 16
+    with monkeypatch.context() as m:
+        m.setattr(model.config, "_name_or_path", "someone/another-model")
+        with pytest.raises(EvalError, match=r"3 of these prompt ids made differently.*another model.*new file"):
+            safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False)
+    edited = [{**rows[0], "prompt": rows[0]["prompt"] + " (edited)"}, *rows[1:]]
+    with pytest.raises(EvalError, match=r"id q0: another prompt text.*resume='force'"):
+        safe_generate(model, tok, edited, max_new_tokens=NEW, results=path, progress=False)
+    with simulated_budget(model, tokens=10**9) as budget:
+        again = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False)
+    assert again.skipped == 3 and budget.calls == 0
+
+
+def test_a_second_writer_gets_an_error_naming_the_first(tiny, tmp_path):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:2], max_new_tokens=NEW, results=path, progress=False)
+    with open(path, "a") as f:
+        f.write('{"id": "half a li')  # a torn line, or one the other writer is in the middle of
+    before = path.read_bytes()
+    holder = subprocess.Popen(  # another process holding the lock, as safe_generate's ResultsFile takes it
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(path) + '.lock'!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, f'{os.getpid()}\\n'.encode())\n"
+            "print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        with pytest.raises(EvalError, match=rf"being written by another run \(process {holder.pid};"):
+            safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+        assert ResultsFile(path).read().keys() == {r["id"] for r in _lines_prefix(before)}
+        assert path.read_bytes() == before  # the repair never touches a file someone else holds
+    finally:
+        holder.kill()
+        holder.wait(10)
+        holder.stdout.close()
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert report.repaired and report.skipped == 2 and report.done == len(PROMPTS) - 2
+    # in one process too: a notebook re-run while the first run still holds the file
+    first = ResultsFile(path)
+    first.open()
+    try:
+        with pytest.raises(EvalError, match=rf"process {os.getpid()}"):
+            safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    finally:
+        first.close()
+
+
+def _lines_prefix(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
+
+
+def test_a_prompt_that_never_fits_is_recorded_as_failed_and_the_rest_goes_on(tiny, tmp_path):
+    model, tok = tiny
+    long = " ".join(["memory"] * 40)
+    prompts = [long, *PROMPTS[:4]]
+    n_long = len(tok(long)["input_ids"])
+    path = tmp_path / "r.jsonl"
+    with simulated_budget(model, tokens=n_long):  # the long prompt alone with one new token: over
+        report = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=path, progress=False)
+    assert report.done == 4 and report.failed == 1 and len(report.records) == 4
+    fail = report.failures[0]
+    assert fail["error"] == "does not fit" and fail["prompt_tokens"] == n_long and fail["output"] is None
+    assert "does not fit" in str(report) and f"({n_long} tokens)" in str(report) and "1 failed" in repr(report)
+    # a rerun with more memory tries the failed prompt again
+    again = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=path, progress=False)
+    assert again.done == 1 and again.skipped == 4 and again.failed == 0 and len(again.records) == 5
+
+
+def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):
+    model, tok = tiny
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    original = prompt_file.read_bytes()
+    with simulated_budget(model, tokens=10**9) as budget:
+        with pytest.raises(EvalError, match="results must be the path of a JSONL file.*got None"):
+            safe_generate(model, tok, PROMPTS, results=None, progress=False)
+        with pytest.raises(EvalError, match="num_return_sequences=2.*one output per prompt id"):
+            safe_generate(
+                model, tok, PROMPTS, results=tmp_path / "a.jsonl", generation_kwargs={"num_return_sequences": 2}
+            )
+        with pytest.raises(EvalError, match="resume must be True.*got 'yes'"):
+            safe_generate(model, tok, PROMPTS, results=tmp_path / "a.jsonl", resume="yes", progress=False)
+        for resume in (True, False):  # never append to, nor empty, the prompt file
+            with pytest.raises(EvalError, match="is the prompt file"):
+                safe_generate(model, tok, prompt_file, results=prompt_file, resume=resume, progress=False)
+        other = tmp_path / "notes.txt"
+        other.write_text("my notes\n")
+        with pytest.raises(EvalError, match="not a safe_generate results file.*will not delete it"):
+            safe_generate(model, tok, PROMPTS, results=other, resume=False, progress=False)
+        assert other.read_text() == "my notes\n"
+        with pytest.raises(EvalError, match=r"prompt #1's prompt holds a lone surrogate '\\ud800'"):
+            safe_generate(model, tok, ["fine", "bad \ud800 text"], results=tmp_path / "a.jsonl", progress=False)
+        latin = tmp_path / "latin.jsonl"
+        latin.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
+        with pytest.raises(EvalError, match=rf"prompt file {latin} is not UTF-8 text \(byte 0xe9.*re-save it"):
+            safe_generate(model, tok, latin, results=tmp_path / "a.jsonl", progress=False)
+    assert budget.calls == 0 and prompt_file.read_bytes() == original
+    assert not (tmp_path / "a.jsonl").exists()

@@ -1,0 +1,194 @@
+"""Batched generation, written once: left-padded prompts, one ``generate`` call, only the new text back.
+
+``generate_batch(model, tokenizer, prompts, max_new_tokens=...)`` runs one padded call and returns a
+:class:`Generated` (texts, new-token ids, new-token counts up to the stop token). Prompts may be
+strings or token ids already computed (``encode``), so a caller that needed the lengths first does
+not tokenize twice. Padding is done here, on the left (every prompt ends where generation starts),
+whatever the tokenizer's ``padding_side``; the pad id is the tokenizer's, else its end-of-sequence
+token. ``generate_batched`` loops over fixed-size chunks with a progress bar (``loading`` and
+``finetune`` use it); ``safe_generate`` calls ``generate_batch`` through ``helpers.retry.attempt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Generated",
+    "encode",
+    "pad_token_id",
+    "pad_left",
+    "stop_token_ids",
+    "count_new_tokens",
+    "model_device",
+    "generate_batch",
+    "generate_batched",
+]
+
+
+@dataclass
+class Generated:
+    """One batch's output: ``texts`` (special tokens skipped), ``token_ids`` (new tokens only, on the
+    CPU, one row per returned sequence) and ``new_tokens`` (per row, up to and including the first
+    stop token; the rest is padding)."""
+
+    texts: list[str]
+    token_ids: torch.Tensor
+    new_tokens: list[int]
+
+
+def encode(tokenizer, prompts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids per prompt (unpadded): compute them once, pass them to :func:`generate_batch`."""
+    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, else its end-of-sequence id (what ``generate`` pads finished rows with)."""
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, list | tuple) and value:
+            value = value[0]
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        "the tokenizer has neither a pad nor an end-of-sequence token: call "
+        "helpers.loading.setup_tokenizer(tokenizer, model) first"
+    )
+
+
+def pad_left(ids: Sequence[Sequence[int]], pad_id: int, device: Any = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` with every row padded on the left to the longest."""
+    width = max((len(row) for row in ids), default=0)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        if row:
+            input_ids[i, width - len(row) :] = torch.as_tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The end-of-sequence ids of the model's generation config and of the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def count_new_tokens(ids: torch.Tensor, stop: set[int]) -> int:
+    """New tokens up to and including the first end-of-sequence token (the rest is padding)."""
+    for i, t in enumerate(ids.tolist()):
+        if t in stop:
+            return i + 1
+    return len(ids)
+
+
+def model_device(model) -> torch.device:
+    """Where the model's (first) parameters are: where its inputs must go."""
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
+    stop: set[int] | None = None,
+    watch=None,
+    **generate_kwargs: Any,
+) -> Generated:
+    """Generate for ``prompts`` in one left-padded ``model.generate`` call.
+
+    Args:
+        prompts: strings, or token ids per prompt (from :func:`encode`; not tokenized again).
+        add_special_tokens: for string prompts (False when the text already has its BOS, e.g. a
+            chat template).
+        stop: end-of-sequence ids for the counts (default: :func:`stop_token_ids`).
+        watch: a :class:`helpers.retry.Watch`; the input tensor is added to it, so an OOM retry can
+            tell whether the failed call is gone.
+        generate_kwargs: passed to ``model.generate`` (e.g. ``do_sample=False``).
+    """
+    if isinstance(prompts, str):
+        raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
+    ids = list(prompts)
+    if ids and isinstance(ids[0], str):
+        ids = encode(tokenizer, ids, add_special_tokens=add_special_tokens)
+    pad = pad_token_id(tokenizer)
+    enc = pad_left(ids, pad, model_device(model))
+    if watch is not None:
+        watch.add(enc["input_ids"])
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
+    new = out[:, enc["input_ids"].shape[1] :].cpu()
+    del out, enc
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    stop = stop_token_ids(model, tokenizer) if stop is None else stop
+    return Generated(texts, new, [count_new_tokens(row, stop) for row in new])
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    was_training = getattr(model, "training", False)
+    if was_training:
+        model.eval()  # dropout off: generation is deterministic under greedy decoding
+    try:
+        yield
+    finally:
+        if was_training:
+            model.train(True)
+
+
+def generate_batched(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 4,
+    progress: bool = False,
+    add_special_tokens: bool = True,
+    desc: str = "generating",
+    **generate_kwargs: Any,
+) -> list[str]:
+    """Generate for ``prompts`` in chunks of ``batch_size`` (a tqdm bar when ``progress``): the new text only.
+
+    The model is in eval mode for the call (its training mode is restored after); with
+    ``num_return_sequences=n`` in ``generate_kwargs`` the list holds n texts per prompt, in order.
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(prompts, str):
+        raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    prompts = list(prompts)
+    stop = stop_token_ids(model, tokenizer)
+    out: list[str] = []
+    chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    with _eval_mode(model):
+        for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not progress):
+            out += generate_batch(
+                model,
+                tokenizer,
+                chunk,
+                max_new_tokens=max_new_tokens,
+                add_special_tokens=add_special_tokens,
+                stop=stop,
+                **generate_kwargs,
+            ).texts
+    return out

@@ -1,0 +1,71 @@
+"""Test doubles: make a CPU run behave like a small GPU (tests, benchmarks, the CPU demo notebook).
+
+``simulated_budget(model, tokens=...)``: within the block, a ``generate`` call whose batch x (prompt
++ new tokens) exceeds the budget runs out of memory for real (an allocation too large for any
+machine), raised as ``torch.OutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .units import format_bytes
+
+__all__ = ["SimulatedBudget", "simulated_budget"]
+
+
+@dataclass
+class SimulatedBudget:
+    """A ``generate`` that runs out of memory like a small GPU (see :func:`simulated_budget`)."""
+
+    tokens: int
+    oom_rate: float = 0.0
+    seed: int = 0
+    calls: int = 0
+    ooms: int = 0
+    _rng: random.Random = field(default=None, repr=False)
+    _last_oom: bool = field(default=False, repr=False)
+
+    def check(self, batch: int, seq: int) -> None:
+        self.calls += 1
+        over = batch * seq > self.tokens
+        spike = not self._last_oom and self.oom_rate > 0 and self._rng.random() < self.oom_rate
+        self._last_oom = over or spike
+        if over or spike:
+            self.ooms += 1
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocator failure
+            except RuntimeError as e:
+                why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated budget: {why}). Tried to allocate {format_bytes(1 << 50)}"
+                ) from e
+
+
+@contextlib.contextmanager
+def simulated_budget(model, tokens: int, *, oom_rate: float = 0.0, seed: int = 0):
+    """Within the block, ``model.generate`` runs out of memory when batch x (prompt + new tokens) > ``tokens``.
+
+    With ``oom_rate`` > 0 it also fails at random moments (seeded; never twice in a row), like a
+    fragmentation spike on a real GPU. The error is a ``torch.OutOfMemoryError`` raised from a real
+    allocator failure, so ``is_oom`` and the cleanup path see exactly what a GPU OOM gives them.
+    Yields the :class:`SimulatedBudget` (``.calls``, ``.ooms``).
+    """
+    budget = SimulatedBudget(tokens=tokens, oom_rate=oom_rate, seed=seed, _rng=random.Random(seed))
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch, prompt = (ids.shape[0], ids.shape[1]) if ids is not None else (1, 0)
+        budget.check(batch, prompt + int(kwargs.get("max_new_tokens", 0)))
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield budget
+    finally:
+        del model.generate  # the instance attribute goes, the class method is back

@@ -1,0 +1,68 @@
+"""helpers.generation: one left-padded batched generate, new text only, token ids computed once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.generation import (
+    count_new_tokens,
+    encode,
+    generate_batch,
+    generate_batched,
+    pad_left,
+    stop_token_ids,
+)
+from helpers.retry import Watch
+
+PROMPTS = ["memory memory memory item", "short", "a somewhat longer prompt about memory use"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from helpers.loading import load
+
+    model, tokenizer, _ = load(str(tiny_llama), load="fp32", check=False)
+    return model, tokenizer
+
+
+def test_pad_left_matches_the_tokenizers_left_padding(tiny):
+    _, tok = tiny
+    ref = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert tok.padding_side == "left"
+    ours = pad_left(encode(tok, PROMPTS), tok.pad_token_id)
+    assert torch.equal(ours["input_ids"], ref["input_ids"]) and torch.equal(
+        ours["attention_mask"], ref["attention_mask"]
+    )
+
+
+def test_batch_equals_one_at_a_time_and_ids_equal_strings(tiny):
+    model, tok = tiny
+    side = tok.padding_side
+    tok.padding_side = "right"  # generation pads on the left whatever the tokenizer says
+    try:
+        watch = Watch()
+        batch = generate_batch(model, tok, PROMPTS, max_new_tokens=5, do_sample=False, watch=watch)
+        again = generate_batch(model, tok, encode(tok, PROMPTS), max_new_tokens=5, do_sample=False)
+    finally:
+        tok.padding_side = side
+    single = [generate_batch(model, tok, [p], max_new_tokens=5, do_sample=False).texts[0] for p in PROMPTS]
+    assert batch.texts == again.texts == single
+    assert batch.token_ids.shape == (3, 5) and batch.token_ids.device.type == "cpu" and len(watch) == 1
+    stop = stop_token_ids(model, tok)
+    assert batch.new_tokens == [count_new_tokens(row, stop) for row in batch.token_ids]
+    assert generate_batched(model, tok, PROMPTS, max_new_tokens=5, batch_size=2, do_sample=False) == single
+
+
+def test_several_sequences_per_prompt_and_training_mode_restored(tiny):
+    model, tok = tiny
+    model.train()
+    try:
+        out = generate_batched(model, tok, PROMPTS[:2], max_new_tokens=3, num_return_sequences=2, do_sample=True)
+        assert len(out) == 4 and model.training
+    finally:
+        model.eval()
+    with pytest.raises(TypeError, match="pass \\[prompt\\]"):
+        generate_batched(model, tok, "one string")
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
+        generate_batched(model, tok, PROMPTS, batch_size=0)
