@@ -444,7 +444,7 @@ def render_readme_table(results: dict[str, dict] | None = None) -> str:
             [
                 "largest batch, vs accelerate",
                 f"median found {pct(o['median_fraction'])} vs {pct(a['median_fraction'])}; median tries "
-                f"{o['median_trials']:g} vs {a['median_trials']:g}; OOMs {o['total_ooms']} vs {a['total_ooms']} "
+                f"{o['median_trials']:g} vs {a['median_trials']:g}; OOM tries in total {o['total_ooms']} vs {a['total_ooms']} "
                 f"({b['cases']} cases)",
                 link("batch_finder"),
             ]
