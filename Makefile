@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
 CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
-.PHONY: setup demo test test-browser bench lint format sync-notebooks clean
+.PHONY: setup demo test test-browser bench docs lint format sync-notebooks clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ test-browser: setup $(TINY) $(BROWSER_STAMP) $(CHROMIUM)
 
 bench: setup $(TINY)
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+# docs/benchmarks.md and the README's results table, rendered from bench/results/*.json.
+docs: setup
+	$(BIN)/python scripts/render_benchmarks.py
 
 lint: setup
 	$(BIN)/ruff check .
