@@ -23,7 +23,7 @@ from .html import badge, table
 from .loading import ram_for_loading
 from .memory import MemorySnapshot, in_colab
 from .memory import snapshot as take_snapshot
-from .sources import checkpoint_size
+from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, format_bytes
 from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, verdict
 
@@ -225,6 +225,19 @@ def _check_disk(snap: MemorySnapshot, model: str | None, total: int | None) -> C
     return Check("disk", "pass", f"{format_bytes(cache.free)} free for a {format_bytes(total)} download")
 
 
+def _unreadable_model(model: Any, error: Exception) -> Check:
+    """A model that cannot be found or read fails preflight: loading it would fail a minute later. A hub
+    id that cannot be checked because this machine is offline only warns."""
+    name = str(model)
+    offline = None if Path(name).expanduser().exists() or looks_like_path(name) else hub_offline_reason()
+    if offline:
+        return Check("model", "warn", f"cannot check {name!r} while offline ({offline}): {error}",
+                     "Go online once, or pass a local folder with config.json")  # fmt: skip
+    return Check("model", "fail", f"{name!r} cannot be read: {error}",
+                 "Check the spelling of the path or hub id (org/name, case-sensitive); a local folder must hold "
+                 "config.json")  # fmt: skip
+
+
 def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None) -> list:
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU (or a T4)?"""
     gpu = snapshot.gpu if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else None
@@ -248,7 +261,7 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
         ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg,
                          compute_dtype=half if m in QUANTIZED else "auto") for m in loads]  # fmt: skip
     except EstimateError as e:
-        return [Check("fit", "info", f"cannot estimate: {e}")]
+        return [_unreadable_model(model, e)]
     cap = device["capacity"]
     chosen = next((e for e in ests if verdict(e.total, cap) == FITS), None)
     chosen = chosen or next((e for e in ests if verdict(e.total, cap) == TIGHT), None) or ests[-1]

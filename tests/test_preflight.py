@@ -136,3 +136,16 @@ def test_cli_json_on_this_machine():
 def test_cli_unknown_command_fails_clearly():
     r = subprocess.run([sys.executable, "-m", "helpers", "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command" in r.stderr
+
+
+def test_a_model_that_cannot_be_found_or_read_fails_preflight(tmp_path, capsys):
+    from helpers.cli import preflight_main
+
+    garbage = tmp_path / "model"
+    garbage.mkdir()
+    (garbage / "config.json").write_text("{not json")
+    for model in (str(tmp_path / "typo" / "model"), str(garbage)):
+        report = run(machine(), model)
+        assert report.check("model").status == "fail" and not report.ok, model
+        assert "spelling" in report.check("model").fix
+    assert preflight_main(["--model", str(garbage)]) == 1  # a script or CI step stops on a failed check
