@@ -330,3 +330,35 @@ def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys)
         estimate("Llama-2-7b-hf", load="nf4", training=LoraTraining(r=0))
     assert estimate_main(["Llama-2-7b-hf", "--lora", "r=x"]) == 2
     assert "--lora r='x': r takes a whole number, e.g. r=16" in capsys.readouterr().err
+
+
+def test_fixes_on_a_t4_never_propose_bf16_and_leave_the_margin():
+    from helpers.vocab import TIGHT_FRACTION
+
+    cap = DEVICES["t4"]["capacity"]
+    for est in (estimate("Llama-2-7b-hf", load="fp32"), estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=8192)):
+        verdict = fit(est, "t4")
+        assert verdict.suggestions and not any("bf16" in s.change for s in verdict.suggestions)
+        first = verdict.suggestions[0]
+        assert first.estimate.total <= cap * TIGHT_FRACTION, first  # the top fix really fits, with the margin
+        assert "model" not in first.kwargs  # the user's own model is kept when a setting can make it fit
+
+
+def test_estimate_warns_about_bf16_on_a_t4_and_a_length_past_the_context():
+    assert any("has no bf16" in w for w in estimate("Llama-2-7b-hf", load="bf16", device="t4").warnings)
+    assert not any("bf16" in w for w in estimate("Llama-2-7b-hf", load="bf16", device="a100-40").warnings)
+    long = estimate("openai-community/gpt2", load="fp16", prompt_tokens=512, max_new_tokens=4096)
+    assert any("past this model's context of 1024" in w for w in long.warnings)
+    assert not any("context" in w for w in estimate("openai-community/gpt2", load="fp16").warnings)
+
+
+def test_every_dtype_spelling_is_accepted():
+    from helpers.loading import LoadPlan
+
+    base = estimate("Llama-2-7b-hf", load="nf4", compute_dtype="fp16").total
+    for spelling in (torch.float16, "float16", "torch.float16", "half", "FP16"):
+        assert estimate("Llama-2-7b-hf", load="nf4", compute_dtype=spelling).total == base, spelling
+        assert LoadPlan("x/y", load="nf4", compute_dtype=spelling).compute_dtype == "fp16"
+    assert LoadPlan("x/y", compute_dtype=torch.bfloat16).compute_dtype == "bf16"
+    with pytest.raises(EstimateError, match="unknown dtype 'int4'.*float16"):
+        estimate("Llama-2-7b-hf", load="nf4", compute_dtype="int4")

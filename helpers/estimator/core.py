@@ -143,7 +143,7 @@ def estimate(
     if load not in LOAD_MODES:
         raise EstimateError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)} (or 'auto')")
     lay = layout(config, loaded)
-    _, b = _compute_bytes(compute_dtype, load, dev)
+    cdtype, b = _compute_bytes(compute_dtype, load, dev)
     rows = weight_rows(lay, load, b, double_quant, skip_modules)
     if training is None:
         rows += _generation_rows(config, b, batch_size, prompt_tokens, max_new_tokens)
@@ -158,10 +158,26 @@ def estimate(
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=[f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else [],
+        warnings=_warnings(lay, config, load, cdtype, dev, inputs),
         inputs=inputs,
         source=model,
     )
+
+
+def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dict) -> list[str]:
+    """What the numbers alone do not say: an approximate count, bf16 on a card without it, a length
+    past the model's context."""
+    out = [f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else []
+    if dev is not None and not dev.get("bf16") and "bf16" in (load, cdtype):
+        out.append(f"{dev.get('name', 'this GPU')} has no bf16 (compute capability < 8.0): use fp16 there")
+    context = getattr(config, "max_position_embeddings", None)
+    tokens = inputs["prompt_tokens"] + inputs["max_new_tokens"] if inputs["training"] is None else None
+    if tokens is None and inputs["training"] is not None:
+        tokens = inputs["training"].seq_len
+    if isinstance(context, int) and tokens is not None and tokens > context:
+        out.append(f"{tokens} tokens is past this model's context of {context}: it would fail or degrade; "
+                   f"keep prompt + new tokens <= {context}")  # fmt: skip
+    return out
 
 
 def _check_inputs(inputs: dict) -> None:

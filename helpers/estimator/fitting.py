@@ -72,7 +72,7 @@ class FitVerdict:
                     s.change,
                     format_bytes(s.saving),
                     format_bytes(s.estimate.total),
-                    "fits" if s.estimate.total <= self.capacity else "no",
+                    verdict(s.estimate.total, self.capacity),
                 ]
                 for i, s in enumerate(self.suggestions, 1)
             ]
@@ -114,18 +114,18 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label, est)
     if suggest and result != FITS and est.source is not None:
-        out.suggestions = _suggestions(est, device, cap)
+        out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
     return out
 
 
-def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
+def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tuple[str, dict]]:
     inp = est.inputs
     tr = inp.get("training")
     cands: list[tuple[str, dict]] = []
     order = ["fp32", "bf16", "fp16", "int8", "nf4"]
     if est.load in order:
         for load in order[order.index(est.load) + 1 :]:
-            if load == "bf16" and est.load == "fp16":
+            if load == "bf16" and (est.load == "fp16" or not bf16):  # a T4 or V100 has no bf16
                 continue
             if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
                 cands.append(
@@ -138,12 +138,13 @@ def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
             cands.append((f"load={load}", {"load": load}))
     if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
+    room = int(cap * TIGHT_FRACTION)  # a fix leaves the margin a "fits" verdict needs, not 20 MiB
     if tr is None:
-        n = max_new_tokens_that_fit(est, device=cap)
+        n = max_new_tokens_that_fit(est, device=room)
         if 0 < n < inp["max_new_tokens"]:
             cands.append((f"max_new_tokens={n}", {"max_new_tokens": n}))
         if inp["batch_size"] > 1:
-            bmax = max_batch_that_fits(est, device=cap)
+            bmax = max_batch_that_fits(est, device=room)
             cands.append((f"batch_size={max(1, bmax)}", {"batch_size": max(1, bmax)}))
         if inp["prompt_tokens"] > 128:
             p = inp["prompt_tokens"] // 2
@@ -182,9 +183,9 @@ def _candidates(est: MemoryEstimate, device, cap) -> list[tuple[str, dict]]:
     return cands
 
 
-def _suggestions(est: MemoryEstimate, device, cap) -> list[Suggestion]:
+def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Suggestion]:
     out = []
-    for change, kw in _candidates(est, device, cap):
+    for change, kw in _candidates(est, device, cap, bf16):
         try:
             new = est.replace(**kw)
         except EstimateError:
@@ -194,9 +195,14 @@ def _suggestions(est: MemoryEstimate, device, cap) -> list[Suggestion]:
     smaller = _smaller_model(est, cap)
     if smaller is not None:
         out.append(smaller)
-    # Ranked: changes that make it fit first (the least drastic of those: smallest saving that fits),
-    # then the rest by saving.
-    out.sort(key=lambda s: (s.estimate.total > cap, s.saving if s.estimate.total <= cap else -s.saving))
+
+    # Ranked: changes that make it fit with the margin first (keeping the user's model before another
+    # model, then the least drastic: smallest saving), then the rest by saving.
+    def rank(s: Suggestion) -> tuple[bool, bool, int]:
+        fits = verdict(s.estimate.total, cap) == FITS
+        return not fits, "model" in s.kwargs, s.saving if fits else -s.saving
+
+    out.sort(key=rank)
     return out
 
 
