@@ -16,7 +16,7 @@ from .vocab import supports_bf16
 
 __all__ = [
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "DeviceError", "resolve_device",
-    "cuda_capability", "device_kind", "bitsandbytes_status",
+    "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype",
 ]  # fmt: skip
 
 DEVICES: dict[str, dict[str, Any]] = {
@@ -54,6 +54,19 @@ def device_kind() -> str:
 def cuda_capability() -> tuple[int, int] | None:
     """Compute capability of the current CUDA device, ``None`` without one (never starts CUDA otherwise)."""
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def auto_compute_dtype(device: dict | str | None) -> str:
+    """What "auto" compute dtype means, for every caller (estimate and load agree): a resolved device
+    dict (``None`` = CPU) or a kind (``"cuda"``, ``"mps"``, ``"cpu"``). bf16 where the GPU computes in
+    it, fp16 on older GPUs and MPS, fp32 on CPU (CPU kernels for half precision are slow or missing)."""
+    if isinstance(device, str):
+        if device == "cuda":
+            return "bf16" if supports_bf16(torch.cuda.get_device_capability()) else "fp16"
+        return "fp16" if device == "mps" else "fp32"
+    if device is None:
+        return "fp32"
+    return "bf16" if device.get("bf16") else "fp16"
 
 
 def _current() -> tuple[str, dict | None]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import generation
+from . import devices, generation
 from .checks import Check
 from .devices import bitsandbytes_status, device_kind
 from .errors import OomkitError
@@ -31,7 +31,7 @@ from .html import table
 from .memory import MemorySnapshot
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, nearest_existing
 from .units import GiB, MiB, format_bytes, percent
-from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, supports_bf16, torch_dtype
+from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
 
 __all__ = [
     "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
@@ -73,10 +73,7 @@ class LoadRefused(LoadError):
 
 def auto_compute_dtype(device: str | None = None) -> str:
     """fp16 on pre-Ampere GPUs (T4, V100), bf16 on Ampere and later, fp16 on MPS, fp32 on CPU."""
-    device = device or device_kind()
-    if device == "cuda":
-        return "bf16" if supports_bf16(torch.cuda.get_device_capability()) else "fp16"
-    return "fp16" if device == "mps" else "fp32"
+    return devices.auto_compute_dtype(device or device_kind())
 
 
 @dataclass

@@ -334,3 +334,12 @@ def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
     with torch.inference_mode():
         model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
     assert footprint(model) == report.measured_weights == report.estimated_weights
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_auto_compute_dtype_means_the_same_in_estimate_and_load(tiny_llama, mode):
+    from helpers.estimator import footprint
+
+    predicted = estimate(str(tiny_llama), load=mode, device="current").weights  # plain "auto", as the panel asks
+    model, _, _ = load(LoadPlan(str(tiny_llama), load=mode))
+    assert abs(footprint(model) - predicted) <= 0.01 * predicted, (footprint(model), predicted)

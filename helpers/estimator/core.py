@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, resolve_device
+from ..devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, auto_compute_dtype, resolve_device
 from ..html import Markup, bar, table
 from ..units import format_bytes
 from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, dtype_name
@@ -100,7 +100,7 @@ def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str
     if compute_dtype == "auto":
         if load in DTYPE_BYTES:
             return load, DTYPE_BYTES[load]
-        compute_dtype = "bf16" if (dev or {}).get("bf16") else "fp16"
+        compute_dtype = auto_compute_dtype(dev)  # the same rule load() uses on that device
     return compute_dtype, DTYPE_BYTES[compute_dtype]
 
 
