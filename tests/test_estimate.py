@@ -362,3 +362,21 @@ def test_every_dtype_spelling_is_accepted():
     assert LoadPlan("x/y", compute_dtype=torch.bfloat16).compute_dtype == "bf16"
     with pytest.raises(EstimateError, match="unknown dtype 'int4'.*float16"):
         estimate("Llama-2-7b-hf", load="nf4", compute_dtype="int4")
+
+
+def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
+
+    from helpers.loading import LoadPlan, load
+
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256, num_local_experts=4)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(tmp_path)
+    est = estimate(str(tmp_path), load="nf4", device="current")
+    experts = est.row("weights.moe_experts").bytes
+    assert experts > est.row("weights.quantized").bytes  # most of this model stays unquantized
+    assert any("MoE expert tensors that bitsandbytes does not quantize" in w for w in est.warnings)
+    model, _, _ = load(LoadPlan(str(tmp_path), load="nf4"))
+    assert abs(footprint(model) - est.weights) <= 0.01 * est.weights
+    assert "weights.moe_experts" not in {r.key for r in estimate(str(tmp_path), load="fp16").rows}

@@ -158,7 +158,7 @@ def estimate(
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=_warnings(lay, config, load, cdtype, dev, inputs),
+        warnings=_warnings(lay, config, load, cdtype, dev, inputs) + _moe_warning(rows, load),
         inputs=inputs,
         source=model,
     )
@@ -178,6 +178,18 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
         out.append(f"{tokens} tokens is past this model's context of {context}: it would fail or degrade; "
                    f"keep prompt + new tokens <= {context}")  # fmt: skip
     return out
+
+
+def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
+    experts = next((r.bytes for r in rows if r.key == "weights.moe_experts"), 0)
+    if not experts:
+        return []
+    total = sum(r.bytes for r in rows if r.group == "weights")
+    return [
+        f"{format_bytes(experts)} of the {format_bytes(total)} of weights are MoE expert tensors that bitsandbytes "
+        f"does not quantize: {load} saves far less here than on a dense model. Fix: a pre-quantized checkpoint "
+        "(GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
+    ]
 
 
 def _check_inputs(inputs: dict) -> None:

@@ -176,6 +176,27 @@ def should_convert(module: str, not_convert: list[str]) -> bool:
     return should_convert_module(module, not_convert)
 
 
+def _quantized_bytes(e: Param, load: str, double_quant: bool, blocksize: int) -> tuple[int, int]:
+    """(weight bytes, quantization-state bytes) of one linear layer in bitsandbytes' layout."""
+    if load == "int8":
+        return e.numel, 4 * e.linear[0]  # int8 matrix (CB shares its storage); SCB: one fp32 scale per row
+    blocks = math.ceil(e.numel / blocksize)
+    state = 16 * 4  # the 16-entry fp32 code of nf4/fp4, one per layer
+    if double_quant:
+        # absmax quantized to uint8, one fp32 absmax per 256 of them, an fp32 offset, and the 256-entry
+        # fp32 dynamic code of the nested state (a copy per layer)
+        state += blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4
+    else:
+        state += 4 * blocks
+    return (e.numel + 1) // 2, state  # two 4-bit values per uint8
+
+
+def _is_fused_expert(e: Param) -> bool:
+    # transformers 5 stores an MoE layer's experts as one 3-D parameter (experts.gate_up_proj, ...):
+    # no nn.Linear, so bitsandbytes leaves it in the compute dtype
+    return e.linear is None and ".experts." in f".{e.name}"
+
+
 def weight_rows(
     lay: Layout,
     load: str,
@@ -186,33 +207,18 @@ def weight_rows(
 ) -> list[EstimateRow]:
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = lay.not_convert if skip_modules is None else list(set(skip_modules) | set(lay.keep_fp32))
-    q_bytes = state_bytes = plain = buffers = 0
-    n_q = 0
+    q_bytes = state_bytes = plain = buffers = experts = n_q = 0
     half = 4 if load == "fp32" else dtype_bytes
     for e in lay.entries:
         if e.module == "buffer":
             buffers += e.numel * (e.fixed_bytes or half)
-            continue
-        keep32 = any(k in e.name for k in lay.keep_fp32)
-        size = 4 if keep32 else half
-        if load in QUANTIZED and e.linear is not None and should_convert(e.module, not_convert):
-            n_q += 1
-            out_f = e.linear[0]
-            if load == "int8":
-                q_bytes += e.numel  # int8 matrix (CB shares its storage)
-                state_bytes += 4 * out_f  # SCB: one fp32 scale per output row
-            else:
-                q_bytes += (e.numel + 1) // 2  # two 4-bit values per uint8
-                blocks = math.ceil(e.numel / blocksize)
-                state_bytes += 16 * 4  # the 16-entry fp32 code of nf4/fp4, one per layer
-                if double_quant:
-                    # absmax quantized to uint8, one fp32 absmax per 256 of them, an fp32 offset, and
-                    # the 256-entry fp32 dynamic code of the nested state (a copy per layer)
-                    state_bytes += blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4
-                else:
-                    state_bytes += 4 * blocks
-            continue
-        plain += e.numel * size
+        elif load in QUANTIZED and e.linear is not None and should_convert(e.module, not_convert):
+            q, state = _quantized_bytes(e, load, double_quant, blocksize)
+            q_bytes, state_bytes, n_q = q_bytes + q, state_bytes + state, n_q + 1
+        elif load in QUANTIZED and _is_fused_expert(e):
+            experts += e.numel * half
+        else:
+            plain += e.numel * (4 if any(k in e.name for k in lay.keep_fp32) else half)
     rows = []
     label = {"int8": "int8", "nf4": "4-bit nf4", "fp4": "4-bit fp4"}.get(load)
     if label:
@@ -221,6 +227,9 @@ def weight_rows(
         )
         what = "row scales" if load == "int8" else ("absmax, nested absmax" if double_quant else "fp32 absmax")
         rows.append(EstimateRow("weights.quant_state", "weights: quantization state", state_bytes, "exact", what))
+    if experts:
+        rows.append(EstimateRow("weights.moe_experts", "weights: MoE experts, not quantized", experts, "exact",
+                                "fused expert tensors are no nn.Linear: bitsandbytes leaves them unquantized"))  # fmt: skip
     rows.append(
         EstimateRow(
             "weights.unquantized",
