@@ -380,3 +380,36 @@ def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, ti
     model, _, _ = load(LoadPlan(str(tmp_path), load="nf4"))
     assert abs(footprint(model) - est.weights) <= 0.01 * est.weights
     assert "weights.moe_experts" not in {r.key for r in estimate(str(tmp_path), load="fp16").rows}
+
+
+def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_config(tmp_path, tiny_llama):
+    from helpers.loading import LoadPlan, load
+
+    model, tokenizer, _ = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=False))
+    model.save_pretrained(tmp_path)  # a "-bnb-4bit" repo, as Unsloth and others publish them
+    tokenizer.save_pretrained(tmp_path)
+    est = estimate(str(tmp_path), device="current")  # load="auto": the repo's own mode
+    assert est.load == "nf4" and est.inputs["double_quant"] is False
+    reloaded, _, _ = load(LoadPlan(str(tmp_path), load="nf4", double_quant=False))
+    assert abs(footprint(reloaded) - est.weights) <= 0.01 * est.weights
+    with pytest.raises(EstimateError, match="already quantized.*loads as nf4 only"):
+        estimate(str(tmp_path), load="int8")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_layouts_follow_their_formulas(method):
+    from transformers import LlamaConfig
+
+    qc = {"quant_method": method, "bits": 4, "group_size": 128}
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=1000, tie_word_embeddings=False)  # fmt: skip
+    cfg.quantization_config = qc
+    est = estimate(cfg, device="t4")
+    assert est.load == method
+    linears = [(512, 512)] * 4 + [(1024, 512), (1024, 512), (512, 1024)]  # (out, in) per layer
+    packed = 2 * sum(o * k * 4 // 8 for o, k in linears)
+    groups = [(o, k, -(-k // 128)) for o, k in linears]
+    state = 2 * sum(g * o * 4 // 8 + g * o * 2 + (4 * k if method == "gptq" else 0) for o, k, g in groups)
+    assert est.row("weights.quantized").bytes == packed
+    assert est.row("weights.quant_state").bytes == state
+    assert est.row("weights.unquantized").bytes == (2 * 1000 * 512 + 2 * 2 * 512 + 512) * 2  # embed, lm_head, norms

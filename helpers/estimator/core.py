@@ -13,6 +13,7 @@ from ..units import format_bytes
 from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, dtype_name
 from .configs import resolve_config
 from .layout import dims, kv_cache_bytes, layout, prefill_bytes, weight_rows
+from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
 from .rows import EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining, training_rows
 
@@ -107,7 +108,7 @@ def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str
 def estimate(
     model: Any,
     *,
-    load: str,
+    load: str = "auto",
     double_quant: bool = True,
     compute_dtype: str = "auto",
     batch_size: int = 1,
@@ -122,8 +123,8 @@ def estimate(
     Args:
         model: hub id (only its config.json is read), short name or hub id of a shipped config
             (``helpers/data/configs``, offline), local folder, config.json path, config object or loaded model.
-        load: fp32, fp16, bf16, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit); "auto" picks the
-            widest that fits ``device``.
+        load: fp32, fp16, bf16, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit); "auto" (default) picks
+            the widest that fits ``device``, or a pre-quantized checkpoint's own mode (bnb, GPTQ, AWQ).
         double_quant: 4-bit only: quantize the absmax values too (bnb_4bit_use_double_quant).
         compute_dtype: dtype of activations, KV cache and unquantized weights for quantized loads;
             "auto": the load dtype, or bf16 where the device supports it, else fp16.
@@ -138,13 +139,20 @@ def estimate(
     _check_inputs(inputs)
     label, dev = resolve_device(device)
     config, name, loaded = resolve_config(model)
-    if load == "auto":
+    repo = repo_quantization(config)
+    if repo is not None:
+        load, double_quant, skip_modules = _repo_settings(repo, load, double_quant, skip_modules, name)
+        inputs.update(load=load, double_quant=double_quant)
+    elif load == "auto":
         return _auto(model, inputs)
-    if load not in LOAD_MODES:
+    elif load not in LOAD_MODES:
         raise EstimateError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)} (or 'auto')")
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
-    rows = weight_rows(lay, load, b, double_quant, skip_modules)
+    if load in PACKED_METHODS:
+        rows = packed_rows(lay, repo, b)
+    else:
+        rows = weight_rows(lay, load, b, double_quant, skip_modules)
     if training is None:
         rows += _generation_rows(config, b, batch_size, prompt_tokens, max_new_tokens)
     else:
@@ -190,6 +198,16 @@ def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
         f"does not quantize: {load} saves far less here than on a dense model. Fix: a pre-quantized checkpoint "
         "(GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
     ]
+
+
+def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, name: str):
+    """A pre-quantized checkpoint loads as it was saved: its mode is the only one, "auto" means it."""
+    if load not in ("auto", repo.load):
+        raise EstimateError(
+            f"{name} is already quantized ({repo.method}, {repo.load}): it loads as {repo.load} only; pass "
+            f"load='auto' or load={repo.load!r}, or estimate the original (unquantized) model for {load}"
+        )
+    return repo.load, repo.double_quant, (skip if skip is not None else (repo.skip or None))
 
 
 def _check_inputs(inputs: dict) -> None:

@@ -1,0 +1,83 @@
+"""Checkpoints that are already quantized (``*-bnb-4bit``, GPTQ, AWQ): their ``quantization_config``
+decides the layout, so the estimate follows it instead of the load mode a user would pick."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .layout import Layout, should_convert
+from .rows import EstimateError, EstimateRow
+
+__all__ = ["RepoQuantization", "repo_quantization", "packed_rows", "PACKED_METHODS"]
+
+PACKED_METHODS = ("gptq", "awq")  # int32-packed weights with fp16 scales per group, estimated here only
+
+
+@dataclass
+class RepoQuantization:
+    """What a checkpoint's ``quantization_config`` says: ``load`` is a load mode (nf4/fp4/int8) for
+    bitsandbytes repos, or ``"gptq"``/``"awq"``."""
+
+    method: str
+    load: str
+    bits: int = 4
+    group_size: int = 128
+    double_quant: bool = False
+    skip: list[str] = field(default_factory=list)
+
+
+def _bnb(qc: dict) -> RepoQuantization:
+    skip = list(qc.get("llm_int8_skip_modules") or [])
+    if qc.get("load_in_8bit"):
+        return RepoQuantization("bitsandbytes", "int8", bits=8, skip=skip)
+    return RepoQuantization("bitsandbytes", qc.get("bnb_4bit_quant_type", "fp4"), bits=4,
+                            double_quant=bool(qc.get("bnb_4bit_use_double_quant")), skip=skip)  # fmt: skip
+
+
+def repo_quantization(config) -> RepoQuantization | None:
+    """The checkpoint's own quantization, or ``None`` for an ordinary checkpoint."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "bitsandbytes":
+        return _bnb(qc)
+    if method in PACKED_METHODS:
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        skip = list(qc.get("modules_to_not_convert") or [])
+        return RepoQuantization(method, method, bits=bits, group_size=group, skip=skip)
+    raise EstimateError(
+        f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which the estimator does not "
+        "know; it reads bitsandbytes, GPTQ and AWQ checkpoints"
+    )
+
+
+def packed_rows(lay: Layout, rq: RepoQuantization, dtype_bytes: int) -> list[EstimateRow]:
+    """GPTQ/AWQ: per quantized linear (in k, out o, group g) qweight k*o*bits/8 and qzeros ceil(k/g)*o*bits/8
+    (int32-packed), fp16 scales ceil(k/g)*o*2, and for GPTQ the int32 g_idx, 4*k."""
+    not_convert = list(set(lay.not_convert) | set(rq.skip))
+    packed = state = plain = buffers = n = 0
+    for e in lay.entries:
+        if e.module == "buffer":
+            buffers += e.numel * (e.fixed_bytes or dtype_bytes)
+        elif e.linear is not None and should_convert(e.module, not_convert):
+            o, k = e.linear
+            groups = math.ceil(k / (k if rq.group_size <= 0 else rq.group_size))
+            packed += k * o * rq.bits // 8
+            state += groups * o * rq.bits // 8 + groups * o * 2 + (4 * k if rq.method == "gptq" else 0)
+            n += 1
+        else:
+            plain += e.numel * dtype_bytes
+    what = f"{rq.bits}-bit, group {rq.group_size}"
+    return [
+        EstimateRow("weights.quantized", f"weights: {rq.method} packed linear layers", packed, "formula",
+                    f"{n} layers, {what}"),
+        EstimateRow("weights.quant_state", "weights: zeros, scales" + (", g_idx" if rq.method == "gptq" else ""),
+                    state, "formula", "int32 zeros, fp16 scales per group"),
+        EstimateRow("weights.unquantized", "weights: unquantized (embeddings, norms, lm_head)", plain, "exact",
+                    "tied embeddings counted once"),
+        EstimateRow("weights.buffers", "weights: buffers", buffers, "exact", "rotary tables, masks"),
+    ]  # fmt: skip
