@@ -53,6 +53,8 @@ DISK_BYTES_PER_S = 300 * MiB
 # Offloaded weights may take this share of available RAM: the rest is for the tokenizer, the
 # Python process and Colab itself, which dies without a message when RAM runs out.
 OFFLOAD_RAM_SHARE = 0.8
+# Holding this much GPU memory before a load usually means an earlier model is still loaded.
+HELD_HINT = 512 * MiB
 
 
 class LoadError(OomkitError, RuntimeError):
@@ -90,6 +92,8 @@ class LoadPlan:
         max_memory: per-device caps for ``device_map``; ``None`` = computed at load time from the
             estimate so the KV cache and activations keep their room on the GPU.
         offload_folder: where modules go when even CPU RAM is full (slow; see the report).
+        allow_offload: accept a plan that only fits by offloading weights to CPU or disk (every token
+            slower); by default such a plan is refused with the fix, never offloaded silently.
         adapter: optional PEFT adapter directory (LoRA) to attach after loading.
         token: Hugging Face token for gated models; ``None`` = ``HF_TOKEN`` / Colab secret / login.
     """
@@ -105,6 +109,7 @@ class LoadPlan:
     max_memory: dict | None = None
     offload_folder: str | None = None
     low_cpu_mem_usage: bool = True
+    allow_offload: bool = False
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
     adapter: str | None = None
@@ -394,11 +399,29 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
             f"the {format_bytes(ram)} of RAM available either",
             fix,
         )
+    where = "CPU RAM" if extra <= ram * OFFLOAD_RAM_SHARE else "disk"
+    if not plan.allow_offload:
+        raise LoadRefused(
+            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on "
+            f"{g.name}: loading would offload about {format_bytes(extra)} of weights to {where}, and every "
+            f"generated token would be much slower{_held_hint(g)}",
+            f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
+        )
     warnings.append(
-        f"about {format_bytes(extra)} of weights will be offloaded to "
-        f"{'CPU RAM' if extra <= ram * OFFLOAD_RAM_SHARE else 'disk'}: generation will be much slower. Better: {fix}"
+        f"about {format_bytes(extra)} of weights will be offloaded to {where}: generation will be much slower. "
+        f"Better: {fix}"
     )
     return warnings
+
+
+def _held_hint(g) -> str:
+    """When this process already holds GPU memory, the likeliest reason a plan stopped fitting."""
+    if g.allocated < HELD_HINT:
+        return ""
+    return (
+        f". This process already holds {format_bytes(g.allocated)} on the GPU: a model from an earlier cell? "
+        "unload(model) first"
+    )
 
 
 def _gpu_room(estimate, g) -> int:

@@ -15,6 +15,7 @@ quant", "max_new_tokens", "Batch size", "Prompt tokens", button "Load") and CSS 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from html import escape
@@ -26,6 +27,7 @@ from .html import COLORS
 from .loading import LoadError, LoadPlan, load
 from .memory import in_colab, ram_readout
 from .oom import is_oom
+from .reclaim import unload
 from .units import format_bytes
 from .vocab import FITS, FOUR_BIT, LOAD_MODES, VERDICT_STATUS, verdict
 
@@ -48,6 +50,11 @@ def _ipywidgets():
     except ImportError:
         return None
     return ipywidgets
+
+
+def _weights_key(plan: LoadPlan) -> LoadPlan:
+    """The plan without its generation budget: what decides the loaded weights."""
+    return dataclasses.replace(plan, max_new_tokens=0, batch_size=1, prompt_tokens=1)
 
 
 def widgets_available() -> bool:
@@ -390,10 +397,16 @@ class LoadPanel:
     # -- loading -------------------------------------------------------------------------------
 
     def load(self, **load_kwargs):
-        """``load(panel.plan)``; returns the Load button's result if it already loaded this plan."""
+        """``load(panel.plan)``. The generation budget (``max_new_tokens``, batch, prompt length) needs no
+        reload: the loaded model is kept. A new load mode frees the loaded model first, so two models are
+        never on the card at once (which would only fit by a slow CPU offload)."""
         plan = self.plan
-        if self.loaded is not None and self._loaded_plan == plan:
+        if self.loaded is not None and _weights_key(self._loaded_plan) == _weights_key(plan):
+            self._loaded_plan = plan
             return self.loaded
+        if self.loaded is not None:
+            previous, self.loaded, self._loaded_plan = self.loaded[0], None, None
+            unload(previous)  # its weights go even where the notebook's `model` name still points at it
         self.error = None
         try:
             self.loaded = load(plan, **load_kwargs)

@@ -115,13 +115,14 @@ report.estimate
 
 # %% [markdown]
 # ## 5. A short batched generation
-# The tokenizer was set up for batches (a pad token, left padding so every prompt ends where the
-# generation starts). Peak memory is read before and after.
+# With the panel's current `max_new_tokens` and batch size: move the sliders and re-run this cell (a
+# new generation budget needs no reload; a new load mode reloads, freeing the old model first).
 
 # %%
 from helpers import generate_batched
 
-outputs = generate_batched(model, tokenizer, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE)
+plan = panel.plan  # the sliders' values now, not the parameters cell's
+outputs = generate_batched(model, tokenizer, PROMPTS, max_new_tokens=plan.max_new_tokens, batch_size=plan.batch_size)
 for prompt, text in zip(PROMPTS, outputs, strict=True):
     print(f"> {prompt}\n{text.strip()[:300]}\n")
 snapshot()

@@ -239,11 +239,23 @@ def test_plan_that_does_not_fit_the_gpu_is_refused_with_the_top_fix(tiny_llama):
         check_plan(
             plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK, estimate=huge_cache
         )
-    # with enough RAM it loads, warned that generation will be slow
+    # with enough RAM it would offload: never silently; with allow_offload=True it loads, warned
+    with pytest.raises(LoadRefused, match="would offload about .* to CPU RAM") as e:
+        check_plan(plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK, estimate=big)
+    assert "allow_offload=True" in e.value.fix
     checked = check_plan(
-        plan.replace(device_map="auto"), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK, estimate=big
-    )
+        plan.replace(device_map="auto", allow_offload=True), snapshot=machine(ram_avail=60 * GiB), bnb=BNB_OK,
+        estimate=big,
+    )  # fmt: skip
     assert any("offloaded" in w and "slower" in w for w in checked.warnings)
+
+
+def test_memory_held_by_an_earlier_model_is_named_instead_of_a_silent_offload(tiny_llama):
+    est = estimate("Llama-2-7b-hf", load="nf4", device="t4")
+    held = machine(free=2 * GiB)
+    held.gpus[0].allocated = 12 * GiB  # an earlier cell's model still on the card
+    with pytest.raises(LoadRefused, match="already holds 12.00 GiB on the GPU.*unload\\(model\\) first"):
+        check_plan(LoadPlan(str(tiny_llama), load="nf4"), snapshot=held, bnb=BNB_OK, estimate=est)
 
 
 def test_cpu_only_plan_larger_than_ram_is_refused(tiny_llama):

@@ -141,6 +141,19 @@ def test_load_button_loads_the_current_plan(panel):
     assert not panel.controls["button"].disabled
 
 
+def test_sliders_after_load_reuse_the_model_and_a_new_mode_frees_the_old_one(panel):
+    from helpers.estimator import footprint
+
+    first, _, _ = panel.load()
+    panel.set(max_new_tokens=128, batch_size=2)  # a generation budget: no reload
+    assert panel.load()[0] is first and panel.plan.max_new_tokens == 128
+    held = footprint(first)
+    panel.set(load="int8")
+    second, _, report = panel.load()
+    assert second is not first and report.plan.load == "int8"
+    assert footprint(first) < held / 10  # the nf4 weights were released before the int8 load
+
+
 def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, '
