@@ -18,6 +18,7 @@ import torch
 
 from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
+from .errors import OomkitError
 from .estimator import EstimateError, estimate, fit, format_params
 from .html import badge, table
 from .loading import ram_for_loading
@@ -27,14 +28,21 @@ from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, format_bytes
 from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, verdict
 
-__all__ = ["PreflightReport", "preflight", "versions", "fit_checks"]
+__all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
 COLAB_GPU_FIX = "In Colab: Runtime > Change runtime type > T4 GPU, then re-run this notebook."
 PACKAGES = ["torch", "transformers", "accelerate", "peft", "bitsandbytes"]
+# Past this size a model needs a GPU: on Colab's 2 CPU cores a 1B model makes a token or two per
+# second, and 4-bit loading (bitsandbytes) is what keeps a 7B inside Colab's 12.7 GB of RAM.
+CPU_PARAMS_LIMIT = 1_000_000_000
 
 # A fresh CUDA context plus cuBLAS workspace takes a few hundred MiB; more than this outside
 # PyTorch means another process (often a previous kernel) holds the card.
 FOREIGN_GPU_WARN = 1 * GiB
+
+
+class PreflightFailed(OomkitError, RuntimeError):
+    """A preflight check failed; the message lists each failure with its fix."""
 
 
 @dataclass
@@ -57,6 +65,12 @@ class PreflightReport:
     def ok(self) -> bool:
         """False when any check failed (warnings still allow loading)."""
         return self.status != "fail"
+
+    def raise_for_failures(self) -> None:
+        """Stop here (a notebook's "Run all" too) when a check failed, with every failure and its fix."""
+        failed = [c for c in self.checks if c.status == "fail"]
+        if failed:
+            raise PreflightFailed("preflight failed:\n" + "\n".join(str(c) for c in failed))
 
     def check(self, name: str) -> Check:
         for c in self.checks:
@@ -282,7 +296,14 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
         fix = f"{v.suggestions[0]}"
     elif load == "auto" and chosen.load != loads[0]:
         fix = f"load with {chosen.load} ({loads[0]} needs {format_bytes(ests[0].total)})"
-    return [Check("fit", status, summary, fix, data)]
+    checks = [Check("fit", status, summary, fix, data)]
+    if gpu is None and (snapshot is None or snapshot.backend == "cpu") and chosen.params >= CPU_PARAMS_LIMIT:
+        checks.append(
+            Check("GPU needed", "fail", f"{chosen.model} has {format_params(chosen.params)} parameters and this "
+                  "runtime has no GPU: loading would take RAM the kernel may not survive, and each generated "
+                  "token would take seconds", COLAB_GPU_FIX, {"params": chosen.params})
+        )  # fmt: skip
+    return checks
 
 
 def _pid() -> int:

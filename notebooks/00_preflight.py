@@ -1,7 +1,12 @@
 # ---
 # jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
+#     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -37,10 +42,14 @@ LOAD = "auto"  # auto, fp16, bf16, fp32, int8, nf4, fp4
 MAX_NEW_TOKENS = 256
 
 # %%
+# %load_ext helpers
+from IPython.display import display
+
 from helpers import preflight, snapshot
 
 report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-report
+display(report)
+report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 
 # %% [markdown]
 # Each line is **pass**, **info**, **WARN** or **FAIL**, with the fix. A FAIL means loading as

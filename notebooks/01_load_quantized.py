@@ -1,7 +1,12 @@
 # ---
 # jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
+#     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -52,10 +57,15 @@ PROMPTS = [
 # GPU, versions, bitsandbytes, free memory, RAM for loading and the fit of the model you named.
 
 # %%
+# %load_ext helpers
+from IPython.display import display
+
 from helpers import preflight, snapshot
 
 start = snapshot()
-preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+display(report)
+report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 
 # %% [markdown]
 # ## 2. Choose how to load it

@@ -1,7 +1,12 @@
 # ---
 # jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
+#     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -60,6 +65,9 @@ MERGE = False  # also fold the adapter into the base weights at the end
 # GPU, versions, bitsandbytes, free memory, and whether the model fits at all.
 
 # %%
+# %load_ext helpers
+from IPython.display import display
+
 from helpers import preflight, snapshot
 
 if MOUNT_DRIVE and "google.colab" in sys.modules:
@@ -67,7 +75,9 @@ if MOUNT_DRIVE and "google.colab" in sys.modules:
 
     drive.mount("/content/drive")
 start = snapshot()
-preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+display(report)
+report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 
 # %% [markdown]
 # ## 2. Plan and estimate

@@ -1,7 +1,12 @@
 # ---
 # jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
+#     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -70,6 +75,7 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 # ## 1. Load with a plan
 
 # %%
+# %load_ext helpers
 from helpers import LoadPlan, load, snapshot
 
 plan = LoadPlan(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8, prompt_tokens=128)

@@ -43,3 +43,12 @@ def test_notebook_is_stored_clean_and_paired(path):
     assert [c.source for c in paired.cells] == [c.source for c in nbformat.read(path, 4).cells], (
         "the .ipynb and .py differ: run make sync-notebooks"
     )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_opens_on_a_colab_gpu_with_the_oom_safety_net_on(path):
+    nb = json.loads(path.read_text())
+    assert nb["metadata"].get("accelerator") == "GPU", "a Colab badge must open a GPU runtime"
+    assert nb["metadata"].get("colab", {}).get("gpuType") == "T4"
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("%load_ext helpers" in src for src in code[:4]), "turn the OOM handler on before the first load"

@@ -149,3 +149,16 @@ def test_a_model_that_cannot_be_found_or_read_fails_preflight(tmp_path, capsys):
         assert report.check("model").status == "fail" and not report.ok, model
         assert "spelling" in report.check("model").fix
     assert preflight_main(["--model", str(garbage)]) == 1  # a script or CI step stops on a failed check
+
+
+def test_a_7b_model_on_a_cpu_runtime_stops_at_preflight_with_the_menu_path(tiny_llama):
+    from helpers.environment import PreflightFailed
+
+    report = run(machine(gpu=False), "meta-llama/Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"))
+    needed = report.check("GPU needed")
+    assert needed.status == "fail" and needed.fix == COLAB_GPU_FIX
+    with pytest.raises(PreflightFailed, match="(?s)GPU needed.*Runtime > Change runtime type > T4"):
+        report.raise_for_failures()
+    tiny = run(machine(gpu=False), str(tiny_llama))  # the tiny model runs anywhere
+    tiny.raise_for_failures()
+    assert "GPU needed" not in {c.name for c in tiny.checks}

@@ -41,7 +41,8 @@ def repo_quantization(config) -> RepoQuantization | None:
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = str(qc.get("quant_method", "")).lower()
+    method = qc.get("quant_method", "")
+    method = str(getattr(method, "value", method)).lower()  # a loaded model's config holds the enum
     if method == "bitsandbytes":
         return _bnb(qc)
     if method in PACKED_METHODS:
