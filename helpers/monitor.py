@@ -12,8 +12,10 @@ peak since the last log, RAM) and says so when memory grows steadily from one lo
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
+import math
 import threading
 import time
 import warnings
@@ -26,7 +28,10 @@ import torch
 from .memory import nvml_handle
 from .units import MiB, format_bytes
 
-__all__ = ["Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]
+__all__ = ["Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
+
+MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
+PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,16 @@ class Sample:
     device_used: int | None
     ram_used: int
     process_rss: int
+
+
+def _merge(pair: list[Sample]) -> Sample:
+    """One sample standing for a pair: the later time, each figure's highest value."""
+
+    def top(k):
+        values = [getattr(x, k) for x in pair if getattr(x, k) is not None]
+        return max(values) if values else None
+
+    return Sample(pair[-1].t, *(top(k) for k in ("allocated", "reserved", "device_used", "ram_used", "process_rss")))
 
 
 @dataclass(frozen=True)
@@ -92,9 +107,20 @@ class MemoryMonitor:
         device: int | None = None,
         top: int = 5,
         warn: bool = True,
+        max_samples: int = 100_000,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not math.isfinite(interval)
+            or interval <= 0
+        ):
             raise ValueError(f"interval is in seconds and must be a positive number, got {interval!r}")
+        if interval < MIN_INTERVAL:
+            raise ValueError(
+                f"interval {interval!r} s is below {MIN_INTERVAL} s: sampling faster costs the run itself "
+                "(each readout takes the GIL); pass 0.01 or more"
+            )
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold <= 1:
             hint = (
                 f" (for {threshold} %, pass {threshold / 100:g})"
@@ -122,7 +148,9 @@ class MemoryMonitor:
                 else psutil.virtual_memory().total
             )
         )
-        self.samples: list[Sample] = []
+        self.samples: list[Sample] = []  # in time order; older ones merged pairwise past max_samples
+        self.max_samples = max_samples
+        self._peaks = dict.fromkeys(PEAK_KEYS, 0)
         self.marks: list[Mark] = []
         self.crossings: list[ThresholdCrossing] = []
         self._proc = psutil.Process()
@@ -147,9 +175,20 @@ class MemoryMonitor:
         s = Sample(
             time.perf_counter() - self._t0, alloc, res, dev_used, vm.total - vm.available, self._proc.memory_info().rss
         )
-        self.samples.append(s)
+        self._keep(s)
         self._check(s)
         return s
+
+    def _keep(self, s: Sample) -> None:
+        self.samples.append(s)
+        for k in PEAK_KEYS:
+            self._peaks[k] = max(self._peaks[k], getattr(s, k) or 0)
+        if len(self.samples) > self.max_samples:
+            # merge the older half pairwise, keeping each pair's highest figures: storage stays bounded and
+            # no peak is lost, only the time resolution of the distant past
+            half = len(self.samples) // 2
+            old, recent = self.samples[:half], self.samples[half:]
+            self.samples = [_merge(old[i : i + 2]) for i in range(0, len(old), 2)] + recent
 
     def used(self, s: Sample) -> int:
         """What the threshold compares: the card's use (driver view, else reserved), or the RAM in use."""
@@ -213,9 +252,11 @@ class MemoryMonitor:
     # -- results ---------------------------------------------------------------------------------
     def peak(self, since: float = 0.0) -> dict[str, int]:
         """Highest value of each figure over the samples taken at or after ``since`` seconds."""
-        rows = [s for s in list(self.samples) if s.t >= since]
-        keys = ["allocated", "reserved", "device_used", "ram_used", "process_rss"]
-        return {k: max((getattr(s, k) or 0 for s in rows), default=0) for k in keys}
+        samples = self.samples
+        if since <= 0:
+            return dict(self._peaks)  # kept up to date per sample: no scan
+        rows = samples[bisect.bisect_left(samples, since, key=lambda s: s.t) :]
+        return {k: max((getattr(s, k) or 0 for s in rows), default=0) for k in PEAK_KEYS}
 
     def to_csv(self, path: str | Path | None = None) -> str:
         """The samples (and marks, as rows with a label) as CSV; written to ``path`` when given."""
@@ -319,13 +360,7 @@ class MemoryMonitor:
         return table(["peak", "bytes"], rows, title=f"{len(self.samples)} samples, {len(self.marks)} marks")
 
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # transformers is a dependency, but keep the monitor importable without it
-    TrainerCallback = object
-
-
-class MemoryCallback(TrainerCallback):
+class _MemoryCallback:
     """Add memory figures to the Trainer's logs and detect steady growth between log steps.
 
     Each log gets ``mem_allocated_mib``, ``mem_reserved_mib``, ``mem_peak_mib`` (peak allocated
@@ -402,3 +437,16 @@ class MemoryCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
             self.monitor.mark(f"train end (step {state.global_step})")
+
+
+def __getattr__(name: str):
+    # MemoryCallback subclasses transformers' TrainerCallback, whose import pulls the Trainer, peft and
+    # bitsandbytes (seconds): built on first use, so `import helpers.monitor` stays cheap
+    if name == "MemoryCallback":
+        from transformers import TrainerCallback
+
+        cls = type("MemoryCallback", (_MemoryCallback, TrainerCallback), {"__module__": __name__})
+        cls.__doc__ = _MemoryCallback.__doc__
+        globals()["MemoryCallback"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

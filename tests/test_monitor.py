@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from helpers.monitor import MemoryCallback, MemoryMonitor
+from helpers.monitor import MemoryCallback, MemoryMonitor, Sample
 from helpers.units import MiB
 
 
@@ -124,3 +124,29 @@ def test_cuda_figures():
     figures = cb.figures()
     assert {"mem_allocated_mib", "mem_reserved_mib", "mem_peak_mib", "ram_rss_mib"} <= set(figures)
     assert figures["mem_peak_mib"] >= 64  # the peak since the last log still sees the freed tensor
+
+
+def test_storage_is_bounded_and_no_peak_is_lost():
+    mon = MemoryMonitor(interval=1, warn=False, max_samples=64)
+    for i in range(1000):
+        mon._keep(Sample(float(i), allocated=(5 * MiB if i == 10 else i), reserved=0, device_used=None,
+                         ram_used=0, process_rss=0))  # fmt: skip
+    assert len(mon.samples) <= 64
+    assert [s.t for s in mon.samples] == sorted(s.t for s in mon.samples)
+    assert mon.peak()["allocated"] == 5 * MiB  # the early spike survives the merging
+    assert mon.peak(since=999)["allocated"] == 999  # recent samples keep their own times
+    assert mon.peak(since=500)["allocated"] >= 999  # a merged span is never under-reported
+
+
+def test_importing_the_monitor_does_not_import_the_trainer():
+    import subprocess
+    import sys
+
+    code = "import sys, helpers.monitor; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_interval_is_finite_and_not_below_the_floor():
+    for bad in (float("nan"), float("inf"), 0.001):
+        with pytest.raises(ValueError, match="interval"):
+            MemoryMonitor(interval=bad)
