@@ -19,7 +19,7 @@ from .memory import in_colab
 
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
-    "nearest_existing", "hub_offline_reason", "checkpoint_size", "read_json", "DRIVE_MOUNT",
+    "nearest_existing", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -115,8 +115,15 @@ def _local_sizes(path: Path) -> tuple[int | None, int | None, str]:
     files = [f for pat in ("*.safetensors", "*.bin") for f in path.glob(pat)] if path.is_dir() else [path]
     if not files:
         return None, None, f"no *.safetensors or *.bin files in {path}"
-    sizes = [f.stat().st_size for f in files if f.suffix == ".safetensors"] or [f.stat().st_size for f in files]
-    return sum(sizes), max(sizes), "local files"
+    safetensors = [f.stat().st_size for f in files if f.suffix == ".safetensors"]
+    sizes = safetensors or [f.stat().st_size for f in files]
+    return sum(sizes), max(sizes), f"local {'safetensors' if safetensors else '.bin'} files"
+
+
+def memory_mapped(source: str) -> bool:
+    """Whether a checkpoint (by :func:`checkpoint_size`'s source) is safetensors, which transformers reads
+    through a memory map: file pages the kernel can drop, not memory the process holds."""
+    return "safetensors" in source
 
 
 def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
@@ -134,11 +141,11 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
         from huggingface_hub import HfApi
 
         info = HfApi().model_info(model, files_metadata=True, timeout=10)
-        weights = [s for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
-        weights = weights or [s for s in info.siblings or [] if s.rfilename.endswith(".bin")]
+        safetensors = [s for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
+        weights = safetensors or [s for s in info.siblings or [] if s.rfilename.endswith(".bin")]
         sizes = [s.size for s in weights if s.size]
         if not sizes:
             return None, None, "the hub lists no weight files for this model"
-        return sum(sizes), max(sizes), "hub file list"
+        return sum(sizes), max(sizes), f"hub {'safetensors' if safetensors else '.bin'} files"
     except Exception as e:
         return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"

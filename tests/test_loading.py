@@ -355,3 +355,34 @@ def test_auto_compute_dtype_means_the_same_in_estimate_and_load(tiny_llama, mode
     predicted = estimate(str(tiny_llama), load=mode, device="current").weights  # plain "auto", as the panel asks
     model, _, _ = load(LoadPlan(str(tiny_llama), load=mode))
     assert abs(footprint(model) - predicted) <= 0.01 * predicted, (footprint(model), predicted)
+
+
+def test_loading_a_safetensors_shard_holds_less_process_memory_than_the_shard(tmp_path):
+    """The measurement behind the RAM check: anonymous memory (what the kernel cannot drop) while a
+    single-shard fp16 checkpoint loads, sampled in a fresh process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import threading, time, torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        cfg = LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                          vocab_size=16000)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).save_pretrained({str(tmp_path)!r})
+        def anon():
+            return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+        import gc; gc.collect()
+        base, peak, stop = anon(), [0], []
+        def watch():
+            while not stop:
+                peak[0] = max(peak[0], anon()); time.sleep(0.001)
+        t = threading.Thread(target=watch); t.start()
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, dtype=torch.float16)
+        stop.append(1); t.join()
+        print(peak[0] - base)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shard = max(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert int(out.stdout.split()[-1]) < shard, (int(out.stdout.split()[-1]), shard)

@@ -102,7 +102,7 @@ def test_negative_max_new_tokens_is_rejected():
 def test_checkpoint_size_of_local_dir(tiny_llama):
     total, largest, source = checkpoint_size(str(tiny_llama))
     assert total == (tiny_llama / "model.safetensors").stat().st_size == largest
-    assert source == "local files"
+    assert source == "local safetensors files"
 
 
 def test_missing_local_path_and_bad_cli_load_say_so(capsys):
@@ -162,3 +162,15 @@ def test_a_7b_model_on_a_cpu_runtime_stops_at_preflight_with_the_menu_path(tiny_
     tiny = run(machine(gpu=False), str(tiny_llama))  # the tiny model runs anywhere
     tiny.raise_for_failures()
     assert "GPU needed" not in {c.name for c in tiny.checks}
+
+
+def test_a_safetensors_shard_is_memory_mapped_and_only_a_shard_past_free_ram_fails():
+    # CodeLlama-7B on a free Colab: 9.9 GB + 3.5 GB safetensors shards, about 11 GiB of RAM free
+    mapped = run(
+        machine(ram_avail=11 * GiB), model="some/model", checkpoint=(13 * GiB, 10 * GiB, "hub safetensors files")
+    )
+    assert mapped.check("RAM for loading").status != "fail"
+    pickled = run(machine(ram_avail=11 * GiB), model="some/model", checkpoint=(13 * GiB, 10 * GiB, "hub .bin files"))
+    assert pickled.check("RAM for loading").status == "fail"
+    past = run(machine(ram_avail=9 * GiB), model="some/model", checkpoint=(13 * GiB, 10 * GiB, "hub safetensors files"))
+    assert past.check("RAM for loading").status == "fail"
