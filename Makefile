@@ -15,9 +15,14 @@ setup: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch first and pinned: a bare `pip install torch` would pull gigabytes of CUDA wheels.
+# torch first, pinned, and the CPU build: PyPI's Linux torch wheel pulls gigabytes of CUDA libraries.
+# The +cpu wheel comes from a local wheel cache where there is one, else from PyTorch's CPU index.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(STAMP): requirements.txt pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	@$(BIN)/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "oomkit needs Python >= 3.11 (transformers 5 does); run: make PYTHON=python3.11 ...")'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_CPU)" 2>/dev/null \
+		|| $(BIN)/pip install -q "$(TORCH_CPU)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
