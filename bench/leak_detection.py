@@ -201,14 +201,14 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
         if i + 1 == det.warmup:
             baseline = leaks.census(view)
         if i == 0:
-            found = leaks.checks(view).problems
+            found = leaks.leak_checks(view).problems
             warned_checks |= {c.name for c in found}
             if check_name in warned_checks:
                 check_step = 1
     report = det.report()
-    final_checks = leaks.checks(view)
+    final_checks = leaks.leak_checks(view)
     warned_checks |= {c.name for c in final_checks.problems}
-    suspect = leaks.diff(baseline, leaks.census(view)).top_holder if report.leaking else None
+    suspect = leaks.census_diff(baseline, leaks.census(view)).top_holder if report.leaking else None
     seconds = time.perf_counter() - started
     check_holders = []
     if check_name and check_name in warned_checks:

@@ -64,22 +64,20 @@ def _quiet_optional_cpu_kernel(record: logging.LogRecord) -> bool:
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_optional_cpu_kernel)
 
 # Modules that hook into IPython when a notebook runs `%load_ext helpers`; each has
-# `load_ipython_extension(ip)` / `unload_ipython_extension(ip)`.
+# `load_ipython_extension(ip)` / `unload_ipython_extension(ip)` (so `%load_ext helpers.oom` works alone too).
 IPYTHON_EXTENSIONS = ["helpers.oom", "helpers.cellstats"]
 
 
 def _extension_modules():
-    for name in IPYTHON_EXTENSIONS:
-        mod = importlib.import_module(name)
-        yield mod
+    return [importlib.import_module(name) for name in IPYTHON_EXTENSIONS]
 
 
 def load_ipython_extension(ip) -> None:
     """``%load_ext helpers``: OOM diagnosis on error and per-cell memory accounting."""
     for mod in _extension_modules():
-        mod._load_ipython_extension(ip)
+        mod.load_ipython_extension(ip)
 
 
 def unload_ipython_extension(ip) -> None:
     for mod in _extension_modules():
-        mod._unload_ipython_extension(ip)
+        mod.unload_ipython_extension(ip)

@@ -52,7 +52,7 @@ class CellRecord:
             line += (
                 f"\n[oomkit] WARN: each of the last {self.growing_runs} runs of this cell left about "
                 f"{format_bytes(self.growth_per_run)} behind: something it appends to or displays keeps "
-                f"growing (a list of tensors, Out history, a hook); see helpers.leaks.checks()"
+                f"growing (a list of tensors, Out history, a hook); see helpers.leak_checks()"
             )
         return line
 
@@ -82,7 +82,7 @@ class CellStats:
         """Without CUDA: bytes of live tensors (RSS alone cannot tell kept memory from malloc's cache)."""
         if torch.cuda.is_available():
             return None
-        from .leaks import tensor_bytes
+        from .tensors import tensor_bytes
 
         return tensor_bytes()
 
@@ -150,16 +150,16 @@ def _oomkit_magic(line: str) -> None:
     print(f"oomkit per-cell memory line is {'on' if stats.enabled else 'off'}")
 
 
-def _load_ipython_extension(ip) -> None:
+def load_ipython_extension(ip) -> None:
     if CellStats.active is not None:
-        _unload_ipython_extension(ip)
+        unload_ipython_extension(ip)
     stats = CellStats.active = CellStats()
     ip.events.register("pre_run_cell", stats.pre_run_cell)
     ip.events.register("post_run_cell", stats.post_run_cell)
     ip.register_magic_function(_oomkit_magic, "line", "oomkit")
 
 
-def _unload_ipython_extension(ip) -> None:
+def unload_ipython_extension(ip) -> None:
     stats = CellStats.active
     if stats is None:
         return

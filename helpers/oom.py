@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import tensors
+from .session import user_namespace
 from .units import format_bytes, parse_bytes
 
 __all__ = ["OOM_SIGNATURES", "is_oom"]
@@ -434,41 +436,13 @@ def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tup
     """The ``n`` largest live tensors as (name, bytes, description), counting shared storage once.
 
     Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames) and the
-    notebook's namespace.
+    notebook's namespace; the walk is :func:`helpers.tensors.largest_tensors`.
     """
-    import gc
-    import warnings
-
     names = dict(names or {})
-    for var, value in list(_user_namespace().items()):
+    for var, value in list(user_namespace().items()):
         if isinstance(value, torch.Tensor) and not var.startswith("_"):
             names.setdefault(id(value), var)
-    seen, found = set(), []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
-        for obj in gc.get_objects():
-            try:
-                if not isinstance(obj, torch.Tensor) or obj.is_meta:
-                    continue
-                storage = obj.untyped_storage()
-                ptr = (storage.data_ptr(), obj.device.type)
-                if ptr in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(ptr)
-                desc = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')} {obj.device}"
-                found.append((names.get(id(obj), "(unnamed)"), storage.nbytes(), desc))
-            except Exception:  # noqa: BLE001 - exotic tensor subclasses
-                continue
-    return sorted(found, key=lambda t: -t[1])[:n]
-
-
-def _user_namespace() -> dict:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return {}
-    ip = get_ipython()
-    return ip.user_ns if ip is not None else {}
+    return tensors.largest_tensors(n, names)
 
 
 def _traceback_names(tb) -> dict[int, str]:
@@ -665,9 +639,9 @@ def uninstall(shell=None) -> bool:
     return True
 
 
-def _load_ipython_extension(ip) -> None:
+def load_ipython_extension(ip) -> None:
     install(ip)
 
 
-def _unload_ipython_extension(ip) -> None:
+def unload_ipython_extension(ip) -> None:
     uninstall(ip)

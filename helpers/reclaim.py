@@ -9,7 +9,6 @@ frame keeps its tensors; the output history (``Out``, ``_``, ``_5``) keeps every
 from __future__ import annotations
 
 import gc
-import inspect
 import sys
 import time
 import weakref
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .session import caller_namespace, ipython
 from .units import format_bytes
 
 __all__ = [
@@ -61,14 +61,6 @@ class CleanupReport:
         return f"<div style='font-family:monospace'>{escape(str(self))}</div>"
 
 
-def _ipython():
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    return get_ipython()
-
-
 def drop_exception_state() -> list[str]:
     """Forget the last exception everywhere Python and IPython keep it, so its frames can die."""
     dropped = []
@@ -76,7 +68,7 @@ def drop_exception_state() -> list[str]:
         if getattr(sys, name, None) is not None:
             setattr(sys, name, None)
             dropped.append(f"sys.{name}")
-    ip = _ipython()
+    ip = ipython()
     if ip is not None:
         # IPython's traceback formatter keeps the last traceback it printed
         for name in ("InteractiveTB", "SyntaxTB"):
@@ -96,7 +88,7 @@ def drop_exception_state() -> list[str]:
 
 def drop_output_history() -> list[str]:
     """Clear IPython's ``Out``/``_oh``, ``_``, ``__``, ``___`` and the numbered ``_N`` outputs."""
-    ip = _ipython()
+    ip = ipython()
     if ip is None:
         return []
     out = ip.user_ns.get("_oh") or {}
@@ -188,24 +180,12 @@ def cleanup(*, drop_history: bool = True, drop_traceback: bool = True) -> Cleanu
     return _report(before, started, _collect_and_empty(), dropped)
 
 
-def _caller_namespace(namespace: dict | None, depth: int = 2) -> dict:
-    if namespace is not None:
-        return namespace
-    frame = inspect.currentframe()
-    try:
-        for _ in range(depth):
-            frame = frame.f_back
-        return frame.f_globals
-    finally:
-        del frame
-
-
 def free(*names: str, namespace: dict | None = None) -> CleanupReport:
     """Delete ``names`` from the notebook's namespace (or ``namespace``), then :func:`cleanup`.
 
     >>> free("model", "trainer")   # doctest: +SKIP
     """
-    ns = _caller_namespace(namespace)
+    ns = caller_namespace(namespace)
     missing = [n for n in names if n not in ns]
     if missing:
         raise NameError(
@@ -262,7 +242,7 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
                 if hasattr(module, "state") and hasattr(module.state, "reset_grads"):
                     module.state.CB = module.state.SCB = None
         dropped.append("weights")
-    ns = _caller_namespace(namespace)
+    ns = caller_namespace(namespace)
     for name in [k for k, v in ns.items() if v is model and not k.startswith("__")]:
         del ns[name]
         dropped.append(f"del {name}")

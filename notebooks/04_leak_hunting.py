@@ -30,7 +30,7 @@
 #
 # - `watch(step, steps)`: memory per step, trend, acceleration, predicted OOM step, and who grew.
 # - `census()`: every live tensor, grouped, with the variable path that holds it.
-# - `checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
+# - `leak_checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
 
 # %%
 # Install oomkit (in Colab only; locally the package is already installed by `make`).
@@ -59,7 +59,7 @@ SEQ = 64
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import cleanup, leaks
+from helpers import census, cleanup, leak_checks, record_allocations, watch
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32 if device == "cpu" else torch.float16)
@@ -80,7 +80,7 @@ def eval_step():
     val_losses.append(model(x, labels=x).loss)  # the leak: a tensor with grad_fn
 
 
-report = leaks.watch(eval_step, STEPS)
+report = watch(eval_step, STEPS)
 report
 
 # %% [markdown]
@@ -97,7 +97,7 @@ def eval_step():
         val_losses.append(model(x, labels=x).loss.item())
 
 
-fixed = leaks.watch(eval_step, STEPS)
+fixed = watch(eval_step, STEPS)
 fixed
 
 # %% [markdown]
@@ -109,13 +109,13 @@ fixed
 # %%
 feats = []
 handle = model.model.layers[0].register_forward_hook(lambda mod, inp, out: feats.append(out[0] if isinstance(out, tuple) else out))
-report = leaks.watch(lambda: model(x).logits.sum().item(), STEPS)
+report = watch(lambda: model(x).logits.sum().item(), STEPS)
 report
 
 # %%
 handle.remove()  # the fix: keep the handle, remove it when done
 feats.clear()
-leaks.watch(lambda: model(x).logits.sum().item(), STEPS)
+watch(lambda: model(x).logits.sum().item(), STEPS)
 
 # %% [markdown]
 # ## 3. A cache keyed by input shape
@@ -134,7 +134,7 @@ def step_with_cache(i):
         model(x[:, :n])
 
 
-report = leaks.watch(step_with_cache, STEPS)
+report = watch(step_with_cache, STEPS)
 report
 
 # %% [markdown]
@@ -153,12 +153,12 @@ def step_with_buckets(i):
         model(x[:, :n])
 
 
-leaks.watch(step_with_buckets, STEPS)
+watch(step_with_buckets, STEPS)
 
 # %% [markdown]
 # ## 4. Stored exceptions, IPython's `Out`, and gradients after evaluation
 #
-# These hold memory without growing every step, so `checks()` looks for them directly.
+# These hold memory without growing every step, so `leak_checks()` looks for them directly.
 #
 # - An exception kept in a list keeps its traceback, every frame, and their local tensors.
 # - A cell ending in an expression puts its value in `Out[n]`, for the rest of the session.
@@ -186,7 +186,7 @@ model(x, labels=x).loss.backward()  # ...right after a last training step withou
 model(x).logits
 
 # %%
-found = leaks.checks()
+found = leak_checks()
 found
 
 # %% [markdown]
@@ -198,7 +198,7 @@ model.zero_grad(set_to_none=True)
 cleanup()  # drops the Out history and the stored traceback, collects, empties the CUDA cache
 
 # %%
-leaks.checks()
+leak_checks()
 
 # %% [markdown]
 # ## 5. The census: everything that is still alive, and who holds it
@@ -207,7 +207,7 @@ leaks.checks()
 # tensors kept alive only by an autograd graph are attributed to the tensor that carries the graph.
 
 # %%
-leaks.census()
+census()
 
 # %% [markdown]
 # ## On a GPU: the allocation history
@@ -219,7 +219,7 @@ leaks.census()
 # %%
 if torch.cuda.is_available():
     kept_logits = []
-    with leaks.record_allocations("leak_hunt.pickle") as rec:
+    with record_allocations("leak_hunt.pickle") as rec:
         for _ in range(5):
             kept_logits.append(model(x).logits)  # leaking on purpose: the site shows up on top
     print(rec)

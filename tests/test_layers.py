@@ -15,7 +15,7 @@ LAYERS = [
     {"units", "errors"},
     {"html", "vocab"},
     {"devices", "checks"},
-    {"memory"},
+    {"memory", "session"},
     {"sources", "reclaim", "tensors"},
     {"estimator"},
     {"oom"},

@@ -45,7 +45,7 @@ def test_graph_activations_are_counted_and_attributed():
     for _ in range(3):
         ns["losses"].append(_grad_tensor())
     after = leaks.census(ns)
-    d = leaks.diff(before, after)
+    d = leaks.census_diff(before, after)
     assert d.top_holder == "losses[…] (autograd graph)"
     assert d.new_bytes >= 3 * 32 * 64 * 4  # the saved tanh outputs at least
     assert any(e.grad_fn for e in after.held_by("losses"))
@@ -132,7 +132,7 @@ def test_checks_find_each_pattern():
         "errors": [err],
         "cache": {(1, n): torch.zeros(n) for n in range(20)},
     }
-    found = leaks.checks(ns)
+    found = leaks.leak_checks(ns)
     assert {c.name for c in found.problems} == {
         "graph in container",
         "hooks",
@@ -146,13 +146,13 @@ def test_checks_find_each_pattern():
     assert found.check("grads after eval").data["holders"] == ["model"]
     assert "val_losses" in found.check("graph in container").data["holders"]
     assert all(c.fix for c in found.problems)
-    assert not leaks.checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
+    assert not leaks.leak_checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
 
 
 def test_output_history_check_in_ipython(ipython_shell):
     ipython_shell.run_cell("import torch", store_history=True)
     ipython_shell.run_cell("torch.zeros(1000)", store_history=True)
-    found = leaks.checks(ipython_shell.user_ns)
+    found = leaks.leak_checks(ipython_shell.user_ns)
     c = found.check("output history")
     assert c.status == "warn" and c.data["holders"][0].startswith("Out[")
     names = {h for e in leaks.census(ipython_shell.user_ns).entries for h in e.holders}
@@ -191,3 +191,33 @@ def test_record_allocations_on_cuda(tmp_path):
     assert path.exists() and rec.sites.total >= 4 * 4 * (1 << 20)
     assert any("test_leaks.py" in s for s, _, _ in rec.sites.sites)
     del kept
+
+
+def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from helpers.leaks import SnapshotError, top_allocation_sites
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "shared_snapshot.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "payload": Evil()}))
+    with pytest.raises(SnapshotError, match="not a plain memory snapshot.*trusted=True"):
+        top_allocation_sites(path)
+    assert not marker.exists()  # nothing ran
+    plain = tmp_path / "plain.pickle"
+    block = {"state": "active_allocated", "size": 1024, "frames": [{"filename": "train.py", "line": 3, "name": "f"}]}
+    plain.write_bytes(pickle.dumps({"segments": [{"blocks": [block]}]}))
+    assert top_allocation_sites(plain).total == 1024
+
+
+def test_leak_views_escape_holder_names():
+    hostile = "<img src=x onerror=alert(1)>"
+    ns = {hostile: [torch.ones(3, requires_grad=True) * 2 for _ in range(2)]}
+    for view in (leaks.census(ns), leaks.leak_checks(ns)):
+        html = view._repr_html_()
+        assert "<img" not in html and "&lt;img" in html, type(view).__name__

@@ -1,0 +1,29 @@
+"""Leak hunting: which variable holds the memory, is it growing, and which pattern is to blame.
+
+- :func:`census` lists every live tensor (views counted once by storage, tensors kept alive by an
+  autograd graph included) and names who holds it: ``losses[12]``, ``cache["512x512"]``,
+  ``trainer.model.layers[3].mlp.up_proj.weight``, ``Out[7]``.
+- :func:`census_diff` says what appeared and survived between two censuses, by holder.
+- :class:`GrowthDetector` / :func:`watch` follow memory step by step and tell a leak (sustained
+  growth) from warm-up and from a cache that fills up and then stays flat.
+- :func:`leak_checks` looks for the usual culprits and gives the fix for each.
+- :func:`record_allocations` (CUDA) records allocation history for PyTorch's memory visualizer and
+  summarizes the top allocation sites.
+
+Memory for the detector is ``torch.cuda.memory_allocated()`` on CUDA and, elsewhere, the bytes of
+live tensors found by the census (so the detector works the same on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+from ..tensors import tensor_bytes
+from .allocations import AllocationSites, SnapshotError, load_snapshot, record_allocations, top_allocation_sites
+from .census import CensusDiff, TensorCensus, TensorEntry, TensorGroup, census, census_diff
+from .growth import GrowthDetector, GrowthReport, WatchReport, watch
+from .patterns import LeakChecks, leak_checks
+
+__all__ = [
+    "TensorEntry", "TensorGroup", "TensorCensus", "census", "tensor_bytes", "CensusDiff", "census_diff",
+    "GrowthReport", "GrowthDetector", "WatchReport", "watch", "LeakChecks", "leak_checks",
+    "AllocationSites", "SnapshotError", "load_snapshot", "record_allocations", "top_allocation_sites",
+]  # fmt: skip
