@@ -144,3 +144,9 @@ def test_the_checker_sees_a_planted_upward_import_and_cycle(tmp_path):
             test_no_private_name_crosses_modules()
     finally:
         globals()["PACKAGE"] = saved
+
+
+def test_the_architecture_page_lists_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = sorted(m for m in RANK if f"`{m}`" not in page and f"`{m}/`" not in page)
+    assert not missing, f"docs/architecture.md does not mention {missing}"
