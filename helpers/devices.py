@@ -6,12 +6,13 @@ OOM messages call "total capacity"), so a plan for "t4" on a laptop matches Cola
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from .errors import OomkitError
-from .units import MiB, format_bytes, parse_bytes
+from .units import MAX_BYTES, MiB, format_bytes, parse_bytes
 from .vocab import supports_bf16
 
 __all__ = [
@@ -85,6 +86,8 @@ def _current() -> tuple[str, dict | None]:
 
 
 def _size(device: int | float) -> tuple[str, dict]:
+    if device > MAX_BYTES or not math.isfinite(device):
+        raise DeviceError(f"device capacity {str(device)[:40]} is not a real size in bytes; pass e.g. 16 * GiB")
     if device <= 0:
         raise DeviceError(f"device capacity must be positive bytes, got {device}")
     if device < MiB:
@@ -116,10 +119,13 @@ def resolve_device(device: Any) -> tuple[str, dict | None]:
         return key, DEVICES[key]
     if key[:1].isdigit():
         try:
-            return _size(parse_bytes(key))  # "24GiB", as the CLI's --device takes it
-        except (ValueError, OverflowError):
-            pass  # the message below lists what is accepted
-    raise DeviceError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB")
+            size = parse_bytes(key)  # "24GiB", as the CLI's --device takes it
+        except ValueError as e:
+            raise DeviceError(f"{e}; pass a preset ({', '.join(DEVICES)}) or a size such as 24GiB") from None
+        return _size(size)
+    raise DeviceError(
+        f"unknown device {str(device)[:60]!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB"
+    )
 
 
 def bitsandbytes_status(device: str) -> tuple[bool, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 
@@ -10,6 +11,7 @@ MiB = 1024**2
 GiB = 1024**3
 TiB = 1024**4
 
+MAX_BYTES = 1 << 60  # 1 EiB: past any machine, and still exact as a float
 _UNITS = [("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)]
 _PARSE_FACTORS = {
     "b": 1, "bytes": 1, "byte": 1,
@@ -58,7 +60,10 @@ def parse_bytes(text: str) -> int:
     unit = (m.group(2) if m else "").lower() or "b"
     if not m or unit not in _PARSE_FACTORS:
         raise ValueError(f"not a memory size: {text!r} (expected a number and one of B, KiB, MiB, GiB, TiB)")
-    return int(round(float(m.group(1)) * _PARSE_FACTORS[unit]))
+    value = float(m.group(1)) * _PARSE_FACTORS[unit]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise ValueError(f"memory size {text[:40]!r} is too large to be real (the limit is 1 EiB)")
+    return int(round(value))
 
 
 def percent(part: int | float | None, whole: int | float | None) -> float | None:

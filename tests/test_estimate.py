@@ -413,3 +413,11 @@ def test_gptq_and_awq_layouts_follow_their_formulas(method):
     assert est.row("weights.quantized").bytes == packed
     assert est.row("weights.quant_state").bytes == state
     assert est.row("weights.unquantized").bytes == (2 * 1000 * 512 + 2 * 2 * 512 + 512) * 2  # embed, lm_head, norms
+
+
+def test_sizes_past_any_machine_get_a_clear_error(capsys):
+    for device in (float("nan"), float("inf"), 10**400, "9" * 400 + "GiB", "1e400GiB"):
+        with pytest.raises(DeviceError, match="not a real size|too large|not a memory size"):
+            estimate("Llama-2-7b-hf", load="nf4", device=device)
+    assert estimate_main(["Llama-2-7b-hf", "--device", "9" * 400 + "GiB"]) == 2
+    assert "too large to be real" in capsys.readouterr().err
