@@ -30,6 +30,7 @@ OOM_SIGNATURES: tuple[str, ...] = (
     "cudnn_status_not_supported. this error may appear if you passed in a non-contiguous input",  # cuDNN OOM in disguise
     "can't allocate memory",  # CPU: DefaultCPUAllocator
     "cannot allocate memory",
+    "can not allocate memory",  # Intel XPU (IPEX): "Current platform can NOT allocate memory block ..."
     "failed to allocate",
     "not enough memory",
 )
@@ -64,7 +65,11 @@ def is_oom(exc: BaseException) -> bool:
 
 __all__ += ["OOM_FORMS", "OOMReport", "explain_oom", "largest_tensors", "install", "uninstall", "main"]
 
-_SIZE = r"(\d+(?:\.\d+)?\s*(?:[KMGT]i?B|bytes|B)\b)"
+# Every pattern is linear-time: bounded quantifiers only (no nested or unbounded repeats), and
+# _parse never hands them more than a window of _BEFORE + _AFTER characters. A number is at most 20
+# digits and may not be the tail of a longer run ((?<![\d.])), so a 100,000-digit run matches nothing.
+_NUM = r"(?<![\d.])\d{1,20}(?:\.\d{1,6})?"
+_SIZE = rf"({_NUM} {{0,3}}(?:[KMGT]i?B|bytes|B)\b)"
 
 # Each message form: (form, what it is, a regex that recognizes it). First match wins, so the more
 # specific forms come first. Figures are pulled out separately by _FIGURES (any form may carry them).
@@ -76,33 +81,44 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
     ),
     ("mps", "Apple MPS allocator", r"mps backend out of memory"),
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
+    ("xpu", "Intel XPU caching allocator", r"xpu out of memory|can not allocate memory block"),
+    # before the CUDA forms: an application may add "if you encounter CUDA out of memory, ..." after it
+    ("cpu", "CPU allocator (system RAM)", r"defaultcpuallocator"),
     (
         "cuda_legacy",
         "CUDA caching allocator (PyTorch < 2.1 wording)",
-        r"cuda out of memory\..*\(gpu \d+; .*total capacity",
+        r"cuda out of memory\. tried to allocate [^()]{1,40}\(gpu {1,3}\d{1,4}; [^()]{1,40}total capacity",
     ),
     ("cuda", "CUDA caching allocator", r"cuda out of memory|out of memory\. tried to allocate"),
     ("bitsandbytes", "bitsandbytes kernel or paged optimizer", r"bitsandbytes|bnb|cget_managed_ptr|paged"),
+    ("nccl", "NCCL could not allocate its buffers", r"nccl warn cuda failure 'out of memory'|failed to cuda calloc"),
     ("cublas", "cuBLAS could not allocate its workspace", r"cublas_status_alloc_failed"),
     (
         "cudnn",
         "cuDNN could not allocate its workspace",
         r"cudnn_status_alloc_failed|cudnn_status_not_supported\. this error may appear if you passed in a non-contiguous",
     ),
-    ("cuda_error", "the CUDA driver itself (outside PyTorch's allocator)", r"cuda error: out of memory"),
+    (
+        "cuda_error",
+        "the CUDA driver itself (outside PyTorch's allocator)",
+        r"cuda error: out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory",
+    ),
     (
         "cpu",
         "CPU allocator (system RAM)",
-        r"defaultcpuallocator|can't allocate memory|cannot allocate memory|\bmemoryerror",
+        r"can't allocate memory|cannot allocate memory|\bmemoryerror",
     ),
 )
 
-# Figures and the patterns that carry them, in any of the forms above.
+# Figures and the patterns that carry them, in any of the forms above. Sizes are 1024-based however
+# they are spelled: PyTorch prints GiB/MiB/KiB, and its MPS allocator prints "GB"/"MB"/"KB" for the
+# same 1024-based values (MPSAllocator's format_size divides by 1073741824).
 _FIGURES: tuple[tuple[str, str], ...] = (
     ("requested", rf"tried to allocate {_SIZE}"),
-    ("requested", r"you tried to allocate (\d+) bytes"),
-    ("device", r"\bgpu (\d+)"),
-    ("total", rf"total capacity of {_SIZE}"),
+    ("requested", r"you tried to allocate (\d{1,20}) bytes"),
+    ("requested", r"failed to cuda calloc (\d{1,20}) bytes"),  # NCCL
+    ("device", r"\bgpu {1,3}(\d{1,4})\b"),
+    ("total", rf"total capaci?ty of {_SIZE}"),  # PyTorch 2.1-2.3 print "capacty"
     ("total", rf"{_SIZE} total capacity"),
     ("free", rf"of which {_SIZE} is free"),
     ("free", rf"{_SIZE} free"),
@@ -110,13 +126,21 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("allocated", rf"{_SIZE} is allocated by pytorch"),
     ("allocated", rf"{_SIZE} already allocated"),
     ("reserved_unallocated", rf"{_SIZE} is reserved by pytorch but unallocated"),
+    # PyTorch 1.0-1.3: "... W cached)" printed cached minus allocated, i.e. reserved but unallocated
+    ("reserved_unallocated", rf"free; {_SIZE} cached\)"),
     ("reserved", rf"{_SIZE} reserved in total by pytorch"),
     ("mps_allocated", rf"mps allocated: {_SIZE}"),
     ("other_allocations", rf"other allocations: {_SIZE}"),
     ("max_allowed", rf"max allowed: {_SIZE}"),
     ("process_cap", rf"{_SIZE} allowed;"),  # set_per_process_memory_fraction's cap, when one is set
 )
-_PROCESS = re.compile(rf"process (\d+) has {_SIZE} memory in use", re.I)
+_PROCESS = re.compile(rf"process (\d{{1,10}}) has {_SIZE} memory in use", re.I)
+_FORM_RES = tuple((name, what, re.compile(pattern)) for name, what, pattern in OOM_FORMS)
+_FIGURE_RES = tuple((name, re.compile(pattern, re.I)) for name, pattern in _FIGURES)
+# The text examined around the last OOM signature of a long log: a message states its figures after
+# its signature (within ~1 KB); the part before catches a message whose own signature came earlier.
+_BEFORE, _AFTER = 2000, 4000
+_FORM_CONTEXT = 1200  # characters before the last signature that still belong to its message
 
 # Cause classes, each with its fixes in the order to try them.
 CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -336,32 +360,65 @@ def _exception_text(exc: BaseException) -> str:
     return "\n".join(texts)
 
 
+_COLAB = "session crashed after using all available ram"
+_SPACES = re.compile(r"\s+")
+
+
+def _last_signature(low: str) -> int:
+    """Where the last OOM signature of ``low`` (lower-cased text) starts, or -1: plain ``str.rfind``s."""
+    return max(low.rfind(sig) for sig in (*OOM_SIGNATURES, _COLAB))
+
+
+def _window(text: str) -> tuple[str, str]:
+    """(before, after): the text around the last OOM message, whitespace-flattened, bounded in size.
+
+    ``after`` starts at the last signature (the message that matters in a long log); ``before`` is
+    what precedes it, for figures a message states ahead of a later signature.
+    """
+    pos = _last_signature(text.lower())
+    if pos < 0:
+        pos = len(text)
+    before = text[max(0, pos - _BEFORE) : pos]
+    after = text[pos : pos + _AFTER]
+    return _SPACES.sub(" ", before), _SPACES.sub(" ", after)  # messages arrive wrapped across lines
+
+
+def _figure(regex: re.Pattern, before: str, after: str) -> str | None:
+    m = regex.search(after)
+    if m is None:
+        m = next(reversed(list(regex.finditer(before))), None)  # the nearest one before
+    return m.group(1) if m else None
+
+
 def _parse(text: str) -> dict:
-    flat = " ".join(text.split())  # messages arrive wrapped across lines
-    low = flat.lower()
+    before, after = _window(text)
+    low = (before[-_FORM_CONTEXT:] + after).lower()
     form, source = "unknown", "an error that does not look like an out-of-memory message"
-    for name, what, pattern in OOM_FORMS:
-        if re.search(pattern, low):
+    for name, what, regex in _FORM_RES:
+        if regex.search(low):
             form, source = name, what
             break
     if form == "bitsandbytes" and not (is_oom_text(low) or "paged" in low):
         form, source = "unknown", "an error that does not look like an out-of-memory message"
     figures: dict = {}
-    for name, pattern in _FIGURES:
+    for name, regex in _FIGURE_RES:
         if name in figures:
             continue
-        m = re.search(pattern, flat, re.I)
-        if m:
-            value = m.group(1)
+        value = _figure(regex, before, after)
+        if value is not None:
             figures[name] = int(value) if name == "device" or value.isdigit() else parse_bytes(value)
-    figures["processes"] = [(int(pid), parse_bytes(size)) for pid, size in _PROCESS.findall(flat)]
+    figures["processes"] = [(int(pid), parse_bytes(size)) for pid, size in _PROCESS.findall(after)]
     return {"form": form, "source": source, **figures}
 
 
 def is_oom_text(text: str) -> bool:
     """True when ``text`` reads like an out-of-memory message (any form in OOM_FORMS)."""
-    low = " ".join(text.split()).lower()
-    return any(sig in low for sig in OOM_SIGNATURES) or "session crashed after using all available ram" in low
+    low = text.lower()
+    if _last_signature(low) >= 0:
+        return True
+    # a signature wrapped across lines: flatten the whitespace (of the last 1 MB of a long log)
+    flat = " ".join(low[-(1 << 20) :].split())
+    return any(sig in flat for sig in OOM_SIGNATURES) or _COLAB in flat
 
 
 def _classify(f: dict) -> list[str]:
@@ -386,12 +443,17 @@ def _classify(f: dict) -> list[str]:
     ):
         causes.append("fragmentation")
     held = f.get("held_elsewhere")
+    minor_held = False
     if held is not None and total and held >= max(req or 0, 0.05 * total):
-        # a quarter of the card in someone else's hands outranks how this process's cache is cut up
-        causes.insert(0 if held >= 0.25 * total else len(causes), "held_elsewhere")
+        # a quarter of the card in someone else's hands outranks how this process's cache is cut up;
+        # less may be the CUDA context and library workspaces: then it comes after the other causes
+        if held >= 0.25 * total:
+            causes.insert(0, "held_elsewhere")
+        else:
+            minor_held = True
     if form == "mps" and f.get("other_allocations") and total and f["other_allocations"] >= 0.25 * total:
         causes.append("held_elsewhere")
-    if form in ("cublas", "cudnn", "cuda_error"):
+    if form in ("cublas", "cudnn", "cuda_error", "nccl"):
         causes.append("library_workspace")
     cap = f.get("process_cap")
     if cap is not None and total is not None and cap < total:
@@ -399,9 +461,11 @@ def _classify(f: dict) -> list[str]:
         free = f.get("free")
         causes.insert(0 if free is None or req is None or free >= req else len(causes), "process_cap")
     if "request_too_large" not in causes and (
-        total is not None or form in ("cuda", "hip", "mps", "cuda_legacy", "bitsandbytes")
+        total is not None or form in ("cuda", "hip", "xpu", "mps", "cuda_legacy", "bitsandbytes")
     ):
         causes.append("steady_state")
+    if minor_held:
+        causes.append("held_elsewhere")
     if not causes:
         causes.append("unknown")
     return list(dict.fromkeys(causes))
@@ -411,25 +475,44 @@ def _held_elsewhere(f: dict) -> int | None:
     total, free = f.get("total"), f.get("free")
     if total is None or free is None:
         return None
-    if f.get("this_process") is not None:  # current wording: everything not in this process
-        return max(0, total - free - f["this_process"])
+    this, ours = f.get("this_process"), (f.get("allocated") or 0) + (f.get("reserved_unallocated") or 0)
+    if this is not None and this >= ours:  # current wording: everything not in this process
+        return max(0, total - free - this)
+    # (less than PyTorch's own share: NVML cannot see this process, e.g. in a container; read "reserved")
     if f.get("reserved") is not None:  # older wording: CUDA context and other processes included
         return max(0, total - free - f["reserved"])
     return None
 
 
-def _estimator_fixes() -> list[str]:
-    """The estimator's fix ladder (issue 3), when that module is present; otherwise nothing."""
+def _room(f: dict) -> int | None:
+    """The memory this process could have had when it ran out: its cap or the card, less what others held."""
+    if f["form"] == "mps":
+        cap, others = f.get("max_allowed"), f.get("other_allocations")
+    else:
+        cap, others = f.get("process_cap") or f.get("total"), f.get("held_elsewhere")
+    return None if not cap else max(cap - (others or 0), 1)
+
+
+def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
+    """The estimator's fixes for what ran (``fit()``'s suggestions, each re-estimated), ranked for the
+    memory this process had when it ran out (``_room``); nothing without an estimate."""
+    if memory_estimate is None:
+        return []
     try:
         from . import estimator as estimate
     except ImportError:
         return []
-    ladder = getattr(estimate, "FIX_LADDER", None) or getattr(estimate, "fix_ladder", None)
+    if not isinstance(memory_estimate, estimate.MemoryEstimate):
+        raise TypeError(
+            f"explain_oom(memory_estimate=...) takes a helpers.estimate.MemoryEstimate (from estimate(model, ...)), "
+            f"got {type(memory_estimate).__name__}"
+        )
+    room = _room(f)
     try:
-        ladder = ladder() if callable(ladder) else ladder
-        return [str(x) for x in ladder or []]
+        verdict = estimate.fit(memory_estimate, room if room and room >= (1 << 20) else None)
     except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
         return []
+    return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
 
 
 def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
@@ -462,7 +545,7 @@ def _traceback_names(tb) -> dict[int, str]:
     return names
 
 
-def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None) -> OOMReport:
+def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None, memory_estimate=None) -> OOMReport:
     """Explain an out-of-memory error or message: what ran out, why, and the fixes in order.
 
     Args:
@@ -471,6 +554,12 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
             form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
         live: add a current ``snapshot()`` and the largest live tensors (default: when given an
             exception).
+        memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
+            steady state, the estimator's fixes for the memory this process had (re-estimated, ranked)
+            follow the general ones.
+
+    Only the last OOM message of a long log is read (found with plain ``str.rfind``s, then a bounded
+    window is parsed), so a diagnosis takes milliseconds whatever the input.
     """
     if isinstance(error_or_text, BaseException):
         text, exc = _exception_text(error_or_text), error_or_text
@@ -488,12 +577,13 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None)
     fixes: list[str] = []
     for c in causes:
         fixes += [x for x in CAUSES[c][1] if x not in fixes]
+    estimated = _estimator_fixes(memory_estimate, f)  # [] without an estimate
     if "steady_state" in causes:
-        fixes += [x for x in _estimator_fixes() if x not in fixes]
+        fixes += [x for x in estimated if x not in fixes]
     wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
         f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"]
     )
-    if f["form"] in ("cuda_error", "cublas", "cudnn", "unknown", "bitsandbytes") and "total" not in f:
+    if f["form"] in ("cuda_error", "cublas", "cudnn", "nccl", "unknown", "bitsandbytes") and "total" not in f:
         wanted = ["requested", "total", "free"]
     unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
     if f["form"] == "cuda_legacy":

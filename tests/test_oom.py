@@ -238,3 +238,19 @@ def test_a_process_cap_is_named_as_the_cause_when_the_card_had_room():
     uncapped = explain_oom(capped.replace("14.74 GiB allowed; ", ""))
     assert uncapped.process_cap is None and "process_cap" not in uncapped.causes
     assert all(label != "allowed for this process (its cap)" for label, _ in uncapped.figures())
+
+
+def test_the_estimators_fixes_follow_a_steady_state_diagnosis():
+    """Given the estimate of what ran, its fit() suggestions for the memory this process had come after
+    the general fixes (before, the lookup of a FIX_LADDER that never existed always gave nothing)."""
+    from helpers.estimate import estimate
+
+    est = estimate("Qwen/Qwen2.5-7B", load="fp16", device="t4")
+    plain, guided = explain_oom(CUDA_NOW), explain_oom(CUDA_NOW, memory_estimate=est)
+    extra = guided.fixes[len(plain.fixes) :]
+    assert guided.fixes[: len(plain.fixes)] == plain.fixes and extra
+    assert all(x.startswith("From the estimate of Qwen/Qwen2.5-7B: ") for x in extra)
+    assert any("load=nf4" in x or "load=int8" in x for x in extra)  # a 7B model in fp16 on a 14.75 GiB card
+    assert "From the estimate" not in str(explain_oom(CPU, memory_estimate=est))  # system RAM: not its fixes
+    with pytest.raises(TypeError, match="MemoryEstimate"):
+        explain_oom(CUDA_NOW, memory_estimate="Qwen/Qwen2.5-7B")
