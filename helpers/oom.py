@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import tensors
+from . import estimator, tensors
 from .session import user_namespace
 from .units import format_bytes, parse_bytes
 
@@ -498,18 +498,14 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
     memory this process had when it ran out (``_room``); nothing without an estimate."""
     if memory_estimate is None:
         return []
-    try:
-        from . import estimator as estimate
-    except ImportError:
-        return []
-    if not isinstance(memory_estimate, estimate.MemoryEstimate):
+    if not isinstance(memory_estimate, estimator.MemoryEstimate):
         raise TypeError(
-            f"explain_oom(memory_estimate=...) takes a helpers.estimate.MemoryEstimate (from estimate(model, ...)), "
+            f"explain_oom(memory_estimate=...) takes a helpers.estimator.MemoryEstimate (from estimate(model, ...)), "
             f"got {type(memory_estimate).__name__}"
         )
     room = _room(f)
     try:
-        verdict = estimate.fit(memory_estimate, room if room and room >= (1 << 20) else None)
+        verdict = estimator.fit(memory_estimate, room if room and room >= (1 << 20) else None)
     except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
         return []
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
