@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
 CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
-.PHONY: setup demo test test-browser bench docs lint format sync-notebooks clean
+.PHONY: setup demo test test-browser bench docs lint format sync-notebooks clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -70,3 +70,13 @@ sync-notebooks: setup
 
 clean:
 	rm -rf runs data/tiny
+
+# GPU truth (docs/gpu_check.md): every CUDA path on a real GPU capped to a T4, resumable by stage.
+# `make gpu-check DRY=1` rehearses every stage on the CPU with the tiny model (CI runs it in the tests).
+# On a lent GPU machine without a venv: GPU_PYTHON=python3 make gpu-check STAGES=weights
+GPU_PYTHON ?= $(BIN)/python
+gpu-check: $(if $(DRY),setup $(TINY))
+	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY),--dry-run) $(if $(STAGES),--stages $(STAGES)) $(if $(FRESH),--fresh)
+
+gpu-wheels:
+	bash scripts/gpu_wheels.sh

@@ -26,9 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import torch  # noqa: E402
-
 import gpu_stages  # noqa: E402
+import torch  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu"
 STAGES = ("env", "weights", "generate", "qlora", "context", "recovery", "pytest_cuda", "notebooks")
