@@ -26,7 +26,7 @@ from .memory import MemorySnapshot, in_colab
 from .memory import snapshot as take_snapshot
 from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, format_bytes
-from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, verdict
+from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, auto_load_order, verdict
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -270,7 +270,7 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
         dev_arg = DEFAULT_DEVICE
         bf16 = False
     half = "bf16" if bf16 else "fp16"
-    loads = [half, "int8", "nf4"] if load == "auto" else [load]
+    loads = list(auto_load_order(bf16)) if load == "auto" else [load]
     try:
         ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg,
                          compute_dtype=half if m in QUANTIZED else "auto") for m in loads]  # fmt: skip

@@ -13,7 +13,7 @@ from .errors import OomkitError
 __all__ = [
     "LOAD_MODES", "QUANTIZED", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
-    "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16",
+    "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
 ]  # fmt: skip
 
 # Widest first: the order users read them in (dropdowns, CLI help, error messages).
@@ -53,6 +53,13 @@ def torch_dtype(name: str):
     import torch
 
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name(name, allow_auto=False)]
+
+
+def auto_load_order(bf16: bool) -> tuple[str, ...]:
+    """What load="auto" tries, in order, the first that fits winning: the 16-bit the GPU computes in,
+    else nf4. int8 is not an automatic choice: LLM.int8's mixed decomposition generates several times
+    slower than nf4, and QLoRA trains on 4-bit, so every notebook and preflight recommend the same."""
+    return ("bf16" if bf16 else "fp16", "nf4")
 
 
 # Fit verdicts: an estimate against a device's capacity.

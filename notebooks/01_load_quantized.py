@@ -70,10 +70,10 @@ report.raise_for_failures()  # "Run all" stops here when this model cannot run o
 # %% [markdown]
 # ## 2. Choose how to load it
 #
-# **What 8-bit and 4-bit do to the weights.** A 7B model in fp16 is 7 billion x 2 bytes = 13.5 GiB:
-# it barely fits a T4 (14.7 GiB) and leaves nothing for generation.
+# **What 8-bit and 4-bit do to the weights.** A 7B model in fp16 takes 2 bytes per parameter: it
+# barely fits a T4 and leaves little for generation (the cell below computes every figure).
 # - **int8** (LLM.int8, bitsandbytes) stores each linear layer's weights as 1-byte integers plus one
-#   fp32 scale per row, so about 1 byte per parameter (about 7 GiB). Outlier features are computed
+#   fp32 scale per row, so about 1 byte per parameter. Outlier features are computed
 #   in fp16, which keeps quality close to fp16 (the seeds' "99 %").
 # - **nf4 / fp4** store 4 bits per weight (half a byte) plus one scale per block of 64 weights;
 #   **double quant** stores those scales in 8 bits too (another ~0.4 bit per weight saved).
@@ -84,9 +84,19 @@ report.raise_for_failures()  # "Run all" stops here when this model cannot run o
 #
 # **Why `max_new_tokens` and batch drive the KV cache.** Generation keeps the keys and values of
 # every token seen so far: layers x 2 x batch x (prompt + new tokens) x kv-heads x head-dim x
-# 2 bytes. It grows linearly with both sliders; for CodeLlama-7B that is 0.5 MiB per token, so a
-# batch of 4 with 512 + 2048 tokens needs 5 GiB on top of the weights.
-#
+# 2 bytes. It grows linearly with both sliders; the cell below shows it for CodeLlama-7B.
+
+# %%
+# The figures behind this section, computed for CodeLlama-7B on a T4 (its config ships with oomkit)
+from helpers import estimate, format_bytes
+
+SEVEN_B = "codellama/CodeLlama-7b-hf"
+for mode in ("fp16", "int8", "nf4"):
+    print(f"{mode:>5}: weights {format_bytes(estimate(SEVEN_B, load=mode, device='t4').weights)}")
+kv = estimate(SEVEN_B, load="nf4", device="t4", batch_size=4, prompt_tokens=512, max_new_tokens=2048)
+print(f"KV cache for a batch of 4 x (512 + 2048) tokens: {format_bytes(kv.row('kv_cache').bytes)}")
+
+# %% [markdown]
 # Move the sliders: the bar shows weights, KV cache, activations and overheads against the device,
 # green / amber / red for fits / tight / does not fit, with the best fix when it does not fit.
 # Without a widget front end (or when run headless) the panel prints a summary and the parameters

@@ -208,7 +208,7 @@ def test_preflight_check_without_gpu_says_t4(tiny_llama):
 
 def test_preflight_auto_picks_a_mode_that_fits():
     checks = fit_checks("Llama-2-7b-hf", load="auto", max_new_tokens=256, snapshot=_cpu_snapshot())
-    assert checks[0].data["load"] == "int8" and checks[0].status == "pass"
+    assert checks[0].data["load"] == "nf4" and checks[0].status == "pass"  # what notebook 01 loads, too
     fp16 = fit_checks("Llama-2-7b-hf", load="fp16", max_new_tokens=4096, snapshot=_cpu_snapshot())[0]
     assert fp16.status == "fail" and fp16.fix
 

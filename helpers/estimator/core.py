@@ -10,7 +10,7 @@ from typing import Any
 from ..devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, auto_compute_dtype, resolve_device
 from ..html import Markup, bar, table
 from ..units import format_bytes
-from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, dtype_name
+from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, auto_load_order, dtype_name
 from .configs import resolve_config
 from .layout import dims, kv_cache_bytes, layout, prefill_bytes, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
@@ -259,9 +259,8 @@ def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, cuda: bool) -> li
 def _auto(model, inputs) -> MemoryEstimate:
     """load="auto": the widest load mode that fits the device (the smallest if none does)."""
     _, dev = resolve_device(inputs["device"])
-    half = "bf16" if (dev or {}).get("bf16") else "fp16"
     est = None
-    for load in (half, "int8", "nf4"):
+    for load in auto_load_order(bool((dev or {}).get("bf16"))):
         est = estimate(model, **{**inputs, "load": load})
         if est.capacity is None or est.total <= est.capacity * TIGHT_FRACTION:
             return est
