@@ -74,15 +74,20 @@ def checkpoint_folders(output_dir: str | Path) -> list[Path]:
 
 
 def _torch_file(path: Path) -> str | None:
-    """What is wrong with a ``torch.save`` file (a zip archive), None when its structure is whole."""
+    """What is wrong with a ``torch.save`` file (a zip archive), None when it is whole.
+
+    Reads it once to check each entry's CRC: ``torch.load`` does not, and would resume from garbled
+    optimizer moments without a word.
+    """
     try:
         with zipfile.ZipFile(path) as z:
             size = path.stat().st_size
             if any(i.header_offset + i.compress_size > size for i in z.infolist()):
                 return f"{path.name} is truncated"
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
         return f"{path.name} is truncated or corrupted (not a whole torch file)"
-    return None
+    return f"{path.name} is corrupted ({bad} fails its checksum)" if bad else None
 
 
 def _safetensors_file(path: Path) -> str | None:
@@ -237,7 +242,10 @@ def set_aside(skipped: Skipped) -> Skipped:
     while target.exists():
         n += 1
         target = skipped.path.with_name(f"incomplete-{skipped.path.name}-{n}")
-    skipped.path.rename(target)
+    try:
+        skipped.path.rename(target)
+    except OSError:  # a read-only or odd file system: leave it; its missing marker keeps it skipped
+        return skipped
     skipped.moved_to = target
     return skipped
 

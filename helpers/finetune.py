@@ -4,9 +4,10 @@ A :class:`TrainPlan` holds every choice that decides memory and resumability (lo
 rank, sequence length, effective batch = micro-batch x gradient accumulation, optimizer, precision,
 checkpoints). ``plan.estimate()`` is the estimator's training budget for it; :func:`find_micro_batch`
 measures the largest micro-batch that runs a real training step and keeps the effective batch by
-accumulating gradients. :func:`train` runs transformers' ``Trainer`` and continues from the last
-checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at most
-``save_steps`` steps). :func:`save_adapter` writes only the LoRA weights.
+accumulating gradients. :func:`train` runs transformers' ``Trainer`` and continues from the newest
+complete checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at most
+``save_steps`` steps; one that cut a save short costs one checkpoint more, see
+:mod:`helpers.checkpoints`). :func:`save_adapter` writes only the LoRA weights.
 """
 
 from __future__ import annotations
@@ -696,9 +697,9 @@ def train(
     point = find_resume(out) if resume else ResumePoint(None, None)
     for skip in point.skipped:
         set_aside(skip)
+        kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
         warnings.warn(
-            f"skipped {skip.path.name} in {out}: {skip.problem}; resuming from {point.checkpoint.name} "
-            f"instead (the folder is kept as {skip.moved_to.name})",
+            f"skipped {skip.path.name} in {out}: {skip.problem}; resuming from {point.checkpoint.name} instead{kept}",
             CheckpointWarning,
             stacklevel=2,
         )

@@ -64,6 +64,13 @@ def _truncate(path, keep=0.5):
     path.write_bytes(data[: int(len(data) * keep)])
 
 
+def _flip_a_byte(path):
+    """Garble one byte of a tensor's data: same size, and torch.load would not notice."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def _rewrite_state(folder, change):
     state = json.loads((folder / "trainer_state.json").read_text())
     change(state)
@@ -84,6 +91,7 @@ CORRUPTIONS = {  # kind -> (what it does to checkpoint-3, what the message must 
     ),
     "no global_step": (lambda f: _rewrite_state(f, lambda s: s.pop("global_step")), "trainer_state.json has no global_step"),
     "truncated optimizer.pt": (lambda f: _truncate(f / "optimizer.pt"), "optimizer.pt is truncated"),
+    "garbled optimizer.pt": (lambda f: _flip_a_byte(f / "optimizer.pt"), "optimizer.pt is corrupted"),
     "truncated adapter": (
         lambda f: _truncate(f / "adapter_model.safetensors", 0.9),
         "adapter_model.safetensors is truncated",
@@ -151,6 +159,7 @@ def test_a_file_changed_after_the_save_is_caught_by_the_marker(reference, tmp_pa
         "garbled trainer_state.json",
         "no global_step",
         "truncated optimizer.pt",
+        "garbled optimizer.pt",
         "truncated adapter",
         "missing optimizer.pt",
         "missing scheduler.pt",
