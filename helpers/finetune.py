@@ -4,15 +4,17 @@ A :class:`TrainPlan` holds every choice that decides memory and resumability (lo
 rank, sequence length, effective batch = micro-batch x gradient accumulation, optimizer, precision,
 checkpoints). ``plan.estimate()`` is the estimator's training budget for it; :func:`find_micro_batch`
 measures the largest micro-batch that runs a real training step and keeps the effective batch by
-accumulating gradients. :func:`train` runs transformers' ``Trainer`` and continues from the last
-checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at most
-``save_steps`` steps). :func:`save_adapter` writes only the LoRA weights.
+accumulating gradients. :func:`train` runs transformers' ``Trainer`` and continues from the newest
+complete checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect costs at most
+``save_steps`` steps; one that cut a save short costs one checkpoint more, see
+:mod:`helpers.checkpoints`). :func:`save_adapter` writes only the LoRA weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import time
@@ -24,24 +26,59 @@ from typing import Any
 import torch
 
 from .batch_size import find_max_batch_size
+from .checkpoints import (
+    CheckpointError,
+    CheckpointWarning,
+    ResumePoint,
+    Skipped,
+    complete_marker,
+    find_resume,
+    newest_complete,
+    set_aside,
+)
 from .devices import cuda_capability
+from .errors import OomkitError
 from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
 from .generation import generate_batched
 from .loading import LoadPlan, keep_4bit_layout
 from .memory import in_colab
 from .sources import data_path
 from .units import format_bytes
-from .vocab import LOAD_MODES, QUANTIZED, supports_bf16
+from .vocab import LOAD_MODES, QUANTIZED, DtypeError, dtype_name, supports_bf16
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
     "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
-    "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter",
+    "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
+    "CheckpointWarning", "FinetuneError",
 ]  # fmt: skip
 
 DRIVE = Path("/content/drive/MyDrive")
 IGNORE = -100  # label value the loss skips
 FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+class FinetuneError(OomkitError, ValueError):
+    """A plan, data file or dataset fine-tuning cannot use; the message names the value and what to pass."""
+
+
+def check_optimizer(name: Any) -> str:
+    """``name`` when it is ``"auto"`` or one of transformers' ``optim`` names, else a :class:`FinetuneError` listing them."""
+    if name == "auto":
+        return name
+    from transformers.training_args import OptimizerNames
+
+    valid = [o.value for o in OptimizerNames]
+    if isinstance(name, str) and name in valid:
+        return name
+    common = ("adamw_torch", "paged_adamw_8bit", "adamw_8bit", "adamw_torch_fused", "adafactor", "sgd")
+    text = str(name).strip().lower()
+    near = [c for c in common if text and text in c][:3] or difflib.get_close_matches(text, valid, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
+    raise FinetuneError(
+        f"TrainPlan.optimizer {name!r} is not an optimizer transformers knows{hint}; use 'auto' "
+        f"(paged 8-bit AdamW on a GPU, torch AdamW on a CPU) or one of: {', '.join(valid)}"
+    )
 
 
 @dataclass
@@ -94,55 +131,61 @@ class TrainPlan:
 
     def __post_init__(self):
         if not str(self.model or "").strip():
-            raise ValueError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
+            raise FinetuneError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
         if self.load not in LOAD_MODES:
-            raise ValueError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
+            raise FinetuneError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
         if isinstance(self.targets, str) and self.targets != "all-linear":
             self.targets = [self.targets]  # one module name; list("q_proj") would be its letters
-        for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
-        for name, v in (
-            ("micro_batch", self.micro_batch),
-            ("max_steps", self.max_steps),
-            ("save_total_limit", self.save_total_limit),
-        ):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"TrainPlan.{name} must be a whole number, got {v!r}")
-        for name, v in (("epochs", self.epochs), ("learning_rate", self.learning_rate), ("dropout", self.dropout)):
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise ValueError(f"TrainPlan.{name} must be a number, got {v!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"TrainPlan.dropout is a probability in [0, 1), got {self.dropout}")
-        if self.learning_rate <= 0:
-            raise ValueError(
-                f"TrainPlan.learning_rate must be positive (QLoRA usually 1e-4 to 3e-4), got {self.learning_rate}"
-            )
+        self._check_numbers()
         if (
             self.output_dir != "auto"
             and Path(self.output_dir).expanduser().exists()
             and not Path(self.output_dir).expanduser().is_dir()
         ):
-            raise ValueError(
+            raise FinetuneError(
                 f"output_dir {self.output_dir} is a file, not a folder: checkpoints need a folder; "
                 "pass a folder path (it is created) or 'auto'"
             )
         if self.micro_batch is not None and not 1 <= self.micro_batch <= self.batch_size:
-            raise ValueError(
+            raise FinetuneError(
                 f"micro_batch must be between 1 and batch_size ({self.batch_size}), got {self.micro_batch}"
             )
         if self.micro_batch is not None and self.batch_size % self.micro_batch:
             fits = [d for d in range(1, self.micro_batch) if self.batch_size % d == 0]
-            raise ValueError(
+            raise FinetuneError(
                 f"micro_batch {self.micro_batch} does not divide batch_size {self.batch_size}, so "
                 f"accumulation cannot keep the effective batch; use micro_batch={fits[-1]}"
             )
-        if self.precision not in ("auto", "fp16", "bf16", "fp32"):
-            raise ValueError(f"precision must be auto, fp16, bf16 or fp32, not {self.precision!r}")
+        try:
+            self.precision = dtype_name(self.precision)
+        except DtypeError as e:
+            raise FinetuneError(f"TrainPlan.precision: {e}") from None
+        self.optimizer = check_optimizer(self.optimizer)
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs <= 0):
-            raise ValueError("give max_steps > 0, or max_steps=0 and epochs > 0")
+            raise FinetuneError("give max_steps > 0, or max_steps=0 and epochs > 0")
+
+    def _check_numbers(self) -> None:
+        for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise FinetuneError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
+        for name in ("micro_batch", "max_steps", "save_total_limit", "warmup_steps", "seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise FinetuneError(f"TrainPlan.{name} must be a whole number, got {v!r}")
+        for name in ("epochs", "learning_rate", "dropout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise FinetuneError(f"TrainPlan.{name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise FinetuneError(f"TrainPlan.{name} must be a finite number, got {v!r}")
+        if not 0 <= self.dropout < 1:
+            raise FinetuneError(f"TrainPlan.dropout is a probability in [0, 1), got {self.dropout}")
+        if self.learning_rate <= 0:
+            raise FinetuneError(
+                f"TrainPlan.learning_rate must be positive (QLoRA usually 1e-4 to 3e-4), got {self.learning_rate}"
+            )
 
     def replace(self, **changes) -> TrainPlan:
         return dataclasses.replace(self, **changes)
@@ -280,7 +323,7 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
     if targets != "all-linear" and model is None:
         return list(targets)
     if model is None:
-        raise ValueError("resolving 'all-linear' needs the loaded model")
+        raise FinetuneError("resolving 'all-linear' needs the loaded model")
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
@@ -292,14 +335,14 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
         if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name
     }
     if not names:
-        raise ValueError(f"{type(model).__name__} has no linear layer LoRA could adapt")
+        raise FinetuneError(f"{type(model).__name__} has no linear layer LoRA could adapt")
     if targets != "all-linear":
         every = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         missing = [
             t for t in targets if t not in every and not any(n.endswith("." + t) for n, _ in model.named_modules())
         ]
         if missing:
-            raise ValueError(
+            raise FinetuneError(
                 f"LoRA targets {missing} are not modules of {type(model).__name__}; its linear layers "
                 f"are {', '.join(sorted(names))} (or use targets='all-linear')"
             )
@@ -378,14 +421,21 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
             f"{path} is a folder; pass the JSONL file in it "
             f"({', '.join(sorted(p.name for p in path.glob('*.jsonl'))[:5]) or 'it has no .jsonl file'})"
         )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FinetuneError(
+            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 "
+            "(e.g. open(path, 'w', encoding='utf-8')) and pass it again"
+        ) from None
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(
+            raise FinetuneError(
                 f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
                 '{"instruction": ..., "response": ...} object'
             ) from None
@@ -396,7 +446,7 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
                 if isinstance(row, dict)
                 else f"it is a JSON {type(row).__name__}, not an object"
             )
-            raise ValueError(
+            raise FinetuneError(
                 f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}"
             )
         rows.append(row)
@@ -433,23 +483,25 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise FinetuneError(f"seq_len must be a whole number of tokens >= 1 (e.g. plan.seq_len), got {seq_len!r}")
     missing = [
         i for i, r in enumerate(rows) if not isinstance(r, dict) or "response" not in r or "instruction" not in r
     ]
     if missing:
-        raise ValueError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
+        raise FinetuneError(f"rows {missing[:5]} lack an 'instruction' or 'response' field; training needs both")
     not_text = [
         i for i, r in enumerate(rows) if not isinstance(r["instruction"], str) or not isinstance(r["response"], str)
     ]
     if not_text:
-        raise ValueError(
+        raise FinetuneError(
             f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
             f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()"
         )
     out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
     kept = [e for e in out if e is not None]
     if not kept:
-        raise ValueError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
+        raise FinetuneError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
     if not packing:
         return kept
     ids = [t for e in kept for t in e["input_ids"]]
@@ -556,14 +608,11 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` (None when there is none)."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """The newest *complete* ``checkpoint-N`` folder in ``output_dir`` (None when there is none).
 
-    d = Path(output_dir)
-    if not d.is_dir():
-        return None
-    found = get_last_checkpoint(str(d))
-    return Path(found) if found else None
+    Incomplete or corrupted ones (a kill during the save) are passed over; see :mod:`helpers.checkpoints`.
+    """
+    return newest_complete(output_dir)
 
 
 def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), **argument_overrides):
@@ -571,15 +620,17 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
     from transformers import Trainer
 
     if plan.micro_batch is None:
-        raise ValueError(
+        raise FinetuneError(
             "plan.micro_batch is not set: run find_micro_batch(model, plan) and "
             "plan = plan.replace(micro_batch=...) first (or set it by hand)"
         )
     if len(dataset) == 0:
-        raise ValueError("the dataset is empty: nothing to train on (check the data file and build_dataset's seq_len)")
+        raise FinetuneError(
+            "the dataset is empty: nothing to train on (check the data file and build_dataset's seq_len)"
+        )
     first = dataset[0]
     if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
-        raise ValueError(
+        raise FinetuneError(
             "the dataset holds raw rows, not tokenized examples: pass "
             "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)"
         )
@@ -589,7 +640,7 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
         args=plan.training_arguments(**argument_overrides),
         train_dataset=dataset,
         data_collator=lambda ex: collate(ex, pad),
-        callbacks=list(callbacks),
+        callbacks=[*callbacks, complete_marker()],  # the COMPLETE marker goes last, after everything is saved
     )
 
 
@@ -604,6 +655,7 @@ class TrainResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     log_history: list[dict] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)  # newer checkpoints passed over, and why
 
     @property
     def first_loss(self) -> float | None:
@@ -621,34 +673,42 @@ class TrainResult:
             if self.losses
             else ""
         )
+        skipped = "".join(f"; skipped {s}" for s in self.skipped)
         return (
             f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
-            f"checkpoints in {self.output_dir}"
+            f"checkpoints in {self.output_dir}{skipped}"
         )
 
 
 def train(
     model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True, **argument_overrides
 ) -> TrainResult:
-    """Train with ``Trainer``; continue from the last checkpoint in the output folder when ``resume``.
+    """Train with ``Trainer``; continue from the newest complete checkpoint in the output folder when ``resume``.
 
     A checkpoint holds the adapter, optimizer, scheduler and RNG states, so a rerun after a
-    disconnect continues at the step where it saved, with the same data order.
+    disconnect continues at the step where it saved, with the same data order. A newer checkpoint
+    that a kill left half written, or that is corrupted, is skipped with a :class:`CheckpointWarning`
+    naming the file, and renamed ``incomplete-checkpoint-N`` (kept, not deleted); the skips are in
+    ``TrainResult.skipped``. When no checkpoint is complete, :class:`CheckpointError` says what to do.
     """
     keep_4bit_layout(model)
     trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
     out = Path(trainer.args.output_dir)
-    ckpt = last_checkpoint(out) if resume else None
-    resumed = None
-    if ckpt is not None:
-        resumed = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+    point = find_resume(out) if resume else ResumePoint(None, None)
+    for skip in point.skipped:
+        set_aside(skip)
+        kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
+        warnings.warn(
+            f"skipped {skip.path.name} in {out}: {skip.problem}; resuming from {point.checkpoint.name} instead{kept}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+    trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    return TrainResult(
-        out, resumed, trainer.state.global_step, trainer.state.max_steps, losses, time.perf_counter() - started, history
-    )
+    return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
+                       time.perf_counter() - started, history, point.skipped)  # fmt: skip
 
 
 # -- adapter -------------------------------------------------------------------------------------

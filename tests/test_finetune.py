@@ -297,3 +297,37 @@ def test_checkpoints_go_to_drive_on_colab(monkeypatch, tmp_path):
     drive.mkdir()
     assert plan.resolved_output_dir() == drive / "oomkit" / "lora-CodeLlama-7b-Instruct-hf"
     assert TrainPlan("m", output_dir=str(tmp_path / "x")).resolved_output_dir() == tmp_path / "x"
+
+
+def test_non_finite_numbers_unknown_optimizers_and_bad_seq_len_are_refused(tiny_llama, tmp_path):
+    """Before: NaN/inf learning rates, epochs and dropout were accepted (NaN loss later), 'adam' failed
+    deep inside transformers, precision took only fp16/bf16/fp32, seq_len=-1 dropped a token silently."""
+    from transformers import AutoTokenizer
+
+    from helpers.errors import OomkitError
+
+    for name in ("learning_rate", "epochs", "dropout"):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(OomkitError, match=f"TrainPlan.{name} must be a finite number, got {bad!r}"):
+                TrainPlan("x", max_steps=0, **{name: bad})
+    with pytest.raises(ValueError, match=r"optimizer 'adam' is not an optimizer .*did you mean .*'adamw_torch'"):
+        TrainPlan("x", optimizer="adam")
+    with pytest.raises(ValueError, match="use 'auto' .* or one of: .*paged_adamw_8bit"):
+        TrainPlan("x", optimizer=None)
+    assert TrainPlan("x", optimizer="adafactor").resolved_optimizer() == "adafactor"
+    for spelling, name in ((torch.bfloat16, "bf16"), ("bfloat16", "bf16"), ("float16", "fp16"), ("half", "fp16"),
+                           ("torch.float32", "fp32"), ("FP16", "fp16"), ("auto", "auto")):  # fmt: skip
+        assert TrainPlan("x", precision=spelling).precision == name
+    assert TrainPlan("x", precision=torch.float16).resolved_precision() == "fp16"
+    with pytest.raises(ValueError, match="TrainPlan.precision: unknown dtype 'int4'; use one of auto, fp16"):
+        TrainPlan("x", precision="int4")
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    for bad in (-1, 0, 2.5, True):
+        with pytest.raises(OomkitError, match=f"seq_len must be a whole number of tokens >= 1.*got {bad!r}"):
+            build_dataset(tok, ROWS[:2], bad)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"instruction": "Qu\'est-ce qu\'une géométrie ?", "response": "x"}\n'.encode("latin-1"))
+    with pytest.raises(
+        OomkitError, match=r"latin1.jsonl is not UTF-8 text \(invalid .* at byte \d+\); save it as UTF-8"
+    ):
+        load_instructions(latin1)

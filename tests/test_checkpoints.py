@@ -1,0 +1,246 @@
+"""Checkpoints a kill or a corruption cannot turn into a crash loop or a silent fresh state.
+
+One real tiny run (fp32 LoRA on the tiny Llama, 5 steps, a checkpoint at each) is the reference;
+each test copies its folder, breaks the newest checkpoints the way a killed Colab runtime or a bad
+Drive sync does, and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import transformers
+
+from helpers.checkpoints import (
+    COMPLETE,
+    CheckpointError,
+    CheckpointWarning,
+    checkpoint_folders,
+    find_resume,
+    problem,
+)
+from helpers.finetune import TrainPlan, build_dataset, last_checkpoint, load_instructions, prepare_qlora, train
+from helpers.loading import load
+
+ROWS = load_instructions()[:24]
+
+
+def _plan(model, out, **kw):
+    base = dict(load="fp32", seq_len=64, batch_size=2, micro_batch=2, max_steps=5, save_steps=1,
+                save_total_limit=10, logging_steps=1, output_dir=str(out), learning_rate=1e-3, warmup_steps=0,
+                r=4, alpha=8)  # fmt: skip
+    return TrainPlan(str(model), **{**base, **kw})
+
+
+def _run(plan, **kw):
+    model, tok, _ = load(plan.load_plan())
+    model, _ = prepare_qlora(model, plan)
+    return train(model, tok, plan, build_dataset(tok, ROWS, plan.seq_len), **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tmp_path_factory):
+    """The uninterrupted run: its folder (checkpoint-1 .. checkpoint-5) and its losses."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = _run(_plan(tiny_llama, out))
+    assert [s for s, _ in result.losses] == [1, 2, 3, 4, 5]
+    return out, dict(result.losses)
+
+
+def _cut_at_3(reference, tmp_path):
+    """A copy of the run as if killed after saving checkpoint-3: checkpoints 1, 2, 3."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    shutil.rmtree(out / "checkpoint-4")
+    shutil.rmtree(out / "checkpoint-5")
+    return out
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _flip_a_byte(path):
+    """Garble one byte of a tensor's data: same size, and torch.load would not notice."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rewrite_state(folder, change):
+    state = json.loads((folder / "trainer_state.json").read_text())
+    change(state)
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def _empty(folder):
+    shutil.rmtree(folder)
+    folder.mkdir()
+
+
+CORRUPTIONS = {  # kind -> (what it does to checkpoint-3, what the message must say)
+    "empty folder": (_empty, "the folder is empty"),
+    "empty trainer_state.json": (lambda f: (f / "trainer_state.json").write_text(""), "trainer_state.json is empty"),
+    "garbled trainer_state.json": (
+        lambda f: (f / "trainer_state.json").write_text('{"global_st'),
+        "trainer_state.json is not valid JSON",
+    ),
+    "no global_step": (lambda f: _rewrite_state(f, lambda s: s.pop("global_step")), "trainer_state.json has no global_step"),
+    "truncated optimizer.pt": (lambda f: _truncate(f / "optimizer.pt"), "optimizer.pt is truncated"),
+    "garbled optimizer.pt": (lambda f: _flip_a_byte(f / "optimizer.pt"), "optimizer.pt is corrupted"),
+    "truncated adapter": (
+        lambda f: _truncate(f / "adapter_model.safetensors", 0.9),
+        "adapter_model.safetensors is truncated",
+    ),
+    "missing optimizer.pt": (lambda f: (f / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+    "missing scheduler.pt": (lambda f: (f / "scheduler.pt").unlink(), "scheduler.pt is missing"),
+    "missing rng_state.pth": (lambda f: (f / "rng_state.pth").unlink(), "rng_state.pth is missing"),
+    "missing adapter_config.json": (lambda f: (f / "adapter_config.json").unlink(), "adapter_config.json is missing"),
+    "garbled adapter_config.json": (
+        lambda f: (f / "adapter_config.json").write_bytes(b"\xff\xfe{"),
+        "adapter_config.json is not valid JSON",
+    ),
+    "killed before the marker": (lambda f: (f / COMPLETE).unlink(), f"no {COMPLETE} marker"),
+}  # fmt: skip
+
+
+def test_every_saved_checkpoint_is_marked_complete(reference):
+    out, _ = reference
+    assert [f.name for f in checkpoint_folders(out)] == [f"checkpoint-{n}" for n in (5, 4, 3, 2, 1)]
+    for folder in checkpoint_folders(out):
+        marker = json.loads((folder / COMPLETE).read_text())
+        assert marker["global_step"] == int(folder.name.split("-")[1])
+        assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "adapter_model.safetensors"} <= set(marker["files"])
+        assert problem(folder) is None
+    assert last_checkpoint(out).name == "checkpoint-5"
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_a_broken_newest_checkpoint_is_skipped_with_the_file_named(reference, tmp_path, kind):
+    out = _cut_at_3(reference, tmp_path)
+    corrupt, says = CORRUPTIONS[kind]
+    corrupt(out / "checkpoint-3")
+    point = find_resume(out)
+    assert point.checkpoint.name == "checkpoint-2" and point.step == 2
+    assert [s.path.name for s in point.skipped] == ["checkpoint-3"]
+    assert says in point.skipped[0].problem
+    assert last_checkpoint(out).name == "checkpoint-2"
+
+
+@pytest.mark.parametrize("kind", [k for k in CORRUPTIONS if k != "killed before the marker"])
+def test_checkpoints_saved_before_the_marker_existed_are_validated_file_by_file(reference, tmp_path, kind):
+    out = _cut_at_3(reference, tmp_path)
+    for marker in out.glob(f"checkpoint-*/{COMPLETE}"):
+        marker.unlink()
+    assert find_resume(out).checkpoint.name == "checkpoint-3"  # whole files: an older run's checkpoints count
+    corrupt, says = CORRUPTIONS[kind]
+    corrupt(out / "checkpoint-3")
+    point = find_resume(out)
+    assert point.checkpoint.name == "checkpoint-2" and says in point.skipped[0].problem
+
+
+def test_a_file_changed_after_the_save_is_caught_by_the_marker(reference, tmp_path):
+    out = _cut_at_3(reference, tmp_path)
+    with (out / "checkpoint-3" / "trainer_state.json").open("a") as f:
+        f.write("\n")  # still valid JSON, but not what the save wrote
+    point = find_resume(out)
+    assert point.step == 2 and "trainer_state.json is" in point.skipped[0].problem
+    assert "the save wrote" in point.skipped[0].problem
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "empty folder",
+        "garbled trainer_state.json",
+        "no global_step",
+        "truncated optimizer.pt",
+        "garbled optimizer.pt",
+        "truncated adapter",
+        "missing optimizer.pt",
+        "missing scheduler.pt",
+        "killed before the marker",
+    ],
+)
+def test_train_resumes_from_the_previous_complete_checkpoint(reference, tiny_llama, tmp_path, kind):
+    """Before: a raw traceback on every rerun, or a silent fresh optimizer/scheduler (another loss curve)."""
+    out = _cut_at_3(reference, tmp_path)
+    corrupt, says = CORRUPTIONS[kind]
+    corrupt(out / "checkpoint-3")
+    with pytest.warns(CheckpointWarning, match=f"skipped checkpoint-3 in .*{says}.*resuming from checkpoint-2"):
+        result = _run(_plan(tiny_llama, out))
+    assert result.resumed_from == 2 and result.global_step == 5
+    assert [s.path.name for s in result.skipped] == ["checkpoint-3"] and says in result.skipped[0].problem
+    assert "skipped checkpoint-3 (moved to incomplete-checkpoint-3)" in str(result)
+    losses = dict(result.losses)
+    assert list(losses) == [1, 2, 3, 4, 5]
+    # the optimizer and scheduler states came back: the same curve as the uncut run (a fresh optimizer at
+    # step 3, as resuming from checkpoint-3 without optimizer.pt gives, changes the loss from step 5 on)
+    for step in (3, 4, 5):
+        assert losses[step] == pytest.approx(reference[1][step], rel=1e-4, abs=1e-4), (step, losses, reference[1])
+    assert (out / "incomplete-checkpoint-3").is_dir()  # kept, not deleted, out of Trainer's way
+    assert all(problem(out / f"checkpoint-{n}") is None for n in (3, 4, 5))
+
+
+class Killed(BaseException):
+    """The runtime dying: nothing in Trainer catches it."""
+
+
+def _kill_while_saving(monkeypatch, step):
+    """Die after the adapter of checkpoint-<step> is written, before its optimizer state."""
+    save = transformers.Trainer._save_optimizer_and_scheduler
+
+    def dying(self, output_dir):
+        if self.state.global_step == step:
+            raise Killed
+        return save(self, output_dir)
+
+    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", dying)
+
+
+def test_a_kill_during_the_save_resumes_from_the_checkpoint_before(tiny_llama, tmp_path, monkeypatch):
+    plan = _plan(tiny_llama, tmp_path / "run")
+    _kill_while_saving(monkeypatch, 3)
+    with pytest.raises(Killed):
+        _run(plan)
+    half = tmp_path / "run" / "checkpoint-3"
+    assert (half / "adapter_model.safetensors").exists() and not (half / COMPLETE).exists()
+    monkeypatch.undo()
+    with pytest.warns(CheckpointWarning, match="checkpoint-3 .*optimizer.pt is missing.*resuming from checkpoint-2"):
+        again = _run(plan)
+    assert again.resumed_from == 2 and again.global_step == 5
+
+
+def test_saving_over_an_old_checkpoint_drops_its_marker_first(reference, tiny_llama, tmp_path, monkeypatch):
+    """A new run (resume=False) in an old run's folder, killed while overwriting checkpoint-3: the old
+    marker must not make the mix of new adapter and old optimizer look whole."""
+    out = _cut_at_3(reference, tmp_path)
+    _kill_while_saving(monkeypatch, 3)
+    with pytest.raises(Killed):
+        _run(_plan(tiny_llama, out, learning_rate=5e-4), resume=False)
+    assert not (out / "checkpoint-3" / COMPLETE).exists()
+    point = find_resume(out)
+    assert point.checkpoint.name == "checkpoint-2" and f"no {COMPLETE} marker" in point.skipped[0].problem
+
+
+def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_path):
+    out = _cut_at_3(reference, tmp_path)
+    (out / "checkpoint-3" / "optimizer.pt").unlink()
+    (out / "checkpoint-2" / "trainer_state.json").write_text("")
+    _empty(out / "checkpoint-1")
+    with pytest.raises(CheckpointError) as e:
+        _run(_plan(tiny_llama, out))
+    msg = str(e.value)
+    assert "\n" not in msg and "checkpoint-3: optimizer.pt is missing" in msg
+    assert "the 2 older ones are not complete either" in msg
+    assert "pass resume=False to start over, or delete" in msg and str(out / "checkpoint-3") in msg
+    assert (out / "checkpoint-3").is_dir()  # nothing moved or deleted when nothing can be resumed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        fresh = _run(_plan(tiny_llama, out, max_steps=1), resume=False)
+    assert fresh.resumed_from is None and fresh.global_step == 1
+    assert problem(out / "checkpoint-1") is None
