@@ -32,7 +32,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["simulated_budget"], "testing"),
     **dict.fromkeys(
         ["TrainPlan", "prepare_qlora", "find_micro_batch", "train", "save_adapter", "merge_adapter",
-         "load_instructions", "build_dataset", "answer"], "finetune"),
+         "load_instructions", "build_dataset", "answer", "FinetuneError"], "finetune"),
+    **dict.fromkeys(["CheckpointError"], "checkpoints"),
     **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
     **dict.fromkeys(
         ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),

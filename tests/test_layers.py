@@ -21,7 +21,7 @@ LAYERS = [
     {"oom"},
     {"retry", "generation", "loading"},
     {"batch_size", "environment"},
-    {"evaluate", "finetune", "monitor", "leaks", "testing"},
+    {"evaluate", "finetune", "checkpoints", "monitor", "leaks", "testing"},
     {"widgets", "cellstats"},
     {"cli", "__main__", "__init__"},
 ]
