@@ -421,3 +421,8 @@ def test_sizes_past_any_machine_get_a_clear_error(capsys):
             estimate("Llama-2-7b-hf", load="nf4", device=device)
     assert estimate_main(["Llama-2-7b-hf", "--device", "9" * 400 + "GiB"]) == 2
     assert "too large to be real" in capsys.readouterr().err
+
+
+def test_an_unquantized_load_is_counted_in_its_own_dtype_whatever_the_compute_dtype():
+    fp16 = estimate("Llama-2-7b-hf", load="fp16").weights
+    assert estimate("Llama-2-7b-hf", load="fp16", compute_dtype="fp32").weights == fp16  # was counted at 4 bytes

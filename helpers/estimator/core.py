@@ -98,9 +98,9 @@ def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str
         compute_dtype = dtype_name(compute_dtype)
     except ValueError as e:
         raise EstimateError(f"compute_dtype: {e}") from None
+    if load in DTYPE_BYTES:  # an unquantized model computes in the dtype it is loaded in
+        return load, DTYPE_BYTES[load]
     if compute_dtype == "auto":
-        if load in DTYPE_BYTES:
-            return load, DTYPE_BYTES[load]
         compute_dtype = auto_compute_dtype(dev)  # the same rule load() uses on that device
     return compute_dtype, DTYPE_BYTES[compute_dtype]
 
