@@ -1,9 +1,11 @@
 """The one walk over live tensors: every storage held by a tensor, graphs' saved activations included.
 
 Used by the OOM report (largest tensors), leak hunting (census) and per-cell accounting. Autograd
-graphs are walked node by node to find the activations they keep for backward, up to
-:data:`MAX_GRAPH_NODES`: past that the walk stops (and says so), because PyTorch 2.13 crashes when
-it frees a graph of ~50,000 nodes whose deepest part Python has touched (tests/test_tensors.py).
+graphs are walked node by node to find the activations they keep for backward, within a budget of
+node wrappers (:data:`MAX_GRAPH_NODES`): reading ``grad_fn`` or ``next_functions`` creates a Python
+wrapper per node, PyTorch keeps it as long as the node lives, and freeing a chain of ~42,000 wrapped
+nodes overflows the C stack (torch 2.13 segfaults; tests/test_tensors.py). The budget counts the
+wrappers already alive, from earlier walks too, and a walk it stops says so.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ __all__ = [
     "tensor_bytes",
     "largest_tensors",
     "graph_tensors",
+    "NodeBudget",
     "MAX_GRAPH_NODES",
 ]
 
-# Measured: walking 30,000 nodes of a chain and freeing it is fine, 45,000 of 50,000 segfaults.
-MAX_GRAPH_NODES = 10_000
+# Live node wrappers allowed in the process: about half of the ~42,000 wrapped nodes in a chain whose
+# release overflows the default 8 MiB stack (measured: 40,000 of a 50,000 chain freed, 45,000 crashed).
+MAX_GRAPH_NODES = 20_000
 
 
 def storage_key(t: torch.Tensor) -> tuple[tuple, int]:
@@ -47,6 +51,17 @@ class _IsTensorType(dict):
 
 
 _IS_TENSOR = _IsTensorType()
+
+
+class _IsNodeType(dict):
+    """type -> is it an autograd node (wrapper); a type lookup, so no ABC hook runs per object."""
+
+    def __missing__(self, tp):
+        self[tp] = r = issubclass(tp, torch.autograd.graph.Node)
+        return r
+
+
+_IS_NODE = _IsNodeType()
 
 
 def _gc_tensors() -> list[torch.Tensor]:
@@ -76,10 +91,33 @@ def _saved_tensors(fn) -> list[torch.Tensor]:
     return out
 
 
-def graph_tensors(roots: list, seen_nodes: set[int], limit: int = MAX_GRAPH_NODES) -> Iterator[torch.Tensor]:
-    """Tensors kept by the autograd graphs behind ``roots``; stops after ``limit`` nodes in ``seen_nodes``."""
-    stack = [r for r in roots if r is not None]
-    while stack and len(seen_nodes) < limit:
+class NodeBudget:
+    """How many autograd-node wrappers a walk may still create: the alive ones count against
+    :data:`MAX_GRAPH_NODES` (one ``gc`` scan), and so does each node a walk touches."""
+
+    def __init__(self, limit: int = MAX_GRAPH_NODES) -> None:
+        objs = gc.get_objects()
+        self.alive = set(map(id, itertools.compress(objs, map(_IS_NODE.__getitem__, map(type, objs)))))
+        del objs
+        self.limit = limit
+        self.stopped = False  # True: the budget ran out and some graph nodes were not walked
+
+    def take(self, node) -> bool:
+        if id(node) in self.alive:
+            return True
+        if len(self.alive) >= self.limit:
+            self.stopped = True
+            return False
+        self.alive.add(id(node))
+        return True
+
+
+def graph_tensors(roots: list, seen_nodes: set[int], budget: NodeBudget | None = None) -> Iterator[torch.Tensor]:
+    """Tensors kept by the autograd graphs behind ``roots`` (nodes): saved activations and the leaves
+    they accumulate into, as far as ``budget`` allows (a fresh one by default)."""
+    budget = budget or NodeBudget()
+    stack = [r for r in roots if r is not None and budget.take(r)]
+    while stack:
         fn = stack.pop()
         if id(fn) in seen_nodes:
             continue
@@ -88,7 +126,11 @@ def graph_tensors(roots: list, seen_nodes: set[int], limit: int = MAX_GRAPH_NODE
         var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf (a parameter)
         if isinstance(var, torch.Tensor):
             yield var
-        stack.extend(n for n, _ in getattr(fn, "next_functions", ()) if n is not None)
+        if budget.limit > len(budget.alive):  # reading next_functions wraps every input node
+            stack.extend(n for n, _ in getattr(fn, "next_functions", ()) if n is not None and budget.take(n))
+        else:
+            budget.stopped = True
+        del fn
 
 
 @dataclass
@@ -99,7 +141,7 @@ class LiveStorage:
     in_graph: bool  # reached only through an autograd graph
 
 
-def live_storages(stats: dict | None = None) -> dict[tuple, LiveStorage]:
+def live_storages(stats: dict | None = None, budget: NodeBudget | None = None) -> dict[tuple, LiveStorage]:
     """Every storage held by a live tensor, with the largest tensor that views it. ``stats`` (a dict) gets
     ``graph_nodes`` walked and ``graph_truncated`` when :data:`MAX_GRAPH_NODES` stopped the walk."""
     live: dict[tuple, LiveStorage] = {}
@@ -129,10 +171,11 @@ def live_storages(stats: dict | None = None) -> dict[tuple, LiveStorage]:
             if g is not None:
                 add(g, False)
     seen_nodes: set[int] = set()
-    for t in graph_tensors(graph_roots, seen_nodes):
+    budget = budget or NodeBudget()
+    for t in graph_tensors(graph_roots, seen_nodes, budget):
         add(t, True)
     if stats is not None:  # how much of the autograd graphs was walked
-        stats.update(graph_nodes=len(seen_nodes), graph_truncated=len(seen_nodes) >= MAX_GRAPH_NODES)
+        stats.update(graph_nodes=len(seen_nodes), graph_truncated=budget.stopped)
     return live
 
 

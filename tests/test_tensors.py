@@ -44,6 +44,25 @@ def test_freeing_a_50k_node_graph_after_a_census_does_not_crash():
     assert out.returncode == 0 and "freed" in out.stdout, (out.returncode, out.stderr[-1500:])
 
 
+def test_walks_of_a_chain_that_keeps_growing_stay_within_the_budget():
+    """A leak such as `total += loss` grows one chain across steps, walked at every step by the growth
+    detector: the wrappers from earlier walks count, so the chain never holds too many to free."""
+    code = textwrap.dedent("""
+        import torch
+        from helpers.tensors import tensor_bytes
+        x = torch.ones(4, requires_grad=True)
+        y = x
+        for step in range(5):
+            for _ in range(15_000):
+                y = y * 1.0001
+            tensor_bytes()
+        del y
+        print("freed")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "freed" in out.stdout, (out.returncode, out.stderr[-1500:])
+
+
 def test_stats_say_how_much_of_the_graphs_was_walked():
     x = torch.ones(4, requires_grad=True)
     y = x
@@ -51,5 +70,5 @@ def test_stats_say_how_much_of_the_graphs_was_walked():
         y = y + 1
     stats: dict = {}
     live_storages(stats)
-    assert stats["graph_truncated"] and stats["graph_nodes"] == MAX_GRAPH_NODES
+    assert stats["graph_truncated"] and stats["graph_nodes"] <= MAX_GRAPH_NODES
     del y

@@ -11,7 +11,7 @@ import torch
 
 from ..html import table
 from ..session import caller_namespace
-from ..tensors import MAX_GRAPH_NODES, graph_tensors, live_storages, storage_key
+from ..tensors import MAX_GRAPH_NODES, NodeBudget, graph_tensors, live_storages, storage_key
 from ..units import format_bytes
 from .namespace import MAX_OBJECTS, walk
 
@@ -133,7 +133,7 @@ def _group_by_holder(entries: list[TensorEntry]) -> list[tuple[str, int, int]]:
     return sorted(((g, c, b) for g, (c, b) in acc.items()), key=lambda r: -r[2])
 
 
-def _holders(namespace: dict, stats: dict, max_per_storage: int = 4) -> dict[tuple, list[str]]:
+def _holders(namespace: dict, stats: dict, budget: NodeBudget, max_per_storage: int = 4) -> dict[tuple, list[str]]:
     names: dict[tuple, list[str]] = {}
     graph_roots: list[tuple[str, object]] = []
     for path, obj in walk(namespace, stats=stats):
@@ -147,7 +147,7 @@ def _holders(namespace: dict, stats: dict, max_per_storage: int = 4) -> dict[tup
     # activations kept alive by a graph belong to the tensor that carries the graph
     seen_nodes: set[int] = set()
     for path, fn in graph_roots:
-        for t in graph_tensors([fn], seen_nodes):
+        for t in graph_tensors([fn], seen_nodes, budget):
             key, _ = storage_key(t)
             lst = names.setdefault(key, [])
             if not lst:
@@ -164,13 +164,17 @@ def census(namespace: dict | None = None) -> TensorCensus:
     started = time.perf_counter()
     ns = caller_namespace(namespace)
     walked: dict = {}
-    live = live_storages(walked)
-    names = _holders(ns, stats := {})
+    budget = NodeBudget()  # one budget for both walks of the graphs
+    live = live_storages(walked, budget)
+    names = _holders(ns, stats := {}, budget)
     notes = []
     if stats.get("truncated"):
         notes.append(f"holder names stop after {MAX_OBJECTS:,} objects of the namespace: some tensors show no name")
-    if walked.get("graph_truncated"):
-        notes.append(f"autograd graphs walked up to {MAX_GRAPH_NODES:,} nodes: activations past that are not counted")
+    if budget.stopped:
+        notes.append(
+            f"autograd graphs walked up to {MAX_GRAPH_NODES:,} live nodes (PyTorch crashes freeing much deeper "
+            "walked chains): activations past that are not counted"
+        )
     entries = []
     for key, v in live.items():
         t = v.tensor
