@@ -22,8 +22,11 @@ the tests. :func:`run_ddp_qlora` launches :func:`ddp_qlora_worker` and collects 
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from html import escape
@@ -103,6 +106,9 @@ class TrainingMemory:
         if self.deepspeed_gpu_bytes is not None:
             lines.append(f"  DeepSpeed's estimator for these model states: {format_bytes(self.deepspeed_gpu_bytes)}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
+        return self.__str__()
 
     def _repr_html_(self) -> str:
         html = table(["", "bytes per GPU", "note"], [[label, format_bytes(b), n] for _, label, b, n in self.rows],
@@ -216,29 +222,35 @@ def _lora_params(est) -> int:
 # ----------------------------------------------------------------------------- launching
 
 
-def launch(function, args: tuple = (), *, num_processes: int = 2) -> None:
+def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "auto") -> None:
     """Run ``function(*args)`` on ``num_processes`` processes, one per GPU (or gloo on CPU).
 
-    With GPUs this is accelerate's ``notebook_launcher``: it forks, so nothing may have touched CUDA
-    or imported bitsandbytes in this kernel yet (load models inside ``function``; on Kaggle restart
-    the kernel and run the launch cell first). Without a GPU it is ``debug_launcher``: CPU processes
-    joined by torch.distributed's gloo backend, the same DDP code path at CPU speed.
+    ``via``: ``"notebook"`` is accelerate's ``notebook_launcher`` (GPUs; it forks, so nothing in this
+    kernel may have touched CUDA yet), ``"debug"`` its ``debug_launcher`` (CPU processes joined by
+    gloo: the DDP code path at CPU speed), ``"subprocess"`` runs ``torchrun`` on
+    ``python -m helpers.distributed`` (any state of this kernel; ``function`` must be importable and
+    ``args`` JSON). ``"auto"``: debug without a GPU, notebook on fresh GPUs, else subprocess.
     """
     from accelerate import debug_launcher, notebook_launcher
 
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
-    if not torch.cuda.is_available():
-        debug_launcher(function, args, num_processes=num_processes)
-        return
-    if num_processes > torch.cuda.device_count():
+    if via == "auto":
+        fresh = not torch.cuda.is_initialized() and "bitsandbytes" not in sys.modules
+        via = "debug" if not torch.cuda.is_available() else ("notebook" if fresh else "subprocess")
+    if torch.cuda.is_available() and num_processes > torch.cuda.device_count():
         raise DistributedError(f"{num_processes} processes but {torch.cuda.device_count()} GPU(s); one process per GPU")
-    if torch.cuda.is_initialized():
-        raise DistributedError(
-            "CUDA is already initialised in this kernel, so the launcher cannot fork the GPU processes; "
-            "restart the kernel and run the launch cell before anything loads a model on the GPU"
-        )
-    notebook_launcher(function, args, num_processes=num_processes)
+    if via == "debug":
+        debug_launcher(function, args, num_processes=num_processes)
+    elif via == "notebook":
+        notebook_launcher(function, args, num_processes=num_processes)
+    elif via == "subprocess":
+        target = f"{function.__module__}:{function.__qualname__}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+               "-m", "helpers.distributed", target, json.dumps(list(args))]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    else:
+        raise DistributedError(f"unknown launcher {via!r}; use auto, notebook, debug or subprocess")
 
 
 @dataclass
@@ -334,6 +346,9 @@ class DDPRun:
         )
         return "\n".join([head, *(f"  {r}" for r in self.ranks)])
 
+    def __repr__(self) -> str:
+        return self.__str__()
+
     def _repr_html_(self) -> str:
         rows = [[r.rank, r.backend, r.device, f"{r.losses[0]:.3f} → {r.losses[-1]:.3f}", format_bytes(r.peak_rss),
                  format_bytes(r.cuda_peak) if r.cuda_peak is not None else "-", f"{r.seconds:.1f} s"] for r in self.ranks]  # fmt: skip
@@ -341,7 +356,9 @@ class DDPRun:
                      title=escape(str(self).splitlines()[0]))  # fmt: skip
 
 
-def run_ddp_qlora(model: str, out_dir: str | Path, *, num_processes: int = 2, **worker_kwargs) -> DDPRun:
+def run_ddp_qlora(
+    model: str, out_dir: str | Path, *, num_processes: int = 2, via: str = "auto", **worker_kwargs
+) -> DDPRun:
     """Launch :func:`ddp_qlora_worker` on ``num_processes`` processes and collect their reports."""
     out = Path(out_dir)
     for old in out.glob("rank*.json"):
@@ -355,8 +372,18 @@ def run_ddp_qlora(model: str, out_dir: str | Path, *, num_processes: int = 2, **
         "load": "nf4",
         **worker_kwargs,
     }
-    launch(ddp_qlora_worker, (str(model), str(out), *kwargs.values()), num_processes=num_processes)
+    launch(ddp_qlora_worker, (str(model), str(out), *kwargs.values()), num_processes=num_processes, via=via)
     files = sorted(out.glob("rank*.json"))
     if len(files) != num_processes:
         raise DistributedError(f"{len(files)} of {num_processes} ranks wrote a report to {out}; see the output above")
     return DDPRun([RankReport(**json.loads(f.read_text())) for f in files])
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m helpers.distributed module:function '<json args>'``: one rank, as torchrun starts it."""
+    module, _, name = argv[0].partition(":")
+    getattr(importlib.import_module(module), name)(*json.loads(argv[1]))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -528,6 +528,9 @@ class FitsTable:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
+        return self.__str__()
+
     def _repr_html_(self) -> str:
         title = "Llama 2 generating 512 + 256 tokens, batch 1 (fullest GPU's share of its memory)"
         return table(["model", "load", *self.machines], self.rows(), title=title)

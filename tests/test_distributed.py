@@ -68,3 +68,10 @@ def test_ddp_qlora_on_two_cpu_processes(tiny_llama, tmp_path):
     assert run.loss_fell and run.in_sync, str(run)
     assert all(r.peak_rss > 0 and len(r.rss) == 6 for r in run.ranks)
     assert "rank 1/2" in str(run) and "<table" in run._repr_html_()
+
+
+@pytest.mark.slow
+def test_ddp_through_torchrun(tiny_llama, tmp_path):
+    """The launcher a notebook falls back to once CUDA is initialised: torchrun on python -m helpers.distributed."""
+    run = run_ddp_qlora(str(tiny_llama), tmp_path, num_processes=2, via="subprocess", steps=3, seq_len=32)
+    assert len(run.ranks) == 2 and run.in_sync and run.loss_fell
