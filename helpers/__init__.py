@@ -25,6 +25,8 @@ _API: dict[str, str] = {
          "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
     **dict.fromkeys(["data_path", "shipped_configs"], "sources"),
     **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
+    **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable"], "placement"),
+    **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
     **dict.fromkeys(["LoadPanel"], "widgets"),
     **dict.fromkeys(["explain_oom", "is_oom", "OOMReport"], "oom"),
     **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),

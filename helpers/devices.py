@@ -17,7 +17,7 @@ from .vocab import supports_bf16
 
 __all__ = [
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "DeviceError", "resolve_device",
-    "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype",
+    "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype", "DEVICE_SETS", "resolve_devices",
 ]  # fmt: skip
 
 DEVICES: dict[str, dict[str, Any]] = {
@@ -30,6 +30,14 @@ DEVICES: dict[str, dict[str, Any]] = {
     "rtx3090": {"name": "NVIDIA GeForce RTX 3090", "capacity": 25_438_126_080, "bf16": True},
     "rtx4090": {"name": "NVIDIA GeForce RTX 4090", "capacity": 25_386_352_640, "bf16": True},
     "h100": {"name": "NVIDIA H100 80GB HBM3", "capacity": 85_045_477_376, "bf16": True},
+}
+# Machines with more than one GPU, as the presets above: what `plan_devices(devices=...)` takes by name
+DEVICE_SETS: dict[str, tuple[str, ...]] = {
+    "kaggle-2xt4": ("t4", "t4"),  # Kaggle's free "GPU T4 x2" accelerator
+    "2xl4": ("l4", "l4"),
+    "2xa100-80": ("a100-80", "a100-80"),
+    "4xa100-80": ("a100-80",) * 4,
+    "8xh100": ("h100",) * 8,
 }
 DEFAULT_DEVICE = "t4"  # oomkit plans for the free Colab GPU unless told otherwise
 
@@ -126,6 +134,49 @@ def resolve_device(device: Any) -> tuple[str, dict | None]:
     raise DeviceError(
         f"unknown device {str(device)[:60]!r}; use one of {', '.join(DEVICES)}, 'current', or a size such as 24GiB"
     )
+
+
+def _current_gpus() -> list[tuple[str, dict]]:
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        cap = (props.major, getattr(props, "minor", 0))
+        out.append(
+            (f"{i}: {props.name}", {"name": props.name, "capacity": props.total_memory, "bf16": supports_bf16(cap)})
+        )
+    return out
+
+
+def resolve_devices(devices: Any) -> list[tuple[str, dict]]:
+    """One ``(label, {'name', 'capacity', 'bf16'})`` per GPU, in index order, for a set of devices.
+
+    ``devices`` is ``"current"`` (every GPU this process sees; none on a CPU-only machine), a name
+    from ``DEVICE_SETS`` (``"kaggle-2xt4"``), one preset or size (one GPU), a list of presets or sizes
+    (``["t4", "t4"]``), or ``{index: bytes}`` (``{0: 15 * GiB, 1: 15 * GiB}``).
+    """
+    if isinstance(devices, str) and devices.lower().replace("_", "-") == "current":
+        return _current_gpus()
+    if isinstance(devices, str) and devices.lower().replace("_", "-").replace("×", "x") in DEVICE_SETS:
+        devices = list(DEVICE_SETS[devices.lower().replace("_", "-").replace("×", "x")])
+    if isinstance(devices, dict):
+        if sorted(devices) != list(range(len(devices))) or not devices:
+            raise DeviceError(f"a device dict is keyed 0, 1, ... (GPU indices), got keys {list(devices)}")
+        devices = [devices[i] for i in range(len(devices))]
+    if not isinstance(devices, list | tuple):
+        devices = [devices]
+    out = []
+    for i, d in enumerate(devices):
+        label, dev = resolve_device(d)
+        if dev is None:
+            raise DeviceError(f"device {i} is {d!r}: list GPUs only (CPU offload is plan_devices(cpu_offload=True))")
+        out.append((f"{i}: {label}", dev))
+    if not out:
+        raise DeviceError(
+            f"no GPU in {devices!r}; use {', '.join(DEVICE_SETS)}, a list such as ['t4', 't4'] or 'current'"
+        )
+    return out
 
 
 def bitsandbytes_status(device: str) -> tuple[bool, str]:

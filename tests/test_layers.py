@@ -20,8 +20,8 @@ LAYERS = [
     {"estimator"},
     {"oom"},
     {"retry", "generation", "loading"},
-    {"batch_size", "environment"},
-    {"evaluate", "finetune", "checkpoints", "monitor", "leaks", "testing"},
+    {"batch_size", "environment", "placement"},
+    {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},
     {"widgets", "cellstats"},
     {"cli", "__main__", "__init__"},
 ]

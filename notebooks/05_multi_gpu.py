@@ -1,0 +1,190 @@
+# ---
+# jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
+#     provenance: []
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · More than one GPU: Kaggle's 2×T4, device maps, CPU offload and DDP QLoRA
+#
+# When a model does not fit one T4, the next step is more cards: Kaggle gives two T4s free. This
+# notebook plans a model across them **before** loading anything (the device map transformers
+# will compute, each card's share of weights, KV cache and activations, what offload would cost),
+# loads with that plan, then fine-tunes with QLoRA on both cards with PyTorch DDP through
+# accelerate's launcher, memory reported per rank.
+#
+# Two different things "two GPUs" can mean: **splitting one model** (inference: layers 0-19 on GPU
+# 0, the rest on GPU 1; one card works at a time, so it holds a bigger model but is not faster) and
+# **data parallelism** (training: each card holds a whole copy and trains on its own batches;
+# ZeRO/FSDP shard the copies). Sections 2-5 are the first, 6-7 the second.
+#
+# Steps: preflight -> what fits where -> a 13B-class plan on 2×T4 -> training memory per strategy ->
+# plan your model -> load with the plan -> DDP QLoRA on every GPU -> cleanup.
+
+# %%
+# Install oomkit (in Colab only; locally the package is already installed by `make`).
+import sys
+
+from IPython import get_ipython
+
+if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
+    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+
+# %% tags=["parameters"]
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # the model to load and fine-tune (hub id or local path)
+LOAD = "nf4"  # nf4 (QLoRA), int8, fp16
+DEVICES = "kaggle-2xt4"  # what to plan for: "current" (this machine), "kaggle-2xt4", ["t4", "t4"], {0: bytes, ...}
+BIG_MODEL = "Llama-2-13b"  # the 13B-class model planned in section 3 (planning only: nothing is downloaded)
+CPU_RAM = 29 * 2**30  # RAM offered to offloaded layers (Kaggle: ~29 GiB; Colab free: ~12 GiB)
+FAKE_GPU_BYTES = None  # without a GPU: bytes of each pretend GPU for section 5 (None: 90 % of the weights + 1 GiB)
+DDP_PROCESSES = 2  # one per GPU (on a CPU: processes joined by gloo)
+DDP_STEPS = 30
+SEQ_LEN = 256
+LEARNING_RATE = 2e-4
+OUTPUT_DIR = "runs/05_multi_gpu"
+
+# %% [markdown]
+# ## 1. Preflight of every card
+# On Kaggle pick *Accelerator: GPU T4 x2*. Each GPU is listed with its capacity; the preflight
+# checks versions, bitsandbytes and whether the model fits one card.
+
+# %%
+# %load_ext helpers
+from helpers import format_bytes, preflight
+from helpers.devices import resolve_devices
+
+gpus = resolve_devices("current")
+for label, dev in gpus:
+    print(f"GPU {label}: {format_bytes(dev['capacity'])}, bf16 {'yes' if dev['bf16'] else 'no'}")
+if not gpus:
+    print("no GPU here: every plan below is for the devices named, on the meta device (nothing is loaded)")
+preflight(MODEL, load=LOAD, max_new_tokens=64)
+
+# %% [markdown]
+# ## 2. What fits where
+# Llama 2 at 7B, 13B and 70B in each load mode on a T4, Kaggle's two T4s, an L4 and an A100,
+# generating 512 + 256 tokens. Each cell is a full placement plan (section 3 shows one); the
+# percentage is the fullest GPU's share of its memory. No offload: offloaded layers cross PCIe on
+# every token (section 3, last plan).
+
+# %%
+from helpers import fits_table
+
+fits_table()
+
+# %% [markdown]
+# ## 3. A 13B-class model on two T4s
+# fp16 weights of a 13B model are 24 GiB: no single T4 holds them, two do. The plan is the device
+# map `from_pretrained(device_map="auto")` will compute (accelerate's placement, the model's
+# no-split decoder layers, bitsandbytes' 10 % margin), with each card's share of the weights, of
+# the KV cache (by the layers placed there) and of the activations.
+
+# %%
+from helpers import plan_devices
+from helpers.placement import reference_configs
+
+big = reference_configs()[BIG_MODEL]
+plan_devices(big, load="fp16", devices=DEVICES)
+
+# %% [markdown]
+# In 4 bits the same model fits one T4; across two it leaves each card most of its memory for
+# longer prompts and bigger batches:
+
+# %%
+plan_devices(big, load="nf4", devices=DEVICES)
+
+# %% [markdown]
+# And on **one** T4 in fp16 with CPU offload: it fits, at the price stated (every token copies the
+# offloaded layers over PCIe). int8 and 4-bit offload need `llm_int8_enable_fp32_cpu_offload`, and
+# 4-bit layers cannot go to disk: the plan refuses what transformers or bitsandbytes would refuse.
+
+# %%
+plan_devices(big, load="fp16", devices=["t4"], cpu_offload=True, cpu_memory=CPU_RAM)
+
+# %% [markdown]
+# ## 4. Training memory per strategy
+# Full fine-tuning keeps 16 bytes per parameter (16-bit weights and gradients, fp32 Adam states):
+# DDP copies all of it to every card, ZeRO-2 shards gradients and optimizer states, ZeRO-3/FSDP
+# shard the weights too. QLoRA trains only adapters on a frozen 4-bit base, which DDP replicates.
+
+# %%
+from helpers import training_memory
+
+for strategy in ("ddp", "zero2", "zero3"):
+    print(training_memory(big, strategy=strategy, world_size=2, device="t4"), end="\n\n")
+training_memory(big, strategy="ddp", world_size=2, qlora=True, seq_len=SEQ_LEN, device="t4")
+
+# %% [markdown]
+# ## 5. Plan the model you load
+# On a machine with GPUs this plans across them; without one, across pretend GPUs sized so the
+# model must be split (the same placement code, fed fake capacities through `max_memory`).
+
+# %%
+from helpers import GiB, estimate
+
+if gpus:
+    plan = plan_devices(MODEL, load=LOAD, devices="current")
+else:
+    weights = estimate(MODEL, load=LOAD, compute_dtype="fp16").weights
+    fake = FAKE_GPU_BYTES or int(weights * 0.9) + GiB  # 1 GiB kept free on each for the runtime
+    plan = plan_devices(MODEL, load=LOAD, devices=[fake, fake], headroom=GiB, compute_dtype="fp16")
+print(plan.summary)
+plan
+
+# %% [markdown]
+# ## 6. Load with the plan
+# `device_map` and `max_memory` go to `from_pretrained`; the report shows where the weights went.
+# Without a GPU the same split is loaded with every part on the CPU.
+
+# %%
+from helpers import LoadPlan, load
+
+device_map = plan.device_map if gpus else plan.cpu_device_map()
+model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, device_map=device_map,
+                                         max_memory=plan.max_memory if gpus else None))
+report
+
+# %%
+from helpers import free
+
+free("model")  # the training below loads its own copy in every process
+
+# %% [markdown]
+# ## 7. QLoRA with DDP on every GPU
+# Each process loads the 4-bit model on its own GPU, trains the LoRA adapters on its shard of the
+# data, and DDP averages the gradients, so the adapters stay identical on every rank. From a
+# notebook, accelerate's `notebook_launcher` forks one process per GPU, which works only before
+# this kernel touches CUDA; after sections 1-6 `launch` runs `torchrun` instead. Without a GPU the
+# processes are joined by gloo on the CPU: the same DDP path, at CPU speed.
+
+# %%
+import torch
+
+from helpers.distributed import run_ddp_qlora
+
+n = min(DDP_PROCESSES, torch.cuda.device_count()) if gpus else DDP_PROCESSES
+run = run_ddp_qlora(MODEL, OUTPUT_DIR, num_processes=n, steps=DDP_STEPS, seq_len=SEQ_LEN, learning_rate=LEARNING_RATE)
+print(run)
+run
+
+# %% [markdown]
+# ## 8. Cleanup
+
+# %%
+from helpers import cleanup
+
+cleanup()

@@ -1,0 +1,135 @@
+"""plan_devices: the device map transformers/accelerate compute, per-device bytes, bitsandbytes' rules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import GiB, estimate
+from helpers.devices import DeviceError, resolve_devices
+from helpers.estimator import resolve_config
+from helpers.placement import PlacementError, fits_table, placement_model, plan_devices, reference_configs
+from helpers.sources import shipped_configs
+from helpers.vocab import torch_dtype
+
+SHIPPED = sorted(shipped_configs())
+
+
+HEADROOM = GiB  # bytes every fake GPU keeps for the runtime
+
+
+def _split_capacity(model: str, load: str) -> int:
+    """A fake GPU that holds about 3/4 of the model's weights (at least 1.5x its largest tensor) plus the headroom."""
+    w = estimate(model, load=load, compute_dtype="fp16").weights
+    config, _, _ = resolve_config(model)
+    largest = max(p.numel() * 2 for p in placement_model(config, load, torch.float16)[0].parameters())
+    return int(max(w * 0.75, largest * 1.5)) + HEADROOM
+
+
+def _accelerate_map(plan, model: str):
+    """accelerate.utils.infer_auto_device_map on the same meta model, quantized sizes and max_memory."""
+    from accelerate.utils import CustomDtype, infer_auto_device_map
+
+    config, _, _ = resolve_config(model)
+    meta, quantized = placement_model(config, plan.load, torch_dtype(plan.compute_dtype))
+    target = torch.int8 if plan.load == "int8" else CustomDtype.INT4
+    special = {n: target for n, p in meta.named_parameters() if id(p) in quantized} or None
+    no_split = list(meta._no_split_modules)
+    return dict(infer_auto_device_map(meta, max_memory=dict(plan.placed_max_memory),
+                                      no_split_module_classes=no_split, special_dtypes=special))  # fmt: skip
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+@pytest.mark.parametrize("load", ["fp16", "nf4"])
+def test_plan_matches_accelerate_and_sums_to_the_estimate(model, load):
+    cap = _split_capacity(model, load)
+    plan = plan_devices(model, load=load, devices={0: cap, 1: cap}, compute_dtype="fp16",
+                        headroom=HEADROOM)  # fmt: skip
+    assert plan.device_map == _accelerate_map(plan, model)
+    assert sum(s.weights for s in plan.shares) == estimate(model, load=load, compute_dtype="fp16").weights
+    assert plan.fits, plan.reasons
+    assert {0, 1} <= set(plan.device_map.values()), "fake capacities this small must split the model"
+
+
+@pytest.mark.parametrize("load", ["fp16", "int8", "nf4"])
+@pytest.mark.parametrize("model", ["meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-0.5B"])
+def test_plan_is_the_map_from_pretrained_computes(model, load):
+    """transformers' own path: its quantizer swaps the linears on the meta model, then _get_device_map."""
+    pytest.importorskip("transformers.integrations.accelerate")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.integrations.accelerate import _get_device_map
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    cap = _split_capacity(model, load)
+    plan = plan_devices(model, load=load, devices=[cap, cap], compute_dtype="fp16", headroom=HEADROOM)
+    qc = {"int8": BitsAndBytesConfig(load_in_8bit=True), "nf4": BitsAndBytesConfig(load_in_4bit=True)}.get(load)
+    config, _, _ = resolve_config(model)
+    hq, config, _ = get_hf_quantizer(copy.deepcopy(config), qc, "auto", True, {})
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    if hq is not None:
+        hq.preprocess_model(
+            model=meta, dtype=torch.float16, device_map="auto", checkpoint_files=None, use_kernels=False
+        )
+    assert plan.device_map == dict(_get_device_map(meta, "auto", dict(plan.max_memory), hq))
+
+
+def test_kv_cache_follows_the_layers_and_sums_to_the_estimate():
+    model = "meta-llama/Llama-2-7b-hf"
+    plan = plan_devices(model, load="fp16", devices="kaggle-2xt4")
+    est = estimate(model, load="fp16")
+    assert sum(s.layers for s in plan.gpus) == 32
+    assert sum(s.kv_cache for s in plan.gpus) == est.group_bytes("kv_cache")
+    assert plan.fits and len(plan.crossings) == 1
+    assert set(plan.max_memory) == {0, 1} and plan.from_pretrained_kwargs()["device_map"] == plan.device_map
+
+
+def test_overflow_without_offload_is_refused_with_a_fix():
+    plan = plan_devices("meta-llama/Llama-2-7b-hf", load="fp16", devices=["t4"], max_new_tokens=4096)
+    assert not plan.fits and "do not fit" in plan.reasons[0]
+    assert "int8" in plan.fixes[0] and "cpu_offload=True" in plan.fixes[0]
+
+
+def test_int8_cpu_offload_sets_the_bitsandbytes_flag():
+    plan = plan_devices("meta-llama/Llama-2-7b-hf", load="int8", devices=["t4"], cpu_offload=True,
+                        cpu_memory=20 * GiB, headroom=9 * GiB)  # fmt: skip
+    assert plan.fits, plan.reasons
+    assert plan.offloaded("cpu") > 0 and "ms/token" in plan.slowdown
+    assert plan.quantization_changes == {"llm_int8_enable_fp32_cpu_offload": True}
+
+
+def test_4bit_disk_offload_is_refused():
+    plan = plan_devices(reference_configs()["Llama-2-70b"], load="nf4", devices="kaggle-2xt4", cpu_offload=True,
+                        disk_offload=True, cpu_memory=4 * GiB)  # fmt: skip
+    assert plan.offloaded("disk") > 0
+    assert any("cannot be offloaded to disk" in r for r in plan.reasons)
+    assert "<b>refused</b>" in plan._repr_html_()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans this machine's GPUs")
+def test_no_gpu_plans_everything_on_the_cpu(tiny_llama):
+    plan = plan_devices(str(tiny_llama), load="fp32", devices="current", cpu_memory=GiB)
+    assert plan.device_map == {"": "cpu"} and plan.fits and plan.offloaded("cpu") == plan.weights
+
+
+def test_resolve_devices():
+    assert [d["capacity"] for _, d in resolve_devices("kaggle-2xt4")] == [15_828_320_256] * 2
+    assert len(resolve_devices(["t4", "l4"])) == 2
+    assert resolve_devices({0: 2 * GiB, 1: 3 * GiB})[1][1]["capacity"] == 3 * GiB
+    with pytest.raises(DeviceError, match="keyed 0, 1"):
+        resolve_devices({1: 2 * GiB})
+    with pytest.raises(DeviceError, match="list GPUs only"):
+        resolve_devices(["t4", "cpu"])
+    with pytest.raises(PlacementError):
+        plan_devices("meta-llama/Llama-2-7b-hf", load="int4", devices="t4")
+
+
+def test_fits_table_knows_the_classics():
+    table = fits_table(loads=("nf4", "fp16"), machines={"T4": ["t4"], "2×T4": "kaggle-2xt4"})
+    assert table.cell("Llama-2-13b", "nf4", "T4").startswith("fits")
+    assert table.cell("Llama-2-13b", "fp16", "T4") == "no"
+    assert table.cell("Llama-2-13b", "fp16", "2×T4").startswith("fits")
+    assert table.cell("Llama-2-70b", "nf4", "2×T4") == "no"
+    assert "| 13b | nf4 |" in table.markdown() and "<table" in table._repr_html_()
