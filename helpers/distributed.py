@@ -27,6 +27,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from html import escape
@@ -229,15 +230,22 @@ def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "au
     kernel may have touched CUDA yet), ``"debug"`` its ``debug_launcher`` (CPU processes joined by
     gloo: the DDP code path at CPU speed), ``"subprocess"`` runs ``torchrun`` on
     ``python -m helpers.distributed`` (any state of this kernel; ``function`` must be importable and
-    ``args`` JSON). ``"auto"``: debug without a GPU, notebook on fresh GPUs, else subprocess.
+    ``args`` JSON). ``"auto"``: debug without a GPU, notebook on fresh GPUs, subprocess once CUDA, bitsandbytes
+    or other threads make a fork unsafe.
     """
     from accelerate import debug_launcher, notebook_launcher
 
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
     if via == "auto":
+        # both launchers fork: a fork of a process with other threads running (a sampler, tqdm's
+        # monitor, a kernel's heartbeat) can leave a child dead or deadlocked, so then use torchrun
+        quiet = threading.active_count() == 1
         fresh = not torch.cuda.is_initialized() and "bitsandbytes" not in sys.modules
-        via = "debug" if not torch.cuda.is_available() else ("notebook" if fresh else "subprocess")
+        if not torch.cuda.is_available():
+            via = "debug" if quiet else "subprocess"
+        else:
+            via = "notebook" if fresh and quiet else "subprocess"
     if torch.cuda.is_available() and num_processes > torch.cuda.device_count():
         raise DistributedError(f"{num_processes} processes but {torch.cuda.device_count()} GPU(s); one process per GPU")
     if via == "debug":
