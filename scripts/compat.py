@@ -36,11 +36,12 @@ TORCH = "torch==2.13.0"  # the CPU wheel; never let pip resolve torch freely (CU
 PACKAGES = ["transformers", "accelerate", "peft", "bitsandbytes"]
 
 # The lowest releases that pass; pyproject.toml's lower bounds are these (test_install checks they agree).
-# transformers 5.0 is the floor: the estimator measures quantized layouts with
-# transformers.quantizers.quantizers_utils.should_convert_module (new in 5.0), and 5.0 itself needs
-# peft >= 0.18; it calls accelerate.utils.modeling.get_module_size_with_ties (new in accelerate 1.2). bitsandbytes below 0.48 has no CPU kernels (int8/nf4 tests fail).
+# transformers < 5.0 lacks quantizers_utils.should_convert_module (the estimator's layout), and 5.0.0
+# counts tied embeddings differently (estimates off by the embedding); 5.1.0 passes. accelerate < 1.2
+# lacks utils.modeling.get_module_size_with_ties, which transformers 5 imports. peft 0.18 is the
+# oldest transformers 5 accepts. bitsandbytes < 0.48 has no CPU kernels (the int8/nf4 tests fail).
 LOW = {
-    "transformers": "5.0.0",
+    "transformers": "5.1.0",
     "accelerate": "1.2.0",
     "peft": "0.18.0",
     "bitsandbytes": "0.48.0",
@@ -173,7 +174,7 @@ def run_notebooks_here(directory: Path, names: list[str] | None = None, timeout:
         origin = next((ln.split(MARKER, 1)[1] for ln in text.splitlines() if MARKER in ln), "?")
         if errors:
             raise RuntimeError(f"{stem}[{name}]: error output {errors[0].get('ename')}: {errors[0].get('evalue')}")
-        if origin.startswith(str(REPO) + os.sep) or origin == "?":
+        if origin == "?" or Path(origin).is_relative_to(REPO / "helpers"):
             raise RuntimeError(f"{stem}[{name}]: helpers was imported from {origin}, not from an installed package")
         lines.append(f"ok {stem}[{name}] {time.perf_counter() - started:.1f} s helpers from {origin}")
     return lines
@@ -216,8 +217,9 @@ def prepare(env: Env, wheel: Path, log) -> str:
         venv.EnvBuilder(with_pip=True).create(env.path)
     pip = [env.python, "-m", "pip", "install", "-q"]
     if fresh or env.upgrade:
-        # torch is named with its pin in the same command, so the resolver can never move it
-        run([*pip, *(["-U"] if env.upgrade else []), *env.requirements], stdout=log, stderr=log)
+        # torch is named with its pin in the same command, so the resolver can never move it; the
+        # wheel brings oomkit's other dependencies (the newest its ranges allow)
+        run([*pip, *(["-U"] if env.upgrade else []), *env.requirements, wheel], stdout=log, stderr=log)
         stamp.write_text(env.key())
     run([*pip, "--force-reinstall", "--no-deps", wheel], stdout=log, stderr=log)
     found = subprocess.run(

@@ -209,7 +209,7 @@ def test_wheel_runs_every_notebook_from_an_empty_directory(wheel, tmp_path, tiny
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) == len(_compat_script().notebook_runs(None, REPO, work))
     assert all(f"helpers from {target}" in ln for ln in lines), done.stdout
-    assert sorted(p.name for p in work.glob("*.ipynb") if not p.name.endswith(".out.ipynb")) == sorted(
+    assert sorted(p.name for p in work.glob("[!.]*.ipynb") if not p.name.endswith(".out.ipynb")) == sorted(
         p.name for p in (REPO / "notebooks").glob("*.ipynb")
     )
 
@@ -247,4 +247,4 @@ def test_installing_beside_another_torch_leaves_it_alone(wheel, tmp_path, colab_
     }
     assert "transformers" in installs, "the resolver did not run over oomkit's dependencies"
     assert "torch" not in installs, f"pip would replace Colab's torch {colab_torch} with {installs.get('torch')}"
-    assert not any(name.startswith("nvidia-") for name in installs), "pip would pull CUDA wheels"
+    assert not any(n.startswith("nvidia-") and n != "nvidia-ml-py" for n in installs), "pip would pull CUDA wheels"
