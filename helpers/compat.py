@@ -8,7 +8,7 @@ newest). Code elsewhere asks this module instead of comparing versions itself:
   (an unknown keyword is silently ignored by old releases, so an fp16 plan would load fp32).
 - :func:`trainer_tokenizer_kwarg`: ``Trainer(processing_class=)`` since transformers 4.46, ``tokenizer=`` before.
 - :data:`OutOfMemoryError`: ``torch.OutOfMemoryError`` since torch 2.5, ``torch.cuda.OutOfMemoryError`` before.
-- :func:`bitsandbytes_runs_on_cpu`: bitsandbytes >= 0.48 ships CPU kernels for int8 and 4-bit.
+- :func:`bitsandbytes_runs_on_cpu`: bitsandbytes 0.48 (the oldest tested) runs int8 and 4-bit on the CPU; 0.45 does not.
 
 Bottom layer: imports nothing from ``helpers``.
 """

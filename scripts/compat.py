@@ -39,7 +39,8 @@ PACKAGES = ["transformers", "accelerate", "peft", "bitsandbytes"]
 # transformers < 5.0 lacks quantizers_utils.should_convert_module (the estimator's layout), and 5.0.0
 # counts tied embeddings differently (estimates off by the embedding); 5.1.0 passes. accelerate < 1.2
 # lacks utils.modeling.get_module_size_with_ties, which transformers 5 imports. peft 0.18 is the
-# oldest transformers 5 accepts. bitsandbytes < 0.48 has no CPU kernels (the int8/nf4 tests fail).
+# oldest transformers 5 accepts. bitsandbytes 0.45 has no CPU kernels (the int8/nf4 tests fail); 0.48 passes
+# (0.46 and 0.47 were not tried).
 LOW = {
     "transformers": "5.1.0",
     "accelerate": "1.2.0",
