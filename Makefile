@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
 CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
-.PHONY: setup demo test test-browser bench docs lint format sync-notebooks clean gpu-check gpu-wheels
+.PHONY: setup demo test test-compat test-browser bench docs lint format sync-notebooks clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ demo: setup $(TINY)
 
 test: setup $(TINY)
 	$(BIN)/python -m pytest -q
+
+# The compatibility matrix: the built wheel in fresh virtualenvs cached under .compat/ (kept between
+# runs), at the lowest transformers/accelerate/peft/bitsandbytes that pyproject.toml claims and at the
+# newest releases, torch 2.13.0 CPU in both; a fast CPU test subset and one notebook in each, then a table.
+test-compat: setup $(TINY)
+	$(BIN)/python scripts/compat.py matrix
 
 # JupyterLab + headless Chromium (opt-in: `make test` deselects the `browser` marker). Debian's
 # Chromium, installed when missing (needs root, as in CI); the whole run is bounded in time.
@@ -69,7 +75,7 @@ sync-notebooks: setup
 	$(BIN)/python scripts/strip_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf runs data/tiny
+	rm -rf runs data/tiny .compat
 
 # GPU truth (docs/gpu_check.md): every CUDA path on a real GPU capped to a T4, resumable by stage.
 # `make gpu-check DRY=1` rehearses every stage on the CPU with the tiny model (CI runs it in the tests).

@@ -23,6 +23,7 @@ import torch
 
 from . import devices, generation
 from .checks import Check
+from .compat import from_pretrained_dtype
 from .devices import bitsandbytes_status, device_kind
 from .errors import OomkitError
 from .estimator import estimate as estimate_memory
@@ -182,7 +183,10 @@ class LoadPlan:
         Uses the current API: ``quantization_config=BitsAndBytesConfig(...)`` and ``dtype=``
         (not the deprecated ``load_in_8bit=`` / ``torch_dtype=`` keywords of older guides).
         """
-        kwargs: dict[str, Any] = {"dtype": self.weights_dtype(device), "trust_remote_code": self.trust_remote_code}
+        kwargs: dict[str, Any] = {
+            **from_pretrained_dtype(self.weights_dtype(device)),
+            "trust_remote_code": self.trust_remote_code,
+        }
         if self.device_map is not None:
             kwargs["device_map"] = self.device_map
         qc = self.quantization_config(device)

@@ -42,6 +42,12 @@ from IPython import get_ipython
 if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
     get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
 
+from helpers import configure_allocator, gpu_notice  # noqa: E402
+
+configure_allocator()  # expandable segments, set before anything touches CUDA (else it needs a restart)
+if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
+    print(notice)
+
 # %% tags=["parameters"]
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path of the base model
 LOAD = "nf4"  # nf4 for QLoRA; fp16/bf16 for plain LoRA (needs far more memory)

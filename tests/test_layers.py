@@ -15,7 +15,7 @@ LAYERS = [
     {"units", "errors"},
     {"html", "vocab"},
     {"devices", "checks"},
-    {"memory", "session"},
+    {"memory", "session", "compat", "runtime"},
     {"sources", "reclaim", "tensors"},
     {"estimator"},
     {"oom"},

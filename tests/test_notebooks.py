@@ -52,3 +52,4 @@ def test_notebook_opens_on_a_colab_gpu_with_the_oom_safety_net_on(path):
     assert nb["metadata"].get("colab", {}).get("gpuType") == "T4"
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("%load_ext helpers" in src for src in code[:4]), "turn the OOM handler on before the first load"
+    assert "configure_allocator()" in code[0], "expandable segments must be set before anything touches CUDA"

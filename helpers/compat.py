@@ -1,0 +1,67 @@
+"""Every difference between the library versions oomkit accepts, in one place.
+
+oomkit runs on whatever torch / transformers / accelerate / peft / bitsandbytes a Colab runtime
+already has (``pyproject.toml`` holds the ranges; ``make test-compat`` runs the lowest and the
+newest). Code elsewhere asks this module instead of comparing versions itself:
+
+- :func:`from_pretrained_dtype`: transformers < 4.56 takes ``torch_dtype=``, newer ones ``dtype=``
+  (an unknown keyword is silently ignored by old releases, so an fp16 plan would load fp32).
+- :func:`trainer_tokenizer_kwarg`: ``Trainer(processing_class=)`` since transformers 4.46, ``tokenizer=`` before.
+- :data:`OutOfMemoryError`: ``torch.OutOfMemoryError`` since torch 2.5, ``torch.cuda.OutOfMemoryError`` before.
+- :func:`bitsandbytes_runs_on_cpu`: bitsandbytes 0.48 (the oldest tested) runs int8 and 4-bit on the CPU; 0.45 does not.
+
+Bottom layer: imports nothing from ``helpers``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import torch
+
+__all__ = [
+    "version", "at_least", "DTYPE_KWARG_SINCE", "PROCESSING_CLASS_SINCE", "BNB_CPU_SINCE",
+    "dtype_kwarg", "from_pretrained_dtype", "trainer_tokenizer_kwarg", "OutOfMemoryError", "bitsandbytes_runs_on_cpu",
+]  # fmt: skip
+
+DTYPE_KWARG_SINCE = (4, 56)  # transformers: from_pretrained(dtype=) replaced torch_dtype=
+PROCESSING_CLASS_SINCE = (4, 46)  # transformers: Trainer(processing_class=) replaced tokenizer=
+BNB_CPU_SINCE = (0, 48)  # bitsandbytes: int8 / 4-bit kernels on the CPU
+
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def version(dist: str) -> tuple[int, ...] | None:
+    """The installed release of ``dist`` as numbers (``"4.45.0.dev0"`` -> ``(4, 45, 0)``); ``None`` if missing."""
+    try:
+        text = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0].split("dev")[0])[:3])
+
+
+def at_least(dist: str, minimum: tuple[int, ...]) -> bool:
+    """True when ``dist`` is installed at ``minimum`` or newer."""
+    found = version(dist)
+    return found is not None and found >= minimum
+
+
+def dtype_kwarg() -> str:
+    """The ``from_pretrained`` keyword for the weights' dtype in the installed transformers."""
+    return "dtype" if at_least("transformers", DTYPE_KWARG_SINCE) else "torch_dtype"
+
+
+def from_pretrained_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``{"dtype": dtype}`` or, for transformers < 4.56, ``{"torch_dtype": dtype}``."""
+    return {dtype_kwarg(): dtype}
+
+
+def trainer_tokenizer_kwarg() -> str:
+    """The ``Trainer`` keyword that takes the tokenizer: ``processing_class`` or (before 4.46) ``tokenizer``."""
+    return "processing_class" if at_least("transformers", PROCESSING_CLASS_SINCE) else "tokenizer"
+
+
+def bitsandbytes_runs_on_cpu() -> bool:
+    """Whether the installed bitsandbytes has CPU kernels (int8 / nf4 without a GPU)."""
+    return at_least("bitsandbytes", BNB_CPU_SINCE)

@@ -1,0 +1,250 @@
+"""How Colab gets oomkit: the built wheel, the version ranges, the restart and no-GPU flows.
+
+- the wheel, installed away from the repo, runs every notebook from an empty directory (slow);
+- installing it beside a torch of another version leaves that torch alone (``pip --dry-run --report``, slow);
+- ``pyproject.toml``'s lower bounds are the ones ``make test-compat`` runs, and Python is not capped;
+- :mod:`helpers.compat` picks the right keyword for the installed transformers;
+- :mod:`helpers.runtime` sets the allocator before CUDA starts, and says when a restart is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import compat, runtime
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = (REPO / "pyproject.toml").read_text()
+
+
+@functools.cache
+def _compat_script():
+    spec = importlib.util.spec_from_file_location("oomkit_compat_script", REPO / "scripts" / "compat.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bound(package: str) -> str | None:
+    m = re.search(rf'"{re.escape(package)}>=([^",;]+)', PYPROJECT)
+    return m.group(1) if m else None
+
+
+# ----------------------------------------------------------------------------- ranges
+
+
+def test_no_python_upper_cap():
+    requires = re.search(r'requires-python\s*=\s*"([^"]+)"', PYPROJECT).group(1)
+    assert "<" not in requires, f"requires-python {requires!r} caps Python: pip would refuse a newer runtime"
+
+
+@pytest.mark.skipif(not (REPO / "scripts" / "compat.py").exists(), reason="runs from a source checkout")
+def test_lower_bounds_are_the_tested_ones():
+    low = _compat_script().LOW
+    for package, version in low.items():
+        assert _bound(package) == version, f"pyproject says {package}>={_bound(package)}, the matrix tests {version}"
+
+
+# ----------------------------------------------------------------------------- version shims
+
+
+@pytest.mark.parametrize(
+    ("transformers", "keyword", "tokenizer_keyword"),
+    [("4.45.0", "torch_dtype", "tokenizer"), ("4.46.3", "torch_dtype", "processing_class"), ("4.56.0", "dtype", "processing_class"), ("5.23.0", "dtype", "processing_class")],
+)  # fmt: skip
+def test_keywords_follow_the_installed_transformers(monkeypatch, transformers, keyword, tokenizer_keyword):
+    real = compat.importlib.metadata.version
+    monkeypatch.setattr(
+        compat.importlib.metadata, "version", lambda d: transformers if d == "transformers" else real(d)
+    )
+    assert compat.from_pretrained_dtype(torch.float16) == {keyword: torch.float16}
+    assert compat.trainer_tokenizer_kwarg() == tokenizer_keyword
+
+
+def test_load_plan_uses_the_keyword_this_transformers_reads():
+    from helpers import LoadPlan
+
+    kwargs = LoadPlan("some/model", load="fp16").from_pretrained_kwargs(device="t4")
+    assert kwargs[compat.dtype_kwarg()] == torch.float16
+    assert ("torch_dtype" in kwargs) != ("dtype" in kwargs)
+
+
+def test_fp16_plan_really_loads_fp16(tiny_llama):
+    """The failure the shim prevents: an unknown keyword silently loading fp32."""
+    from helpers import LoadPlan, load
+
+    model, _, _ = load(LoadPlan(str(tiny_llama), load="fp16", device_map=None))
+    assert next(model.parameters()).dtype == torch.float16
+
+
+def test_version_parsing():
+    assert compat.version("torch")[:2] == tuple(int(p) for p in torch.__version__.split(".")[:2])
+    assert compat.version("surely-not-installed-oomkit-xyz") is None
+    assert compat.OutOfMemoryError is torch.cuda.OutOfMemoryError or issubclass(compat.OutOfMemoryError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- restart and no-GPU flows
+
+
+@pytest.fixture
+def clean_runtime(monkeypatch):
+    monkeypatch.delenv(runtime.ALLOC_CONF, raising=False)
+    monkeypatch.setattr(runtime, "_set_before_cuda", set())
+    monkeypatch.setattr(runtime, "_start_environment", lambda: {})
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    return monkeypatch
+
+
+def test_configure_allocator_before_cuda_sets_it(clean_runtime):
+    clean_runtime.setenv(runtime.ALLOC_CONF, "max_split_size_mb:128")
+    done = runtime.configure_allocator()
+    assert (done.action, done.needs_restart) == ("set", False)
+    assert os.environ[runtime.ALLOC_CONF] == "max_split_size_mb:128,expandable_segments:True"
+    clean_runtime.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA starts afterwards
+    assert not runtime.needs_restart_for("expandable_segments:True")
+    assert runtime.configure_allocator().action == "already set"
+
+
+def test_configure_allocator_replaces_a_contrary_value(clean_runtime):
+    clean_runtime.setenv(runtime.ALLOC_CONF, "expandable_segments:False")
+    assert runtime.configure_allocator().value == "expandable_segments:True"
+
+
+def test_configure_allocator_after_cuda_changes_nothing_and_says_restart(clean_runtime):
+    clean_runtime.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert runtime.cuda_initialized()
+    done = runtime.configure_allocator()
+    assert (done.action, done.needs_restart) == ("too late", True)
+    assert runtime.ALLOC_CONF not in os.environ
+    assert runtime.RESTART_MENU in done.message
+
+
+def test_setting_made_after_cuda_started_needs_a_restart(clean_runtime):
+    clean_runtime.setattr(torch.cuda, "is_initialized", lambda: True)
+    clean_runtime.setenv(runtime.ALLOC_CONF, "expandable_segments:True")  # os.environ[...] = ... in a later cell
+    check = runtime.needs_restart_for("expandable_segments:True")
+    assert check.needed and "after CUDA initialized" in check.reason and runtime.RESTART_MENU in check.fix
+    assert "restart needed" in str(check)
+    assert runtime.configure_allocator().needs_restart
+
+
+def test_setting_from_the_start_environment_is_in_effect(clean_runtime):
+    clean_runtime.setattr(torch.cuda, "is_initialized", lambda: True)
+    clean_runtime.setenv(runtime.ALLOC_CONF, "expandable_segments:True")
+    clean_runtime.setattr(runtime, "_start_environment", lambda: {runtime.ALLOC_CONF: "expandable_segments:True"})
+    assert not runtime.needs_restart_for("expandable_segments:True").needed
+
+
+def test_missing_setting_before_cuda_is_not_yet_a_restart(clean_runtime):
+    assert not runtime.needs_restart_for("expandable_segments:True").needed
+    clean_runtime.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert runtime.needs_restart_for("expandable_segments:True").needed
+
+
+def test_start_environment_reads_this_process():
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("no /proc")
+    assert runtime._start_environment().get("PATH") == os.environ.get("PATH") or "PATH" in runtime._start_environment()
+
+
+def test_no_gpu_notice_names_the_menu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.GPU_MENU in runtime.gpu_notice()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime.gpu_notice() is None
+
+
+# ----------------------------------------------------------------------------- the built wheel
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    if not (REPO / "helpers").is_dir():
+        pytest.skip("builds the wheel from a source checkout (make test-compat runs the tests without helpers/)")
+    return _compat_script().build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_holds_the_package_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "helpers/compat.py" in names and "helpers/runtime.py" in names
+    assert any(n.startswith("helpers/data/configs/") and n.endswith(".json") for n in names)
+    assert {"helpers/data/instructions.jsonl", "helpers/data/eval_prompts.jsonl"} <= set(names)
+
+
+@pytest.mark.slow
+def test_wheel_runs_every_notebook_from_an_empty_directory(wheel, tmp_path, tiny_models):
+    """The way Colab runs them: the wheel installed in a fresh venv, only the .ipynb files beside them."""
+    venv_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv_dir], check=True)
+    python = venv_dir / "bin" / "python"
+    target = _compat_script().site_packages(python)
+    # the wheel's files go into the new venv; its dependencies come from this environment, as a
+    # plain path entry (not a site dir, so this environment's editable oomkit is never seen)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", target, wheel],
+        check=True,
+    )
+    (target / "zz_oomkit_dependencies.pth").write_text(str(_compat_script().site_packages(sys.executable)) + "\n")
+    work = tmp_path / "empty"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OOMKIT_TINY"] = str(next(iter(tiny_models.values())).parent)
+    done = subprocess.run(
+        [python, REPO / "scripts" / "compat.py", "notebooks", work],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ok ")]
+    assert len(lines) == len(_compat_script().notebook_runs(None, REPO, work))
+    assert all(f"helpers from {target}" in ln for ln in lines), done.stdout
+    assert sorted(p.name for p in work.glob("[!.]*.ipynb") if not p.name.endswith(".out.ipynb")) == sorted(
+        p.name for p in (REPO / "notebooks").glob("*.ipynb")
+    )
+
+
+def _fake_torch_wheel(directory: Path, version: str) -> Path:
+    """A wheel named torch with no code: stands for the torch a Colab runtime already has."""
+    dist = f"torch-{version}.dist-info"
+    path = directory / f"torch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(
+            f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: oomkit-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{dist}/RECORD", f"{dist}/METADATA,,\n{dist}/WHEEL,,\n{dist}/RECORD,,\n")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("colab_torch", ["2.5.1"])
+def test_installing_beside_another_torch_leaves_it_alone(wheel, tmp_path, colab_torch):
+    venv_dir = tmp_path / "colab"
+    subprocess.run([sys.executable, "-m", "venv", venv_dir], check=True)
+    pip = [venv_dir / "bin" / "python", "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", "--no-deps", _fake_torch_wheel(tmp_path, colab_torch)], check=True)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [*pip, "install", "--dry-run", "--quiet", "--report", report, wheel],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    installs = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
+    assert "transformers" in installs, "the resolver did not run over oomkit's dependencies"
+    assert "torch" not in installs, f"pip would replace Colab's torch {colab_torch} with {installs.get('torch')}"
+    assert not any(n.startswith("nvidia-") and n != "nvidia-ml-py" for n in installs), "pip would pull CUDA wheels"
