@@ -36,7 +36,7 @@ from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .html import Markup, table
 from .loading import DISK_BYTES_PER_S, GPU_MARGIN, OFFLOAD_RAM_SHARE, PCIE_BYTES_PER_S
 from .units import format_bytes, parse_bytes
-from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, torch_dtype
+from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, torch_dtype, verdict
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "plan_devices", "placement_model", "element_sizes",
@@ -511,7 +511,7 @@ class FitsTable:
         if not p.fits:
             return "no"
         fullest = max(p.gpus, key=lambda s: s.total / s.capacity)
-        return f"fits ({fullest.total / fullest.capacity:.0%})"
+        return f"{verdict(fullest.total, fullest.capacity)} ({fullest.total / fullest.capacity:.0%})"  # fits / tight
 
     def rows(self) -> list[list[str]]:
         return [[m.replace("Llama-2-", ""), ld, *(self.cell(m, ld, d) for d in self.machines)]

@@ -62,3 +62,13 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{md.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_fits_table_is_what_fits_table_computes():
+    from helpers.placement import fits_table
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = readme.split("<!-- fits:start", 1)[1].split("-->", 1)[1].split("<!-- fits:end -->", 1)[0]
+    assert table.strip() == fits_table().markdown().strip(), (
+        "README's GPU table is stale: paste fits_table().markdown()"
+    )
