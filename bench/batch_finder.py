@@ -1,10 +1,25 @@
-"""How close to the largest batch that fits each search gets, and how many tries (and OOMs) it spends.
+"""How close to the largest batch that fits each search gets, how many tries (and OOMs) it spends,
+and what it hands back after its default safety margin.
 
-Ours (``helpers.batch_size.find_max_batch_size``, and ``@adaptive_batch``'s first call) against
-accelerate's real ``find_executable_batch_size`` (imported), over 200 seeded random cases whose
-memory is a known function of the batch (``a * b + c``, or with an attention-like ``q * b**2`` term);
-a step raises ``torch.OutOfMemoryError`` past the budget. accelerate starts at the limit (its usual
-use: "start at the biggest batch you would want"); ours searches from 1 below the same limit.
+Over 200 seeded random cases whose memory is a known function of the batch (``a * b + c``, or with
+an attention-like ``q * b**2`` term), a step raises ``torch.OutOfMemoryError`` past the budget; a
+batch larger than the case's ``limit`` (the dataset size) runs as the whole dataset. Contenders:
+
+- oomkit ``find_max_batch_size(step, limit=...)`` with its defaults (exact bisection, margin 0.9),
+  and with ``tolerance=0.92`` (the default before issue 17);
+- oomkit ``@adaptive_batch(start=limit)``'s first call;
+- accelerate's real ``find_executable_batch_size`` (imported) from its own default start (128), from
+  2x and 1.2x the true maximum, and from the limit;
+- Lightning's ``binsearch`` batch-size scaling, the textbook doubling + bisection: the real
+  ``pytorch_lightning.tuner.batch_size_scaling._run_binsearch_scaling`` with its defaults
+  (``init_val=2, max_trials=25, margin=0.05, max_val=8192``), driven through a stub trainer whose
+  loop runs the step and whose dataset length is the limit. Lightning is not a dependency: install it
+  beside the venv (``pip install --target /tmp/peers --no-deps pytorch-lightning lightning-utilities
+  torchmetrics``, then ``PYTHONPATH=/tmp/peers:.``); without it a port of that function (labelled so
+  in the output and the JSON) runs instead.
+
+"found" is the largest size the search saw run, as a share of the true maximum (or the limit when
+that fits); "handed back" is what the user gets after the method's default margin.
 On CUDA, also a real forward+backward of the tiny Llama under a T4-sized memory cap.
 
 Run: ``python bench/batch_finder.py [--cases 200]``. Writes ``bench/results/batch_finder.json``.
@@ -14,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import math
 import random
 import statistics
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,7 +72,8 @@ def make_case(rng: random.Random) -> dict:
 
 def workload(case: dict, log: list):
     def step(batch_size: int):
-        need = case["a"] * batch_size + case["q"] * batch_size**2 + case["c"]
+        b = min(batch_size, case["limit"])  # past the dataset size a batch is the whole dataset
+        need = case["a"] * b + case["q"] * b**2 + case["c"]
         ok = need <= case["budget"]
         log.append((batch_size, ok))
         if not ok:
@@ -67,10 +85,21 @@ def workload(case: dict, log: list):
     return step
 
 
-def run_ours(case: dict) -> dict:
+def _result(case: dict, log: list, handed: int) -> dict:
+    ran = [b for b, ok in log if ok]
+    return {
+        "found": min(max(ran, default=0), case["limit"]),
+        "handed_back": min(handed, case["limit"]),
+        "trials": len(log),
+        "ooms": sum(not ok for _, ok in log),
+    }
+
+
+def run_ours(case: dict, **kw) -> dict:
     log: list = []
-    s = find_max_batch_size(workload(case, log), limit=case["limit"], margin=1.0)
-    return {"found": s.max_ok, "trials": len(log), "ooms": sum(not ok for _, ok in log)}
+    s = find_max_batch_size(workload(case, log), limit=case["limit"], **kw)
+    assert s.max_ok == _result(case, log, 0)["found"]
+    return _result(case, log, s.batch_size)
 
 
 def run_ours_decorator(case: dict) -> dict:
@@ -82,15 +111,14 @@ def run_ours_decorator(case: dict) -> dict:
         step(batch_size)
         return batch_size
 
-    found = train()
-    return {"found": found, "trials": len(log), "ooms": sum(not ok for _, ok in log)}
+    return _result(case, log, train())
 
 
-def run_accelerate(case: dict) -> dict:
+def run_accelerate(case: dict, start: int) -> dict:
     log: list = []
     step = workload(case, log)
 
-    @find_executable_batch_size(starting_batch_size=case["limit"])
+    @find_executable_batch_size(starting_batch_size=start)
     def train(batch_size):
         step(batch_size)
         return batch_size
@@ -99,17 +127,135 @@ def run_accelerate(case: dict) -> dict:
         found = train()
     except RuntimeError:  # "No executable batch size found, reached zero."
         found = 0
-    return {"found": found, "trials": len(log), "ooms": sum(not ok for _, ok in log)}
+    return _result(case, log, found)
 
 
-def summarize(name: str, rows: list[dict], cases: list[dict]) -> dict:
-    frac = [r["found"] / min(c["true_max"], c["limit"]) for r, c in zip(rows, cases)]
-    over = [len_ - (math.ceil(math.log2(c["limit"])) + 2) for len_, c in zip((r["trials"] for r in rows), cases)]
+def lightning_binsearch():
+    """Lightning's real ``_run_binsearch_scaling`` (and where it came from), or the labelled port."""
+    try:
+        logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+        import pytorch_lightning
+        from pytorch_lightning.tuner.batch_size_scaling import _run_binsearch_scaling
+
+        return _run_binsearch_scaling, f"pytorch_lightning {pytorch_lightning.__version__} (real code)"
+    except ImportError:
+        return None, "port of pytorch_lightning 2.6 _run_binsearch_scaling (Lightning not importable)"
+
+
+def _ported_binsearch(step, dataset_length: int, new_size=2, max_trials=25, margin=0.05, max_val=8192) -> int:
+    """Reference port of Lightning 2.6's binsearch mode (used only when Lightning cannot be imported)."""
+    low, high, count = 1, None, 0
+    last_successful_size = new_size
+    while True:
+        if new_size >= max_val:
+            break
+        try:
+            step(new_size)
+        except torch.OutOfMemoryError:
+            high = new_size
+            new_size = (high + low) // 2
+            if high - low <= 1:
+                break
+            continue
+        last_successful_size = new_size
+        count += 1
+        if count >= max_trials:
+            new_size = last_successful_size
+            break
+        low = new_size
+        if new_size >= dataset_length:  # _adjust_batch_size: "greater or equal than the length of your dataset"
+            break
+        if high:
+            if high - low <= 1:
+                break
+            new_size = (high + low) // 2
+        else:
+            new_size = min(int(new_size * 2.0), max_val)
+    return max(1, int(new_size * (1 - margin))) if margin > 0 else new_size
+
+
+class _Hung(Exception):
+    """Raised by the stub loop once a search has gone on far past any sane number of tries."""
+
+
+HUNG_AFTER = 100  # tries
+
+
+def run_lightning(case: dict, binsearch, sized: bool = False) -> dict:
+    """Lightning's binsearch with its defaults; the trainer is a stub whose loop runs the step.
+
+    ``sized=False``: an iterable-style dataset (no length), so only OOMs and ``max_val`` bound the
+    search. ``sized=True``: a map-style dataset of ``limit`` samples, which Lightning's
+    ``_adjust_batch_size`` checks; there, when a batch at least the dataset's size fails, it keeps
+    returning the same size and the search never ends: the stub stops it after ``HUNG_AFTER`` tries."""
+    log: list = []
+    step = workload(case, log)
+    if binsearch is None:
+        return _result(case, log, _ported_binsearch(step, case["limit"] if sized else 1 << 62))
+    model = types.SimpleNamespace(batch_size=2, _trainer=None, automatic_optimization=True)
+
+    def length():
+        if not sized:
+            raise NotImplementedError("All datasets are iterable-style datasets.")
+        return case["limit"]
+
+    loader = types.SimpleNamespace(_dataset_length=length)
+    noop = types.SimpleNamespace(reset=lambda: None)
+
+    class Loop:
+        _combined_loader = loader
+        restarting = False
+
+        def setup_data(self):
+            self._combined_loader = loader
+
+        def load_state_dict(self, state):
+            pass
+
+        def run(self):
+            if len(log) >= HUNG_AFTER:
+                raise _Hung
+            step(model.batch_size)
+
+    trainer = types.SimpleNamespace(
+        lightning_module=model,
+        _active_loop=Loop(),
+        fit_loop=types.SimpleNamespace(
+            epoch_loop=types.SimpleNamespace(automatic_optimization=types.SimpleNamespace(optim_progress=noop)),
+            epoch_progress=noop,
+        ),
+    )
+    logging.disable(logging.INFO)  # its rank_zero_info line per try
+    try:
+        # its answer before the margin (deterministic: the same tries), then with scale_batch_size's
+        # defaults (init_val=2, max_trials=25, margin=0.05, max_val=8192) for the size it hands back
+        answer = binsearch(trainer, 2, "batch_size", 25, {"loop_state_dict": {}}, 0.0, 8192)
+        log.clear()
+        model.batch_size = 2
+        handed = binsearch(trainer, 2, "batch_size", 25, {"loop_state_dict": {}}, 0.05, 8192)
+    except _Hung:
+        return {**_result(case, log, 0), "hung": True}
+    finally:
+        logging.disable(logging.NOTSET)
+    # "found" is its answer: with batch 2 out of memory it returns 1 untried (its low bound starts at 1)
+    return {**_result(case, log, handed), "found": min(answer, case["limit"])}
+
+
+def summarize(name: str, rows: list[dict], cases: list[dict], margin: str) -> dict:
+    best = [min(c["true_max"], c["limit"]) for c in cases]
+    frac = [r["found"] / b for r, b in zip(rows, best)]
+    handed = [r["handed_back"] / b for r, b in zip(rows, best)]
+    over = [r["trials"] - (math.ceil(math.log2(c["limit"])) + 2) for r, c in zip(rows, cases)]
     return {
         "name": name,
+        "margin": margin,
         "median_fraction": statistics.median(frac),
         "worst_fraction": min(frac),
+        "exact": sum(f == 1 for f in frac),
+        "median_handed_back": statistics.median(handed),
+        "worst_handed_back": min(handed),
         "median_trials": statistics.median(r["trials"] for r in rows),
+        "mean_trials": statistics.mean(r["trials"] for r in rows),
         "max_trials": max(r["trials"] for r in rows),
         "over_trial_budget": sum(o > 0 for o in over),
         "median_ooms": statistics.median(r["ooms"] for r in rows),
@@ -167,6 +313,11 @@ def cuda_tiny_model() -> dict | None:
     return out
 
 
+OURS = "oomkit find_max_batch_size"
+TEXTBOOK = "Lightning binsearch (doubling + bisection)"
+TEXTBOOK_SIZED = "Lightning binsearch, dataset of `limit` samples"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=200)
@@ -174,56 +325,84 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     cases = [make_case(rng) for _ in range(args.cases)]
-    # Both sides collect garbage after every OOM; here nothing is allocated, so skip the full
+    binsearch, lightning_source = lightning_binsearch()
+    print(f"Lightning: {lightning_source}")
+    contenders = {  # name -> (margin in words, runner)
+        OURS: ("0.9 (default)", lambda c: run_ours(c)),
+        "oomkit, tolerance=0.92 (the old default)": ("0.9 (default)", lambda c: run_ours(c, tolerance=0.92)),
+        "oomkit @adaptive_batch (1st call, start=limit)": ("none", run_ours_decorator),
+        TEXTBOOK: ("0.05 (default)", lambda c: run_lightning(c, binsearch)),
+        TEXTBOOK_SIZED: ("0.05 (default)", lambda c: run_lightning(c, binsearch, sized=True)),
+        "accelerate, start 128 (its default)": ("none", lambda c: run_accelerate(c, 128)),
+        "accelerate, start 2x true max": ("none", lambda c: run_accelerate(c, 2 * c["true_max"])),
+        "accelerate, start 1.2x true max": (
+            "none",
+            lambda c: run_accelerate(c, max(c["true_max"] + 1, round(1.2 * c["true_max"]))),
+        ),
+        "accelerate, start at the limit": ("none", lambda c: run_accelerate(c, c["limit"])),
+    }
+    # Every contender collects garbage after each OOM; here nothing is allocated, so skip the full
     # collections to keep the run short (this benchmark counts tries, it does not time them).
     real_collect, gc.collect = gc.collect, lambda *a, **k: 0
     try:
-        ours = [run_ours(c) for c in cases]
-        deco = [run_ours_decorator(c) for c in cases]
-        acc = [run_accelerate(c) for c in cases]
+        runs = {name: [fn(c) for c in cases] for name, (_, fn) in contenders.items()}
     finally:
         gc.collect = real_collect
-    per_case = [
-        {**{k: c[k] for k in ("limit", "true_max", "kind")}, "ours": o, "ours_decorator": d, "accelerate": a}
-        for c, o, d, a in zip(cases, ours, deco, acc)
-    ]
-    above = [i for i, c in enumerate(cases) if c["limit"] > c["true_max"]]  # accelerate starts above the max
-    fewer = sum(ours[i]["ooms"] < acc[i]["ooms"] for i in above)
-    equal = sum(ours[i]["ooms"] == acc[i]["ooms"] for i in above)
-    more = sum(ours[i]["ooms"] > acc[i]["ooms"] for i in above)
+    hung = {name: sum(bool(r.get("hung")) for r in rows) for name, rows in runs.items()}
     summaries = [
-        summarize("oomkit find_max_batch_size", ours, cases),
-        summarize("oomkit @adaptive_batch (1st call)", deco, cases),
-        summarize("accelerate find_executable_batch_size", acc, cases),
+        {
+            **summarize(
+                name,
+                [r for r in runs[name] if not r.get("hung")],
+                [c for c, r in zip(cases, runs[name]) if not r.get("hung")],
+                margin,
+            ),
+            "hung": hung[name],
+        }
+        for name, (margin, _) in contenders.items()
     ]
+    per_case = [
+        {**{k: c[k] for k in ("limit", "true_max", "kind")}, **{name: runs[name][i] for name in runs}}
+        for i, c in enumerate(cases)
+    ]
+    ours, book = runs[OURS], runs[TEXTBOOK]
+    head_to_head = {
+        "fewer_trials": sum(o["trials"] < t["trials"] for o, t in zip(ours, book)),
+        "equal_trials": sum(o["trials"] == t["trials"] for o, t in zip(ours, book)),
+        "more_trials": sum(o["trials"] > t["trials"] for o, t in zip(ours, book)),
+        "fewer_ooms": sum(o["ooms"] < t["ooms"] for o, t in zip(ours, book)),
+        "more_ooms": sum(o["ooms"] > t["ooms"] for o, t in zip(ours, book)),
+    }
     header = [
         "method",
-        "found (median)",
-        "found (worst)",
-        "trials median / max",
+        "margin",
+        "found median / worst",
+        "exact",
+        "handed back median / worst",
+        "trials median / mean / max",
         "over log2(limit)+2",
         "OOM tries median / max / total",
+        "never stopped",
     ]
     rows = [
         [
             s["name"],
-            f"{s['median_fraction']:.1%}",
-            f"{s['worst_fraction']:.1%}",
-            f"{s['median_trials']:g} / {s['max_trials']}",
+            s["margin"],
+            f"{s['median_fraction']:.1%} / {s['worst_fraction']:.1%}",
+            f"{s['exact']}/{len(cases)}",
+            f"{s['median_handed_back']:.1%} / {s['worst_handed_back']:.1%}",
+            f"{s['median_trials']:g} / {s['mean_trials']:.2f} / {s['max_trials']}",
             s["over_trial_budget"],
             f"{s['median_ooms']:g} / {s['max_ooms']} / {s['total_ooms']}",
+            s["hung"],
         ]
         for s in summaries
     ]
     table = format_table(header, rows)
-    versus = (
-        f"accelerate started above the true maximum in {len(above)} of {len(cases)} cases: ours used fewer "
-        f"OOM tries in {fewer}, as many in {equal}, more in {more}."
-    )
     cuda = cuda_tiny_model()
     print(table)
     print()
-    print(versus)
+    print(f"oomkit vs {TEXTBOOK}, per case: {head_to_head}")
     if cuda:
         print(f"CUDA tiny Llama (seq 1024, 15 GiB cap): {cuda}")
     path = write_results(
@@ -231,13 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         {
             "cases": len(cases),
             "seed": args.seed,
+            "lightning": lightning_source,
             "summary": summaries,
-            "oom_comparison": {
-                "accelerate_above_max": len(above),
-                "ours_fewer": fewer,
-                "equal": equal,
-                "ours_more": more,
-            },
+            "vs_textbook": head_to_head,
             "cuda_tiny_llama": cuda,
             "table": table,
             "per_case": per_case,

@@ -4,9 +4,11 @@ Each family is built from its shipped real config scaled down (2 layers, narrow 
 structure: GQA ratios, tied embeddings, biases, Conv1D, explicit head_dim), saved with random
 weights, then loaded for real in fp32, fp16, bf16, int8, nf4, nf4 + double quant and fp4. Measured
 = ``footprint(model)`` (parameters + buffers + bitsandbytes state). Side by side: transformers'
-``get_memory_footprint()`` and accelerate's ``estimate-memory`` arithmetic (its own
-``calculate_maximum_sizes`` on an empty fp32 model, divided by 2/4/8 for fp16/int8/int4 as its
-``gather_data`` does). Also checks that full-size parameter counts of every shipped config are exact.
+``get_memory_footprint()`` and accelerate's ``estimate-memory`` (its own ``gather_data`` code path,
+the hub lookup given the local config: ``AutoModel`` on the meta device, /2, /4, /8 for
+fp16/int8/int4). Also checks that full-size parameter counts of every shipped config are exact, and
+compares accelerate (same code path) and Unsloth Studio's published constants with oomkit's exact
+weight bytes on every full-size shipped config.
 
 Usage: ``python bench/estimate_accuracy.py`` (about a minute on CPU).
 """
@@ -86,17 +88,69 @@ def load(path: Path, mode: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, quantization_config=q)
 
 
-def accelerate_estimate(path: Path, mode: str) -> int:
-    """accelerate estimate-memory's arithmetic, with its own size function."""
-    from accelerate import init_empty_weights
-    from accelerate.utils import calculate_maximum_sizes
-    from transformers import AutoConfig, AutoModelForCausalLM
+ACCELERATE_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "float16", "int8": "int8"}  # else int4
 
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    total, _ = calculate_maximum_sizes(model)
-    divisor = {"fp32": 1, "fp16": 2, "bf16": 2, "int8": 4}.get(mode, 8)  # as in accelerate's gather_data
-    return int(total / divisor)
+
+def accelerate_gather(config_path: Path) -> dict[str, float]:
+    """``accelerate estimate-memory``'s own code path (``accelerate.commands.estimate.gather_data``),
+    offline: its hub lookup (``verify_on_hub``, which only supplies the repo's metadata) is given the
+    local config instead, and ``AutoConfig.from_pretrained`` reads the same config from a folder.
+    Everything else (``AutoModel`` under ``init_empty_weights``, ``calculate_maximum_sizes``, the
+    /2, /4, /8 for float16, int8, int4) is accelerate's. Returns its "Total Size" per dtype, in bytes."""
+    import contextlib
+    import io
+    import shutil
+    import types
+
+    import accelerate.commands.estimate as est
+
+    config = json.loads(Path(config_path).read_text())
+    real = est.verify_on_hub
+    est.verify_on_hub = lambda repo, token=None: types.SimpleNamespace(config=config, library_name="transformers")
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            shutil.copy(config_path, Path(tmp) / "config.json")
+            args = types.SimpleNamespace(model_name=tmp, library_name=None, trust_remote_code=False,
+                                         dtypes=["float32", "float16", "int8", "int4"])  # fmt: skip
+            data = est.gather_data(args)
+    finally:
+        est.verify_on_hub = real
+    return {row[0]: row[2] for row in data}
+
+
+def accelerate_estimate(path: Path, mode: str) -> int:
+    """accelerate estimate-memory's "Total Size" for ``mode`` (its real code path, see ``accelerate_gather``)."""
+    return int(accelerate_gather(path / "config.json")[ACCELERATE_DTYPE.get(mode, "int4")])
+
+
+# Unsloth Studio's published VRAM constants (constants only; its code is AGPL and not used here), as we
+# read them: 4-bit (NF4) weights = 16-bit weights / 3.2 (or / 3.6), plus a fixed 1.4 GB overhead that
+# is not part of the weights and so is reported next to them, not added into the comparison.
+UNSLOTH_NF4_DIVISORS = (3.2, 3.6)
+UNSLOTH_OVERHEAD_BYTES = 1.4e9
+
+
+def full_size_rows() -> list[dict]:
+    """Every shipped full-size config: accelerate estimate-memory (real code path) and Unsloth's constants
+    against oomkit's exact weight bytes (fp16, int8, nf4 + double quant), which match real loads to
+    the byte on the scaled-down models above and count the published parameters exactly."""
+    from helpers.sources import shipped_configs
+
+    out = []
+    for hub_id, path in shipped_configs().items():
+        cfg = json.loads(path.read_text())
+        acc = accelerate_gather(path)
+        ours = {m: estimate(hub_id, load=m).weights for m in ("fp16", "int8")}
+        ours["nf4+dq"] = estimate(hub_id, load="nf4", double_quant=True).weights
+        tied = cfg.get("tie_word_embeddings", True)  # transformers' default is tied
+        row = dict(model=hub_id, tied=bool(tied), params=estimate(hub_id, load="fp16").params, oomkit=ours,
+                   accelerate={"fp16": acc["float16"], "int8": acc["int8"], "int4": acc["int4"]},
+                   accelerate_error_pct={"fp16": err(acc["float16"], ours["fp16"]),
+                                         "int8": err(acc["int8"], ours["int8"]),
+                                         "int4_vs_nf4+dq": err(acc["int4"], ours["nf4+dq"])})  # fmt: skip
+        row["unsloth_nf4_error_pct"] = {f"/{d:g}": err(ours["fp16"] / d, ours["nf4+dq"]) for d in UNSLOTH_NF4_DIVISORS}
+        out.append(row)
+    return out
 
 
 class PeakTracker:
@@ -368,6 +422,14 @@ def main() -> int:
     )
     print()
     print(format_table(["shipped config", "published parameters", "oomkit count", ""], counts))
+    full = full_size_rows()
+    print()
+    print(format_table(["full-size config", "tied", "accelerate fp16", "accelerate int8", "accelerate int4 vs nf4+dq",
+                        "Unsloth nf4 (/3.2 / /3.6)"],
+                       [[f["model"], "yes" if f["tied"] else "no", f"{f['accelerate_error_pct']['fp16']:+.1f} %",
+                         f"{f['accelerate_error_pct']['int8']:+.1f} %",
+                         f"{f['accelerate_error_pct']['int4_vs_nf4+dq']:+.1f} %",
+                         " / ".join(f"{v:+.1f} %" for v in f["unsloth_nf4_error_pct"].values())] for f in full]))  # fmt: skip
     peaks = peak_rows()
     print()
     print(format_table(["CPU peak (weights + live tensors)", "measured", "oomkit", "error"],
@@ -396,6 +458,8 @@ def main() -> int:
             "cuda_qlora": gpu,
             "cuda_generate": gpu_generate,
             "counts_exact": all_exact,
+            "full_size": full,
+            "unsloth_constants": {"nf4_divisors": UNSLOTH_NF4_DIVISORS, "overhead_bytes": UNSLOTH_OVERHEAD_BYTES},
         },
     )
     return 0 if worst < 1.0 and all_exact else 1

@@ -1,21 +1,25 @@
-"""How long the load panel takes to update after a slider move, cached vs uncached.
+"""How long the load panel takes to answer a slider move, as a user sees it: in a fresh kernel and warm.
 
-Each "move" sets ``max_new_tokens`` on a real ``LoadPanel`` (ipywidgets objects, no front end)
-and includes the estimate, the fit verdict (and the top fix when it does not fit) and the HTML
-redraw. Three ways to get the estimate, measured side by side in one run:
+Each "move" sets ``max_new_tokens`` on a real ``LoadPanel`` (ipywidgets objects, no front end) and
+includes the estimate, the fit verdict (and the top fix when it does not fit) and the HTML redraw.
 
-- uncached: what a naive panel does on every move: read the config again and count the
-  parameters by instantiating the model on the meta device, then fit (suggestions included).
-- new setting: the panel's path for a value not seen before: config and meta-device layout are
-  cached per model, only the arithmetic (and the suggestion search, when it does not fit) runs.
-- seen setting: moving back to a value seen before: a dictionary lookup plus the redraw.
+- fresh kernel: a new Python process per run (``--fresh`` runs per case), timing what the first cell
+  of a notebook pays: ``import torch``, ``import helpers.widgets``, building the panel (its first
+  estimate), then the first slider move and the second (both values not seen before);
+- warm: in this process, after the panel is built, ``MOVES`` moves to values not seen before ("new
+  setting": the arithmetic on the cached layout, plus the suggestion search when it does not fit),
+  then back over the same values ("seen setting": the panel's own cache and the redraw).
 
-Run: ``python bench/panel_latency.py``. Writes ``bench/results/panel_latency.json``.
+Run: ``python bench/panel_latency.py [--fresh 5]``. Writes ``bench/results/panel_latency.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table, write_results  # noqa: E402
 
-from helpers.estimator import fit  # noqa: E402
-from helpers.estimator.layout import clear_layout_cache  # noqa: E402
-from helpers.widgets import LoadPanel  # noqa: E402
-
 MOVES = 40
 CASES = [  # (label, model, device, panel settings)
     ("tiny Llama (4 layers), nf4, CPU", str(REPO / "data" / "tiny" / "llama"), "current", {"load": "nf4"}),
@@ -37,13 +37,46 @@ CASES = [  # (label, model, device, panel settings)
     ("Llama-3.1-8B fp16 on T4: does not fit (+ top fix)", "meta-llama/Llama-3.1-8B", "t4", {"load": "fp16"}),
 ]
 
+FRESH = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+from helpers.widgets import LoadPanel
+t2 = time.perf_counter()
+model, device, settings = json.loads(sys.argv[1])
+panel = LoadPanel(model, device=device, widgets=True, max_new_tokens=16, **settings)
+t3 = time.perf_counter()
+panel.controls["max_new_tokens"].value = 32
+t4 = time.perf_counter()
+panel.controls["max_new_tokens"].value = 48
+t5 = time.perf_counter()
+print(json.dumps({"import torch": t1 - t0, "import helpers.widgets": t2 - t1, "build panel": t3 - t2,
+                  "first move": t4 - t3, "second move": t5 - t4}))
+"""
+
+
+def fresh_kernel(model: str, device: str, settings: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", FRESH, json.dumps([model, device, settings])],
+        capture_output=True, text=True, env=env, cwd=REPO, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 def _ms(samples: list[float]) -> dict:
     s = sorted(samples)
-    return {"median_ms": statistics.median(s) * 1e3, "p90_ms": s[int(0.9 * (len(s) - 1))] * 1e3}
+    return {
+        "median_ms": statistics.median(s) * 1e3,
+        "p90_ms": s[int(0.9 * (len(s) - 1))] * 1e3,
+        "min_ms": s[0] * 1e3,
+        "max_ms": s[-1] * 1e3,
+        "n": len(s),
+    }
 
 
-def _timed_moves(panel: LoadPanel, values: list[int]) -> list[float]:
+def _timed_moves(panel, values: list[int]) -> list[float]:
     out = []
     for v in values:
         t = time.perf_counter()
@@ -52,61 +85,56 @@ def _timed_moves(panel: LoadPanel, values: list[int]) -> list[float]:
     return out
 
 
-def _uncached_moves(panel: LoadPanel, model: str, values: list[int]) -> list[float]:
-    """Re-read the config and recount on the meta device for every move (the layout cache cleared)."""
-    out = []
-    for v in values:
-        clear_layout_cache()
-        t = time.perf_counter()
-        plan = panel.plan.replace(max_new_tokens=v)
-        est = plan.estimate(panel._est_device)  # from the model id or path: config read again
-        target = panel._capacity if panel._est_device == "cpu" else panel._est_device
-        verdict = fit(est, target)
-        html = verdict._repr_html_() + est._repr_html_()
-        out.append(time.perf_counter() - t)
-        assert html
-    return out
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fresh", type=int, default=5, help="fresh-kernel runs per case")
+    args = ap.parse_args(argv)
     if not (REPO / "data" / "tiny" / "llama").exists():
         sys.exit("build the tiny models first: python data/build_tiny_models.py")
+    # fresh kernels first, interleaved over the cases, so this process's imports do not warm anything
+    fresh: dict[str, list[dict]] = {label: [] for label, *_ in CASES}
+    for _ in range(args.fresh):
+        for label, model, device, settings in CASES:
+            fresh[label].append(fresh_kernel(model, device, settings))
+    from helpers.widgets import LoadPanel
+
     results, rows = {}, []
     for label, model, device, settings in CASES:
         panel = LoadPanel(model, device=device, widgets=True, max_new_tokens=16, **settings)
-        fresh = [16 * (2 + 2 * i) for i in range(MOVES)]  # values not seen before
-        new = _timed_moves(panel, fresh)
-        seen = _timed_moves(panel, list(reversed(fresh)))
-        assert all(panel._cache)  # every moved-to value is cached now
-        uncached = _uncached_moves(panel, model, [v + 16 for v in fresh[: MOVES // 2]])
-        verdict = panel.state.verdict
-        r = {"uncached": _ms(uncached), "new setting": _ms(new), "seen setting": _ms(seen), "verdict": verdict}
+        values = [16 * (2 + 2 * i) for i in range(MOVES)]  # values not seen before
+        new = _timed_moves(panel, values)
+        seen = _timed_moves(panel, list(reversed(values)))
+        phases = {k: _ms([r[k] for r in fresh[label]]) for k in fresh[label][0]}
+        r = {"fresh_kernel": phases, "new setting": _ms(new), "seen setting": _ms(seen), "verdict": panel.state.verdict}
         results[label] = r
+        first_cell = sum(phases[k]["median_ms"] for k in ("import torch", "import helpers.widgets", "build panel"))
         rows.append(
             [
                 label,
-                verdict,
-                f"{r['uncached']['median_ms']:.1f}",
-                f"{r['new setting']['median_ms']:.2f}",
-                f"{r['seen setting']['median_ms']:.2f}",
-                f"{r['uncached']['median_ms'] / r['seen setting']['median_ms']:.0f}x",
+                r["verdict"],
+                f"{first_cell / 1e3:.2f} s",
+                f"{phases['first move']['median_ms']:.1f} ({phases['first move']['min_ms']:.1f}-"
+                f"{phases['first move']['max_ms']:.1f})",
+                f"{r['new setting']['median_ms']:.2f} / {r['new setting']['p90_ms']:.1f}",
+                f"{r['seen setting']['median_ms']:.2f} / {r['seen setting']['p90_ms']:.2f}",
             ]
         )
     table = format_table(
         [
-            "panel (max_new_tokens slider moves)",
+            "panel (max_new_tokens slider)",
             "verdict",
-            "uncached ms",
-            "new setting ms",
-            "seen setting ms",
-            "uncached / seen",
+            "fresh kernel: imports + build (median)",
+            "fresh kernel: 1st move ms, median (range)",
+            "warm, new value: median / p90 ms",
+            "warm, seen value: median / p90 ms",
         ],
         rows,
     )
     print(table)
-    path = write_results("panel_latency", {"moves": MOVES, "cases": results, "table": table})
+    path = write_results("panel_latency", {"moves": MOVES, "fresh_runs": args.fresh, "cases": results, "table": table})
     print(f"\nwrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,19 +22,38 @@ def budget_step(max_ok: int, calls: list | None = None, error=torch.OutOfMemoryE
 
 
 @pytest.mark.parametrize("limit", [16, 100, 1024])
-def test_finds_near_maximum_within_trial_budget(limit):
+def test_finds_the_exact_maximum_within_trial_budget(limit):
     budget = math.ceil(math.log2(limit)) + 2
     for true_max in sorted({1, 2, 3, limit // 3, limit - 1, limit, limit + 50, 7}):
         s = find_max_batch_size(budget_step(true_max), limit=limit)
-        best = min(true_max, limit)
-        assert s.max_ok <= best and s.max_ok >= 0.9 * best
+        assert s.max_ok == min(true_max, limit)  # the default tolerance bisects to the boundary
         assert len(s.trials) <= budget
-        assert s.batch_size == max(1, math.floor(s.max_ok * 0.9))
+        assert s.batch_size == max(1, math.floor(s.max_ok * 0.9))  # the margin: a separate step
+    s = find_max_batch_size(budget_step(limit // 3), limit=limit, tolerance=0.9)
+    assert 0.9 * (limit // 3) <= s.max_ok <= limit // 3
+
+
+@pytest.mark.parametrize("limit", [64, 100, 4096])
+def test_every_maximum_is_found_exactly_and_within_budget(limit, monkeypatch):
+    """Exhaustive over the true maximum: never more than ceil(log2(limit)) + 2 tries (plain bisection's
+    bound plus one), whatever the log-midpoint splits did."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)  # nothing is allocated; the release is tested elsewhere
+    budget = math.ceil(math.log2(limit)) + 2
+    maxima = range(1, limit + 2) if limit <= 100 else sorted({*range(1, 80), *range(limit - 80, limit + 2), 1000, 2047})
+    tries = []
+    for true_max in maxima:
+        s = find_max_batch_size(budget_step(true_max), limit=limit, margin=1.0)
+        assert s.max_ok == min(true_max, limit), true_max
+        assert len(s.trials) <= budget, (true_max, s.trials)
+        tries.append(len(s.trials))
+    assert max(tries) <= budget
 
 
 def test_grows_without_limit_and_records_trials():
     s = find_max_batch_size(budget_step(300), margin=1.0)
-    assert 0.9 * 300 <= s.max_ok <= 300 and s.batch_size == s.max_ok
+    assert s.max_ok == 300 and s.batch_size == s.max_ok
     assert s.trials[0] == (1, True) and isinstance(s.trials[0], Trial)
     assert any(not ok for _, ok in s.trials)
     assert "out of memory" in str(s) and "<table" in s._repr_html_()
@@ -42,7 +61,7 @@ def test_grows_without_limit_and_records_trials():
 
 def test_start_above_maximum_shrinks():
     s = find_max_batch_size(budget_step(10), start=512)
-    assert 9 <= s.max_ok <= 10 and s.trials[0] == (512, False)
+    assert s.max_ok == 10 and s.trials[0] == (512, False)
 
 
 def test_cache_per_key_starts_there():
