@@ -41,8 +41,7 @@ from .errors import OomkitError
 from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
 from .generation import generate_batched
 from .loading import LoadPlan, keep_4bit_layout
-from .memory import in_colab
-from .sources import data_path
+from .sources import data_path, persistent_path
 from .units import format_bytes
 from .vocab import LOAD_MODES, QUANTIZED, DtypeError, dtype_name, supports_bf16
 
@@ -53,7 +52,6 @@ __all__ = [
     "CheckpointWarning", "FinetuneError",
 ]  # fmt: skip
 
-DRIVE = Path("/content/drive/MyDrive")
 IGNORE = -100  # label value the loss skips
 FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -210,9 +208,7 @@ class TrainPlan:
         if self.output_dir != "auto":
             return Path(self.output_dir)
         name = "lora-" + Path(self.model.rstrip("/")).name.replace("/", "--")
-        if in_colab() and DRIVE.exists():
-            return DRIVE / "oomkit" / name
-        return Path("runs") / name
+        return persistent_path(name, default_dir="runs")  # Drive when mounted in Colab: it survives a reset
 
     def load_plan(self, **changes):
         """The :class:`helpers.loading.LoadPlan` that loads the base model for this run."""

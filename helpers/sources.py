@@ -19,7 +19,7 @@ from .memory import in_colab
 
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
-    "nearest_existing", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
+    "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -57,6 +57,21 @@ def read_json(path: Path, what: str = "JSON") -> Any:
         raise SourceError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a {what} file") from None
     except json.JSONDecodeError as e:
         raise SourceError(f"{path} is not valid JSON ({e}); pass a {what} file") from None
+
+
+DRIVE = Path("/content/drive/MyDrive")
+
+
+def persistent_path(name: str | Path, *, default_dir: str | Path = ".") -> Path:
+    """Where a file that must survive a Colab runtime reset goes: ``MyDrive/oomkit/<name>`` when Drive is
+    mounted in Colab (files under /content vanish with the runtime), else ``default_dir/<name>``.
+    An absolute ``name`` is kept as given."""
+    name = Path(name)
+    if name.is_absolute():
+        return name
+    if in_colab() and DRIVE.exists():
+        return DRIVE / "oomkit" / name
+    return Path(default_dir) / name
 
 
 def looks_like_path(model: str) -> bool:

@@ -48,7 +48,7 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # hub id or local path
 LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
 PROMPTS_FILE = None  # None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
-RESULTS = "eval_results.jsonl"  # in Colab, a Drive path survives a runtime reset
+RESULTS = "eval_results.jsonl"  # a name goes to Drive when it is mounted in Colab (survives a reset)
 MAX_NEW_TOKENS = 64
 BATCH_SIZE = "auto"  # or a starting int; it adapts either way
 SCORE = "contains"  # "exact_match", "contains", or a function(output, reference) -> float
@@ -82,7 +82,9 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 
 # %%
 # %load_ext helpers
-from helpers import LoadPlan, load, snapshot
+from helpers import LoadPlan, load, persistent_path, snapshot
+
+RESULTS = persistent_path(RESULTS)  # MyDrive/oomkit/ when Drive is mounted: results survive a runtime reset
 
 plan = LoadPlan(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8, prompt_tokens=128)
 model, tokenizer, load_report = load(plan)

@@ -287,11 +287,11 @@ def test_cuda_qlora_step_peak_is_reported(tiny_llama):
 
 
 def test_checkpoints_go_to_drive_on_colab(monkeypatch, tmp_path):
-    import helpers.finetune as ft
+    import helpers.sources as sources
 
     drive = tmp_path / "MyDrive"
-    monkeypatch.setattr(ft, "DRIVE", drive)
-    monkeypatch.setattr(ft, "in_colab", lambda: True)
+    monkeypatch.setattr(sources, "DRIVE", drive)
+    monkeypatch.setattr(sources, "in_colab", lambda: True)
     plan = TrainPlan("codellama/CodeLlama-7b-Instruct-hf")
     assert plan.resolved_output_dir() == Path("runs/lora-CodeLlama-7b-Instruct-hf")  # Drive not mounted
     drive.mkdir()
@@ -331,3 +331,14 @@ def test_non_finite_numbers_unknown_optimizers_and_bad_seq_len_are_refused(tiny_
         OomkitError, match=r"latin1.jsonl is not UTF-8 text \(invalid .* at byte \d+\); save it as UTF-8"
     ):
         load_instructions(latin1)
+
+
+def test_persistent_files_go_to_drive_when_it_is_mounted(monkeypatch, tmp_path):
+    import helpers.sources as sources
+
+    monkeypatch.setattr(sources, "DRIVE", tmp_path / "MyDrive")
+    monkeypatch.setattr(sources, "in_colab", lambda: True)
+    assert sources.persistent_path("eval_results.jsonl") == Path("eval_results.jsonl")  # Drive not mounted
+    (tmp_path / "MyDrive").mkdir()
+    assert sources.persistent_path("eval_results.jsonl") == tmp_path / "MyDrive" / "oomkit" / "eval_results.jsonl"
+    assert sources.persistent_path(tmp_path / "mine.jsonl") == tmp_path / "mine.jsonl"  # an explicit path wins
