@@ -176,6 +176,11 @@ def generate_batched(
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not callable(getattr(model, "generate", None)) or not callable(tokenizer):
+        raise TypeError(
+            f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
+            f"{type(tokenizer).__name__}: pass the model first, as load() returns them"
+        )
     prompts = list(prompts)
     stop = stop_token_ids(model, tokenizer)
     out: list[str] = []

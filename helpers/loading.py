@@ -835,17 +835,7 @@ def generate_batched(
     **generate_kwargs,
 ) -> list[str]:
     """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
-    if isinstance(prompts, str):
-        raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-    if not callable(getattr(model, "generate", None)) or not callable(tokenizer):
-        raise TypeError(
-            f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
-            f"{type(tokenizer).__name__}: pass the model first, as load() returns them"
-        )
-    # int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
+    # the arguments are checked by generation.generate_batched; int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
     quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
     bnb_log.addFilter(quiet)
