@@ -48,11 +48,25 @@ $(BROWSER_STAMP): requirements-browser.txt $(STAMP)
 	$(BIN)/pip install -q -r requirements-browser.txt
 	touch $@
 
+# Colab's preinstalled ipywidgets 7.7.1, in a folder the browser test puts first on its kernels'
+# PYTHONPATH, and JupyterLab 3.6 with the widget front end that renders 7.x (jupyterlab_widgets 3
+# renders only 8.x): the panel and tqdm's bars are checked with both ipywidgets.
+IPYWIDGETS7 := $(VENV)/ipywidgets7
+LAB3 := $(VENV)/lab3
+$(IPYWIDGETS7)/.installed: $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(IPYWIDGETS7) ipywidgets==7.7.1 ipython_genutils==0.2.0
+	touch $@
+
+$(LAB3)/.installed:
+	$(PYTHON) -m venv $(LAB3)
+	$(LAB3)/bin/pip install -q jupyterlab==3.6.8 jupyterlab_widgets==1.1.11
+	touch $@
+
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 
-test-browser: setup $(TINY) $(BROWSER_STAMP) $(CHROMIUM)
-	OOMKIT_CHROMIUM=$(CHROMIUM) timeout --kill-after=30 600 $(BIN)/python -m pytest -q -m browser tests
+test-browser: setup $(TINY) $(BROWSER_STAMP) $(IPYWIDGETS7)/.installed $(LAB3)/.installed $(CHROMIUM)
+	OOMKIT_CHROMIUM=$(CHROMIUM) OOMKIT_IPYWIDGETS7=$(abspath $(IPYWIDGETS7)) OOMKIT_LAB3_PYTHON=$(abspath $(LAB3))/bin/python timeout --kill-after=30 600 $(BIN)/python -m pytest -q -m browser tests
 
 bench: setup $(TINY)
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done

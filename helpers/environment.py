@@ -22,8 +22,9 @@ from .errors import OomkitError
 from .estimator import EstimateError, estimate, fit, format_params
 from .html import badge, table
 from .loading import ram_for_loading
-from .memory import MemorySnapshot, in_colab
+from .memory import MemorySnapshot
 from .memory import snapshot as take_snapshot
+from .session import in_colab
 from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, format_bytes
 from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, auto_load_order, verdict

@@ -17,13 +17,14 @@ import psutil
 import torch
 
 from .html import Markup, bar, table
+from .session import in_colab
 from .units import format_bytes
 from .vocab import supports_bf16
 
 __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
     "snapshot", "gpu_readouts", "ram_readout", "disk_readouts", "allocated", "reserved",
-    "hf_cache_dir", "in_colab",
+    "hf_cache_dir",
 ]  # fmt: skip
 
 
@@ -178,13 +179,6 @@ class MemorySnapshot:
         for d in self.disks:
             parts.append(bar(d.total - d.free, d.total, f"Disk ({d.label})"))
         return "<div>" + "".join(parts) + "</div>"
-
-
-def in_colab() -> bool:
-    """True inside a Google Colab runtime."""
-    import sys
-
-    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
 def hf_cache_dir() -> Path:

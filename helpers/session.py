@@ -1,10 +1,35 @@
-"""Where the code runs: the IPython shell (if any) and the namespace of the notebook that called us."""
+"""Where the code runs: Colab or not, the IPython shell (if any), the namespace of the notebook that called us."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 
-__all__ = ["ipython", "user_namespace", "caller_namespace"]
+__all__ = ["ipython", "user_namespace", "caller_namespace", "in_colab", "enable_colab_widgets"]
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime."""
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def enable_colab_widgets() -> bool:
+    """Turn on Colab's custom widget manager; True when it was turned on.
+
+    Colab's front end renders the ipywidgets it preinstalls (7.7) by itself, but ipywidgets 8 (and
+    tqdm's bars built with it) only through this manager. ``import helpers`` calls it, so a progress
+    bar renders whichever ipywidgets the runtime has, before any panel is built.
+    """
+    if not in_colab():
+        return False
+    try:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    except Exception:  # an old Colab image without the call: its built-in manager renders ipywidgets 7
+        return False
+    return True
 
 
 def ipython():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OomkitError
-from .memory import in_colab
+from .session import in_colab
 
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",

@@ -25,9 +25,10 @@ from .devices import resolve_device
 from .estimator import fit, resolve_config
 from .html import COLORS
 from .loading import LoadError, LoadPlan, load
-from .memory import in_colab, ram_readout
+from .memory import ram_readout
 from .oom import is_oom
 from .reclaim import unload
+from .session import enable_colab_widgets
 from .units import format_bytes
 from .vocab import FITS, FOUR_BIT, LOAD_MODES, VERDICT_STATUS, verdict
 
@@ -69,17 +70,20 @@ def widgets_available() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
-def _enable_colab_widgets() -> None:
-    """Colab renders ipywidgets 8 only through its custom widget manager."""
+# The ipywidgets 7 view reference, as its ``Widget._ipython_display_`` sends it (7.x widgets have no
+# ``_repr_mimebundle_``; 8.x builds the same dict there).
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
-    if not in_colab():
-        return
-    try:
-        from google.colab import output
 
-        output.enable_custom_widget_manager()
-    except Exception:  # older Colab images: their built-in manager handles ipywidgets 7
-        pass
+def widget_bundle(widget, include=None, exclude=None) -> dict:
+    """The display bundle of an ipywidget, for ipywidgets 8 and for the 7.7 that Colab preinstalls."""
+    if hasattr(widget, "_repr_mimebundle_"):
+        bundle = widget._repr_mimebundle_(include=include, exclude=exclude)
+        return dict(bundle[0] if isinstance(bundle, tuple) else bundle)  # (data, metadata) or data
+    bundle = {"text/plain": repr(widget)}
+    if getattr(widget, "_view_name", None) is not None:
+        bundle[WIDGET_VIEW_MIME] = {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}
+    return bundle
 
 
 @dataclass
@@ -239,7 +243,7 @@ class LoadPanel:
 
     def _build(self) -> dict[str, Any]:
         w = _ipywidgets()
-        _enable_colab_widgets()
+        enable_colab_widgets()  # done at import already; again in case helpers.widgets came first
         style = {"description_width": "initial"}
         v = self._values
 
@@ -449,10 +453,7 @@ class LoadPanel:
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         if self.controls is not None:
-            bundle = self.controls["box"]._repr_mimebundle_(include=include, exclude=exclude)
-            if isinstance(bundle, tuple):  # (data, metadata)
-                bundle = bundle[0]
-            return {**bundle, "text/plain": self.summary()}
+            return {**widget_bundle(self.controls["box"], include, exclude), "text/plain": self.summary()}
         html = (
             f"<div style='font-family:monospace'><b>oomkit load panel</b>: {escape(self._base.model)}<br>"
             f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html()

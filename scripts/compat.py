@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".compat"
 TORCH = "torch==2.13.0"  # the CPU wheel; never let pip resolve torch freely (CUDA wheels are gigabytes)
-PACKAGES = ["transformers", "accelerate", "peft", "bitsandbytes"]
+PACKAGES = ["transformers", "accelerate", "peft", "bitsandbytes", "ipywidgets"]
 
 # The lowest releases that pass; pyproject.toml's lower bounds are these (test_install checks they agree).
 # transformers < 5.0 lacks quantizers_utils.should_convert_module (the estimator's layout), and 5.0.0
@@ -46,6 +46,7 @@ LOW = {
     "accelerate": "1.2.0",
     "peft": "0.18.0",
     "bitsandbytes": "0.48.0",
+    "ipywidgets": "7.7.1",  # what Colab preinstalls; the panel and tqdm's bars must work with it
 }
 # Fast CPU subset run in every environment (the full suite runs in the main environment).
 TESTS = [
@@ -54,6 +55,7 @@ TESTS = [
     "tests/test_loading.py",
     "tests/test_preflight.py",
     "tests/test_install.py",
+    "tests/test_widgets.py",
 ]
 DESELECT = "not test_cli_json_on_this_machine and not test_cli_unknown_command and not test_importing_helpers_quiets"
 NOTEBOOK = "03_safe_eval"  # loads with load(), generates in batches, survives OOMs, resumes

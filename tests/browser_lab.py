@@ -80,10 +80,21 @@ class LabServer:
         log: file that receives the server's output (read it when a test fails).
         env: extra environment for the server and its kernels (e.g. ``PYTHONPATH``).
         startup_timeout: seconds to wait for ``/api/status`` to answer.
+        python: the interpreter that runs JupyterLab (another environment's, for JupyterLab 3).
+        kernel_python: the interpreter of the ``python3`` kernel (default: the server's own).
     """
 
-    def __init__(self, root: Path, log: Path, env: dict | None = None, startup_timeout: float = 120):
+    def __init__(
+        self,
+        root: Path,
+        log: Path,
+        env: dict | None = None,
+        startup_timeout: float = 120,
+        python: str = sys.executable,
+        kernel_python: str | None = None,
+    ):
         self.root, self.log, self.env, self.startup_timeout = Path(root), Path(log), env or {}, startup_timeout
+        self.python, self.kernel_python = str(python), kernel_python
         self.port = 0
         self.token = secrets.token_hex(16)
         self.proc: subprocess.Popen | None = None
@@ -109,9 +120,17 @@ class LabServer:
             "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
             "JUPYTER_PLATFORM_DIRS": "1",
         }
+        if self.kernel_python:  # a kernelspec found before the server's own (JUPYTER_PATH comes first)
+            spec = state / "data" / "kernels" / "python3"
+            spec.mkdir(parents=True)
+            argv = [self.kernel_python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+            spec.joinpath("kernel.json").write_text(
+                json.dumps({"argv": argv, "display_name": "Python 3 (ipykernel)", "language": "python"})
+            )
+            env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(state / "data"), os.environ.get("JUPYTER_PATH")]))
         self.port = free_port()
         cmd = [
-            sys.executable,
+            self.python,
             "-m",
             "jupyterlab",
             "--no-browser",
@@ -124,9 +143,9 @@ class LabServer:
             f"--LabApp.user_settings_dir={state / 'settings'}",
             f"--LabApp.workspaces_dir={state / 'workspaces'}",
             "--LabApp.expose_app_in_browser=True",
-            "--LabApp.news_url=None",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         ]
+        if self.lab_major() >= 4:  # no news or update checks (JupyterLab 3 has neither setting)
+            cmd += ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI containers run as root; Jupyter refuses otherwise
             cmd.append("--allow-root")
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +176,14 @@ class LabServer:
                 self.stop()
                 raise TimeoutError(f"JupyterLab did not answer within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def lab_major(self) -> int:
+        """The major version of the JupyterLab that ``python`` runs."""
+        out = subprocess.run(
+            [self.python, "-c", "import jupyterlab; print(jupyterlab.__version__)"],
+            capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        return int(out.stdout.split(".")[0])
 
     def _stop_on_sigterm(self) -> None:
         """``timeout`` (the Makefile's bound) sends SIGTERM, which skips atexit: stop the server first."""

@@ -8,6 +8,12 @@ process group and kernels killed); every wait has a timeout, and the Makefile bo
 What the user sees is asserted, not what Python holds: the text of the estimate bar and of the verdict
 as rendered in the page after real clicks, a real ``<select>`` choice and a real mouse drag, compared
 with the estimator's numbers for the values the page shows.
+
+Every test runs twice: with ipywidgets 8 (requirements.txt, in JupyterLab 4) and with the 7.7.1
+that Colab preinstalls. jupyterlab_widgets 3 renders only ipywidgets 8's models, so the 7.7 run uses
+JupyterLab 3.6 with jupyterlab_widgets 1.1 (``$OOMKIT_LAB3_PYTHON``, a small virtualenv), and its
+kernel, still this environment's interpreter, finds ipywidgets 7.7.1 first on its ``PYTHONPATH``
+(``$OOMKIT_IPYWIDGETS7``). ``make test-browser`` prepares both. The slider is a different control in each.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -60,15 +67,34 @@ def _params() -> dict:
     return {**p, "DEVICE": (totals["int8"] + totals["fp32"]) // 2}
 
 
-@pytest.fixture(scope="module")
-def lab(tiny_models):
+IPYWIDGETS = ["8", "7.7"]  # the kernel's ipywidgets in each run
+
+
+def front_end(version: str) -> tuple[list[str], dict]:
+    """(what goes first on the kernels' ``PYTHONPATH``, LabServer arguments) for ipywidgets ``version``."""
+    if version == "8":
+        return [], {}
+    folder, lab3 = os.environ.get("OOMKIT_IPYWIDGETS7"), os.environ.get("OOMKIT_LAB3_PYTHON")
+    if not folder or not (Path(folder) / "ipywidgets").is_dir() or not lab3 or not Path(lab3).exists():
+        pytest.fail(
+            "$OOMKIT_IPYWIDGETS7 (a folder holding ipywidgets 7.7.1) and $OOMKIT_LAB3_PYTHON (JupyterLab 3.6 "
+            "with jupyterlab_widgets 1.1) must be set: make test-browser prepares both"
+        )
+    return [folder], {"python": lab3, "kernel_python": sys.executable}
+
+
+@pytest.fixture(scope="module", params=IPYWIDGETS, ids=lambda v: f"ipywidgets{v}")
+def lab(request, tiny_models):
     missing = missing_requirements()
     if missing:
         pytest.fail("browser test needs: " + "; ".join(missing) + " (make test-browser installs them)")
     SCRATCH.mkdir(parents=True, exist_ok=True)
+    first, server_args = front_end(request.param)
     # Kernels import this checkout's helpers (not whatever an editable install points at).
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    server = LabServer(SCRATCH, REPO / "runs" / "jupyterlab.log", env={"PYTHONPATH": pythonpath})
+    pythonpath = os.pathsep.join(filter(None, [*first, str(REPO), os.environ.get("PYTHONPATH", "")]))
+    log = REPO / "runs" / f"jupyterlab-ipywidgets{request.param}.log"
+    server = LabServer(SCRATCH, log, env={"PYTHONPATH": pythonpath}, **server_args)
+    server.ipywidgets = request.param
     try:
         server.start()
         yield server
@@ -88,6 +114,12 @@ def page(lab):
                 p.screenshot(path=str(SHOTS / "last_page.png"), timeout=15_000)
             except Exception as e:  # a dead page must not hide the test's own failure
                 print(f"no final screenshot: {e}")
+
+
+def shot(lab, name: str) -> Path:
+    """Where a screenshot goes: ``name`` for ipywidgets 8 (the docs' images), suffixed for the others."""
+    path = SHOTS / name
+    return path if lab.ipywidgets == "8" else path.with_stem(f"{path.stem}-ipywidgets{lab.ipywidgets}")
 
 
 def wait_until(check, what: str, timeout: float = TIMEOUT):
@@ -113,8 +145,9 @@ class PanelView:
         self.root = page.locator(".oomkit-panel").first
         self.dropdown = self.root.locator(".widget-dropdown select")
         self.slider = self.root.locator(".widget-hslider", has=page.locator("label", has_text="max_new_tokens"))
-        self.handle = self.slider.locator(".noUi-handle")
-        self.track = self.slider.locator(".noUi-target")
+        # ipywidgets 8 draws its slider with noUiSlider, 7.x with jQuery UI
+        self.handle = self.slider.locator(".noUi-handle, .ui-slider-handle")
+        self.track = self.slider.locator(".noUi-target, .ui-slider")
         self.readout = self.slider.locator(".widget-readout")
         self.estimate_box = self.root.locator(".oomkit-estimate")
         self.verdict_box = self.root.locator(".oomkit-verdict .oomkit-verdict-text")
@@ -199,14 +232,14 @@ def test_load_panel_in_jupyterlab(lab, page):
     start = wait_until(settles_on(view, "nf4"), "the panel's first estimate")
     assert start["max_new_tokens"] == params["MAX_NEW_TOKENS"] and start["verdict"] != "does not fit"
     assert start["verdict"].upper() in start["verdict_text"]
-    ui.screenshot(SHOTS / "01_panel_nf4.png", view.root)
+    ui.screenshot(shot(lab, "01_panel_nf4.png"), view.root)
 
     # Dropdown -> fp32: the weights grow past the device, the verdict turns red with a fix.
     view.dropdown.select_option("fp32")
     fp32 = wait_until(settles_on(view, "fp32"), "the fp32 estimate")
     assert fp32["weights"] > 2 * start["weights"] and fp32["verdict"] == "does not fit"
     assert "DOES NOT FIT" in fp32["verdict_text"] and "Top fix" in fp32["verdict_text"]
-    ui.screenshot(SHOTS / "01_panel_fp32.png", view.root)
+    ui.screenshot(shot(lab, "01_panel_fp32.png"), view.root)
 
     # Dropdown -> int8: fits again, weights between nf4 and fp32.
     view.dropdown.select_option("int8")
@@ -219,7 +252,7 @@ def test_load_panel_in_jupyterlab(lab, page):
     assert long["max_new_tokens"] > 1000
     assert long["kv"] > 10 * int8["kv"] and long["weights"] == int8["weights"]
     assert long["verdict"] == "does not fit" and "Top fix" in long["verdict_text"]
-    ui.screenshot(SHOTS / "01_panel_long.png", view.root)
+    ui.screenshot(shot(lab, "01_panel_long.png"), view.root)
 
     # Drag back to the left end: 16 tokens, fits again.
     view.drag_slider_to(0.0)
@@ -234,7 +267,7 @@ def test_load_panel_in_jupyterlab(lab, page):
     assert "as int8" in report and "Not loaded" not in report
     assert "weights" in report and "estimated" in report and "measured" in report
     wait_until(lambda: view.button.is_enabled(), "the Load button to be enabled again")
-    ui.screenshot(SHOTS / "load_panel_tiny.png", view.root)  # docs/load_panel_tiny.png
+    ui.screenshot(shot(lab, "load_panel_tiny.png"), view.root)  # docs/load_panel_tiny.png
     print(f"\nbrowser test: notebook ran in {ran_in:.1f} s, whole test {time.monotonic() - started:.1f} s")
 
 
@@ -256,8 +289,14 @@ def t4_notebook(dest_dir: Path) -> Path:
     args = ", ".join([repr(T4_PANEL["model"])] + [f"{k}={v!r}" for k, v in T4_PANEL.items() if k != "model"])
     nb = nbformat.v4.new_notebook(
         cells=[
-            nbformat.v4.new_code_cell("from helpers.widgets import LoadPanel"),
+            nbformat.v4.new_code_cell(
+                "import ipywidgets\nfrom helpers.widgets import LoadPanel\nprint('ipywidgets', ipywidgets.__version__)"
+            ),
             nbformat.v4.new_code_cell(f"LoadPanel({args})"),
+            # what notebooks 02 and 03 show while they work: a tqdm bar, a widget when one can render
+            nbformat.v4.new_code_cell(
+                "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='oomkit-bar'):\n    pass"
+            ),
         ]
     )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -309,6 +348,12 @@ def test_load_panel_for_a_7b_model_on_a_t4(lab, page):
     ui = LabPage(page, lab).open(t4_notebook(SCRATCH).name)
     nb = ui.run_all(timeout=240)
     assert not errors(nb), errors(nb)
+    printed = "".join(o.get("text", "") for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+    version = re.search(r"ipywidgets (\S+)", printed).group(1)
+    assert version.startswith(lab.ipywidgets), f"the kernel imported ipywidgets {version}, not {lab.ipywidgets}"
+    # tqdm's bar rendered as a widget (a progress bar at 3/3), not as the text fallback
+    bar = page.locator(".widget-hbox", has=page.locator(".widget-hprogress")).filter(has_text="oomkit-bar")
+    wait_until(lambda: "3/3" in bar.first.inner_text(), "tqdm's progress bar widget at 3/3")
 
     view = PanelView(page)
     view.root.wait_for(state="visible")
@@ -323,12 +368,12 @@ def test_load_panel_for_a_7b_model_on_a_t4(lab, page):
     wait_until(check, f"the T4 fp16 figures {fp16}")
     assert fp16["verdict"] == "does not fit"
     assert fp16["verdict_text"].startswith("DOES NOT FIT") and "Top fix: " in fp16["verdict_text"]
-    ui.screenshot(SHOTS / "load_panel_t4_fp16.png", view.root)
+    ui.screenshot(shot(lab, "load_panel_t4_fp16.png"), view.root)
 
     view.dropdown.select_option("nf4")
     check, _ = t4_shows(view, "nf4")
     wait_until(check, "the T4 nf4 figures again")
-    ui.screenshot(SHOTS / "load_panel.png", view.root)  # docs/load_panel.png, the README's
+    ui.screenshot(shot(lab, "load_panel.png"), view.root)  # docs/load_panel.png, the README's
     print(f"\nbrowser test (T4 panel): {time.monotonic() - started:.1f} s")
 
 

@@ -1,11 +1,17 @@
 """The load panel, driven headless: set widget values in Python, check the plan, estimate and verdict."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import helpers.widgets as widgets_mod
 from helpers.loading import LoadError
 from helpers.widgets import LoadPanel, widgets_available
 
+REPO = Path(__file__).resolve().parents[1]
 BIG = "mistralai/Mistral-7B-v0.1"  # shipped config: works offline, only arithmetic
 
 
@@ -130,6 +136,59 @@ def test_widget_bundle_keeps_a_text_summary(panel):
     bundle = panel._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"].startswith("oomkit load panel")
+
+
+def test_widget_bundle_with_ipywidgets_7(panel, monkeypatch):
+    """ipywidgets 7.7 (Colab's) widgets have no ``_repr_mimebundle_``: the view reference is built as 7.x
+    sends it (was: AttributeError on display). The compat matrix's low environment runs this file on 7.7.1."""
+
+    class Widget7:  # the parts of an ipywidgets 7 VBox that display uses
+        _view_name = "VBoxView"
+        model_id = "abc123"
+
+        def __repr__(self):
+            return "VBox(...)"
+
+    monkeypatch.setitem(panel.controls, "box", Widget7())
+    bundle = panel._repr_mimebundle_()
+    assert bundle[widgets_mod.WIDGET_VIEW_MIME] == {"version_major": 2, "version_minor": 0, "model_id": "abc123"}
+    assert bundle["text/plain"].startswith("oomkit load panel")
+
+
+COLAB_OUTPUT = """
+CALLS = []
+
+
+def enable_custom_widget_manager():
+    CALLS.append("enabled")
+"""
+
+
+def test_importing_helpers_in_colab_enables_the_widget_manager(tmp_path):
+    """In Colab, ``import helpers`` (every notebook's first cell) turns on the custom widget manager, so
+    tqdm's bars render before any panel exists; elsewhere it does nothing."""
+    colab = tmp_path / "google" / "colab"
+    colab.mkdir(parents=True)
+    (tmp_path / "google" / "__init__.py").write_text("")
+    (colab / "__init__.py").write_text("")
+    (colab / "output.py").write_text(COLAB_OUTPUT)
+    code = (
+        "import sys; colab = '--colab' in sys.argv\n"
+        "if colab: import google.colab\n"
+        "import helpers\n"
+        "from google.colab import output\n"
+        "print(output.CALLS, 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    env.pop("COLAB_RELEASE_TAG", None)
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    assert run("--colab") == "['enabled'] False"  # and importing helpers still pulls no torch
+    assert run() == "[] False"
 
 
 def test_load_button_loads_the_current_plan(panel):
