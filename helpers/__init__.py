@@ -31,6 +31,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable"], "placement"),
     **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
     **dict.fromkeys(["LoadPanel"], "widgets"),
+    **dict.fromkeys(["TrainPanel"], "train_panel"),
     **dict.fromkeys(["explain_oom", "is_oom", "OOMReport"], "oom"),
     **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),
     **dict.fromkeys(["safe_generate", "load_prompts", "EvalReport"], "evaluate"),

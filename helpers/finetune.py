@@ -559,9 +559,12 @@ class MicroBatch:
 def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float = 0.9) -> MicroBatch:
     """Measure the largest micro-batch a real training step (forward + backward at ``seq_len``) fits.
 
-    The search is capped at ``plan.batch_size``; the micro-batch is the largest divisor of it
-    within the margin, so micro-batch x accumulation is exactly the effective batch asked for.
-    Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
+    The search is capped at ``plan.micro_batch`` when the plan has one (a choice made in
+    :class:`~helpers.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``; the
+    micro-batch is the largest divisor of the effective batch within the margin, so micro-batch x
+    accumulation is exactly the batch asked for. A chosen micro-batch that runs is kept whole (the
+    margin guards the edge a search found, and there was none below the choice). Set it on the plan
+    with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
 
     vocab = model.get_input_embeddings().num_embeddings
@@ -590,13 +593,15 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     try:
         search = find_max_batch_size(
             step,
-            limit=plan.batch_size,
+            limit=plan.micro_batch or plan.batch_size,
             margin=margin,
             key=("qlora", plan.model, plan.load, plan.r, plan.seq_len, str(device)),
         )
     finally:
         model.train(was_training)
-    micro = max(d for d in range(1, search.batch_size + 1) if plan.batch_size % d == 0)
+    chosen_ran = plan.micro_batch is not None and search.max_ok >= plan.micro_batch
+    usable = search.max_ok if chosen_ran else search.batch_size
+    micro = max(d for d in range(1, usable + 1) if plan.batch_size % d == 0)
     return MicroBatch(micro, plan.batch_size // micro, plan.batch_size, search)
 
 

@@ -32,9 +32,9 @@ from .session import enable_colab_widgets
 from .units import format_bytes
 from .vocab import FITS, FOUR_BIT, LOAD_MODES, VERDICT_STATUS, verdict
 
-__all__ = ["LoadPanel", "PanelState", "widgets_available"]
+__all__ = ["Control", "LoadPanel", "Panel", "PanelState", "widget_bundle", "widgets_available"]
 
-SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; training state counts as overhead here
+SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
     ("weights", ("weights",), 1.0),
     ("KV cache", ("kv_cache",), 0.7),
     ("activations", ("activations",), 0.5),
@@ -98,6 +98,7 @@ class PanelState:
     suggestion: Any = None
     seconds: float = 0.0
     cached: bool = False
+    segments_spec: tuple = tuple(SEGMENTS)  # (label, estimate row groups, opacity) per bar segment
 
     @property
     def headroom(self) -> int:
@@ -112,8 +113,8 @@ class PanelState:
         return f" on {device}" if self._named_device() else ""
 
     def segments(self) -> list[tuple[str, int]]:
-        """Bytes per bar segment: weights, KV cache, activations, overheads."""
-        return [(label, sum(self.estimate.group_bytes(g) for g in groups)) for label, groups, _ in SEGMENTS]
+        """Bytes per bar segment (weights, KV cache, activations, overheads for a load panel)."""
+        return [(label, sum(self.estimate.group_bytes(g) for g in groups)) for label, groups, _ in self.segments_spec]
 
     def verdict_text(self) -> str:
         text = (
@@ -128,7 +129,7 @@ class PanelState:
         color = COLORS[VERDICT_STATUS[self.verdict]]
         scale = max(self.capacity, self.estimate.total) or 1
         spans, legend = [], []
-        for (label, nbytes), (_, _, alpha) in zip(self.segments(), SEGMENTS, strict=True):
+        for (label, nbytes), (_, _, alpha) in zip(self.segments(), self.segments_spec, strict=True):
             pct = 100 * nbytes / scale
             spans.append(
                 f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
@@ -167,7 +168,229 @@ class PanelState:
         )
 
 
-class LoadPanel:
+@dataclass(frozen=True)
+class Control:
+    """One panel control: the plan field it sets, its label, and its widget."""
+
+    key: str
+    description: str
+    kind: str  # "dropdown", "checkbox" or "slider"
+    choices: tuple = ()  # the dropdown's options, or a slider's (min, max, step)
+
+
+def _resolve_panel_device(device: Any) -> tuple[int, str, Any]:
+    """(capacity bytes, label, device argument for the estimator)."""
+    import torch
+
+    if device == "current" and not torch.cuda.is_available():
+        return ram_readout().available, "CPU RAM (no GPU)", "cpu"
+    label, dev = resolve_device(device)
+    if dev is None:  # "cpu": compare with this machine's free RAM, as "current" does without a GPU
+        return ram_readout().available, "CPU RAM", "cpu"
+    return dev["capacity"], label, device
+
+
+class Panel:
+    """Widgets that set some fields of a plan and show, at every change, whether the plan fits.
+
+    Subclasses name their ``CONTROLS``, build the plan for given values (:meth:`plan_for`) and estimate it
+    (:meth:`estimate_plan`). Each setting is estimated once (cached); the model's config is read once
+    and the estimator caches its meta-device layout, so a slider move only redoes arithmetic.
+    """
+
+    TITLE = "oomkit panel"
+    CONTROLS: tuple[Control, ...] = ()
+    SEGMENTS = SEGMENTS
+
+    def __init__(self, model: str, device: Any, values: dict, widgets: bool | None = None):
+        self.model = str(model)
+        self.device = device
+        self._config = resolve_config(self.model)[0]
+        self._capacity, self._device_label, self._est_device = _resolve_panel_device(device)
+        self._cache: dict[tuple, PanelState] = {}
+        self._values = dict(values)
+        self._quiet = False
+        self.plan_for(self._values)  # a bad starting value fails here, before any widget exists
+        use = widgets_available() if widgets is None else widgets
+        self.controls: dict[str, Any] | None = self._build() if use and _ipywidgets() is not None else None
+        self.state = self.refresh()
+
+    # -- what a subclass decides ------------------------------------------------------------------
+
+    def plan_for(self, values: dict):
+        """The plan these control values stand for (raises on an invalid value)."""
+        raise NotImplementedError
+
+    def estimate_plan(self, plan):
+        """The memory estimate of ``plan`` on the panel's device."""
+        raise NotImplementedError
+
+    def disabled(self) -> set[str]:
+        """Controls that mean nothing for the current values (greyed out)."""
+        return set()
+
+    def cache_key(self) -> tuple:
+        """What decides the estimate; settings with the same key share one."""
+        return tuple(self._values[c.key] for c in self.CONTROLS)
+
+    def extra_widgets(self, w) -> list:
+        """Widgets under the verdict (LoadPanel's Load button and report)."""
+        return []
+
+    # -- widgets ----------------------------------------------------------------------------------
+
+    def _control_widget(self, w, control: Control):
+        style = {"description_width": "initial"}
+        value = self._values[control.key]
+        if control.kind == "dropdown":
+            return w.Dropdown(options=list(control.choices), value=value, description=control.description, style=style)
+        if control.kind == "checkbox":
+            return w.Checkbox(value=value, description=control.description, indent=False)
+        lo, hi, step = control.choices
+        return w.IntSlider(
+            value=value, min=min(lo, value), max=max(hi, value), step=step, description=control.description,
+            continuous_update=True, style=style, layout=w.Layout(width="480px"),
+        )  # fmt: skip
+
+    def _build(self) -> dict[str, Any]:
+        w = _ipywidgets()
+        enable_colab_widgets()  # done at import already; again in case helpers.widgets came first
+        c = {control.key: self._control_widget(w, control) for control in self.CONTROLS}
+        for widget in c.values():
+            widget.observe(self._on_change, names="value")
+        c["estimate"], c["verdict"] = w.HTML(), w.HTML()
+        c["estimate"].add_class("oomkit-estimate")
+        c["verdict"].add_class("oomkit-verdict")
+        rows, pending = [], []  # a checkbox sits beside the dropdown before it
+        for control in self.CONTROLS:
+            if control.kind == "checkbox" and pending:
+                pending.append(c[control.key])
+                continue
+            if pending:
+                rows.append(w.HBox(pending) if len(pending) > 1 else pending[0])
+            pending = [c[control.key]]
+        if pending:
+            rows.append(w.HBox(pending) if len(pending) > 1 else pending[0])
+        title = w.HTML(f"<b>{escape(self.TITLE)}</b>: {escape(self.model)}")
+        extra = self.extra_widgets(w)
+        c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], *extra])
+        c["box"].add_class("oomkit-panel")
+        return c
+
+    def _on_change(self, change) -> None:
+        owner = change["owner"]
+        key = next(k for k, wdg in self.controls.items() if wdg is owner)
+        self._values[key] = change["new"]
+        if not self._quiet:
+            self.refresh()
+
+    # -- the plan and its estimate ----------------------------------------------------------------
+
+    @property
+    def plan(self):
+        """The plan matching the current widget values."""
+        return self.plan_for(self._values)
+
+    @property
+    def values(self) -> dict:
+        """The controls' current values."""
+        return dict(self._values)
+
+    def set(self, **values) -> PanelState:
+        """Change panel values from code (``panel.set(load="int8")``); one refresh for all of them."""
+        unknown = set(values) - set(self._values)
+        if unknown:
+            raise TypeError(f"unknown panel value(s) {sorted(unknown)}; valid: {sorted(self._values)}")
+        self.plan_for({**self._values, **values})  # validate before changing anything
+        if self.controls is not None:
+            self._quiet = True
+            try:
+                for k, v in values.items():
+                    self.controls[k].value = v
+            finally:
+                self._quiet = False
+        self._values.update(values)
+        return self.refresh()
+
+    def compute(self, plan=None, *, use_cache: bool = True) -> PanelState:
+        """Estimate and judge ``plan`` (default: the current one); cached per setting."""
+        started = time.perf_counter()
+        key = self.cache_key() if plan is None else None  # only the panel's own settings are cached
+        plan = plan or self.plan
+        if use_cache and key in self._cache:
+            return self._cache[key]
+        est = self.estimate_plan(plan)
+        result = verdict(est.total, self._capacity)
+        suggestion = None
+        if result != FITS:
+            target = self._capacity if self._est_device == "cpu" else self._est_device
+            sugg = fit(est, target).suggestions
+            suggestion = sugg[0] if sugg else None
+        state = PanelState(
+            plan, est, result, self._capacity, self._device_label, suggestion, time.perf_counter() - started,
+            segments_spec=self.SEGMENTS,
+        )  # fmt: skip
+        if use_cache and key is not None:
+            self._cache[key] = state
+        return state
+
+    def refresh(self) -> PanelState:
+        """Recompute (or fetch) the state for the current values and redraw the widgets."""
+        started = time.perf_counter()
+        cached = self.cache_key() in self._cache
+        state = self.compute()
+        if self.controls is not None:
+            c = self.controls
+            off = self.disabled()
+            for control in self.CONTROLS:
+                c[control.key].disabled = control.key in off
+            c["estimate"].value = state.bar_html()
+            c["verdict"].value = state.verdict_html()
+        state.cached = cached
+        state.seconds = time.perf_counter() - started
+        self.state = state
+        return state
+
+    # -- display ----------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        s = self.state
+        segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
+        lines = [f"{self.TITLE}: {self.model}", f"  plan: {self.plan}", f"  estimate: {segs}", f"  {s.verdict_text()}"]
+        lines += [f"  note: {m}" for m in s.estimate.warnings]
+        if self.controls is None:
+            lines.append("  (no widgets here: the parameters cell decides; change values with panel.set(...))")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        if self.controls is not None:
+            return {**widget_bundle(self.controls["box"], include, exclude), "text/plain": self.summary()}
+        html = (
+            f"<div style='font-family:monospace'><b>{escape(self.TITLE)}</b>: {escape(self.model)}<br>"
+            f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html()
+        )
+        return {"text/plain": self.summary(), "text/html": html}
+
+    def show(self) -> None:
+        """Display the panel in a notebook, or print the summary in plain Python."""
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:
+            print(self.summary())
+            return
+        if get_ipython() is None:
+            print(self.summary())
+        else:
+            display(self)
+
+
+class LoadPanel(Panel):
     """Widgets that build a :class:`LoadPlan`, show whether it fits, and load it with one click.
 
     Args:
@@ -182,6 +405,15 @@ class LoadPanel:
     ``panel.load()`` loads it (or returns what the Load button already loaded for that plan).
     """
 
+    TITLE = "oomkit load panel"
+    CONTROLS = (
+        Control("load", "Load mode", "dropdown", tuple(LOAD_MODES)),
+        Control("double_quant", "Double quant", "checkbox"),
+        Control("max_new_tokens", "max_new_tokens", "slider", MAX_NEW_TOKENS_RANGE),
+        Control("batch_size", "Batch size", "slider", BATCH_RANGE),
+        Control("prompt_tokens", "Prompt tokens", "slider", PROMPT_TOKENS_RANGE),
+    )
+
     def __init__(
         self,
         model: str,
@@ -195,120 +427,51 @@ class LoadPanel:
         widgets: bool | None = None,
         **plan_fields,
     ):
-        self._base = LoadPlan(
-            str(model),
-            load=load,
-            double_quant=double_quant,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            prompt_tokens=prompt_tokens,
-            **plan_fields,
-        )
-        self.device = device
-        # Read the config once; the estimator then caches the meta-device layout for it, so a
-        # slider move only redoes arithmetic.
-        self._config = resolve_config(str(model))[0]
-        self._capacity, self._device_label, self._est_device = self._resolve_device(device)
-        self._cache: dict[tuple, PanelState] = {}
-        self._values = {
+        values = {
             "load": load,
             "double_quant": double_quant,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
             "prompt_tokens": prompt_tokens,
         }
+        self._base = LoadPlan(str(model), **values, **plan_fields)
         self.loaded: tuple | None = None  # (model, tokenizer, report) after Load
         self._loaded_plan: LoadPlan | None = None
         self.error: Exception | None = None
-        self._quiet = False
-        use = widgets_available() if widgets is None else widgets
-        self.controls: dict[str, Any] | None = self._build() if use and _ipywidgets() is not None else None
-        self.state = self.refresh()
+        super().__init__(model, device, values, widgets)
 
-    # -- device -------------------------------------------------------------------------------
+    def plan_for(self, values: dict) -> LoadPlan:
+        return self._base.replace(**values)
 
-    @staticmethod
-    def _resolve_device(device: Any) -> tuple[int, str, Any]:
-        """(capacity bytes, label, device argument for the estimator)."""
-        import torch
+    def estimate_plan(self, plan: LoadPlan):
+        return plan.estimate(self._est_device, model=self._config)
 
-        if device == "current" and not torch.cuda.is_available():
-            return ram_readout().available, "CPU RAM (no GPU)", "cpu"
-        label, dev = resolve_device(device)
-        if dev is None:  # "cpu": compare with this machine's free RAM, as "current" does without a GPU
-            return ram_readout().available, "CPU RAM", "cpu"
-        return dev["capacity"], label, device
+    def disabled(self) -> set[str]:
+        return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
 
-    # -- widgets ------------------------------------------------------------------------------
+    def cache_key(self) -> tuple:
+        v = self._values
+        dq = v["double_quant"] if v["load"] in FOUR_BIT else None
+        return (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
+
+    def extra_widgets(self, w) -> list:
+        button = w.Button(
+            description="Load",
+            button_style="primary",
+            icon="download",
+            tooltip="load(panel.plan) and show the LoadReport",
+        )
+        output = w.Output()
+        button.add_class("oomkit-load")
+        output.add_class("oomkit-report")
+        button.on_click(lambda _: self._on_load())
+        self._load_widgets = {"button": button, "output": output}
+        return [button, output]
 
     def _build(self) -> dict[str, Any]:
-        w = _ipywidgets()
-        enable_colab_widgets()  # done at import already; again in case helpers.widgets came first
-        style = {"description_width": "initial"}
-        v = self._values
-
-        def slider(rng, value, description):
-            lo, hi, step = rng
-            return w.IntSlider(
-                value=value,
-                min=min(lo, value),
-                max=max(hi, value),
-                step=step,
-                description=description,
-                continuous_update=True,
-                style=style,
-                layout=w.Layout(width="480px"),
-            )
-
-        c = {
-            "load": w.Dropdown(options=list(LOAD_MODES), value=v["load"], description="Load mode", style=style),
-            "double_quant": w.Checkbox(value=v["double_quant"], description="Double quant", indent=False),
-            "max_new_tokens": slider(MAX_NEW_TOKENS_RANGE, v["max_new_tokens"], "max_new_tokens"),
-            "batch_size": slider(BATCH_RANGE, v["batch_size"], "Batch size"),
-            "prompt_tokens": slider(PROMPT_TOKENS_RANGE, v["prompt_tokens"], "Prompt tokens"),
-            "estimate": w.HTML(),
-            "verdict": w.HTML(),
-            "button": w.Button(
-                description="Load",
-                button_style="primary",
-                icon="download",
-                tooltip="load(panel.plan) and show the LoadReport",
-            ),
-            "output": w.Output(),
-        }
-        for key, cls in (
-            ("estimate", "oomkit-estimate"),
-            ("verdict", "oomkit-verdict"),
-            ("button", "oomkit-load"),
-            ("output", "oomkit-report"),
-        ):
-            c[key].add_class(cls)
-        for key in ("load", "double_quant", "max_new_tokens", "batch_size", "prompt_tokens"):
-            c[key].observe(self._on_change, names="value")
-        c["button"].on_click(lambda _: self._on_load())
-        title = w.HTML(f"<b>oomkit load panel</b>: {escape(self._base.model)}")
-        c["box"] = w.VBox(
-            [
-                title,
-                w.HBox([c["load"], c["double_quant"]]),
-                c["max_new_tokens"],
-                c["batch_size"],
-                c["prompt_tokens"],
-                c["estimate"],
-                c["verdict"],
-                c["button"],
-                c["output"],
-            ]
-        )
-        c["box"].add_class("oomkit-panel")
+        c = super()._build()
+        c.update(self._load_widgets)
         return c
-
-    def _on_change(self, change) -> None:
-        owner = change["owner"]
-        key = next(k for k, wdg in self.controls.items() if wdg is owner)
-        self._values[key] = change["new"]
-        if not self._quiet:
-            self.refresh()
 
     def _on_load(self) -> None:
         out, button = self.controls["output"], self.controls["button"]
@@ -331,72 +494,6 @@ class LoadPanel:
                 print(f"Not loaded ({kind}): {str(e).splitlines()[0][:400] if str(e) else ''}")
             finally:
                 button.disabled = False
-
-    # -- the plan and its estimate -------------------------------------------------------------
-
-    @property
-    def plan(self) -> LoadPlan:
-        """The :class:`LoadPlan` matching the current widget values."""
-        return self._base.replace(**self._values)
-
-    def set(self, **values) -> PanelState:
-        """Change panel values from code (``panel.set(load="int8", max_new_tokens=128)``)."""
-        unknown = set(values) - set(self._values)
-        if unknown:
-            raise TypeError(f"unknown panel value(s) {sorted(unknown)}; valid: {sorted(self._values)}")
-        self._base.replace(**{**self._values, **values})  # validate before changing anything
-        if self.controls is None:
-            self._values.update(values)
-            return self.refresh()
-        self._quiet = True  # one refresh for all values, not one per widget
-        try:
-            for k, v in values.items():
-                self.controls[k].value = v
-        finally:
-            self._quiet = False
-        self._values.update(values)
-        return self.refresh()
-
-    def _key(self) -> tuple:
-        v = self._values
-        dq = v["double_quant"] if v["load"] in FOUR_BIT else None
-        return (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
-
-    def compute(self, plan: LoadPlan | None = None, *, use_cache: bool = True) -> PanelState:
-        """Estimate and judge ``plan`` (default: the current one); cached per setting."""
-        started = time.perf_counter()
-        key = self._key() if plan is None else None  # only the panel's own settings are cached
-        plan = plan or self.plan
-        if use_cache and key in self._cache:
-            return self._cache[key]
-        est = plan.estimate(self._est_device, model=self._config)
-        result = verdict(est.total, self._capacity)
-        suggestion = None
-        if result != FITS:
-            target = self._capacity if self._est_device == "cpu" else self._est_device
-            sugg = fit(est, target).suggestions
-            suggestion = sugg[0] if sugg else None
-        state = PanelState(
-            plan, est, result, self._capacity, self._device_label, suggestion, time.perf_counter() - started
-        )
-        if use_cache and key is not None:
-            self._cache[key] = state
-        return state
-
-    def refresh(self) -> PanelState:
-        """Recompute (or fetch) the state for the current values and redraw the widgets."""
-        started = time.perf_counter()
-        cached = self._key() in self._cache
-        state = self.compute()
-        if self.controls is not None:
-            c = self.controls
-            c["double_quant"].disabled = self._values["load"] not in ("nf4", "fp4")
-            c["estimate"].value = state.bar_html()
-            c["verdict"].value = state.verdict_html()
-        state.cached = cached
-        state.seconds = time.perf_counter() - started
-        self.state = state
-        return state
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -427,48 +524,3 @@ class LoadPanel:
     @property
     def report(self):
         return None if self.loaded is None else self.loaded[2]
-
-    # -- display -------------------------------------------------------------------------------
-
-    def summary(self) -> str:
-        s = self.state
-        est = s.estimate
-        segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
-        lines = [
-            f"oomkit load panel: {self._base.model}",
-            f"  plan: {self.plan}",
-            f"  estimate: {segs}",
-            f"  {s.verdict_text()}",
-        ]
-        if est.warnings:
-            lines += [f"  note: {m}" for m in est.warnings]
-        if self.controls is None:
-            lines.append("  (no widgets here: the parameters cell decides; change values with panel.set(...))")
-        return "\n".join(lines)
-
-    __str__ = summary
-
-    def __repr__(self) -> str:
-        return self.summary()
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        if self.controls is not None:
-            return {**widget_bundle(self.controls["box"], include, exclude), "text/plain": self.summary()}
-        html = (
-            f"<div style='font-family:monospace'><b>oomkit load panel</b>: {escape(self._base.model)}<br>"
-            f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html()
-        )
-        return {"text/plain": self.summary(), "text/html": html}
-
-    def show(self) -> None:
-        """Display the panel in a notebook, or print the summary in plain Python."""
-        try:
-            from IPython import get_ipython
-            from IPython.display import display
-        except ImportError:
-            print(self.summary())
-            return
-        if get_ipython() is None:
-            print(self.summary())
-        else:
-            display(self)

@@ -53,6 +53,7 @@ MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path of the base
 LOAD = "nf4"  # nf4 for QLoRA; fp16/bf16 for plain LoRA (needs far more memory)
 SEQ_LEN = 256  # tokens per example; the GIS examples are short
 BATCH_SIZE = 16  # effective batch: micro-batch x gradient accumulation
+MICRO_BATCH = None  # None: measured, up to BATCH_SIZE; or the most to try (a divisor of BATCH_SIZE)
 R = 16  # LoRA rank
 ALPHA = 32  # LoRA scale
 MAX_STEPS = 60
@@ -93,23 +94,32 @@ report.raise_for_failures()  # "Run all" stops here when this model cannot run o
 # them (paged 8-bit AdamW: 2 bytes each, and its pages move to CPU RAM under pressure instead of
 # raising an OOM). What is left is activations: gradient checkpointing keeps one hidden state per
 # layer and recomputes the rest in the backward pass, trading ~30 % speed for most of that memory.
-# fp16 on a T4, bf16 on Ampere and newer. The table is the estimator's budget for one training
-# step at micro-batch 1.
+# fp16 on a T4, bf16 on Ampere and newer.
+#
+# The panel estimates one training step on `DEVICE` for its settings: move them and the bar, the
+# verdict and the top fix follow. Its plan is what the following cells load, prepare and train (the
+# micro-batch is the most step 6 tries; it measures that a real step fits).
+
+# %%
+from helpers import TrainPanel, TrainPlan
+
+plan = TrainPlan(MODEL, load=LOAD, r=R, alpha=ALPHA, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, micro_batch=MICRO_BATCH,
+                 max_steps=MAX_STEPS, save_steps=SAVE_STEPS, logging_steps=max(1, MAX_STEPS // 10),
+                 warmup_steps=MAX_STEPS // 10, learning_rate=LEARNING_RATE, output_dir=OUTPUT_DIR)
+panel = TrainPanel(plan, device=DEVICE)
+panel
+
+# %% [markdown]
+# The estimator's budget for the panel's choice, row by row:
 
 # %%
 import shutil
 
-from helpers import TrainPlan, fit
-
-plan = TrainPlan(MODEL, load=LOAD, r=R, alpha=ALPHA, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, max_steps=MAX_STEPS,
-                 save_steps=SAVE_STEPS, logging_steps=max(1, MAX_STEPS // 10), warmup_steps=MAX_STEPS // 10,
-                 learning_rate=LEARNING_RATE, output_dir=OUTPUT_DIR)
+plan = panel.plan  # the controls' values now, not the parameters cell's
 if FRESH:
     shutil.rmtree(plan.resolved_output_dir(), ignore_errors=True)
-estimate = plan.estimate(DEVICE)
 print(plan)
-print(fit(estimate, DEVICE))
-estimate
+panel.state.estimate
 
 # %% [markdown]
 # ## 3. Load the base model in 4 bits
@@ -144,9 +154,10 @@ print(trainable)
 
 # %% [markdown]
 # ## 6. Find the micro-batch
-# A real forward + backward at `SEQ_LEN` tokens, growing the batch until it runs out of memory
-# (caught, the memory given back), then 90 % of the largest that ran, rounded down to a divisor of
-# the effective batch. Gradient accumulation makes up the rest.
+# A real forward + backward at the plan's sequence length, growing the batch until it runs out of
+# memory (caught, the memory given back) or reaches the panel's micro-batch; after an OOM, 90 % of
+# the largest that ran, rounded down to a divisor of the effective batch. Gradient accumulation
+# makes up the rest.
 
 # %%
 from helpers import find_micro_batch

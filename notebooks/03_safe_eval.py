@@ -50,7 +50,7 @@ LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
 PROMPTS_FILE = None  # None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
 RESULTS = "eval_results.jsonl"  # a name goes to Drive when it is mounted in Colab (survives a reset)
 MAX_NEW_TOKENS = 64
-BATCH_SIZE = "auto"  # or a starting int; it adapts either way
+BATCH_SIZE = "auto"  # "auto": start where an earlier run learned, else the estimate; or a starting int
 SCORE = "contains"  # "exact_match", "contains", or a function(output, reference) -> float
 INTERRUPT_AFTER = 20  # simulate pressing Stop after this many samples (None: do not)
 SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
@@ -78,16 +78,25 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 # sits cached unused, not every N samples: `empty_cache()` in a loop only makes the allocator
 # request the same memory again.
 #
-# ## 1. Load with a plan
+# ## 1. Choose, see the fit, load
+# The panel's load mode and `max_new_tokens` are what the evaluation below runs with; its batch is
+# the starting batch when `BATCH_SIZE` is a number (with `"auto"` it only shapes the estimate, and
+# `safe_generate` picks its own start). Prompt tokens: about the longest prompt (step 2 prints them).
 
 # %%
 # %load_ext helpers
-from helpers import LoadPlan, load, persistent_path, snapshot
+from helpers import LoadPanel, persistent_path, snapshot
 
 RESULTS = persistent_path(RESULTS)  # MyDrive/oomkit/ when Drive is mounted: results survive a runtime reset
 
-plan = LoadPlan(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8, prompt_tokens=128)
-model, tokenizer, load_report = load(plan)
+panel = LoadPanel(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8 if BATCH_SIZE == "auto" else BATCH_SIZE,
+                  prompt_tokens=128)
+panel
+
+# %%
+model, tokenizer, load_report = panel.load()  # the panel's plan; a second run reuses the loaded model
+MAX_NEW_TOKENS = panel.plan.max_new_tokens  # the slider's value from here on
+START_BATCH = BATCH_SIZE if BATCH_SIZE == "auto" else panel.plan.batch_size
 load_report
 
 # %%
@@ -138,7 +147,7 @@ def stop_after(n):
 
 try:
     with memory_limit():
-        safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE,
+        safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=START_BATCH,
                       results=RESULTS, resume=False, score=SCORE, on_result=stop_after(INTERRUPT_AFTER))
 except KeyboardInterrupt as stop:
     print(f"interrupted: {stop}")
@@ -153,7 +162,7 @@ with open(RESULTS) as f:
 
 # %%
 with memory_limit():
-    report = safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE,
+    report = safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=START_BATCH,
                            results=RESULTS, score=SCORE)
 report
 

@@ -53,3 +53,46 @@ def test_notebook_opens_on_a_colab_gpu_with_the_oom_safety_net_on(path):
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     assert any("%load_ext helpers" in src for src in code[:4]), "turn the OOM handler on before the first load"
     assert "configure_allocator()" in code[0], "expandable segments must be set before anything touches CUDA"
+
+
+# A user's moves of the panel after it is shown, and what the cell that takes its plan must then see.
+PANEL_MOVES = {
+    "02_lora_finetune": (
+        {"BATCH_SIZE": 4},
+        "panel.set(load='int8', r=4, seq_len=128, micro_batch=2)",
+        "plan = panel.plan",
+        "print('SEEN', repr((plan.load, plan.r, plan.seq_len, plan.micro_batch)))",
+        "('int8', 4, 128, 2)",
+    ),
+    "03_safe_eval": (
+        {"BATCH_SIZE": 2},
+        "panel.set(load='int8', max_new_tokens=8, batch_size=3)",
+        "model, tokenizer, load_report = panel.load()",
+        "print('SEEN', repr((load_report.plan.load, model.is_loaded_in_8bit, MAX_NEW_TOKENS, START_BATCH)))",
+        "('int8', True, 8, 3)",
+    ),
+}
+
+
+@pytest.mark.parametrize("stem", sorted(PANEL_MOVES))
+def test_panel_choices_drive_the_cells_after_it(stem, tiny_models, tmp_path):
+    """Notebooks 02 and 03 take their plan from the panel: values moved after it is shown are what runs."""
+    import papermill
+
+    params, move, taker, probe, expected = PANEL_MOVES[stem]
+    run = next(r for r in run_notebooks.planned_runs([stem]))
+    nb = nbformat.read(run.notebook, as_version=4)
+    shown = next(i for i, c in enumerate(nb.cells) if c.source.rstrip().endswith("\npanel"))
+    takes = next(i for i, c in enumerate(nb.cells) if taker in c.source)
+    assert shown < takes, "the panel is shown before its plan is used"
+    nb.cells = [*nb.cells[: shown + 1], nbformat.v4.new_code_cell(move), *nb.cells[shown + 1 : takes + 1]]
+    nb.cells.append(nbformat.v4.new_code_cell(probe))
+    source = tmp_path / f"{stem}.ipynb"
+    nbformat.write(nb, source)
+    out = tmp_path / f"{stem}.out.ipynb"
+    papermill.execute_notebook(
+        str(source), str(out), parameters={**run.parameters, **params}, kernel_name="python3", cwd=str(tmp_path),
+        progress_bar=False, execution_timeout=300,
+    )  # fmt: skip
+    printed = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells for o in c.get("outputs", []))
+    assert f"SEEN {expected}" in printed

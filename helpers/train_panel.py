@@ -1,0 +1,85 @@
+"""The training panel: choose QLoRA's load mode, rank, sequence length and micro-batch with widgets.
+
+``TrainPanel(plan)`` shows the controls of a :class:`~helpers.finetune.TrainPlan` that decide the
+memory of a training step; every change re-estimates that step on the target device (a T4 by
+default) and states the verdict and the top fix, as :class:`~helpers.widgets.LoadPanel` does for
+inference. ``panel.plan`` is the plan the following cells load, prepare and train with. The
+micro-batch chosen here is the most :func:`~helpers.finetune.find_micro_batch` tries: it measures
+that a real step fits and takes a smaller divisor of the effective batch when it does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .finetune import TrainPlan
+from .vocab import FOUR_BIT, LOAD_MODES
+from .widgets import Control, Panel
+
+__all__ = ["TrainPanel"]
+
+TRAIN_SEGMENTS = (  # (label, estimate row groups, opacity) in bar order
+    ("weights", ("weights",), 1.0),
+    ("training state", ("training",), 0.7),
+    ("activations", ("activations",), 0.5),
+    ("overheads", ("overhead",), 0.3),
+)
+RANK_RANGE = (4, 128, 4)
+SEQ_LEN_RANGE = (64, 4096, 64)
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    """The micro-batches that keep an effective batch of ``n`` exact with gradient accumulation."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+class TrainPanel(Panel):
+    """Widgets over a :class:`TrainPlan`: load mode, double quant, gradient checkpointing, LoRA rank,
+    sequence length and micro-batch, with the training-step estimate against ``device``.
+
+    Args:
+        plan: the starting plan (the notebook's parameters); every other field is kept as is.
+        device: a preset such as ``"t4"`` (what to plan for), ``"current"`` or a capacity in bytes.
+        widgets: force widgets on or off (default: on inside a notebook kernel with ipywidgets).
+
+    The micro-batch starts at the plan's, or at the effective batch when the plan has none (then
+    the measurement decides, as without a panel).
+    """
+
+    TITLE = "oomkit training panel"
+    SEGMENTS = TRAIN_SEGMENTS
+
+    def __init__(self, plan: TrainPlan, device: Any = "t4", *, widgets: bool | None = None):
+        self._base = plan
+        self.CONTROLS = (
+            Control("load", "Load mode", "dropdown", tuple(LOAD_MODES)),
+            Control("double_quant", "Double quant", "checkbox"),
+            Control("gradient_checkpointing", "Gradient checkpointing", "checkbox"),
+            Control("r", "LoRA rank", "slider", RANK_RANGE),
+            Control("seq_len", "Sequence length", "slider", SEQ_LEN_RANGE),
+            Control("micro_batch", "Micro-batch", "dropdown", divisors(plan.batch_size)),
+        )
+        values = {
+            "load": plan.load,
+            "double_quant": plan.double_quant,
+            "gradient_checkpointing": plan.gradient_checkpointing,
+            "r": plan.r,
+            "seq_len": plan.seq_len,
+            "micro_batch": plan.micro_batch or plan.batch_size,
+        }
+        super().__init__(plan.model, device, values, widgets)
+
+    def plan_for(self, values: dict) -> TrainPlan:
+        return self._base.replace(**values)
+
+    def estimate_plan(self, plan: TrainPlan):
+        return plan.estimate(self._est_device, model=self._config)
+
+    def disabled(self) -> set[str]:
+        return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
+
+    def cache_key(self) -> tuple:
+        v = dict(self._values)
+        if v["load"] not in FOUR_BIT:
+            v["double_quant"] = None
+        return tuple(v[c.key] for c in self.CONTROLS)

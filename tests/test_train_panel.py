@@ -1,0 +1,98 @@
+"""The training panel (notebook 02's controls), driven headless, and the micro-batch it hands to the search."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers.estimator import fit
+from helpers.finetune import FinetuneError, TrainPlan, find_micro_batch
+from helpers.train_panel import TrainPanel, divisors
+
+SEVEN_B = "codellama/CodeLlama-7b-hf"  # shipped config: offline, arithmetic only
+
+
+@pytest.fixture
+def panel(tmp_path):
+    plan = TrainPlan(SEVEN_B, seq_len=256, batch_size=16, output_dir=str(tmp_path / "run"))
+    return TrainPanel(plan, device="t4", widgets=True)
+
+
+def test_widgets_drive_the_plan_and_its_estimate(panel):
+    assert panel.plan.micro_batch == 16  # no micro-batch in the plan: the search may go up to the batch
+    assert list(panel.controls["micro_batch"].options) == [1, 2, 4, 8, 16]  # exact accumulation only
+    assert panel.state.verdict == "fits"
+    # moving the controls as a user does: the plan and the estimate follow, and the bar redraws
+    panel.controls["load"].value = "fp16"
+    assert panel.plan.load == "fp16" and panel.state.verdict == "does not fit"
+    assert panel.controls["double_quant"].disabled  # means nothing for fp16
+    assert "DOES NOT FIT" in panel.controls["verdict"].value and "Top fix" in panel.controls["verdict"].value
+    want = TrainPlan(SEVEN_B, load="fp16", seq_len=256, batch_size=16, micro_batch=16).estimate("t4")
+    assert panel.state.estimate.total == want.total
+    assert panel.state.suggestion.change == fit(want, "t4").suggestions[0].change
+
+    panel.controls["load"].value = "nf4"
+    panel.controls["seq_len"].value = 1024
+    panel.controls["micro_batch"].value = 4
+    plan = panel.plan
+    assert (plan.load, plan.seq_len, plan.micro_batch, plan.gradient_accumulation) == ("nf4", 1024, 4, 4)
+    assert plan.max_steps == TrainPlan(SEVEN_B).max_steps or plan.output_dir.endswith("run")  # others kept
+    segments = dict(panel.state.segments())
+    assert set(segments) == {"weights", "training state", "activations", "overheads"}
+    assert sum(segments.values()) == panel.state.estimate.total  # every byte in one segment
+
+
+def test_checkpointing_off_is_shown_with_its_fix(panel):
+    state = panel.set(gradient_checkpointing=False, seq_len=2048)
+    assert state.verdict == "does not fit" and state.suggestion.change == "gradient_checkpointing=True"
+    assert "training state" in str(panel) and "checkpointing off" in str(panel)
+
+
+def test_set_validates_before_changing_anything(panel):
+    with pytest.raises(FinetuneError, match="does not divide"):
+        panel.set(micro_batch=3)
+    with pytest.raises(TypeError, match="unknown panel value"):
+        panel.set(max_new_tokens=64)
+    assert panel.plan.micro_batch == 16
+
+
+def test_divisors():
+    assert divisors(12) == (1, 2, 3, 4, 6, 12) and divisors(1) == (1,)
+
+
+class BudgetedModel(torch.nn.Module):
+    """A model whose training step runs out of memory above ``budget`` examples (a real OutOfMemoryError)."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget, self.sizes = budget, []
+        self.emb = torch.nn.Embedding(32, 4)
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, labels):
+        self.sizes.append(input_ids.shape[0])
+        if input_ids.shape[0] > self.budget:
+            raise torch.OutOfMemoryError(f"simulated: {input_ids.shape[0]} examples > budget {self.budget}")
+        return SimpleNamespace(loss=self.emb(input_ids).float().pow(2).mean())
+
+
+@pytest.mark.parametrize(
+    ("budget", "chosen", "expected"),
+    [
+        (16, 4, 4),  # the choice runs: kept whole, nothing larger tried
+        (16, None, 8),  # no choice: up to the effective batch, then the margin (16 -> 14 -> divisor 8)
+        (2, 8, 1),  # the choice does not run: 2 did, and the margin leaves floor(2 x 0.9) = 1
+    ],
+)
+def test_find_micro_batch_tries_at_most_the_chosen_micro_batch(tmp_path, budget, chosen, expected):
+    model = BudgetedModel(budget)
+    plan = TrainPlan(
+        f"budget-{budget}-{chosen}", seq_len=8, batch_size=16, micro_batch=chosen, output_dir=str(tmp_path)
+    )
+    mb = find_micro_batch(model, plan)
+    assert mb.micro_batch == expected and mb.micro_batch * mb.gradient_accumulation == 16
+    assert max(model.sizes) <= (chosen or 16)
