@@ -37,7 +37,7 @@ import torch
 
 from .batch_size import BatchSearch, remember_batch, remembered_batch
 from .errors import OomkitError
-from .generation import Generated, encode, generate_batch, model_device, stop_token_ids
+from .generation import Generated, encode, first_prompt_streamer, generate_batch, model_device, stop_token_ids
 from .memory import allocated, ram_readout, reserved
 from .retry import Attempt, Watch, attempt
 from .units import format_bytes
@@ -457,7 +457,8 @@ class EvalReport:
             allocator cache was emptied (only after an OOM or when much memory sat cached unused);
             full_collections: OOMs after which the failed batch was still alive, so ``gc.collect()`` ran.
         batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
-            memory bytes) per batch; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
+            memory bytes) per batch; oom_timeline: (seconds, batch size) of every batch that ran out
+            of memory; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
@@ -478,6 +479,7 @@ class EvalReport:
     full_collections: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    oom_timeline: list[tuple[float, int]] = field(default_factory=list)
     peak_memory: int | None = None
     memory_kind: str = "process RSS"
     repaired: bool = False
@@ -539,20 +541,36 @@ class EvalReport:
         return table(["", ""], self._lines(), title="safe_generate")
 
     def plot(self):
-        """A matplotlib figure: batch size and memory per batch over time."""
+        """A matplotlib figure of this run: the batch size over time (OOMs marked) and memory per batch."""
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
-        fig, ax = plt.subplots(figsize=(7, 3))
+        fig, ax = plt.subplots(figsize=(7.5, 3.2))
+        plt.close(fig)  # shown once, as the cell's result
         t = [p[0] for p in self.timeline]
-        ax.step(t, [p[1] for p in self.timeline], where="post", color="tab:blue")
-        ax.set_xlabel("seconds")
+        ax.step(t, [p[1] for p in self.timeline], where="post", color="tab:blue", label="batch size that ran")
+        if self.oom_timeline:
+            ax.scatter(*zip(*self.oom_timeline, strict=True), marker="x", color="#c0392b", zorder=3,
+                       label="batch that ran out of memory (retried smaller)")  # fmt: skip
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # batch sizes are whole numbers
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("seconds into this run")
         ax.set_ylabel("batch size", color="tab:blue")
         mem = ax.twinx()
-        mem.plot(t, [p[2] / 2**20 for p in self.timeline], color="tab:orange", marker=".", lw=1)
-        mem.set_ylabel(f"{self.memory_kind} (MiB)", color="tab:orange")
-        ax.set_title(f"{len(self.batch_sizes)} batches, {self.oom_retries} OOM retries")
+        peak = max((p[2] for p in self.timeline), default=0)
+        scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
+        mem.plot(t, [p[2] / scale for p in self.timeline], color="tab:orange", marker=".", lw=1)
+        mem.set_ylim(0, max(peak / scale * 1.15, 1e-9))  # from zero: a flat line reads as flat, not as a cliff
+        mem.set_ylabel(f"{self.memory_kind} ({unit})", color="tab:orange")
+        earlier = f", {self.skipped} done before" if self.skipped else ""
+        ax.set_title(
+            f"this run: {self.done} samples in {len(self.batch_sizes)} batches{earlier}; "
+            f"{self.oom_retries} OOM {'retry' if self.oom_retries == 1 else 'retries'}",
+            fontsize=10,
+        )
+        if self.oom_timeline:
+            ax.legend(loc="lower left", fontsize=8)
         fig.tight_layout()
-        plt.close(fig)
         return fig
 
 
@@ -702,6 +720,7 @@ def safe_generate(
     max_batch_size: int = 64,
     progress: bool = True,
     on_result: Callable[[dict], None] | None = None,
+    stream: bool = False,
 ) -> EvalReport:
     """Generate for every prompt without losing a result to an OOM or a crash.
 
@@ -722,6 +741,8 @@ def safe_generate(
         max_batch_size: never batch more prompts than this.
         progress: show a tqdm bar (a widget in notebooks).
         on_result: called with each record once it is on disk.
+        stream: print the first batch's first answer token by token while it is generated (a long
+            batch otherwise shows nothing until it ends).
 
     Returns:
         An :class:`EvalReport`.
@@ -747,6 +768,7 @@ def safe_generate(
     _check_context(items, ids, context)
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
+    run.stream = stream
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
     done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
@@ -891,6 +913,7 @@ class _Run:
     scorer: tuple[str, Callable[[str, str], float]] | None
     stop: set[int] = field(default_factory=set)
     model_id: dict = field(default_factory=dict)
+    stream: bool = False  # print the first batch's first answer as it is generated
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
@@ -952,6 +975,7 @@ class _Loop:
         self.i = 0
         self.single_retries = 0
         self.shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
+        self.streamed = not run.stream  # True once a streamed batch finished (or when none should stream)
 
     def run(self) -> None:
         from tqdm.auto import tqdm
@@ -990,6 +1014,9 @@ class _Loop:
 
     def _generate(self, batch: list, new: int, watch: Watch) -> Generated:
         run = self.run_
+        streamer = {}
+        if not self.streamed:  # until a batch succeeds: an OOM'd attempt's partial answer is streamed again
+            streamer["streamer"] = first_prompt_streamer(run.tokenizer, "streaming the first batch's first answer:")
         return generate_batch(
             run.model,
             run.tokenizer,
@@ -997,6 +1024,7 @@ class _Loop:
             max_new_tokens=new,
             stop=run.stop,
             watch=watch,
+            **streamer,
             **run.gen_kwargs,
         )
 
@@ -1007,6 +1035,7 @@ class _Loop:
             self._does_not_fit(result)  # not even one new token fits alone: recorded, the rest goes on
             return
         self.report.oom_retries += 1
+        self.report.oom_timeline.append((time.perf_counter() - self.started, size))
         if size > 1:
             self.budget.after_oom(size, seq)
         elif self.single_retries < 1:
@@ -1025,6 +1054,7 @@ class _Loop:
 
     def _after_success(self, batch: list, new: int, seq: int, result: Attempt) -> None:
         size = len(batch)
+        self.streamed = True
         self.budget.after_success(size, seq)
         records = _records(self.run_, batch, result.value, new, result.elapsed, memory=self.shrink_new is not None)
         _write(self.store, records, self.report)

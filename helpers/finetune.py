@@ -527,11 +527,16 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 
 
 @torch.inference_mode()
-def answer(model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4) -> list[str]:
-    """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS)."""
+def answer(
+    model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4, stream: bool = False
+) -> list[str]:
+    """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS).
+
+    ``stream=True`` prints the first answer token by token while its batch runs."""
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            progress=False, add_special_tokens=False, do_sample=False, use_cache=True)  # fmt: skip
+                            progress=False, add_special_tokens=False, do_sample=False, use_cache=True,
+                            stream=stream)  # fmt: skip
 
 
 # -- micro-batch ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ __all__ = [
     "model_device",
     "generate_batch",
     "generate_batched",
+    "first_prompt_streamer",
 ]
 
 
@@ -140,6 +141,25 @@ def generate_batch(
     return Generated(texts, new, [count_new_tokens(row, stop) for row in new])
 
 
+def first_prompt_streamer(tokenizer, header: str | None = "streaming the first prompt's answer:"):
+    """A transformers ``TextStreamer`` that prints the first prompt's new text as it is generated.
+
+    ``TextStreamer`` takes one sequence; this one follows row 0 of a batch (the other rows come back
+    when the batch ends), so a long generation shows at once that it is working and what it writes.
+    Pass it as ``streamer=`` to ``generate``; greedy or sampling only (``generate`` refuses a streamer
+    with beam search).
+    """
+    from transformers import TextStreamer
+
+    class FirstRowStreamer(TextStreamer):
+        def put(self, value):
+            if header is not None and self.next_tokens_are_prompt:
+                print(header, flush=True)
+            super().put(value[:1])  # the prompt as (batch, length), then (batch,) per step: row 0 only
+
+    return FirstRowStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 @contextlib.contextmanager
 def _eval_mode(model):
     was_training = getattr(model, "training", False)
@@ -162,12 +182,15 @@ def generate_batched(
     progress: bool = False,
     add_special_tokens: bool = True,
     desc: str = "generating",
+    stream: bool = False,
     **generate_kwargs: Any,
 ) -> list[str]:
     """Generate for ``prompts`` in chunks of ``batch_size`` (a tqdm bar when ``progress``): the new text only.
 
     The model is in eval mode for the call (its training mode is restored after); with
     ``num_return_sequences=n`` in ``generate_kwargs`` the list holds n texts per prompt, in order.
+    ``stream``: print the first prompt's answer token by token while its batch runs
+    (:func:`first_prompt_streamer`).
     """
     from tqdm.auto import tqdm
 
@@ -186,7 +209,8 @@ def generate_batched(
     out: list[str] = []
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     with _eval_mode(model):
-        for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not progress):
+        for n, chunk in enumerate(tqdm(chunks, desc=desc, unit="batch", disable=not progress)):
+            streamer = {"streamer": first_prompt_streamer(tokenizer)} if stream and n == 0 else {}
             out += generate_batch(
                 model,
                 tokenizer,
@@ -194,6 +218,7 @@ def generate_batched(
                 max_new_tokens=max_new_tokens,
                 add_special_tokens=add_special_tokens,
                 stop=stop,
+                **streamer,
                 **generate_kwargs,
             ).texts
     return out

@@ -832,9 +832,12 @@ def generate_batched(
     max_new_tokens: int = 32,
     batch_size: int = 4,
     progress: bool = True,
+    stream: bool = False,
     **generate_kwargs,
 ) -> list[str]:
-    """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text."""
+    """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text.
+
+    ``stream=True`` prints the first prompt's answer token by token while its batch runs."""
     # the arguments are checked by generation.generate_batched; int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
     quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
@@ -842,7 +845,7 @@ def generate_batched(
     try:
         return generation.generate_batched(
             model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress,
-            **generate_kwargs,
+            stream=stream, **generate_kwargs,
         )  # fmt: skip
     finally:
         bnb_log.removeFilter(quiet)

@@ -284,56 +284,45 @@ class MemoryMonitor:
         return text
 
     def plot(self, title: str = "memory over time"):
-        """A matplotlib ``Figure``: each figure in GiB over time, its peak, the threshold and the marks."""
+        """A matplotlib ``Figure``: each figure over time with its peak, the warning threshold and the marks.
+
+        The y axis fits the data (GiB, or MiB below 1 GiB); a threshold far above it is named in the
+        legend (beside the chart) instead of squashing the lines flat; marks closer than 3 % of the run share one label.
+        """
         import matplotlib.pyplot as plt
 
         samples = list(self.samples)
         # through pyplot so a notebook shows it as an image; closed so it is shown once, as the cell's result
-        fig, ax = plt.subplots(figsize=(9, 3.6))
+        fig, ax = plt.subplots(figsize=(10.5, 3.6))
         plt.close(fig)
         t = [s.t for s in samples]
         series = ([("allocated", "PyTorch allocated"), ("reserved", "PyTorch reserved"),
                    ("device_used", "device used (NVML)")] if self.cuda else
                   [("process_rss", "process RSS"), ("ram_used", "machine RAM in use")])  # fmt: skip
-        for key, label in series:
-            ys = [getattr(s, key) for s in samples]
-            if not ys or any(y is None for y in ys):
-                continue
-            (line,) = ax.plot(t, [y / 2**30 for y in ys], label=label)
-            i = max(range(len(ys)), key=ys.__getitem__)
-            late = i > len(ys) / 2  # label to the left of a late peak, so it stays inside the axes
-            ax.annotate(
-                f"peak {format_bytes(ys[i])}",
-                (t[i], ys[i] / 2**30),
-                textcoords="offset points",
-                xytext=(-4 if late else 4, 4),
-                ha="right" if late else "left",
-                fontsize=8,
-                color=line.get_color(),
-            )
-        ax.axhline(
-            self.threshold * self.capacity / 2**30,
-            color="#c0392b",
-            ls="--",
-            lw=1,
-            label=f"{self.threshold:.0%} of {format_bytes(self.capacity)}",
-        )
-        for m in self.marks:
-            ax.axvline(m.t, color="grey", lw=0.8, ls=":")
-            ax.annotate(
-                m.label,
-                (m.t, 1),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                fontsize=7,
-                va="top",
-                ha="right",
-                color="grey",
-            )
+        plotted = [(label, [getattr(s, key) for s in samples]) for key, label in series]
+        plotted = [(label, ys) for label, ys in plotted if ys and all(y is not None for y in ys)]
+        top = max((max(ys) for _, ys in plotted), default=1)
+        limit = self.threshold * self.capacity
+        shown_limit = limit <= 1.5 * top  # else the data would be a flat line at the bottom
+        scale, unit = (2**30, "GiB") if max(top, limit if shown_limit else 0) >= 2**30 else (2**20, "MiB")
+        for label, ys in plotted:
+            (line,) = ax.plot(t, [y / scale for y in ys], label=label)
+            _annotate_peak(ax, t, ys, scale, line.get_color())
+        limit_label = f"{self.threshold:.0%} of {format_bytes(self.capacity)} = {format_bytes(limit)}"
+        if shown_limit:
+            ax.axhline(limit / scale, color="#c0392b", ls="--", lw=1, label=limit_label)
+        else:
+            ax.plot([], [], color="#c0392b", ls="--", lw=1, label=f"{limit_label} (above the chart)")
+        ax.set_ylim(0, max(top, limit if shown_limit else 0) / scale * 1.12)
+        span = (t[-1] - t[0]) if len(t) > 1 else 0.0
+        for when, text in _grouped_marks(self.marks, span):
+            ax.axvline(when, color="grey", lw=0.8, ls=":")
+            ax.annotate(text, (when, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        va="top", ha="right", color="grey")  # fmt: skip
         ax.set_xlabel("seconds")
-        ax.set_ylabel("GiB")
+        ax.set_ylabel(unit)
         ax.set_title(title)
-        ax.legend(loc="center left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)  # beside, never over a line
         fig.tight_layout()
         return fig
 
@@ -450,3 +439,21 @@ def __getattr__(name: str):
         globals()["MemoryCallback"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _annotate_peak(ax, t: list[float], ys: list[int], scale: int, color) -> None:
+    i = max(range(len(ys)), key=ys.__getitem__)
+    late = i > len(ys) / 2  # label to the left of a late peak, so it stays inside the axes
+    ax.annotate(f"peak {format_bytes(ys[i])}", (t[i], ys[i] / scale), textcoords="offset points",
+                xytext=(-4 if late else 4, 4), ha="right" if late else "left", fontsize=8, color=color)  # fmt: skip
+
+
+def _grouped_marks(marks, span: float, share: float = 0.03) -> list[tuple[float, str]]:
+    """(time, label) per group of marks closer than ``share`` of the run: one line, labels joined."""
+    groups: list[list] = []
+    for m in sorted(marks, key=lambda m: m.t):
+        if groups and m.t - groups[-1][-1].t <= share * span:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    return [(g[0].t, " · ".join(m.label for m in g)) for g in groups]

@@ -139,7 +139,7 @@ report
 from helpers import answer, load_instructions
 
 heldout = [row["instruction"] for row in load_instructions(heldout=True)]
-before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
+before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS, stream=True)  # the first one as it comes
 
 # %% [markdown]
 # ## 5. Prepare QLoRA

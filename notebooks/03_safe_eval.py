@@ -119,9 +119,11 @@ prompts[0]
 # %% [markdown]
 # ## 3. Evaluate, and get interrupted halfway
 # `on_result` is called after each sample is on disk; here it raises `KeyboardInterrupt` after
-# `INTERRUPT_AFTER` samples, exactly what pressing Stop does. (A crashed or reset runtime is the
-# same story: the file keeps every finished line, and a line torn mid-write is repaired on resume.)
-# `resume=False` starts the file over for this demo.
+# `INTERRUPT_AFTER` samples, exactly what pressing Stop does. A batch is written whole before its
+# samples are reported, so the file may hold a few more than were reported: the rest of that batch.
+# (A crashed or reset runtime is the same story: the file keeps every finished line, and a line torn
+# mid-write is repaired on resume.) `resume=False` starts the file over for this demo; the first
+# batch's first answer is printed as it is generated (`stream=True`).
 
 # %%
 import contextlib
@@ -140,7 +142,7 @@ def stop_after(n):
     def callback(record):
         seen.append(record["id"])
         if n is not None and len(seen) >= n:
-            raise KeyboardInterrupt(f"stopped after {n} samples")
+            raise KeyboardInterrupt(f"Stop pressed after sample {n} was reported")
 
     return callback
 
@@ -148,12 +150,14 @@ def stop_after(n):
 try:
     with memory_limit():
         safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=START_BATCH,
-                      results=RESULTS, resume=False, score=SCORE, on_result=stop_after(INTERRUPT_AFTER))
+                      results=RESULTS, resume=False, score=SCORE, on_result=stop_after(INTERRUPT_AFTER), stream=True)
 except KeyboardInterrupt as stop:
     print(f"interrupted: {stop}")
 
 with open(RESULTS) as f:
-    print(f"{sum(1 for _ in f)} finished samples are safe in {RESULTS}")
+    safe = sum(1 for _ in f)
+note = f" ({INTERRUPT_AFTER} reported before Stop; the rest of that batch was on disk already)" if INTERRUPT_AFTER else ""
+print(f"{safe} of {len(prompts)} samples are safe in {RESULTS}{note}")
 
 # %% [markdown]
 # ## 4. Resume
@@ -167,9 +171,11 @@ with memory_limit():
 report
 
 # %% [markdown]
-# Batch size and memory per batch over time: the batch grows while it fits, drops after an OOM,
-# and grows again as the prompts get shorter. The resumed run started from what the interrupted
-# one learned (kept in `find_max_batch_size`'s cache), so it usually needs no OOM at all.
+# The resumed run's batch size (left axis, whole numbers; a red x for each batch that ran out of
+# memory and was retried smaller) and memory after each batch (right axis, from zero): the batch
+# grows while it fits, drops after an OOM, and grows again as the prompts get shorter. It started
+# from what the interrupted run learned (kept in `find_max_batch_size`'s cache), so it usually needs
+# no OOM at all.
 
 # %%
 report.plot()

@@ -487,3 +487,20 @@ def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):
             safe_generate(model, tok, latin, results=tmp_path / "a.jsonl", progress=False)
     assert budget.calls == 0 and prompt_file.read_bytes() == original
     assert not (tmp_path / "a.jsonl").exists()
+
+
+def test_eval_plot_reads_whole_batches_and_marks_the_ooms(tmp_path):
+    from helpers.evaluate import EvalReport
+    from helpers.units import MiB
+
+    report = EvalReport(tmp_path / "r.jsonl", total=47, done=22, skipped=25, oom_retries=1, batch_sizes=[6, 3, 8])
+    report.timeline = [(0.1, 6, 402 * MiB), (0.3, 3, 403 * MiB), (0.5, 8, 403 * MiB)]
+    report.oom_timeline = [(0.2, 12)]
+    fig = report.plot()
+    ax, mem = fig.axes
+    assert all(float(y).is_integer() for y in ax.get_yticks())  # batch sizes, never 6.5
+    assert mem.get_ylim()[0] == 0 and mem.get_ylabel().endswith("(MiB)")  # a 1 MiB wobble is not a cliff
+    title = ax.get_title()
+    assert "22 samples in 3 batches" in title and "25 done before" in title and "1 OOM retry" in title
+    (oom,) = ax.collections
+    assert oom.get_offsets().tolist() == [[0.2, 12.0]]

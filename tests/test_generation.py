@@ -66,3 +66,36 @@ def test_several_sequences_per_prompt_and_training_mode_restored(tiny):
         generate_batched(model, tok, "one string")
     with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
         generate_batched(model, tok, PROMPTS, batch_size=0)
+
+
+def test_stream_prints_the_first_prompts_answer_as_it_comes(tiny, capsys):
+    """A long generation shows progress: the first prompt's new text is printed while its batch runs,
+    and it is exactly what the call returns for that prompt; nothing of the other rows is printed."""
+    model, tok = tiny
+    prompts = ["Question: what is 2 + 2?\nAnswer:", "A longer prompt, so the first row is padded", "third"]
+    quiet = generate_batched(model, tok, prompts, max_new_tokens=8, batch_size=2)
+    assert capsys.readouterr().out == ""  # off by default
+    streamed = generate_batched(model, tok, prompts, max_new_tokens=8, batch_size=2, stream=True)
+    out = capsys.readouterr().out
+    assert streamed == quiet  # streaming changes nothing returned
+    header, text = out.split("\n", 1)
+    assert header == "streaming the first prompt's answer:" and text == streamed[0] + "\n"
+
+
+@pytest.mark.parametrize("budget", [None, 30], ids=["fits", "first-batches-oom"])
+def test_safe_generate_streams_its_first_batch(tiny, tmp_path, capsys, budget):
+    """The first batch that runs streams its first answer once, also when earlier attempts ran out of memory."""
+    import contextlib
+
+    from helpers.evaluate import safe_generate
+    from helpers.testing import simulated_budget
+
+    model, tok = tiny
+    prompts = [{"id": f"p{i}", "prompt": "word " * (3 + i)} for i in range(5)]
+    with simulated_budget(model, tokens=budget) if budget else contextlib.nullcontext():
+        report = safe_generate(model, tok, prompts, max_new_tokens=6, results=tmp_path / "r.jsonl", progress=False,
+                               stream=True)  # fmt: skip
+    assert (report.oom_retries > 0) == bool(budget)
+    header, text = capsys.readouterr().out.split("\n", 1)
+    first = max(report.records, key=lambda r: r["prompt_tokens"])  # longest prompts go first
+    assert header == "streaming the first batch's first answer:" and text == first["output"] + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from helpers.monitor import MemoryCallback, MemoryMonitor, Sample
+from helpers.monitor import Mark, MemoryCallback, MemoryMonitor, Sample
 from helpers.units import MiB
 
 
@@ -51,8 +52,27 @@ def test_csv_and_plot(tmp_path):
     assert int(rows[0]["process_rss"]) == mon.samples[0].process_rss
     fig = mon.plot()
     ax = fig.axes[0]
-    assert len(ax.lines) >= 3 and ax.get_ylabel() == "GiB"  # series + threshold + mark
+    assert len(ax.lines) >= 3 and ax.get_ylabel() in ("GiB", "MiB")  # series + threshold + mark
     assert any("peak" in t.get_text() for t in ax.texts) and any(t.get_text() == "step" for t in ax.texts)
+
+
+def test_plot_keeps_lines_readable_and_marks_apart():
+    """A threshold far above the data is named in the legend, not drawn (it squashed the lines flat), and
+    marks at the same moment share one label (they were printed over each other)."""
+    mon = MemoryMonitor(interval=1, warn=False, capacity=1 << 50)
+    for _ in range(6):
+        mon.sample()
+    mon.samples = [dataclasses.replace(s, t=2.0 * i) for i, s in enumerate(mon.samples)]  # a 10 s run
+    mon.marks = [Mark(0.0, "train from step 0"), Mark(5.0, "checkpoint 4"), Mark(9.9, "checkpoint 8"),
+                 Mark(10.0, "train end")]  # fmt: skip
+    ax = mon.plot().axes[0]
+    marks = [t.get_text() for t in ax.texts if "peak" not in t.get_text()]
+    assert marks == ["train from step 0", "checkpoint 4", "checkpoint 8 · train end"]
+    top = max(max(s.process_rss, s.ram_used) for s in mon.samples)
+    unit = {"GiB": 2**30, "MiB": 2**20}[ax.get_ylabel()]
+    assert top < ax.get_ylim()[1] * unit < 1.2 * top  # scaled to the data, not to the far threshold
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("above the chart" in text for text in legend)
 
 
 def test_threshold_crossing_names_the_largest_tensor():
