@@ -740,43 +740,18 @@ def load(
         )
     elif plan_changes:
         plan = plan.replace(**plan_changes)
-    if check:
-        checked = check_plan(plan, snapshot=snapshot, bnb=bnb)
-    else:
-        token = plan.token or _find_token()
-        checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate("current"))
-        if plan.adapter:
-            check_adapter(plan.adapter)
-        check_bitsandbytes(plan.load, device_kind(), bnb)
+    checked = _checked(plan, check, snapshot, bnb)
     est = checked.estimate
-    run_plan = plan.replace(
-        max_memory=checked.max_memory,
-        attn_implementation=_attn_supported(plan.model, plan.attn_implementation, plan.trust_remote_code),
-    )
-    if run_plan.token is None:
-        run_plan.token = _find_token()
-    kwargs = run_plan.from_pretrained_kwargs()
-    if device_kind() != "cuda" and kwargs.get("device_map") == "auto":
-        kwargs["device_map"] = None  # nothing to place on a CPU-only machine; keeps module devices simple
+    kwargs, token = _run_kwargs(plan, checked)
     cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if cuda else 0
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
-    tokenizer = AutoTokenizer.from_pretrained(
-        plan.model, token=run_plan.token, trust_remote_code=plan.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
     measured = footprint(model)
     where = placement(model)
-    adapter_bytes = 0
-    if plan.adapter:
-        from peft import PeftModel
-
-        with warnings.catch_warnings():
-            # peft still calls transformers' old name (is_gradient_checkpointing): same feature
-            warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
-            model = PeftModel.from_pretrained(model, plan.adapter)
-        adapter_bytes = footprint(model) - measured
+    model, adapter_bytes = _with_adapter(model, plan.adapter, measured)
     seconds = time.perf_counter() - started
     note = setup_tokenizer(tokenizer, model)
     model.eval()
@@ -794,6 +769,47 @@ def load(
         tokenizer_note=note,
     )
     return model, tokenizer, report
+
+
+def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) -> PlanCheck:
+    """The pre-load checks (all of them, or with ``check=False`` only paths, adapter and bitsandbytes)."""
+    if check:
+        return check_plan(plan, snapshot=snapshot, bnb=bnb)
+    token = plan.token or _find_token()
+    checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate("current"))
+    if plan.adapter:
+        check_adapter(plan.adapter)
+    check_bitsandbytes(plan.load, device_kind(), bnb)
+    return checked
+
+
+def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str | None]:
+    """``from_pretrained`` keyword arguments for the checked plan, and the hub token to use."""
+    run_plan = plan.replace(
+        max_memory=checked.max_memory,
+        attn_implementation=_attn_supported(plan.model, plan.attn_implementation, plan.trust_remote_code),
+    )
+    if run_plan.token is None:
+        run_plan.token = _find_token()
+    kwargs = run_plan.from_pretrained_kwargs()
+    if checked.estimate.quantized_by is not None:  # the checkpoint's own config decides (transformers warns)
+        kwargs.pop("quantization_config", None)
+    if device_kind() != "cuda" and kwargs.get("device_map") == "auto":
+        kwargs["device_map"] = None  # nothing to place on a CPU-only machine; keeps module devices simple
+    return kwargs, run_plan.token
+
+
+def _with_adapter(model, adapter: str | None, base_bytes: int):
+    """``model`` with the PEFT adapter at ``adapter`` attached (if any), and the adapter's bytes."""
+    if not adapter:
+        return model, 0
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        # peft still calls transformers' old name (is_gradient_checkpointing): same feature
+        warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
+        model = PeftModel.from_pretrained(model, adapter)
+    return model, footprint(model) - base_bytes
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> int:

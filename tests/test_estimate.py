@@ -389,8 +389,12 @@ def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_conf
     model.save_pretrained(tmp_path)  # a "-bnb-4bit" repo, as Unsloth and others publish them
     tokenizer.save_pretrained(tmp_path)
     est = estimate(str(tmp_path), device="current")  # load="auto": the repo's own mode
-    assert est.load == "nf4" and est.inputs["double_quant"] is False
-    reloaded, _, _ = load(LoadPlan(str(tmp_path), load="nf4", double_quant=False))
+    assert est.load == "nf4" and est.inputs["double_quant"] is False and est.quantized_by == "bitsandbytes"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded, _, _ = load(LoadPlan(str(tmp_path), load="nf4", double_quant=False))
+    # the checkpoint's own quantization_config loads it; none is passed beside it (transformers warned)
+    assert not [w for w in caught if "quantization_config" in str(w.message)]
     assert abs(footprint(reloaded) - est.weights) <= 0.01 * est.weights
     with pytest.raises(EstimateError, match="already quantized.*loads as nf4 only"):
         estimate(str(tmp_path), load="int8")

@@ -36,6 +36,7 @@ class MemoryEstimate:
     warnings: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict, repr=False)
     source: Any = field(default=None, repr=False)
+    quantized_by: str | None = None  # the checkpoint's own quantization ("bitsandbytes", "gptq", "awq")
 
     @property
     def weights(self) -> int:
@@ -169,6 +170,7 @@ def estimate(
         warnings=_warnings(lay, config, load, cdtype, dev, inputs) + _moe_warning(rows, load),
         inputs=inputs,
         source=model,
+        quantized_by=repo.method if repo is not None else None,
     )
 
 
