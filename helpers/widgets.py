@@ -122,8 +122,13 @@ class PanelState:
             f"{self._on()} (headroom {format_bytes(self.headroom)})"
         )
         if self.suggestion is not None:
-            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)})"
+            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
         return text
+
+    def _short(self) -> str:
+        """Said after a top fix that does not make the plan fit by itself (no single change does)."""
+        after = verdict(self.suggestion.estimate.total, self.capacity)
+        return "" if after == FITS else f"; still {after}: not enough alone"
 
     def bar_html(self, width: int = 420) -> str:
         color = COLORS[VERDICT_STATUS[self.verdict]]
@@ -158,7 +163,7 @@ class PanelState:
         if self.suggestion is not None:
             fix = (
                 f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
-                f"(saves {format_bytes(self.suggestion.saving)})</div>"
+                f"(saves {format_bytes(self.suggestion.saving)}{escape(self._short())})</div>"
             )
         return (
             f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "

@@ -206,6 +206,30 @@ def test_preflight_check_without_gpu_says_t4(tiny_llama):
     assert check.status == "pass" and "T4" in check.summary and check.data["load"] == "fp16"
 
 
+def test_when_no_single_change_fits_the_top_fix_combines_them():
+    """CodeLlama-7B fp16, 16 x (2048 + 4096) tokens on a T4: no one change fits (batch 1 alone leaves 16 GiB,
+    nf4 alone 57 GiB), so the first fix joins them and fits with the margin; the others say they fall short."""
+    est = estimate("codellama/CodeLlama-7b-hf", load="fp16", batch_size=16, prompt_tokens=2048, max_new_tokens=4096)
+    verdict = fit(est, "t4")
+    top = verdict.suggestions[0]
+    assert top.change == "batch_size=1 + load=nf4" and top.kwargs == {"batch_size": 1, "load": "nf4"}
+    again = est.replace(**top.kwargs)
+    assert again.total == top.estimate.total and fit(again, "t4").verdict == "fits"
+    lines = str(verdict).splitlines()
+    assert "not enough alone" not in lines[1]
+    assert any("batch_size=1:" in ln and "not enough alone" in ln for ln in lines[2:])
+
+
+def test_a_top_fix_that_falls_short_says_so():
+    from helpers.widgets import LoadPanel
+
+    # a made-up card with room for little more than the CUDA context the estimate counts: nothing fits
+    panel = LoadPanel("openai-community/gpt2", device=440 * MiB, load="fp16", batch_size=2, widgets=False)
+    state = panel.state
+    assert state.verdict == "does not fit" and state.suggestion is not None
+    assert "not enough alone" in state.verdict_text() and "not enough alone" in state.verdict_html()
+
+
 def test_preflight_auto_picks_a_mode_that_fits():
     checks = fit_checks("Llama-2-7b-hf", load="auto", max_new_tokens=256, snapshot=_cpu_snapshot())
     assert checks[0].data["load"] == "nf4" and checks[0].status == "pass"  # what notebook 01 loads, too

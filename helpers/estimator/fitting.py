@@ -21,7 +21,8 @@ __all__ = ["Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_t
 
 @dataclass
 class Suggestion:
-    """One change that lowers memory, with its saving computed by re-estimating."""
+    """A change that lowers memory (one setting, or a few joined by " + " when no single one fits),
+    with its saving computed by re-estimating."""
 
     change: str
     kwargs: dict
@@ -57,7 +58,11 @@ class FitVerdict:
             f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
             f"{self.device} (headroom {format_bytes(self.headroom)})"
         )
-        return "\n".join([head] + [f"  fix {i}. {s}" for i, s in enumerate(self.suggestions, 1)])
+        lines = [head]
+        for i, s in enumerate(self.suggestions, 1):
+            after = verdict(s.estimate.total, self.capacity)
+            lines.append(f"  fix {i}. {s}" + ("" if after == FITS else f": still {after}, not enough alone"))
+        return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         status = VERDICT_STATUS[self.verdict]
@@ -183,7 +188,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
     return cands
 
 
-def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Suggestion]:
+def _single_changes(est: MemoryEstimate, device, cap, bf16: bool) -> list[Suggestion]:
     out = []
     for change, kw in _candidates(est, device, cap, bf16):
         try:
@@ -192,6 +197,31 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
             continue
         if new.total < est.total:
             out.append(Suggestion(change, kw, est.total - new.total, new))
+    return out
+
+
+def _combined(est: MemoryEstimate, singles: list[Suggestion], device, cap, bf16: bool, steps: int = 3):
+    """When no one change fits: the largest saving, then the largest on what is left, and so on (at
+    most ``steps`` changes), as one suggestion; None when even that does not fit with the margin."""
+    current, changes, kwargs = est, [], {}
+    options = singles
+    for _ in range(steps):
+        if not options:
+            return None
+        best = max(options, key=lambda s: s.saving)
+        current, changes, kwargs = best.estimate, [*changes, best.change], {**kwargs, **best.kwargs}
+        if verdict(current.total, cap) == FITS:
+            return Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
+        options = _single_changes(current, device, cap, bf16)
+    return None
+
+
+def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Suggestion]:
+    out = _single_changes(est, device, cap, bf16)
+    if out and not any(verdict(s.estimate.total, cap) == FITS for s in out):
+        both = _combined(est, out, device, cap, bf16)  # ranked first below: the only way that fits
+        if both is not None:
+            out.append(both)
     smaller = _smaller_model(est, cap)
     if smaller is not None:
         out.append(smaller)
