@@ -426,6 +426,105 @@ the others. Holder named = the census diff's top holder, or the check's holder. 
 within {s["max_steps_to_detect"]} steps. Targets: {targets}."""
 
 
+def duration(seconds: float) -> str:
+    """Seconds in the unit that puts the figure at 1 or more (s, ms, µs), as bench/hot_spots.py prints them."""
+    unit, scale = ("s", 1) if seconds >= 1 else ("ms", 1e3) if seconds >= 1e-3 else ("µs", 1e6)
+    v = seconds * scale
+    return f"{v:,.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+
+
+def hot_spots(d: dict) -> str:
+    r = d["rows"]
+    before, after = d["before"]["commit"][:7], d["after"]["commit"][:7]
+    dirty = " plus uncommitted changes in `helpers/`" if d["after"]["helpers_modified"] else ""
+
+    def med(x: dict) -> str:
+        return duration(x["median"])
+
+    def x(row: dict) -> str:
+        q = row["ratio"]["median"]
+        return f"{q:,.0f}x" if q >= 100 else f"{q:.1f}x" if q >= 10 else f"{q:.2f}x"
+
+    def pair(key: str) -> str:
+        row = r[key]
+        return f"{med(row['before'])} before, {med(row['after'])} after"
+
+    def unclear(key: str) -> bool:
+        q = r[key]["ratio"]
+        return q["min"] <= 1 <= q["max"]
+
+    ref, kept, rss = r["transformers_reference"], r["monitor_samples_kept"], r["monitor_rss_mib_at_1m"]
+    cen = r["census_chain"]
+    gen = r["safe_generate"]
+    rel = r["release_after_oom"]
+
+    def pinned(key: str) -> str:
+        v = rel[key]
+        return (
+            f"{v['pinned_bytes']['median'] / 2**20:.0f} MiB pinned (the tensor alive in {v['tensor_alive']} of "
+            f"{v['runs']} runs; the call took {med(v['seconds'])})"
+        )
+
+    def survived(side: dict) -> str:
+        codes = sorted(set(side["returncodes"]))
+        how = ", ".join("SIGSEGV" if c == -11 else f"signal {-c}" if c < 0 else f"exit {c}" for c in codes)
+        return f"{side['survived']} of {side['runs']} runs survived ({how})"
+
+    fit_words = "within the noise" if unclear("fit_first") else f"{x(r['fit_first'])} before / after"
+    est_words = (
+        "no difference beyond the noise" if unclear("first_estimate") else f"{x(r['first_estimate'])} before / after"
+    )
+    err = rel["ipython-release"]
+    err_words = f"`{err['error']}`" + (", which `helpers.oom.is_oom` counts as an OOM" if err["is_oom"] else "")
+    if err["error"] != "OutOfMemoryError":
+        err_words += f"; this torch raises `{err['error']}`, not `torch.OutOfMemoryError`, for a failed CPU allocation"
+    gen_words = (
+        "no difference this bench can show at this size (the range of the per-round ratios spans 1)"
+        if unclear("safe_generate_warm")
+        else f"{x(r['safe_generate_warm'])} before / after"
+    )
+    return f"""The code before the first hot-spot fix against this tree, each workload in a fresh Python process
+that imports its own `helpers`: "before" is commit `{before}` (the parent of `cc41993`, unpacked with
+`git archive`), "after" is `{after}`{dirty}. Same interpreter, torch and transformers on both sides.
+{words(d["rounds"]).capitalize()} rounds, the sides' order flipped each round and the workloads interleaved; each cell
+is the median with the range over the rounds, and the ratio is the median of the per-round ratios
+before / after (below 1: after is slower).
+
+{d["table"]}
+
+`import helpers.monitor` after `import torch`: {pair("import_monitor")} ({x(r["import_monitor"])}); the old module
+imported transformers' `TrainerCallback` at import time, the new one on first use of `MemoryCallback`.
+
+The first `estimate()` in a fresh process: {pair("first_estimate")}, {est_words}; on both sides it is
+nearly all transformers' own imports, {med(ref["import"])} for its Auto classes and Llama alone, after which the
+same estimate takes {med(ref["estimate_after_imports"])}. `fit()` with suggestions on a plan that does not fit a T4:
+first call {pair("fit_first")} ({fit_words}), warm {pair("fit_warm")} ({x(r["fit_warm"])});
+the two sides do not offer the same fixes (listed in the JSON), so the warm figures compare the
+whole call, not the same work.
+
+`MemoryMonitor.peak()` no longer scans: at 100,000 samples {pair("peak_100000")}, and the 1,000
+`peak(since)` calls a `MemoryCallback` makes over 1,000 logs take {pair("peak_since_1000")}. Storage is bounded:
+after 1,000,000 samples the old monitor keeps {kept["before"]["1000000"]:,.0f} ({rss["before"]["median"]:.0f} MiB of RSS), the new one
+{kept["after"]["1000000"]:,.0f} ({rss["after"]["median"]:.0f} MiB), with the same peaks. The cost moved into storing:
+1,000,000 stores take {pair("store_1m")} ({x(r["store_1m"])}), and the slowest single store, one that crosses
+`max_samples` and merges the older half pairwise, takes {med(r["store_worst"]["after"])} in the sampling thread.
+
+`census()` over a {cen["nodes"]:,}-node autograd chain, then freeing the chain: before, {survived(cen["before"])};
+after, {survived(cen["after"])}. The new census stops walking at its node budget and says so, so it counts
+{cen["after"]["tensors"][0]:,} live tensors where the old one counted {cen["before"]["tensors"][0]:,}.
+
+`safe_generate` end to end ({gen["prompts"]} prompts, {gen["max_new_tokens"]} new tokens, tiny Llama, {gen["torch_threads"]} torch thread):
+{pair("safe_generate_warm")} per run once warm, first run {pair("safe_generate_first")}: {gen_words}.
+Outputs are {"the same" if gen["same_outputs"] else "NOT the same"} on both sides.
+
+`release_after_oom` (this tree only): a cell's function holds a 512 MiB tensor when the CPU allocator
+fails ({err_words}). Process RSS above the figure before the cell, with the error kept by IPython:
+doing nothing leaves {pinned("ipython-none")}; `gc.collect()` leaves {pinned("ipython-gc")};
+`release_after_oom()` leaves {pinned("ipython-release")}. With the exception kept in a variable,
+`gc.collect()` leaves {pinned("variable-gc")} and `release_after_oom()` {pinned("variable-release")}: it drops
+the stored exception state, not your variables (`del` the exception first, as its docstring says)."""
+
+
 # name -> (heading, renderer); the order is the page's order. A result with no entry still gets a section.
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "readout_overhead": ("Readout overhead", readout_overhead),
@@ -435,6 +534,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "eval_throughput": ("Evaluation throughput", eval_throughput),
     "monitor_overhead": ("Monitor overhead", monitor_overhead),
     "leak_detection": ("Leak detection", leak_detection),
+    "hot_spots": ("Hot spots, before and after", hot_spots),
 }
 
 
@@ -578,6 +678,23 @@ def render_readme_table(results: dict[str, dict] | None = None) -> str:
                 f"`allocated()` + `reserved()` {t['allocated() + reserved()']['median_us']:.1f} µs; "
                 f"`snapshot()` {t['snapshot()']['median_us']:.1f} µs",
                 link("readout_overhead"),
+            ]
+        )
+    if "hot_spots" in r:
+        h = r["hot_spots"]["rows"]
+
+        def ba(key: str) -> str:
+            return f"{duration(h[key]['before']['median'])} / {duration(h[key]['after']['median'])}"
+
+        cen = h["census_chain"]
+        rows.append(
+            [
+                f"hot spots, before (`{r['hot_spots']['before']['commit'][:7]}`) / after",
+                f"`import helpers.monitor` {ba('import_monitor')}; `peak()` at 100k samples "
+                f"{ba('peak_100000')}; census of a {cen['nodes']:,}-node chain survived "
+                f"{cen['before']['survived']} / {cen['after']['survived']} of {cen['after']['runs']}; "
+                f"`safe_generate` {ba('safe_generate_warm')}",
+                link("hot_spots"),
             ]
         )
     return table(["measured", "result", "details"], rows)
