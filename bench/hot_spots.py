@@ -155,6 +155,21 @@ for target in (10_000, 100_000, 1_000_000):
             mon.peak(since)
         p["peak_since_1000_s"] = time.perf_counter() - a
     points[str(target)] = p
+# the same 1,000,000 stores with Python's garbage collector off: the slowest store without a collection in it
+import gc
+fresh = MemoryMonitor(interval=INTERVAL, warn=False)
+store = getattr(fresh, "_keep", None) or fresh.samples.append
+gc.disable()
+try:
+    nogc = 0.0
+    for n in range(1_000_000):
+        s = Sample(n * INTERVAL, (n % 977) << 20, (n % 983) << 20, None, (n % 991) << 20, (n % 997) << 20)
+        a = time.perf_counter()
+        store(s)
+        nogc = max(nogc, time.perf_counter() - a)
+finally:
+    gc.enable()
+points["1000000"]["store_worst_nogc_s"] = nogc
 result(points=points)
 """
 
@@ -249,6 +264,9 @@ if VARIANT.endswith("gc"):
         torch.cuda.empty_cache()
 elif VARIANT.endswith("release"):
     release_after_oom()
+elif VARIANT.endswith("cleanup"):
+    from helpers import cleanup
+    cleanup()
 dt = time.perf_counter() - a
 result(error=kind, is_oom=oom, alive=ref() is not None, rss_after_oom=rss1 - rss0,
        rss_pinned=proc.memory_info().rss - rss0, seconds=dt)
@@ -261,6 +279,7 @@ RELEASE_VARIANTS = {  # variant -> label
     "ipython-release": "error kept by IPython; release_after_oom()",
     "variable-gc": "error kept in a variable; gc.collect()",
     "variable-release": "error kept in a variable; release_after_oom()",
+    "variable-cleanup": "error kept in a variable; cleanup()",
 }
 
 
@@ -429,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         "running peaks per sample, and the pairwise merge past max_samples")  # fmt: skip
     row("store_worst", "slowest single store of those 1,000,000", "one call",
         paired(mon("before", 1_000_000, "store_worst_s"), mon("after", 1_000_000, "store_worst_s")),
-        "a store that crosses max_samples merges the older half pairwise in that call")  # fmt: skip
+        "a store during which Python's garbage collector ran (see the row below)")  # fmt: skip
+    row("store_worst_nogc", "the same, garbage collector off", "one call",
+        paired(mon("before", 1_000_000, "store_worst_nogc_s"), mon("after", 1_000_000, "store_worst_nogc_s")),
+        "past max_samples the older half is merged at most 256 pairs per store, never in one call")  # fmt: skip
     kept = {
         s: {n: statistics.median(mon(s, n, "kept")) for n in (10_000, 100_000, 1_000_000)} for s in ("before", "after")
     }
@@ -530,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds": spread([g["seconds"] for g in got]), "error": got[0]["error"],
                   "is_oom": all(g["is_oom"] for g in got)}  # fmt: skip
         p = rel[v]["pinned_bytes"]
-        rows.append([f"`release_after_oom`: {label}", "RSS still pinned (MiB); 512 MiB tensor alive", "—",
+        rows.append([f"after an OOM: {label}", "RSS still pinned (MiB); 512 MiB tensor alive", "—",
                      f"{p['median'] / 2**20:.0f} ({p['min'] / 2**20:.0f}-{p['max'] / 2**20:.0f}); "
                      f"alive {rel[v]['tensor_alive']}/{rel[v]['runs']}", "—", rel[v]["runs"],
                      f"cleanup took {fmt(rel[v]['seconds'])}"])  # fmt: skip

@@ -2,8 +2,9 @@
 
 Why memory "never comes back" after an OOM in a notebook: the stored traceback
 (``sys.last_traceback`` and IPython's last execution result) keeps every frame alive, and each
-frame keeps its tensors; the output history (``Out``, ``_``, ``_5``) keeps every displayed value.
-``gc.collect(); torch.cuda.empty_cache()`` alone frees neither.
+frame keeps its tensors; the output history (``Out``, ``_``, ``_5``) keeps every displayed value;
+an exception kept in a variable (``err = e``) keeps its traceback's frames too.
+``gc.collect(); torch.cuda.empty_cache()`` alone frees none of them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ __all__ = [
     "unload",
     "drop_exception_state",
     "drop_output_history",
+    "clear_kept_exception_frames",
     "release_after_oom",
 ]
 
@@ -84,6 +87,50 @@ def drop_exception_state() -> list[str]:
         if getattr(result, "result", None) is not None:
             result.result = None
     return dropped
+
+
+def _frames_hold_tensors(tb) -> bool:
+    """True when a frame of the traceback ``tb`` holds a tensor or a module in its local variables."""
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, torch.Tensor | torch.nn.Module):
+                return True
+            if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value[:64]):
+                return True
+        tb = tb.tb_next
+    return False
+
+
+def _resync_locals(tb) -> None:
+    # Reading f_locals (as _frames_hold_tensors did) caches a dict of the locals on the frame before
+    # Python 3.13, and frame.clear() leaves that dict alone; reading it again after the clear drops
+    # the names that are gone, and with them the last references to the tensors.
+    while tb is not None:
+        tb.tb_frame.f_locals  # noqa: B018 - the read is the point
+        tb = tb.tb_next
+
+
+def clear_kept_exception_frames(namespace: dict) -> list[str]:
+    """Clear the local variables of the traceback frames that exceptions kept in ``namespace`` still hold.
+
+    ``except torch.OutOfMemoryError as e: err = e`` keeps ``err``, its traceback, every frame of the
+    failed call and each frame's tensors. Only exceptions (or the ones they were raised from) whose
+    frames hold tensors or modules are touched; the exception, its message and the traceback's file
+    and line numbers stay, so it still prints. Returns what was cleared.
+    """
+    cleared = []
+    for name, value in list(namespace.items()):
+        if name.startswith("_") or not isinstance(value, BaseException):
+            continue
+        exc, seen = value, set()
+        while exc is not None and id(exc) not in seen:  # the chain: raise ... from / during handling
+            seen.add(id(exc))
+            if exc.__traceback__ is not None and _frames_hold_tensors(exc.__traceback__):
+                traceback.clear_frames(exc.__traceback__)
+                _resync_locals(exc.__traceback__)
+                cleared.append(f"frames kept by {name} ({type(exc).__name__})")
+            exc = exc.__cause__ or exc.__context__
+    return cleared
 
 
 def drop_output_history() -> list[str]:
@@ -164,17 +211,20 @@ def _report(before: tuple[int, int, int], started: float, collected: int, droppe
     )
 
 
-def cleanup(*, drop_history: bool = True, drop_traceback: bool = True) -> CleanupReport:
-    """Free what can be freed without touching your variables, and report how much came back.
+def cleanup(*, drop_history: bool = True, drop_traceback: bool = True, namespace: dict | None = None) -> CleanupReport:
+    """Free what can be freed without deleting your variables, and report how much came back.
 
-    Drops the stored exception and (inside IPython) the output history, runs the garbage
-    collector, then returns cached CUDA blocks to the driver.
+    Drops the stored exception and (inside IPython) the output history, clears the frames that an
+    exception kept in a variable of ``namespace`` (default: the notebook's, or the caller's globals)
+    still holds with tensors in them (the exception itself stays), runs the garbage collector, then
+    returns cached CUDA blocks to the driver.
     """
     started = time.perf_counter()
     before = counters()
     dropped: list[str] = []
     if drop_traceback:
         dropped += drop_exception_state()
+        dropped += clear_kept_exception_frames(caller_namespace(namespace))
     if drop_history:
         dropped += drop_output_history()
     return _report(before, started, _collect_and_empty(), dropped)
@@ -196,7 +246,7 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
     before = counters()
     for n in names:
         del ns[n]
-    report = cleanup()
+    report = cleanup(namespace=ns)
     return _report(before, started, report.objects_collected, [f"del {n}" for n in names] + report.dropped)
 
 
@@ -247,5 +297,5 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
         del ns[name]
         dropped.append(f"del {name}")
     del model
-    report = cleanup()
+    report = cleanup(namespace=ns)
     return _report(before, started, report.objects_collected, dropped + report.dropped)

@@ -506,8 +506,11 @@ whole call, not the same work.
 `peak(since)` calls a `MemoryCallback` makes over 1,000 logs take {pair("peak_since_1000")}. Storage is bounded:
 after 1,000,000 samples the old monitor keeps {kept["before"]["1000000"]:,.0f} ({rss["before"]["median"]:.0f} MiB of RSS), the new one
 {kept["after"]["1000000"]:,.0f} ({rss["after"]["median"]:.0f} MiB), with the same peaks. The cost moved into storing:
-1,000,000 stores take {pair("store_1m")} ({x(r["store_1m"])}), and the slowest single store, one that crosses
-`max_samples` and merges the older half pairwise, takes {med(r["store_worst"]["after"])} in the sampling thread.
+1,000,000 stores take {pair("store_1m")} ({x(r["store_1m"])}). The slowest single store takes
+{pair("store_worst")}: stores during which Python's garbage collector ran a collection (the new
+store allocates merged samples and frees old ones, the old one only appended). With the collector
+off the slowest takes {pair("store_worst_nogc")}:
+past `max_samples` the older half is merged pairwise at most 256 pairs per store, never all at once.
 
 `census()` over a {cen["nodes"]:,}-node autograd chain, then freeing the chain: before, {survived(cen["before"])};
 after, {survived(cen["after"])}. The new census stops walking at its node budget and says so, so it counts
@@ -522,7 +525,10 @@ fails ({err_words}). Process RSS above the figure before the cell, with the erro
 doing nothing leaves {pinned("ipython-none")}; `gc.collect()` leaves {pinned("ipython-gc")};
 `release_after_oom()` leaves {pinned("ipython-release")}. With the exception kept in a variable,
 `gc.collect()` leaves {pinned("variable-gc")} and `release_after_oom()` {pinned("variable-release")}: it drops
-the stored exception state, not your variables (`del` the exception first, as its docstring says)."""
+the stored exception state, not your variables (the retry loops that call it hold no such variable).
+`cleanup()`, the call for a notebook, leaves {pinned("variable-cleanup")}: it also clears the local
+variables of the frames that an exception kept in a variable still holds (the exception, its message
+and its traceback's lines stay)."""
 
 
 # name -> (heading, renderer); the order is the page's order. A result with no entry still gets a section.

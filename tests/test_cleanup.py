@@ -45,6 +45,31 @@ def test_cleanup_frees_tensor_held_by_ipython_traceback(ipython_shell):
     assert any("last" in d for d in ipython_shell.user_ns["report"].dropped)
 
 
+def test_cleanup_frees_tensors_of_an_exception_kept_in_a_variable(ipython_shell):
+    """``except ... as e: err = e`` keeps the failed call's frames; cleanup clears their locals and the
+    exception (message, type, where it was raised) stays printable. Before: the tensor stayed alive."""
+    ipython_shell.run_cell("import torch, weakref\nrefs = []")
+    ipython_shell.run_cell(
+        "def step():\n"
+        "    big = torch.ones(1000, 1000)\n"
+        "    refs.append(weakref.ref(big))\n"
+        "    torch.empty(1 << 45)\n"  # a real CPU allocation failure
+        "try:\n"
+        "    step()\n"
+        "except RuntimeError as e:\n"
+        "    err = e\n"
+        "note = 'kept'"  # a variable that is not an exception is never touched
+    )
+    ref = ipython_shell.user_ns["refs"][0]
+    assert ref() is not None, "err's traceback keeps step()'s frame and its tensor"
+    ipython_shell.run_cell("from helpers import cleanup\nreport = cleanup()")
+    assert ref() is None
+    err = ipython_shell.user_ns["err"]
+    assert "can't allocate memory" in str(err) and err.__traceback__ is not None
+    assert any("frames kept by err" in d for d in ipython_shell.user_ns["report"].dropped)
+    assert ipython_shell.user_ns["note"] == "kept"
+
+
 def test_cleanup_frees_tensor_held_by_out(ipython_shell):
     ipython_shell.run_cell("import torch, weakref\nt = torch.ones(1000, 1000)", store_history=True)
     ipython_shell.run_cell("t", store_history=True)  # displayed: now in Out and _

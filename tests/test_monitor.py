@@ -158,6 +158,20 @@ def test_storage_is_bounded_and_no_peak_is_lost():
     assert mon.peak(since=500)["allocated"] >= 999  # a merged span is never under-reported
 
 
+def test_merging_is_spread_over_many_samples():
+    """The old half is merged a few hundred pairs per sample, not in one call (50,000 pairs in one
+    call stalled the sampling thread, GIL held, for 0.15-0.25 s)."""
+    mon = MemoryMonitor(interval=1, warn=False, max_samples=4000)
+    merged_per_call = []
+    for i in range(12000):
+        before = len(mon.samples)
+        mon._keep(Sample(float(i), i, 0, None, 0, 0))
+        merged_per_call.append(before + 1 - len(mon.samples))
+        assert len(mon.samples) <= 4000
+    assert 0 < max(merged_per_call) <= 256  # pairs merged in any one call (the old half is 2,000)
+    assert mon.peak()["allocated"] == 11999 and [s.t for s in mon.samples] == sorted(s.t for s in mon.samples)
+
+
 def test_importing_the_monitor_does_not_import_the_trainer():
     import subprocess
     import sys
