@@ -96,7 +96,9 @@ clean:
 # On a lent GPU machine without a venv: GPU_PYTHON=python3 make gpu-check STAGES=weights
 GPU_PYTHON ?= $(BIN)/python
 gpu-check: $(if $(DRY),setup $(TINY))
-	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY),--dry-run) $(if $(STAGES),--stages $(STAGES)) $(if $(FRESH),--fresh)
+	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY),--dry-run) $(if $(STAGES),--stages $(STAGES)) $(if $(FRESH),--fresh) \
+	  $(if $(MODELS),--models $(MODELS))
 
+# GPU_PY="3.12" narrows the wheels to one Python minor; WITH_MPL=1 adds matplotlib (notebooks stage)
 gpu-wheels:
 	bash scripts/gpu_wheels.sh

@@ -1,5 +1,7 @@
 """The recovery checks of ``scripts/gpu_check.py``'s ``recovery`` stage: real OOMs, real cleanup.
 
+``safe_generate`` runs over ``run.prompts`` prompts (``--prompts``, 200 by default) on a GPU.
+
 Each returns ``{"check", "goal", "result", "met", ...figures}``. On a GPU the OOMs come from the
 allocator under the T4 cap; in the dry run from ``helpers.testing.simulated_budget`` (a real
 ``torch.OutOfMemoryError`` past a token budget) and a CPU allocation larger than the machine.
@@ -65,7 +67,7 @@ def _prompts(n: int, words: tuple[int, int], seed: int = 0) -> list[dict]:
 
 def no_result_lost(model, tokenizer, run) -> dict:
     """safe_generate over many prompts with real OOMs: every prompt once, outputs as an OOM-free run's."""
-    n, words, new = (60, (2, 30), 8) if run.dry else (500, (200, 1200), 32)
+    n, words, new = (60, (2, 30), 8) if run.dry else (run.prompts, (200, 1200), 32)
     prompts = _prompts(n, words)
     capped, free = run.state / "eval_capped.jsonl", run.state / "eval_reference.jsonl"
     for f in (capped, free):
@@ -89,10 +91,11 @@ def no_result_lost(model, tokenizer, run) -> dict:
 @contextlib.contextmanager
 def _uncapped(run):
     """The reference run of the comparison: the whole card, so no OOM happens."""
-    if run.dry or not torch.cuda.is_available():
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    if run.dry or not torch.cuda.is_available() or get is None:
         yield
         return
-    fraction = torch.cuda.get_per_process_memory_fraction(0)
+    fraction = get(0)
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
     try:
         yield
@@ -155,6 +158,9 @@ def cleanup_after_oom(run) -> dict:
 def monitor_vs_allocator(run) -> dict:
     size = 256 * MiB if run.dry else 1 * GiB
     key = "process_rss" if run.dry else "allocated"
+    if not run.dry:  # the peak so far holds the batch search's: compare with this check's own
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with MemoryMonitor(interval=0.01, warn=False) as monitor:
         t = torch.ones(size, dtype=torch.uint8, device="cpu" if run.dry else "cuda")
         time.sleep(0.3)

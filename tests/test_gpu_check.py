@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,10 +19,14 @@ SCRIPT = REPO / "scripts" / "gpu_check.py"
 @pytest.mark.slow
 def test_dry_run_runs_every_stage_and_resumes(tmp_path, tiny_llama):
     gpu_results = sorted((REPO / "bench" / "results" / "gpu").glob("*.json"))
-    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--state", str(tmp_path)],
+    export = tmp_path / "export"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--state", str(tmp_path), "--out", str(export)],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = tmp_path / "dry"
+    copied = {p.name for p in (export / "dry").iterdir()}  # --out: the small result files, no model, no jsonl
+    assert {"env.json", "weights.json", "recovery.json", "summary.md"} <= copied, copied
+    assert all(n.endswith((".json", ".md")) for n in copied) and not list((export / "state").rglob("*.json"))
     stages = json.loads((out / "env.json").read_text())
     assert stages["machine"]["dry_run"] is True and stages["machine"]["cuda"] is None  # never claims a GPU
     for stage in ("weights", "generate", "qlora", "context", "recovery", "pytest_cuda", "notebooks"):
@@ -46,3 +51,86 @@ def test_dry_run_runs_every_stage_and_resumes(tmp_path, tiny_llama):
 def test_without_a_gpu_a_real_run_refuses_instead_of_faking():
     run = subprocess.run([sys.executable, str(SCRIPT), "--stages", "env"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--dry-run" in run.stderr and "GPU figures come only from a GPU" in run.stderr
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    """scripts/gpu_check.py imported in this process (its stages can be swapped for failing ones)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_failing_stage_does_not_stop_the_others_and_the_summary_covers_every_result(tmp_path, harness, monkeypatch):
+    def broken(run):
+        raise ValueError("a bug in this stage")
+
+    monkeypatch.setattr(harness.gpu_stages, "stage_env", broken)
+    out = tmp_path / "dry"
+    out.mkdir()
+    earlier = {"rows": [{"estimate": 100, "measured": 100, "error_pct": 0.0}] * 3, "stage": "weights"}
+    (out / "weights.json").write_text(json.dumps(earlier))  # a stage done in an earlier call
+    code = harness.main(
+        ["--dry-run", "--state", str(tmp_path), "--stages", "env,context", "--out", str(tmp_path / "x")]
+    )
+    assert code == 3  # not 0: a stage failed
+    error = json.loads((out / "env.error.json").read_text())
+    assert "a bug in this stage" in error["traceback"] and error["versions"]["torch"]
+    assert (out / "context.json").exists() and not (out / "env.json").exists()  # the next stage ran
+    summary = (out / "summary.md").read_text()
+    assert "0.00 % over 3 of 3 cells measured" in summary  # from the earlier call's JSON, not "not run"
+    assert "| stage env |" in summary and "ERROR" in summary
+    assert (tmp_path / "x" / "dry" / "env.error.json").exists()
+
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    assert harness.main(["--dry-run", "--state", str(tmp_path), "--stages", "context"]) == 0
+
+
+def test_each_row_reaches_the_out_folder_and_only_rows_of_this_card_resume(tmp_path, harness):
+    import gpu_stages
+
+    run = harness.Run(dry=True, state=tmp_path / "dry", out=tmp_path / "dry", export=tmp_path / "out")
+    run.state.mkdir()
+    rows = [{"name": "tiny", "mode": "fp32", **run.stamp()}, {"name": "tiny", "mode": "int8", "gpu": "NVIDIA H200"}]
+    gpu_stages._save_partial(run, "weights", rows)
+    assert json.loads((tmp_path / "out" / "state" / "dry" / "weights.partial.json").read_text()) == rows
+    assert gpu_stages._partial(run, "weights") == rows[:1]  # another card's row is never merged
+
+
+def test_an_interrupted_model_build_is_never_reused(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import gpu_stages
+
+    final, calls = tmp_path / "models" / "org--model", []
+
+    def killed(folder):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")  # save_pretrained writes this first
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gpu_stages.build_once(final, killed)
+    assert not final.exists() and not list(final.parent.iterdir())  # no half model left behind
+
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")  # what an older harness, killed mid-save, left
+
+    def save(folder):
+        calls.append(folder)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_text("weights")
+
+    assert gpu_stages.build_once(final, save) == final and len(calls) == 1
+    assert (final / "model.safetensors").exists() and (final / gpu_stages.BUILT).exists()
+    assert not (final / "config.json").exists()  # the stale folder was rebuilt, not reused
+    gpu_stages.build_once(final, save)
+    assert len(calls) == 1  # built: reused
+
+    run = SimpleNamespace(dry=False, models_dir=tmp_path / "m")
+    (tmp_path / "m" / "mistralai--Mistral-7B-v0.1").mkdir(parents=True)
+    (tmp_path / "m" / "codellama--CodeLlama-7b-hf").mkdir(parents=True)
+    gpu_stages.drop_model("mistral", run)
+    gpu_stages.drop_model("codellama", run)  # the 7B later stages load again stays
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["codellama--CodeLlama-7b-hf"]
