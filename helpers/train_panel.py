@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .devices import resolve_device
 from .finetune import TrainPlan
 from .vocab import FOUR_BIT, LOAD_MODES
 from .widgets import Control, Panel
@@ -83,3 +84,19 @@ class TrainPanel(Panel):
         if v["load"] not in FOUR_BIT:
             v["double_quant"] = None
         return tuple(v[c.key] for c in self.CONTROLS)
+
+    def notes(self) -> list[str]:
+        """Say so when the estimate's device trains otherwise than this runtime (the plan's text shows this one's)."""
+        _, dev = resolve_device(self._est_device)
+        if dev is None:
+            return []
+        plan = self.plan
+        optimizer = plan.lora_training(gpu=True).optimizer
+        precision = plan.precision if plan.precision != "auto" else ("bf16" if dev.get("bf16") else "fp16")
+        here = (plan.resolved_optimizer(), plan.resolved_precision())
+        if here == (optimizer, precision):
+            return []
+        return [
+            f"estimated as it trains on {self._device_label}: {optimizer}, {precision}; this runtime would "
+            f"train with {here[0]}, {here[1]}"
+        ]

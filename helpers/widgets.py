@@ -242,6 +242,10 @@ class Panel:
         """Widgets under the verdict (LoadPanel's Load button and report)."""
         return []
 
+    def notes(self) -> list[str]:
+        """Lines the summary adds after the estimate's own warnings."""
+        return []
+
     # -- widgets ----------------------------------------------------------------------------------
 
     def _control_widget(self, w, control: Control):
@@ -362,7 +366,7 @@ class Panel:
         s = self.state
         segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
         lines = [f"{self.TITLE}: {self.model}", f"  plan: {self.plan}", f"  estimate: {segs}", f"  {s.verdict_text()}"]
-        lines += [f"  note: {m}" for m in s.estimate.warnings]
+        lines += [f"  note: {m}" for m in [*s.estimate.warnings, *self.notes()]]
         if self.controls is None:
             lines.append("  (no widgets here: the parameters cell decides; change values with panel.set(...))")
         return "\n".join(lines)

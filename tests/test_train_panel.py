@@ -98,3 +98,12 @@ def test_find_micro_batch_tries_at_most_the_chosen_micro_batch(tmp_path, budget,
     mb = find_micro_batch(model, plan)
     assert mb.micro_batch == expected and mb.micro_batch * mb.gradient_accumulation == 16
     assert max(model.sizes) <= (chosen or 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this runtime may train as the target does")
+def test_summary_says_how_the_target_trains_when_this_runtime_differs(panel):
+    """The plan's text names this runtime's optimizer and precision (adamw_torch, fp32 on a CPU); the
+    estimate is for the T4's (paged 8-bit AdamW, fp16): the summary says so instead of leaving both."""
+    text = str(panel)
+    assert "adamw_torch, fp32" in text
+    assert "estimated as it trains on t4: paged_adamw_8bit, fp16" in text
