@@ -37,7 +37,15 @@ import torch
 
 from .batch_size import BatchSearch, remember_batch, remembered_batch
 from .errors import OomkitError
-from .generation import Generated, encode, first_prompt_streamer, generate_batch, model_device, stop_token_ids
+from .generation import (
+    Generated,
+    can_stream,
+    encode,
+    first_prompt_streamer,
+    generate_batch,
+    model_device,
+    stop_token_ids,
+)
 from .memory import allocated, ram_readout, reserved
 from .retry import Attempt, Watch, attempt
 from .units import format_bytes
@@ -768,7 +776,7 @@ def safe_generate(
     _check_context(items, ids, context)
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
-    run.stream = stream
+    run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
     done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error

@@ -600,7 +600,19 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
             step,
             limit=plan.micro_batch or plan.batch_size,
             margin=margin,
-            key=("qlora", plan.model, plan.load, plan.r, plan.seq_len, str(device)),
+            # everything that changes a step's memory, and the limit: a search stopped by a smaller limit
+            # must not cap a later one with a larger limit
+            key=(
+                "qlora",
+                plan.model,
+                plan.load,
+                plan.double_quant,
+                plan.r,
+                plan.seq_len,
+                plan.gradient_checkpointing,
+                plan.micro_batch or plan.batch_size,
+                str(device),
+            ),  # fmt: skip
         )
     finally:
         model.train(was_training)

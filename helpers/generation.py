@@ -29,6 +29,7 @@ __all__ = [
     "generate_batch",
     "generate_batched",
     "first_prompt_streamer",
+    "can_stream",
 ]
 
 
@@ -160,6 +161,15 @@ def first_prompt_streamer(tokenizer, header: str | None = "streaming the first p
     return FirstRowStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def can_stream(model, generate_kwargs: dict) -> bool:
+    """False when ``generate`` would refuse a streamer (beam search) or the caller passes its own."""
+    if "streamer" in generate_kwargs:
+        return False
+    config = getattr(model, "generation_config", None)
+    beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    return beams in (None, 1)
+
+
 @contextlib.contextmanager
 def _eval_mode(model):
     was_training = getattr(model, "training", False)
@@ -190,7 +200,7 @@ def generate_batched(
     The model is in eval mode for the call (its training mode is restored after); with
     ``num_return_sequences=n`` in ``generate_kwargs`` the list holds n texts per prompt, in order.
     ``stream``: print the first prompt's answer token by token while its batch runs
-    (:func:`first_prompt_streamer`).
+    (:func:`first_prompt_streamer`); ignored with beam search or a ``streamer`` of your own.
     """
     from tqdm.auto import tqdm
 
@@ -206,6 +216,7 @@ def generate_batched(
         )
     prompts = list(prompts)
     stop = stop_token_ids(model, tokenizer)
+    stream = stream and can_stream(model, generate_kwargs)  # beam search, or the caller's own streamer: no
     out: list[str] = []
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     with _eval_mode(model):

@@ -223,8 +223,11 @@ class LoadPlan:
         )
 
     def estimate_compute_dtype(self, device: Any = "current") -> str:
-        """The compute dtype to estimate with: this machine's for ``"current"``, else the estimator's auto."""
-        if self.compute_dtype != "auto" or self.load in DTYPE_BYTES:
+        """The compute dtype to estimate with: this machine's for ``"current"``, else the estimator's auto.
+
+        An unquantized load computes in its own dtype whatever this says; "auto" is kept for it anyway,
+        so a suggested switch to a 4-bit load is estimated with the compute dtype that load would get."""
+        if self.compute_dtype != "auto":
             return self.resolved_compute_dtype()
         if device in ("current", None, "cpu"):
             return auto_compute_dtype("cpu" if device == "cpu" else None)

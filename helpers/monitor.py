@@ -158,6 +158,8 @@ class MemoryMonitor:
         self.samples: list[Sample] = []  # in time order; older ones merged pairwise past max_samples
         self.max_samples = max_samples
         self._merging: list[int] | None = None  # a pairwise merge under way: [next index, end of the old half]
+        # the sampling thread merges `samples` in place while a callback may bisect it: one lock for both
+        self._samples_lock = threading.Lock()
         self._peaks = dict.fromkeys(PEAK_KEYS, 0)
         self.marks: list[Mark] = []
         self.crossings: list[ThresholdCrossing] = []
@@ -188,6 +190,10 @@ class MemoryMonitor:
         return s
 
     def _keep(self, s: Sample) -> None:
+        with self._samples_lock:
+            self._keep_locked(s)
+
+    def _keep_locked(self, s: Sample) -> None:
         self.samples.append(s)
         for k in PEAK_KEYS:
             self._peaks[k] = max(self._peaks[k], getattr(s, k) or 0)
@@ -271,10 +277,11 @@ class MemoryMonitor:
     # -- results ---------------------------------------------------------------------------------
     def peak(self, since: float = 0.0) -> dict[str, int]:
         """Highest value of each figure over the samples taken at or after ``since`` seconds."""
-        samples = self.samples
         if since <= 0:
             return dict(self._peaks)  # kept up to date per sample: no scan
-        rows = samples[bisect.bisect_left(samples, since, key=lambda s: s.t) :]
+        with self._samples_lock:  # a merge in the sampling thread would shift the indices under bisect
+            samples = self.samples
+            rows = samples[bisect.bisect_left(samples, since, key=lambda s: s.t) :]
         return {k: max((getattr(s, k) or 0 for s in rows), default=0) for k in PEAK_KEYS}
 
     def to_csv(self, path: str | Path | None = None) -> str:
@@ -320,7 +327,7 @@ class MemoryMonitor:
                   [("process_rss", "process RSS"), ("ram_used", "machine RAM in use")])  # fmt: skip
         plotted = [(label, [getattr(s, key) for s in samples]) for key, label in series]
         plotted = [(label, ys) for label, ys in plotted if ys and all(y is not None for y in ys)]
-        top = max((max(ys) for _, ys in plotted), default=1)
+        top = max((max(ys) for _, ys in plotted), default=0) or 1  # all zero (nothing allocated yet): still a scale
         limit = self.threshold * self.capacity
         shown_limit = limit <= 1.5 * top  # else the data would be a flat line at the bottom
         scale, unit = (2**30, "GiB") if max(top, limit if shown_limit else 0) >= 2**30 else (2**20, "MiB")

@@ -10,9 +10,9 @@ an exception kept in a variable (``err = e``) keeps its traceback's frames too.
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -89,25 +89,41 @@ def drop_exception_state() -> list[str]:
     return dropped
 
 
-def _frames_hold_tensors(tb) -> bool:
-    """True when a frame of the traceback ``tb`` holds a tensor or a module in its local variables."""
+# a suspended generator or coroutine lives on in its frame: clearing that frame would close it
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _clearable_frames(tb):
+    """The frames of a traceback that hold a call's own locals: not a module's (its locals are its
+    globals, the notebook's variables) and not a generator's or coroutine's (it may be resumed)."""
     while tb is not None:
-        for value in tb.tb_frame.f_locals.values():
+        frame = tb.tb_frame
+        if frame.f_code.co_name != "<module>" and not frame.f_code.co_flags & _RESUMABLE:
+            yield frame
+        tb = tb.tb_next
+
+
+def _frames_hold_tensors(tb) -> bool:
+    """True when a clearable frame of the traceback ``tb`` holds a tensor or a module in its locals."""
+    for frame in _clearable_frames(tb):
+        for value in frame.f_locals.values():
             if isinstance(value, torch.Tensor | torch.nn.Module):
                 return True
             if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value[:64]):
                 return True
-        tb = tb.tb_next
     return False
 
 
-def _resync_locals(tb) -> None:
-    # Reading f_locals (as _frames_hold_tensors did) caches a dict of the locals on the frame before
-    # Python 3.13, and frame.clear() leaves that dict alone; reading it again after the clear drops
-    # the names that are gone, and with them the last references to the tensors.
-    while tb is not None:
-        tb.tb_frame.f_locals  # noqa: B018 - the read is the point
-        tb = tb.tb_next
+def _clear_frames(tb) -> None:
+    for frame in _clearable_frames(tb):
+        try:
+            frame.clear()
+        except RuntimeError:  # still executing (the caller's own frame, for one): nothing to free there
+            continue
+        # Reading f_locals (as _frames_hold_tensors did) caches a dict of the locals on the frame before
+        # Python 3.13, and frame.clear() leaves that dict alone; reading it again after the clear drops
+        # the names that are gone, and with them the last references to the tensors.
+        frame.f_locals  # noqa: B018 - the read is the point
 
 
 def clear_kept_exception_frames(namespace: dict) -> list[str]:
@@ -116,7 +132,9 @@ def clear_kept_exception_frames(namespace: dict) -> list[str]:
     ``except torch.OutOfMemoryError as e: err = e`` keeps ``err``, its traceback, every frame of the
     failed call and each frame's tensors. Only exceptions (or the ones they were raised from) whose
     frames hold tensors or modules are touched; the exception, its message and the traceback's file
-    and line numbers stay, so it still prints. Returns what was cleared.
+    and line numbers stay, so it still prints. Module-level frames (the notebook's variables) and the
+    frames of generators and coroutines (clearing would close them) are left alone. Returns what was
+    cleared.
     """
     cleared = []
     for name, value in list(namespace.items()):
@@ -126,8 +144,7 @@ def clear_kept_exception_frames(namespace: dict) -> list[str]:
         while exc is not None and id(exc) not in seen:  # the chain: raise ... from / during handling
             seen.add(id(exc))
             if exc.__traceback__ is not None and _frames_hold_tensors(exc.__traceback__):
-                traceback.clear_frames(exc.__traceback__)
-                _resync_locals(exc.__traceback__)
+                _clear_frames(exc.__traceback__)
                 cleared.append(f"frames kept by {name} ({type(exc).__name__})")
             exc = exc.__cause__ or exc.__context__
     return cleared

@@ -21,7 +21,7 @@ def enable_colab_widgets() -> bool:
     tqdm's bars built with it) only through this manager. ``import helpers`` calls it, so a progress
     bar renders whichever ipywidgets the runtime has, before any panel is built.
     """
-    if not in_colab():
+    if not in_colab() or ipython() is None:  # a Colab subprocess (`!python`, a DDP worker) shows no widgets
         return False
     try:
         from google.colab import output

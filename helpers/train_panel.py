@@ -3,9 +3,10 @@
 ``TrainPanel(plan)`` shows the controls of a :class:`~helpers.finetune.TrainPlan` that decide the
 memory of a training step; every change re-estimates that step on the target device (a T4 by
 default) and states the verdict and the top fix, as :class:`~helpers.widgets.LoadPanel` does for
-inference. ``panel.plan`` is the plan the following cells load, prepare and train with. The
+inference. ``panel.plan`` is the plan the following cells load, prepare and train with. A
 micro-batch chosen here is the most :func:`~helpers.finetune.find_micro_batch` tries: it measures
-that a real step fits and takes a smaller divisor of the effective batch when it does not.
+that a real step fits and takes a smaller divisor of the effective batch when it does not; "auto"
+leaves the choice to the measurement.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class TrainPanel(Panel):
         device: a preset such as ``"t4"`` (what to plan for), ``"current"`` or a capacity in bytes.
         widgets: force widgets on or off (default: on inside a notebook kernel with ipywidgets).
 
-    The micro-batch starts at the plan's, or at the effective batch when the plan has none (then
-    the measurement decides, as without a panel).
+    The micro-batch starts at the plan's; "auto (measure)" (``None``, the default without one) lets
+    :func:`~helpers.finetune.find_micro_batch` decide, as without a panel, and the estimate counts
+    micro-batch 1 meanwhile.
     """
 
     TITLE = "oomkit training panel"
@@ -58,7 +60,12 @@ class TrainPanel(Panel):
             Control("gradient_checkpointing", "Gradient checkpointing", "checkbox"),
             Control("r", "LoRA rank", "slider", RANK_RANGE),
             Control("seq_len", "Sequence length", "slider", SEQ_LEN_RANGE),
-            Control("micro_batch", "Micro-batch", "dropdown", divisors(plan.batch_size)),
+            Control(
+                "micro_batch",
+                "Micro-batch",
+                "dropdown",
+                (("auto (measure)", None), *((str(d), d) for d in divisors(plan.batch_size))),
+            ),
         )
         values = {
             "load": plan.load,
@@ -66,7 +73,7 @@ class TrainPanel(Panel):
             "gradient_checkpointing": plan.gradient_checkpointing,
             "r": plan.r,
             "seq_len": plan.seq_len,
-            "micro_batch": plan.micro_batch or plan.batch_size,
+            "micro_batch": plan.micro_batch,
         }
         super().__init__(plan.model, device, values, widgets)
 
@@ -74,20 +81,20 @@ class TrainPanel(Panel):
         return self._base.replace(**values)
 
     def estimate_plan(self, plan: TrainPlan):
-        return plan.estimate(self._est_device, model=self._config)
+        return plan.estimate(self.estimate_device, model=self.config)
 
     def disabled(self) -> set[str]:
-        return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
+        return set() if self.values["load"] in FOUR_BIT else {"double_quant"}
 
     def cache_key(self) -> tuple:
-        v = dict(self._values)
+        v = self.values
         if v["load"] not in FOUR_BIT:
             v["double_quant"] = None
         return tuple(v[c.key] for c in self.CONTROLS)
 
     def notes(self) -> list[str]:
         """Say so when the estimate's device trains otherwise than this runtime (the plan's text shows this one's)."""
-        _, dev = resolve_device(self._est_device)
+        _, dev = resolve_device(self.estimate_device)
         if dev is None:
             return []
         plan = self.plan
@@ -97,6 +104,6 @@ class TrainPanel(Panel):
         if here == (optimizer, precision):
             return []
         return [
-            f"estimated as it trains on {self._device_label}: {optimizer}, {precision}; this runtime would "
+            f"estimated as it trains on {self.device_label}: {optimizer}, {precision}; this runtime would "
             f"train with {here[0]}, {here[1]}"
         ]

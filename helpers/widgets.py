@@ -220,6 +220,21 @@ class Panel:
         self.controls: dict[str, Any] | None = self._build() if use and _ipywidgets() is not None else None
         self.state = self.refresh()
 
+    @property
+    def config(self):
+        """The model's config, read once (estimates reuse it)."""
+        return self._config
+
+    @property
+    def estimate_device(self) -> Any:
+        """The device argument the estimates use ("cpu" when comparing with this machine's RAM)."""
+        return self._est_device
+
+    @property
+    def device_label(self) -> str:
+        """How the panel names its device ("t4", "CPU RAM (no GPU)", ...)."""
+        return self._device_label
+
     # -- what a subclass decides ------------------------------------------------------------------
 
     def plan_for(self, values: dict):
@@ -315,7 +330,10 @@ class Panel:
             self._quiet = True
             try:
                 for k, v in values.items():
-                    self.controls[k].value = v
+                    control = self.controls[k]
+                    if hasattr(control, "min") and isinstance(v, int):  # a slider: widen it, as __init__ does
+                        control.max, control.min = max(control.max, v), min(control.min, v)
+                    control.value = v
             finally:
                 self._quiet = False
         self._values.update(values)

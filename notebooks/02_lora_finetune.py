@@ -97,8 +97,9 @@ report.raise_for_failures()  # "Run all" stops here when this model cannot run o
 # fp16 on a T4, bf16 on Ampere and newer.
 #
 # The panel estimates one training step on `DEVICE` for its settings: move them and the bar, the
-# verdict and the top fix follow. Its plan is what the following cells load, prepare and train (the
-# micro-batch is the most step 6 tries; it measures that a real step fits).
+# verdict and the top fix follow. Its plan is what the following cells load, prepare and train. The
+# micro-batch: "auto" lets step 6 measure it (the estimate counts 1 meanwhile); a number is the most
+# step 6 tries, kept when a real step fits.
 
 # %%
 from helpers import TrainPanel, TrainPlan

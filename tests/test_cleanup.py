@@ -70,6 +70,27 @@ def test_cleanup_frees_tensors_of_an_exception_kept_in_a_variable(ipython_shell)
     assert ipython_shell.user_ns["note"] == "kept"
 
 
+def test_cleanup_leaves_generators_and_module_frames_alone():
+    """A generator that yields the errors it catches keeps running after cleanup() (clearing its frame
+    would close it), and an error raised at module level is not 'holding tensors' just because the
+    module's globals hold a model."""
+
+    def errors():
+        buffer = torch.ones(10)  # a tensor in the generator's frame: the frame qualifies, yet must stay
+        while True:
+            buffer.add_(1)
+            try:
+                torch.empty(1 << 45)
+            except RuntimeError as e:
+                yield e
+
+    gen = errors()
+    namespace = {"gen": gen, "err": next(gen), "model": torch.nn.Linear(2, 2)}
+    report = cleanup(namespace=namespace)
+    assert isinstance(next(gen), RuntimeError)  # still running
+    assert not [d for d in report.dropped if d.startswith("frames kept by")]
+
+
 def test_cleanup_frees_tensor_held_by_out(ipython_shell):
     ipython_shell.run_cell("import torch, weakref\nt = torch.ones(1000, 1000)", store_history=True)
     ipython_shell.run_cell("t", store_history=True)  # displayed: now in Out and _

@@ -220,6 +220,15 @@ def test_when_no_single_change_fits_the_top_fix_combines_them():
     assert any("batch_size=1:" in ln and "not enough alone" in ln for ln in lines[2:])
 
 
+def test_a_combined_fix_names_each_setting_once():
+    """A prompt halved twice reads as one change to its last value, not as two (a combination read
+    'prompt_tokens=16384 (truncate inputs) + load=nf4 + prompt_tokens=8192 (truncate inputs)')."""
+    est = estimate("codellama/CodeLlama-7b-hf", load="fp16", prompt_tokens=32768, max_new_tokens=1024, device="t4")
+    top = fit(est, "t4").suggestions[0]
+    assert top.kwargs == {"prompt_tokens": 8192, "load": "nf4"}  # the prompt was halved first, then again
+    assert top.change == "load=nf4 + prompt_tokens=8192 (truncate inputs)"
+
+
 def test_a_top_fix_that_falls_short_says_so():
     from helpers.widgets import LoadPanel
 

@@ -99,3 +99,15 @@ def test_safe_generate_streams_its_first_batch(tiny, tmp_path, capsys, budget):
     header, text = capsys.readouterr().out.split("\n", 1)
     first = max(report.records, key=lambda r: r["prompt_tokens"])  # longest prompts go first
     assert header == "streaming the first batch's first answer:" and text == first["output"] + "\n"
+
+
+def test_stream_steps_aside_for_beam_search_and_a_callers_streamer(tiny, capsys):
+    """generate refuses a streamer with beam search, and a caller's own streamer would be passed twice:
+    stream=True then streams nothing of its own instead of raising (it raised ValueError / TypeError)."""
+    from transformers import TextStreamer
+
+    model, tok = tiny
+    beams = generate_batched(model, tok, PROMPTS, max_new_tokens=4, batch_size=2, stream=True, num_beams=2)
+    assert len(beams) == len(PROMPTS) and capsys.readouterr().out == ""
+    generate_batched(model, tok, PROMPTS[:1], max_new_tokens=4, stream=True, streamer=TextStreamer(tok))
+    assert "streaming the first prompt" not in capsys.readouterr().out  # the caller's streamer ran, not ours

@@ -21,10 +21,12 @@ def panel(tmp_path):
 
 
 def test_widgets_drive_the_plan_and_its_estimate(panel):
-    assert panel.plan.micro_batch == 16  # no micro-batch in the plan: the search may go up to the batch
-    assert list(panel.controls["micro_batch"].options) == [1, 2, 4, 8, 16]  # exact accumulation only
+    assert panel.plan.micro_batch is None  # none in the plan: "auto", find_micro_batch decides (margin kept)
+    options = [value for _, value in panel.controls["micro_batch"].options]
+    assert options == [None, 1, 2, 4, 8, 16]  # auto, then exact accumulation only
     assert panel.state.verdict == "fits"
     # moving the controls as a user does: the plan and the estimate follow, and the bar redraws
+    panel.controls["micro_batch"].value = 16
     panel.controls["load"].value = "fp16"
     assert panel.plan.load == "fp16" and panel.state.verdict == "does not fit"
     assert panel.controls["double_quant"].disabled  # means nothing for fp16
@@ -38,14 +40,14 @@ def test_widgets_drive_the_plan_and_its_estimate(panel):
     panel.controls["micro_batch"].value = 4
     plan = panel.plan
     assert (plan.load, plan.seq_len, plan.micro_batch, plan.gradient_accumulation) == ("nf4", 1024, 4, 4)
-    assert plan.max_steps == TrainPlan(SEVEN_B).max_steps or plan.output_dir.endswith("run")  # others kept
+    assert plan.output_dir.endswith("run") and plan.batch_size == 16 and plan.r == 16  # the rest is kept
     segments = dict(panel.state.segments())
     assert set(segments) == {"weights", "training state", "activations", "overheads"}
     assert sum(segments.values()) == panel.state.estimate.total  # every byte in one segment
 
 
 def test_checkpointing_off_is_shown_with_its_fix(panel):
-    state = panel.set(gradient_checkpointing=False, seq_len=2048)
+    state = panel.set(gradient_checkpointing=False, seq_len=2048, micro_batch=16)
     # no single change fits, so the top fix joins them, the largest saving first
     assert state.verdict == "does not fit" and state.suggestion.change.startswith("gradient_checkpointing=True + ")
     assert "not enough alone" not in state.verdict_text()
@@ -57,7 +59,7 @@ def test_set_validates_before_changing_anything(panel):
         panel.set(micro_batch=3)
     with pytest.raises(TypeError, match="unknown panel value"):
         panel.set(max_new_tokens=64)
-    assert panel.plan.micro_batch == 16
+    assert panel.plan.micro_batch is None
 
 
 def test_divisors():
@@ -98,6 +100,16 @@ def test_find_micro_batch_tries_at_most_the_chosen_micro_batch(tmp_path, budget,
     mb = find_micro_batch(model, plan)
     assert mb.micro_batch == expected and mb.micro_batch * mb.gradient_accumulation == 16
     assert max(model.sizes) <= (chosen or 16)
+
+
+def test_a_larger_choice_after_a_smaller_one_is_searched_again(tmp_path):
+    """The search cache is keyed by the limit too: a search stopped at a chosen 4 does not cap a later 16
+    (it did: the second search tried [1, 2, 3, 4, 4] and gave 2)."""
+    model = BudgetedModel(16)
+    plan = TrainPlan("budget-again", seq_len=8, batch_size=16, micro_batch=4, output_dir=str(tmp_path))
+    assert find_micro_batch(model, plan).micro_batch == 4
+    model.sizes.clear()
+    assert find_micro_batch(model, plan.replace(micro_batch=16)).micro_batch == 16 and max(model.sizes) == 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this runtime may train as the target does")

@@ -175,6 +175,8 @@ def test_importing_helpers_in_colab_enables_the_widget_manager(tmp_path):
     code = (
         "import sys; colab = '--colab' in sys.argv\n"
         "if colab: import google.colab\n"
+        "if '--shell' in sys.argv:\n"
+        "    from IPython.core.interactiveshell import InteractiveShell; InteractiveShell.instance()\n"
         "import helpers\n"
         "from google.colab import output\n"
         "print(output.CALLS, 'torch' in sys.modules)"
@@ -187,8 +189,9 @@ def test_importing_helpers_in_colab_enables_the_widget_manager(tmp_path):
             [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
         ).stdout.strip()
 
-    assert run("--colab") == "['enabled'] False"  # and importing helpers still pulls no torch
-    assert run() == "[] False"
+    assert run("--colab", "--shell") == "['enabled'] False"  # and importing helpers still pulls no torch
+    assert run("--colab") == "[] False"  # a Colab subprocess (`!python`, a DDP worker): no shell, no widgets
+    assert run("--shell") == "[] False"
 
 
 def test_load_button_loads_the_current_plan(panel):
@@ -231,3 +234,13 @@ def test_cpu_device_and_a_missing_model_path(tiny_llama):
     assert panel.state.device == "CPU RAM" and panel.state.verdict == "fits"
     with pytest.raises(EstimateError, match="/no/such/model does not exist"):
         LoadPanel("/no/such/model", widgets=False)
+
+
+def test_set_past_a_sliders_range_widens_it(panel):
+    """set() beyond a slider's range widens the slider (as the constructor does) so widget and plan agree;
+    it used to leave the slider at its end while the plan took the value."""
+    panel.set(batch_size=128, max_new_tokens=8000)
+    c = panel.controls
+    assert (c["batch_size"].value, c["max_new_tokens"].value) == (128, 8000) == (panel.plan.batch_size, 8000)
+    c["prompt_tokens"].value = 64  # another move keeps both
+    assert panel.plan.batch_size == 128 and panel.plan.max_new_tokens == 8000

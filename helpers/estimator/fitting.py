@@ -209,7 +209,9 @@ def _combined(est: MemoryEstimate, singles: list[Suggestion], device, cap, bf16:
         if not options:
             return None
         best = max(options, key=lambda s: s.saving)
-        current, changes, kwargs = best.estimate, [*changes, best.change], {**kwargs, **best.kwargs}
+        setting = best.change.split("=", 1)[0]  # a later step on the same setting replaces the earlier one
+        changes = [c for c in changes if c.split("=", 1)[0] != setting] + [best.change]
+        current, kwargs = best.estimate, {**kwargs, **best.kwargs}
         if verdict(current.total, cap) == FITS:
             return Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
         options = _single_changes(current, device, cap, bf16)
