@@ -11,7 +11,7 @@ import importlib
 import logging
 from typing import Any
 
-from . import session as _session
+from . import session
 
 __version__ = "0.1.0"
 
@@ -72,7 +72,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_optional_cpu
 
 # In Colab, tqdm's bars and the load panel render only once the widget manager that fits the
 # runtime's ipywidgets is on; the notebooks' first cell imports helpers, so that is before any bar.
-_session.enable_colab_widgets()
+session.enable_colab_widgets()
 
 # Modules that hook into IPython when a notebook runs `%load_ext helpers`; each has
 # `load_ipython_extension(ip)` / `unload_ipython_extension(ip)` (so `%load_ext helpers.oom` works alone too).

@@ -29,15 +29,19 @@ def test_cleanup_frees_tensor_held_by_stored_traceback():
     assert "sys.last_traceback" in report.dropped
 
 
+# a cell's function that holds a 4 MB tensor when the CPU allocator really fails
+STEP = (
+    "import torch, weakref\n"
+    "refs = []\n"
+    "def step():\n"
+    "    big = torch.ones(1000, 1000)\n"
+    "    refs.append(weakref.ref(big))\n"
+    "    torch.empty(1 << 45)\n"
+)
+
+
 def test_cleanup_frees_tensor_held_by_ipython_traceback(ipython_shell):
-    ipython_shell.run_cell("import torch, weakref\nrefs = []")
-    ipython_shell.run_cell(
-        "def step():\n"
-        "    big = torch.ones(1000, 1000)\n"
-        "    refs.append(weakref.ref(big))\n"
-        "    torch.empty(1 << 45)\n"  # a real CPU allocation failure
-        "step()"
-    )
+    ipython_shell.run_cell(STEP + "step()")
     ref = ipython_shell.user_ns["refs"][0]
     assert ref() is not None
     ipython_shell.run_cell("from helpers import cleanup\nreport = cleanup()")
@@ -48,13 +52,8 @@ def test_cleanup_frees_tensor_held_by_ipython_traceback(ipython_shell):
 def test_cleanup_frees_tensors_of_an_exception_kept_in_a_variable(ipython_shell):
     """``except ... as e: err = e`` keeps the failed call's frames; cleanup clears their locals and the
     exception (message, type, where it was raised) stays printable. Before: the tensor stayed alive."""
-    ipython_shell.run_cell("import torch, weakref\nrefs = []")
     ipython_shell.run_cell(
-        "def step():\n"
-        "    big = torch.ones(1000, 1000)\n"
-        "    refs.append(weakref.ref(big))\n"
-        "    torch.empty(1 << 45)\n"  # a real CPU allocation failure
-        "try:\n"
+        STEP + "try:\n"
         "    step()\n"
         "except RuntimeError as e:\n"
         "    err = e\n"
