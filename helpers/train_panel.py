@@ -53,6 +53,11 @@ class TrainPanel(Panel):
     SEGMENTS = TRAIN_SEGMENTS
 
     def __init__(self, plan: TrainPlan, device: Any = "t4", *, widgets: bool | None = None):
+        if not isinstance(plan, TrainPlan):
+            raise TypeError(
+                f"TrainPanel takes a TrainPlan, got {type(plan).__name__} {plan!r:.60}: "
+                "e.g. TrainPanel(TrainPlan('codellama/CodeLlama-7b-hf', seq_len=256), device='t4')"
+            )
         self._base = plan
         self.CONTROLS = (
             Control("load", "Load mode", "dropdown", tuple(LOAD_MODES)),

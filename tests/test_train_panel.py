@@ -62,6 +62,11 @@ def test_set_validates_before_changing_anything(panel):
     assert panel.plan.micro_batch is None
 
 
+def test_a_model_name_instead_of_a_plan_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"TrainPanel takes a TrainPlan, got str .*e\.g\. TrainPanel\(TrainPlan\("):
+        TrainPanel(SEVEN_B)
+
+
 def test_divisors():
     assert divisors(12) == (1, 2, 3, 4, 6, 12) and divisors(1) == (1,)
 
