@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .errors import OomkitError
-from .units import MAX_BYTES, MiB, format_bytes, parse_bytes
+from .units import MAX_BYTES, GiB, MiB, format_bytes, parse_bytes
 from .vocab import supports_bf16
 
 __all__ = [
@@ -46,6 +46,15 @@ DEFAULT_DEVICE = "t4"  # oomkit plans for the free Colab GPU unless told otherwi
 # on GPU and version, cuBLAS keeps one :4096:8 workspace per stream.
 CUDA_CONTEXT = 400 * MiB
 CUBLAS_WORKSPACE = 32 * MiB
+# Leave this much of the GPU free beyond the estimate when capping device_map's GPU share: the
+# allocator's rounding and the first kernels' workspaces are not in the weights.
+GPU_MARGIN = 256 * MiB
+# Offloaded weights cross PCIe on every forward pass; a T4 in Colab sees roughly this much.
+PCIE_BYTES_PER_S = 8 * GiB
+DISK_BYTES_PER_S = 300 * MiB
+# Offloaded weights may take this share of available RAM: the rest is for the tokenizer, the
+# Python process and Colab itself, which dies without a message when RAM runs out.
+OFFLOAD_RAM_SHARE = 0.8
 
 
 class DeviceError(OomkitError, ValueError):

@@ -24,14 +24,21 @@ import torch
 from . import devices, generation
 from .checks import Check
 from .compat import from_pretrained_dtype
-from .devices import bitsandbytes_status, device_kind
+from .devices import (  # the placement constants live with the device facts; named here as before
+    DISK_BYTES_PER_S,
+    GPU_MARGIN,
+    OFFLOAD_RAM_SHARE,
+    PCIE_BYTES_PER_S,
+    bitsandbytes_status,
+    device_kind,
+)
 from .errors import OomkitError
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
 from .html import table
 from .memory import MemorySnapshot
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
-from .units import GiB, MiB, format_bytes, percent
+from .units import MiB, format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
 
 __all__ = [
@@ -45,15 +52,6 @@ TOKEN_HELP = (
     "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
     "HF_TOKEN environment variable or run `huggingface-cli login`"
 )
-# Leave this much of the GPU free beyond the estimate when capping device_map's GPU share: the
-# allocator's rounding and the first kernels' workspaces are not in the weights.
-GPU_MARGIN = 256 * MiB
-# Offloaded weights cross PCIe on every forward pass; a T4 in Colab sees roughly this much.
-PCIE_BYTES_PER_S = 8 * GiB
-DISK_BYTES_PER_S = 300 * MiB
-# Offloaded weights may take this share of available RAM: the rest is for the tokenizer, the
-# Python process and Colab itself, which dies without a message when RAM runs out.
-OFFLOAD_RAM_SHARE = 0.8
 # torch.load of a .bin shard holds it whole plus part of a copy while tensors are moved.
 PICKLE_LOAD_FACTOR = 1.2
 # Holding this much GPU memory before a load usually means an earlier model is still loaded.

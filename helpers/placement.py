@@ -29,12 +29,19 @@ from typing import Any
 import psutil
 import torch
 
-from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, resolve_devices
+from .devices import (
+    CUBLAS_WORKSPACE,
+    CUDA_CONTEXT,
+    DISK_BYTES_PER_S,
+    GPU_MARGIN,
+    OFFLOAD_RAM_SHARE,
+    PCIE_BYTES_PER_S,
+    resolve_devices,
+)
 from .errors import OomkitError
 from .estimator import FRAGMENTATION, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .html import Markup, table
-from .loading import DISK_BYTES_PER_S, GPU_MARGIN, OFFLOAD_RAM_SHARE, PCIE_BYTES_PER_S
 from .units import format_bytes, parse_bytes
 from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, torch_dtype, verdict
 
