@@ -119,14 +119,19 @@ def _size(device: int | float) -> tuple[str, dict]:
 
 def resolve_device(device: Any) -> tuple[str, dict | None]:
     """``(label, {'name', 'capacity', 'bf16'})`` for a preset name, a byte count, a size such as
-    ``"24GiB"``, ``"current"`` (this process's GPU, honouring a per-process cap) or ``None`` (the
-    default preset). CPU (``"cpu"``, or ``"current"`` without a GPU) gives ``("cpu", None)``."""
+    ``"24GiB"``, such a dict itself (a GPU as read, its free memory as the capacity), ``"current"``
+    (this process's GPU, honouring a per-process cap) or ``None`` (the default preset). CPU
+    (``"cpu"``, or ``"current"`` without a GPU) gives ``("cpu", None)``."""
     if device is None:
         device = DEFAULT_DEVICE
     if isinstance(device, bool):
         raise DeviceError("device must be a preset name, a byte count or 'current'")
     if isinstance(device, int | float):
         return _size(device)
+    if isinstance(device, dict) and "capacity" in device:  # a described GPU: what a memory readout says of it
+        label, dev = _size(device["capacity"])
+        name = str(device.get("name") or label)
+        return name, {"name": name, "capacity": dev["capacity"], "bf16": bool(device.get("bf16", True))}
     key = str(device).lower().replace(" ", "").replace("_", "-")
     if key == "current":
         return _current()

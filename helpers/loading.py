@@ -35,8 +35,10 @@ from .devices import (  # the placement constants live with the device facts; na
 from .errors import OomkitError
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
+from .gpu_split import describe_split, gpu_device, gpu_room, map_gpus, offload_ram, split_plan, usable_gpus
 from .html import table
 from .memory import MemorySnapshot
+from .placement import DevicePlan, PlacementError
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import MiB, format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
@@ -97,6 +99,9 @@ class LoadPlan:
             slower); by default such a plan is refused with the fix, never offloaded silently.
         adapter: optional PEFT adapter directory (LoRA) to attach after loading.
         token: Hugging Face token for gated models; ``None`` = ``HF_TOKEN`` / Colab secret / login.
+        gpus: how many of this machine's GPUs (from GPU 0) ``device_map="auto"`` may split the model
+            over; ``None`` = GPU 0 alone when the plan fits there (the others stay free), else as many
+            as it needs. A split holds a bigger model; it does not generate faster.
     """
 
     model: str
@@ -115,6 +120,7 @@ class LoadPlan:
     trust_remote_code: bool = False
     adapter: str | None = None
     token: str | None = field(default=None, repr=False)  # never shown
+    gpus: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
@@ -129,6 +135,10 @@ class LoadPlan:
             self.compute_dtype = dtype_name(self.compute_dtype)  # torch.float16, "float16", "half" ... -> "fp16"
         except ValueError as e:
             raise ValueError(f"compute_dtype: {e}") from None
+        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
+            raise ValueError(
+                f"gpus must be a whole number >= 1 (or None: as many as the model needs), got {self.gpus!r}"
+            )
         for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_new_tokens" else 1):
@@ -236,7 +246,7 @@ class LoadPlan:
         return (
             f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
             f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "
-            f"device_map={self.device_map!r})"
+            f"device_map={self.device_map!r}{'' if self.gpus is None else f', gpus={self.gpus}'})"
         )
 
 
@@ -381,8 +391,8 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
                 _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
             )
         return warnings
-    room = _gpu_room(estimate, g)
-    verdict = fit(estimate, device=room)
+    room = gpu_room(estimate, g)
+    verdict = fit(estimate, device=gpu_device(g, room))
     if verdict.verdict != DOES_NOT_FIT:
         return warnings
     extra = estimate.total - room
@@ -429,14 +439,6 @@ def _held_hint(g) -> str:
         f". This process already holds {format_bytes(g.allocated)} on the GPU: a model from an earlier cell? "
         "unload(model) first"
     )
-
-
-def _gpu_room(estimate, g) -> int:
-    """Free GPU memory to compare ``estimate.total`` with. The estimate has a row for the CUDA context,
-    which reading the free memory has already created (it is outside the free figure): counting it
-    again would refuse or offload about 400 MiB early on a T4."""
-    paid = sum(r.bytes for r in estimate.rows if r.key == "overhead.cuda_context")
-    return g.free + paid
 
 
 def _top_fix(verdict) -> str | None:
@@ -500,7 +502,7 @@ def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
     if g is None:
         return None
     runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
-    gpu_cap = max(0, _gpu_room(estimate, g) - runtime - GPU_MARGIN)
+    gpu_cap = max(0, gpu_room(estimate, g) - runtime - GPU_MARGIN)
     return {g.index: gpu_cap, "cpu": int(snap.ram.available * OFFLOAD_RAM_SHARE)}
 
 
@@ -513,6 +515,8 @@ class PlanCheck:
     estimate: Any = None
     warnings: list[str] = field(default_factory=list)
     max_memory: dict | None = None
+    split: DevicePlan | None = None  # the placement over several GPUs, when the load uses more than one
+    notes: list[str] = field(default_factory=list)
 
 
 def check_plan(
@@ -534,11 +538,98 @@ def check_plan(
     check_bitsandbytes(plan.load, device, bnb)
     check_ram_for_loading(plan.model, snap)
     est = estimate if estimate is not None else plan.estimate("current")
-    warnings = check_fit(plan, est, snap)
-    mm = plan.max_memory
-    if mm is None and plan.device_map == "auto":
-        mm = max_memory_for(est, snap)
-    return PlanCheck(plan=plan, source=source, estimate=est, warnings=warnings, max_memory=mm)
+    checked = PlanCheck(plan=plan, source=source, estimate=est)
+    if len(map_gpus(plan.device_map)) > 1:
+        checked.split, checked.warnings = check_given_split(plan, est, snap)
+    elif _may_split(plan, est, snap):
+        checked.split, checked.warnings = check_split(plan, est, snap)
+    else:
+        checked.warnings = check_fit(plan, est, snap)
+        checked.notes = _other_gpus_note(plan, snap)
+    checked.max_memory = plan.max_memory
+    if checked.split is not None:
+        checked.max_memory = dict(checked.split.max_memory)
+        checked.notes += [f"split: {describe_split(checked.split)}", *checked.split.notes]
+    elif checked.max_memory is None and plan.device_map == "auto":
+        checked.max_memory = max_memory_for(est, snap)
+    return checked
+
+
+def _may_split(plan: LoadPlan, est, snap: MemorySnapshot) -> bool:
+    """Whether ``device_map="auto"`` should spread the plan over more than GPU 0: asked for with
+    ``gpus=``, or needed (it does not fit GPU 0 alone)."""
+    if plan.gpus is not None and snap.gpus and plan.gpus > len(snap.gpus):
+        raise LoadRefused(
+            f"the plan asks for {plan.gpus} GPUs and this machine has {len(snap.gpus)}",
+            "LoadPlan(..., gpus=None) uses what there is; on Kaggle pick the 'GPU T4 x2' accelerator",
+        )
+    gpus = usable_gpus(snap, plan.gpus)
+    if plan.device_map != "auto" or plan.max_memory is not None or len(gpus) < 2:
+        return False
+    alone = fit(est, device=gpu_device(gpus[0], gpu_room(est, gpus[0])), suggest=False)
+    return plan.gpus is not None or alone.verdict == DOES_NOT_FIT
+
+
+def _other_gpus_note(plan: LoadPlan, snap: MemorySnapshot) -> list[str]:
+    """Say so when GPUs stay idle because the model fits on the first (transformers alone would split it)."""
+    n = len(snap.gpus)
+    if n < 2 or plan.device_map != "auto" or plan.max_memory is not None or plan.gpus is not None:
+        return []
+    others = "the other GPU stays" if n == 2 else f"the other {n - 1} GPUs stay"
+    return [f"fits on GPU 0 alone: {others} free (for a second model, or DDP); "
+            f"LoadPlan(..., gpus={n}) splits it across all {n}"]  # fmt: skip
+
+
+def check_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan | None, list[str]]:
+    """The split of ``plan`` over this machine's GPUs, checked card by card; refuses what does not fit.
+
+    Returns ``(plan, warnings)``; ``(None, [warning])`` when the architecture cannot be planned
+    here (transformers then places it over every GPU)."""
+    gpus = usable_gpus(snap, plan.gpus)
+    ram = offload_ram(snap)
+    try:
+        split = split_plan(est, gpus, ram=ram)
+        if split.fits or not plan.allow_offload:
+            offloaded = None
+        else:
+            offloaded = split_plan(est, gpus, ram=ram, offload=True, disk=bool(plan.offload_folder))
+    except PlacementError as e:
+        return None, [f"could not plan the split over {len(gpus)} GPUs ({e}); transformers places it"]
+    if split.fits:
+        return split, [f"split because it does not fit GPU 0 alone{_held_hint(gpus[0])}"] if _held_hint(gpus[0]) else []
+    if offloaded is not None and offloaded.fits:
+        return offloaded, [f"the model does not fit the {len(gpus)} GPUs: {offloaded.slowdown}"]
+    free = " + ".join(format_bytes(g.free) for g in gpus)
+    both = gpu_device(gpus[0], sum(gpu_room(est, g) for g in gpus))  # what a split of the rest could hold
+    both["bf16"] = all(g.supports_bf16 for g in gpus)
+    fix = _top_fix(fit(est, device=both))
+    fix = fix or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+    spill = split.offloaded("cpu") + split.offloaded("disk")
+    if not plan.allow_offload and 0 < spill <= ram:
+        fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
+    raise LoadRefused(
+        f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs ({free} free): {split.reasons[0]}", fix
+    )
+
+
+def check_given_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan | None, list[str]]:
+    """Check a hand-made ``device_map`` over several GPUs card by card (``plan_devices`` computed it, or
+    the user wrote it); refuses a card that would overflow."""
+    wanted = max(map_gpus(plan.device_map)) + 1
+    if wanted > len(snap.gpus):
+        raise LoadRefused(
+            f"the device_map uses GPU {wanted - 1} and this machine has {len(snap.gpus)} GPU(s)",
+            "plan it for this machine: plan_devices(model, load=..., devices='current'), or LoadPlan(...) "
+            "with device_map='auto'",
+        )
+    try:
+        split = split_plan(est, snap.gpus[:wanted], ram=offload_ram(snap), device_map=plan.device_map,
+                           disk=bool(plan.offload_folder))  # fmt: skip
+    except PlacementError as e:
+        return None, [f"could not check the device_map card by card ({e})"]
+    if not split.fits:
+        raise LoadRefused(f"the device_map does not fit this machine: {split.reasons[0]}", split.fixes[0])
+    return split, [f"the device_map offloads weights: {split.slowdown}"] if split.slowdown else []
 
 
 def _find_token() -> str | None:
@@ -602,11 +693,13 @@ class LoadReport:
     estimated_total: int
     load_seconds: float
     placement: dict[str, int]
-    cuda_allocated: int | None = None  # memory_allocated() growth during the load (CUDA only)
+    cuda_allocated: int | None = None  # memory_allocated() growth during the load, all GPUs (CUDA only)
     adapter_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
     estimate: Any = field(default=None, repr=False)
     tokenizer_note: str = ""
+    split: DevicePlan | None = field(default=None, repr=False)  # the placement over several GPUs, if planned
+    notes: list[str] = field(default_factory=list)
 
     @property
     def weights_error(self) -> float | None:
@@ -637,14 +730,29 @@ class LoadReport:
         rows.append(["total while generating (estimate)", format_bytes(self.estimated_total), "", ""])
         return rows
 
+    def placement_rows(self) -> list[list[str]]:
+        """Per device: the bytes measured there, and the split's estimate when the load was split."""
+        planned = {}
+        if self.split is not None:
+            planned = {(f"cuda:{s.device}" if isinstance(s.device, int) else str(s.device)): s.weights
+                       for s in self.split.shares if s.weights}  # fmt: skip
+        keys = list(dict.fromkeys([*planned, *self.placement]))
+        return [[k, format_bytes(planned[k]) if k in planned else "", format_bytes(self.placement.get(k, 0))]
+                for k in keys]  # fmt: skip
+
     def __str__(self) -> str:
         head = f"loaded {self.plan.model} as {self.plan.load} in {self.load_seconds:.1f} s"
         lines = [head]
         for name, est, meas, err in self.rows():
             lines.append(f"  {name:<36} estimated {est or '-':>11}  measured {meas or '-':>11}  {err}")
-        lines.append("  placement: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.placement.items()))
+        if self.split is None:
+            lines.append("  placement: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.placement.items()))
+        else:
+            lines += [f"  {'on ' + dev:<36} estimated {est or '-':>11}  measured {meas:>11}"
+                      for dev, est, meas in self.placement_rows()]  # fmt: skip
         if self.tokenizer_note:
             lines.append(f"  tokenizer: {self.tokenizer_note}")
+        lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -656,11 +764,13 @@ class LoadReport:
 
         title = f"{self.plan.model} as {self.plan.load}, loaded in {self.load_seconds:.1f} s"
         html = table(["", "estimated", "measured", "difference"], self.rows(), title=title)
-        html += table(
-            ["device", "bytes"],
-            [[k, format_bytes(v)] for k, v in self.placement.items()],
-            title="where the weights went",
-        )
+        if self.split is None:
+            html += table(["device", "bytes"], [[k, format_bytes(v)] for k, v in self.placement.items()],
+                          title="where the weights went")  # fmt: skip
+        else:
+            html += table(["device", "estimated", "measured"], self.placement_rows(), title="where the weights went")
+        for n in self.notes:
+            html += f"<div style='font-family:monospace'>{escape(n)}</div>"
         for w in self.warnings:
             html += f"<div style='font-family:monospace;color:#b06000'>&#9888; {escape(w)}</div>"
         return html
@@ -745,7 +855,7 @@ def load(
     est = checked.estimate
     kwargs, token = _run_kwargs(plan, checked)
     cuda = torch.cuda.is_available()
-    before = torch.cuda.memory_allocated() if cuda else 0
+    before = _cuda_allocated() if cuda else 0
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
@@ -763,13 +873,20 @@ def load(
         estimated_total=est.total,
         load_seconds=seconds,
         placement=where,
-        cuda_allocated=(torch.cuda.memory_allocated() - before) if cuda else None,
+        cuda_allocated=(_cuda_allocated() - before) if cuda else None,
         adapter_bytes=adapter_bytes,
         warnings=[*checked.warnings, *_offload_warnings(where)],
         estimate=est,
         tokenizer_note=note,
+        split=checked.split,
+        notes=checked.notes,
     )
     return model, tokenizer, report
+
+
+def _cuda_allocated() -> int:
+    """Bytes the caching allocator has handed out, on every GPU (a split load fills more than one)."""
+    return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
 def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) -> PlanCheck:
@@ -792,11 +909,16 @@ def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str
     )
     if run_plan.token is None:
         run_plan.token = _find_token()
-    kwargs = run_plan.from_pretrained_kwargs()
+    # a split loads the map that was checked card by card (transformers would compute the same one)
+    kwargs = (
+        run_plan.from_pretrained_kwargs() if checked.split is None else checked.split.from_pretrained_kwargs(run_plan)
+    )
     if checked.estimate.quantized_by is not None:  # the checkpoint's own config decides (transformers warns)
         kwargs.pop("quantization_config", None)
-    if device_kind() != "cuda" and kwargs.get("device_map") == "auto":
-        kwargs["device_map"] = None  # nothing to place on a CPU-only machine; keeps module devices simple
+    if device_kind() != "cuda" and (kwargs.get("device_map") == "auto" or checked.split is not None):
+        # nothing to place on a CPU-only machine (a split here was planned for a simulated one)
+        kwargs["device_map"] = None
+        kwargs.pop("max_memory", None)
     return kwargs, run_plan.token
 
 

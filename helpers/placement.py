@@ -371,6 +371,7 @@ def plan_devices(
     prompt_tokens: int = 512,
     max_new_tokens: int = 256,
     offload_folder: str = "offload",
+    device_map: dict | None = None,
 ) -> DevicePlan:
     """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map="auto")`` places it.
 
@@ -383,6 +384,8 @@ def plan_devices(
         headroom: bytes kept free on every GPU for the KV cache, activations and the CUDA context;
             ``"auto"`` sizes it from the generation budget (``batch_size``, ``prompt_tokens``, ``max_new_tokens``).
         cpu_memory: RAM offloaded weights may use (default 80 % of the available RAM).
+        device_map: a map chosen by hand (``{"model.layers.0": 0, ..., "lm_head": 1}``) to check instead of
+            computing accelerate's; its ``"cpu"`` and ``"disk"`` entries count as asked-for offload.
     """
     if load not in LOAD_MODES:
         raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
@@ -399,7 +402,13 @@ def plan_devices(
     if cpu_offload or not gpus:
         max_memory["cpu"] = ram
     meta, quantized = placement_model(config, load, torch_dtype(cd))
-    if gpus:
+    if device_map is not None:
+        device_map, placed = _given_map(device_map, meta, len(gpus)), dict(max_memory)
+        cpu_offload = cpu_offload or "cpu" in device_map.values()
+        disk_offload = disk_offload or "disk" in device_map.values()
+        if cpu_offload and "cpu" not in max_memory:
+            max_memory["cpu"] = ram
+    elif gpus:
         device_map, placed = device_map_for(meta, load, quantized, max_memory)
     else:
         device_map, placed = {"": "cpu"}, dict(max_memory)
@@ -408,6 +417,23 @@ def plan_devices(
     _fill_shares(plan, meta, config, est, gpus, rt, b, double_quant, ram, cpu_offload or disk_offload)
     _check_rules(plan, gpus, cpu_offload, disk_offload)
     return plan
+
+
+def _given_map(device_map: dict, meta: torch.nn.Module, n_gpus: int) -> dict:
+    """``device_map`` checked: every value a GPU of the plan, ``"cpu"`` or ``"disk"``; every weight covered."""
+    out = {}
+    for name, dev in device_map.items():
+        if isinstance(dev, torch.device):
+            dev = (dev.index or 0) if dev.type == "cuda" else dev.type
+        if isinstance(dev, str) and dev.startswith("cuda"):
+            dev = int(dev.partition(":")[2] or 0)
+        if dev not in ("cpu", "disk") and not (isinstance(dev, int) and 0 <= dev < n_gpus):
+            raise PlacementError(f"device_map puts {name or 'the model'!r} on {dev!r}: this plan has GPUs "
+                                 f"0-{n_gpus - 1}, 'cpu' and 'disk'")  # fmt: skip
+        out[name] = dev
+    for name, _ in meta.named_parameters():
+        _where(name, out)  # raises, naming the first weight the map leaves out
+    return out
 
 
 def _fill_shares(plan: DevicePlan, meta, config, est, gpus, rt: dict, b: int, double_quant: bool, ram: int,

@@ -152,16 +152,21 @@ print(plan.summary)
 plan
 
 # %% [markdown]
-# ## 6. Load with the plan
-# `device_map` and `max_memory` go to `from_pretrained`; the report shows where the weights went.
-# Without a GPU the same split is loaded with every part on the CPU.
+# ## 6. Load across the GPUs
+# `load()` plans the split itself, for what each card has free right now, and checks every card's
+# share (weights, its layers' KV cache, activations, context) before reading a weight. A model that
+# fits GPU 0 stays there, leaving the other card free; one that does not is split, or refused with
+# the fix when even the cards together cannot hold it. `gpus=` asks for a split anyway (here: every
+# GPU, to show one). The report shows each card's planned share beside what landed there.
+# Without a GPU the section-5 split is loaded with every part on the CPU.
 
 # %%
 from helpers import LoadPlan, load
 
-device_map = plan.device_map if gpus else plan.cpu_device_map()
-model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, device_map=device_map,
-                                         max_memory=plan.max_memory if gpus else None))
+if gpus:
+    model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, gpus=len(gpus)))
+else:
+    model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, device_map=plan.cpu_device_map()))
 report
 
 # %%

@@ -1,0 +1,140 @@
+"""Loading on a machine with more than one GPU (Kaggle's 2×T4), simulated with memory readouts: when a
+plan stays on GPU 0, when and how it is split, what is refused, and what the load report shows."""
+
+import pytest
+
+import helpers.loading as loading
+from helpers.estimator import estimate
+from helpers.loading import LoadPlan, LoadRefused, check_plan, load
+from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.placement import plan_devices
+from helpers.units import GiB, MiB
+
+T4_TOTAL = int(14.74 * GiB)
+BNB_OK = (True, "bitsandbytes quantizes")
+
+
+def kaggle(n=2, free=T4_TOTAL - 400 * MiB, ram_avail=11 * GiB, held=0):
+    """A Kaggle-like machine: ``n`` T4s with ``free`` bytes each (GPU 0 holding ``held``), and its RAM."""
+    gpus = [GPUReadout(i, "Tesla T4", (7, 5), T4_TOTAL, free, held if i == 0 else 0, 0, 0, 0, []) for i in range(n)]
+    return MemorySnapshot("cuda", gpus, RAMReadout(int(30 * GiB), ram_avail, GiB, 500 * MiB))
+
+
+def llama8b(load):
+    return estimate("meta-llama/Llama-3.1-8B", load=load, device="t4")
+
+
+def test_a_model_that_fits_gpu_0_stays_there_and_the_other_gpu_stays_free(tiny_llama):
+    checked = check_plan(
+        LoadPlan(str(tiny_llama), load="int8"), snapshot=kaggle(), bnb=BNB_OK, estimate=llama8b("int8")
+    )
+    assert checked.split is None
+    assert set(checked.max_memory) == {0, "cpu"}  # transformers alone would spread it over GPU 1 too
+    assert checked.notes == [
+        "fits on GPU 0 alone: the other GPU stays free (for a second model, or DDP); "
+        "LoadPlan(..., gpus=2) splits it across all 2"
+    ]
+    # one GPU: nothing to say
+    assert check_plan(LoadPlan(str(tiny_llama), load="int8"), snapshot=kaggle(n=1), bnb=BNB_OK,
+                      estimate=llama8b("int8")).notes == []  # fmt: skip
+
+
+def test_a_model_too_big_for_one_t4_is_split_card_by_card(tiny_llama):
+    est = llama8b("fp16")  # 16 GB of weights: more than a T4, less than two
+    with pytest.raises(LoadRefused, match="does not fit the .* free on Tesla T4"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    checked = check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    split = checked.split
+    assert split is not None and split.fits
+    assert [s.device for s in split.gpus] == [0, 1]
+    assert [s.layers for s in split.gpus] == [16, 16]
+    assert sum(s.weights for s in split.shares) == est.weights  # the same bytes, divided
+    assert all(s.total <= s.capacity for s in split.gpus)
+    assert checked.max_memory == split.max_memory and set(split.max_memory) == {0, 1}
+    assert checked.notes[0].startswith("split: GPU 0 (Tesla T4): layers 0-15, ")
+    assert "GPU 1 (Tesla T4): layers 16-31" in checked.notes[0]
+    assert any("do not generate faster" in n for n in checked.notes)
+    # the map is the one plan_devices computes for these cards (transformers' own placement)
+    same = plan_devices(est.source, load="fp16", devices=[{"name": "T4", "capacity": s.capacity, "bf16": False}
+                                                         for s in split.gpus])  # fmt: skip
+    assert same.device_map == split.device_map
+
+
+def test_gpus_asks_for_a_split_or_refuses_what_the_machine_lacks(tiny_llama):
+    est = estimate("meta-llama/Llama-2-7b-hf", load="nf4", device="t4")
+    plan = LoadPlan(str(tiny_llama), load="nf4", gpus=2)
+    checked = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert checked.split is not None and [s.layers > 0 for s in checked.split.gpus] == [True, True]
+    with pytest.raises(LoadRefused, match="asks for 3 GPUs and this machine has 2") as e:
+        check_plan(plan.replace(gpus=3), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert "gpus=None" in e.value.fix
+    one = check_plan(plan.replace(gpus=1), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert one.split is None and set(one.max_memory) == {0, "cpu"} and one.notes == []
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="gpus must be a whole number >= 1"):
+            LoadPlan("m", gpus=bad)
+
+
+def test_too_big_for_both_is_refused_with_a_fix_a_t4_can_take(tiny_llama):
+    est = llama8b("fp32")  # 32 GB
+    with pytest.raises(LoadRefused, match="Llama-3.1-8B as fp32 does not fit split across 2 GPUs") as e:
+        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=kaggle(ram_avail=60 * GiB), bnb=BNB_OK,
+                   estimate=est)  # fmt: skip
+    assert e.value.fix.startswith("load=fp16") and "bf16" not in e.value.fix  # a T4 has no bf16
+    assert "allow_offload=True" in e.value.fix
+    checked = check_plan(LoadPlan(str(tiny_llama), load="fp32", allow_offload=True), snapshot=kaggle(ram_avail=60 * GiB),
+                         bnb=BNB_OK, estimate=est)  # fmt: skip
+    assert checked.split.offloaded("cpu") > 0
+    assert any("ms/token" in w for w in checked.warnings)
+
+
+def test_the_single_gpu_fix_never_suggests_bf16_on_a_t4(tiny_llama):
+    with pytest.raises(LoadRefused) as e:
+        check_plan(LoadPlan(str(tiny_llama), load="fp32", device_map={"": 0}), snapshot=kaggle(n=1), bnb=BNB_OK,
+                   estimate=llama8b("fp32"))  # fmt: skip
+    assert "bf16" not in e.value.fix
+
+
+def test_a_hand_made_device_map_is_checked_on_each_card(tiny_llama):
+    est = llama8b("fp16")
+    split = check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(), bnb=BNB_OK, estimate=est).split
+    given = check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map=split.device_map), snapshot=kaggle(),
+                       bnb=BNB_OK, estimate=est)  # fmt: skip
+    assert [s.total for s in given.split.shares] == [s.total for s in split.shares]
+    lopsided = {"model": 0, "lm_head": 1}  # everything but the head on GPU 0
+    with pytest.raises(LoadRefused, match="device_map does not fit this machine: GPU 0 needs"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map=lopsided), snapshot=kaggle(free=12 * GiB),
+                   bnb=BNB_OK, estimate=est)  # fmt: skip
+    with pytest.raises(LoadRefused, match="uses GPU 2 and this machine has 2"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map={"model": 0, "lm_head": 2}),
+                   snapshot=kaggle(), bnb=BNB_OK, estimate=est)  # fmt: skip
+
+
+def test_the_split_is_what_from_pretrained_gets(tiny_llama, monkeypatch):
+    est = llama8b("int8")
+    plan = LoadPlan(str(tiny_llama), load="int8", gpus=2, compute_dtype="fp16")  # no GPU here to ask
+    checked = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    kwargs, _ = loading._run_kwargs(plan, checked)
+    assert kwargs["device_map"] == checked.split.device_map
+    assert kwargs["max_memory"] == checked.split.max_memory
+    assert kwargs["quantization_config"].llm_int8_enable_fp32_cpu_offload is False  # nothing spills
+    monkeypatch.setattr(loading, "device_kind", lambda: "cpu")
+    kwargs, _ = loading._run_kwargs(plan, checked)  # a split planned for a simulated machine loads on the CPU
+    assert kwargs["device_map"] is None and "max_memory" not in kwargs
+
+
+def test_a_split_load_reports_each_device(tiny_llama):
+    """The real load path on CPU, planned for a simulated 2×T4: the report shows the planned share of
+    each GPU beside what was measured (all on the CPU here)."""
+    model, _, report = load(LoadPlan(str(tiny_llama), load="fp32", gpus=2), snapshot=kaggle(), bnb=BNB_OK)
+    planned = {s.device: s.weights for s in report.split.shares}
+    assert sum(planned.values()) == report.estimated_weights
+    rows = {r[0]: r for r in report.placement_rows()}
+    assert set(rows) == {"cuda:0", "cuda:1", "cpu"} and rows["cpu"][1] == ""
+    text = str(report)
+    assert "on cuda:0" in text and "on cuda:1" in text and "note: split: GPU 0 (Tesla T4): layers 0-" in text
+    report.notes.append("<img src=x onerror=alert(1)>")
+    html = report._repr_html_()
+    assert "<img" not in html and "&lt;img" in html and "estimated" in html
+    del model
