@@ -2,6 +2,7 @@
 plan stays on GPU 0, when and how it is split, what is refused, and what the load report shows."""
 
 import pytest
+import torch
 
 import helpers.loading as loading
 from helpers.estimator import estimate
@@ -138,3 +139,16 @@ def test_a_split_load_reports_each_device(tiny_llama):
     html = report._repr_html_()
     assert "<img" not in html and "&lt;img" in html and "estimated" in html
     del model
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (Kaggle's 2×T4)")
+def test_on_two_real_gpus_the_split_lands_as_planned(tiny_llama):
+    model, tok, report = load(LoadPlan(str(tiny_llama), load="fp16", gpus=2))
+    rows = {r[0]: r for r in report.placement_rows()}
+    assert {"cuda:0", "cuda:1"} <= set(rows)
+    planned = {f"cuda:{s.device}": s.weights for s in report.split.gpus}
+    for dev, planned_bytes in planned.items():  # within 1 % (a tied embedding split across cards counts twice)
+        assert abs(report.placement[dev] - planned_bytes) <= 0.01 * planned_bytes
+    ids = tok(["hello"], return_tensors="pt").to("cuda:0")
+    assert model.generate(**ids, max_new_tokens=4).shape[1] == ids["input_ids"].shape[1] + 4
