@@ -17,7 +17,7 @@ from .memory import GPUReadout, MemorySnapshot
 from .placement import DevicePlan, PlacementError, plan_devices
 from .units import format_bytes
 
-__all__ = ["gpu_room", "gpu_device", "usable_gpus", "map_gpus", "split_plan", "describe_split"]
+__all__ = ["gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "split_plan", "describe_split"]
 
 
 def gpu_room(estimate, g: GPUReadout) -> int:
@@ -41,10 +41,17 @@ def usable_gpus(snap: MemorySnapshot, count: int | None) -> list[GPUReadout]:
 
 def map_gpus(device_map: Any) -> set[int]:
     """The GPU indices a ``device_map`` dict names (``0``, ``"cuda:1"``, ``torch.device``); empty otherwise."""
-    if not isinstance(device_map, dict):
-        return set()
+    return _gpu_indices(device_map.values()) if isinstance(device_map, dict) else set()
+
+
+def max_memory_gpus(max_memory: Any) -> set[int]:
+    """The GPU indices a ``max_memory`` dict caps (its keys: ``0``, ``"cuda:1"``); empty otherwise."""
+    return _gpu_indices(max_memory.keys()) if isinstance(max_memory, dict) else set()
+
+
+def _gpu_indices(devices) -> set[int]:
     out = set()
-    for dev in device_map.values():
+    for dev in devices:
         if isinstance(dev, int) and not isinstance(dev, bool):
             out.add(dev)
         elif str(dev).startswith("cuda"):

@@ -35,7 +35,16 @@ from .devices import (  # the placement constants live with the device facts; na
 from .errors import OomkitError
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
-from .gpu_split import describe_split, gpu_device, gpu_room, map_gpus, offload_ram, split_plan, usable_gpus
+from .gpu_split import (
+    describe_split,
+    gpu_device,
+    gpu_room,
+    map_gpus,
+    max_memory_gpus,
+    offload_ram,
+    split_plan,
+    usable_gpus,
+)
 from .html import table
 from .memory import MemorySnapshot
 from .placement import DevicePlan, PlacementError
@@ -541,6 +550,8 @@ def check_plan(
     checked = PlanCheck(plan=plan, source=source, estimate=est)
     if len(map_gpus(plan.device_map)) > 1:
         checked.split, checked.warnings = check_given_split(plan, est, snap)
+    elif plan.device_map == "auto" and len(max_memory_gpus(plan.max_memory)) > 1:
+        checked.notes = check_given_max_memory(plan, est, snap)
     elif _may_split(plan, est, snap):
         checked.split, checked.warnings = check_split(plan, est, snap)
     else:
@@ -610,6 +621,28 @@ def check_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan |
     raise LoadRefused(
         f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs ({free} free): {split.reasons[0]}", fix
     )
+
+
+def check_given_max_memory(plan: LoadPlan, est, snap: MemorySnapshot) -> list[str]:
+    """A ``max_memory`` of the user's over several GPUs: transformers places the model within those caps.
+    Only the whole is checked here (every card's room together, and RAM when it lists ``"cpu"``)."""
+    named = sorted(max_memory_gpus(plan.max_memory))
+    if named[-1] >= len(snap.gpus):
+        raise LoadRefused(
+            f"max_memory caps GPU {named[-1]} and this machine has {len(snap.gpus)} GPU(s)",
+            "drop that key, or leave max_memory=None: load() then plans the split for this machine",
+        )
+    room = sum(gpu_room(est, snap.gpus[i]) for i in named)
+    ram = offload_ram(snap) if "cpu" in plan.max_memory else 0
+    if est.total > room + ram:
+        raise LoadRefused(
+            f"{est.model} as {est.load} needs {format_bytes(est.total)}: more than the {format_bytes(room)} free on "
+            f"GPUs {', '.join(map(str, named))}{f' and {format_bytes(ram)} of RAM' if ram else ''}",
+            _top_fix(fit(est, device=gpu_device(snap.gpus[named[0]], room)))
+            or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model",
+        )
+    return ["max_memory was given: transformers splits the model within it, and the cards' shares are not "
+            "checked one by one (max_memory=None lets load() plan and check the split)"]  # fmt: skip
 
 
 def check_given_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan | None, list[str]]:

@@ -111,6 +111,18 @@ def test_a_hand_made_device_map_is_checked_on_each_card(tiny_llama):
                    snapshot=kaggle(), bnb=BNB_OK, estimate=est)  # fmt: skip
 
 
+def test_a_max_memory_over_several_gpus_is_checked_as_a_whole(tiny_llama):
+    est = llama8b("fp16")  # does not fit GPU 0 alone: that alone is no reason to refuse
+    plan = LoadPlan(str(tiny_llama), load="fp16", max_memory={0: "13GiB", 1: "13GiB"})
+    checked = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert checked.split is None and checked.max_memory == {0: "13GiB", 1: "13GiB"}
+    assert "not checked one by one" in checked.notes[0]
+    with pytest.raises(LoadRefused, match="more than the .* free on GPUs 0, 1"):
+        check_plan(plan, snapshot=kaggle(free=6 * GiB), bnb=BNB_OK, estimate=est)
+    with pytest.raises(LoadRefused, match="max_memory caps GPU 2 and this machine has 2"):
+        check_plan(plan.replace(max_memory={0: "13GiB", 2: "13GiB"}), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+
+
 def test_the_split_is_what_from_pretrained_gets(tiny_llama, monkeypatch):
     est = llama8b("int8")
     plan = LoadPlan(str(tiny_llama), load="int8", gpus=2, compute_dtype="fp16")  # no GPU here to ask
