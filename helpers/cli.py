@@ -22,7 +22,7 @@ from .vocab import LOAD_MODES
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS = {
-    "preflight": ("helpers.cli:preflight_main", "check GPU, RAM, disk and versions before loading a model"),
+    "preflight": ("helpers.cli:preflight_main", "check the GPUs, RAM, disk and versions before loading a model"),
     "estimate": ("helpers.cli:estimate_main", "estimate the memory a model needs and whether it fits"),
     "explain": ("helpers.oom:main", "explain an out-of-memory message (stdin or a file)"),
 }
@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def preflight_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m helpers preflight", description="Check GPU, RAM, disk and versions before loading a model."
+        prog="python -m helpers preflight",
+        description="Check every GPU, RAM, disk and versions before loading a model; with --model, whether it "
+        "fits one GPU or, on a machine with several (Kaggle's 2×T4), split across them as device_map='auto' "
+        "splits it.",
     )
     parser.add_argument("--model", help="hub id or local path of the model you plan to load")
     parser.add_argument("--load", default="auto", help=f"load mode: auto, {', '.join(LOAD_MODES)}")

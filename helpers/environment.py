@@ -2,7 +2,9 @@
 
 Every check returns pass / warn / fail / info with a one-line reason and the fix. Device facts
 come from a :class:`~helpers.memory.MemorySnapshot`, which tests pass in to simulate a T4, a
-busy GPU or a small-RAM machine without touching torch.
+busy GPU, Kaggle's two T4s or a small-RAM machine without touching torch. With several GPUs each
+one is checked, and a model that does not fit GPU 0 is planned across all of them as
+``from_pretrained(device_map="auto")`` splits it (:func:`helpers.placement.plan_devices`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import torch
 from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
-from .estimator import EstimateError, estimate, fit, format_params
+from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
 from .html import badge, table
 from .loading import ram_for_loading
-from .memory import MemorySnapshot
+from .memory import GPUReadout, MemorySnapshot
 from .memory import snapshot as take_snapshot
+from .placement import DevicePlan, plan_devices
 from .session import in_colab
 from .sources import checkpoint_size, hub_offline_reason, looks_like_path
-from .units import GiB, format_bytes
-from .vocab import FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, auto_load_order, verdict
+from .units import GiB, MiB, format_bytes
+from .vocab import DOES_NOT_FIT, FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, auto_load_order, verdict
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -116,6 +119,7 @@ def versions() -> dict[str, str | None]:
 
 
 def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
+    """The GPU(s) this process sees, and whether they compute in bf16."""
     if snap.backend == "mps":
         return [
             Check(
@@ -125,8 +129,8 @@ def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
                 "Use fp16 loading, or a CUDA machine for quantized models",
             )
         ]
-    g = snap.gpu
-    if g is None:
+    gpus = snap.gpus
+    if not gpus:
         fix = (
             COLAB_GPU_FIX
             if colab
@@ -136,46 +140,84 @@ def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
             )
         )
         return [Check("GPU", "warn", "no GPU: PyTorch sees no CUDA device", fix)]
-    checks = [
-        Check(
-            "GPU",
-            "pass",
-            f"{g.name}, compute capability {g.capability[0]}.{g.capability[1]}, {format_bytes(g.total)}",
-            data={"index": g.index},
-        )
-    ]
-    if g.supports_bf16:
-        checks.append(Check("bf16", "pass", "bf16 supported: use bf16 as compute dtype"))
+    g = gpus[0]
+    if len(gpus) == 1:
+        named = Check("GPU", "pass", f"{g.name}, compute capability {_capability(g)}, {format_bytes(g.total)}",
+                      data={"index": g.index})  # fmt: skip
     else:
-        checks.append(
-            Check(
-                "bf16",
-                "info",
-                f"sm_{g.capability[0]}{g.capability[1]} has no bf16: compute dtype "
-                "must be fp16 (oomkit's 'auto' picks it)",
-                "Do not pass bf16=True or torch_dtype=bfloat16 on this GPU",
-            )
-        )
-    return checks
+        # "index" stays the first GPU (where a model that fits one card goes); "indices" lists them all
+        named = Check("GPU", "pass", _gpu_names(gpus),
+                      data={"index": g.index, "indices": [x.index for x in gpus], "names": [x.name for x in gpus]})  # fmt: skip
+    return [named, _check_bf16(gpus)]
+
+
+def _capability(g: GPUReadout) -> str:
+    return f"{g.capability[0]}.{g.capability[1]}"
+
+
+def _gpu_names(gpus: list[GPUReadout]) -> str:
+    """``2 GPUs: Tesla T4 ×2, 14.74 GiB each, compute capability 7.5``, or each GPU named when they differ."""
+    kinds = {(g.name, g.total, tuple(g.capability)) for g in gpus}
+    if len(kinds) == 1:
+        g = gpus[0]
+        return f"{len(gpus)} GPUs: {g.name} ×{len(gpus)}, {format_bytes(g.total)} each, compute capability {_capability(g)}"
+    each = [f"GPU {g.index} {g.name} ({format_bytes(g.total)}, compute capability {_capability(g)})" for g in gpus]
+    return f"{len(gpus)} GPUs: " + ", ".join(each)
+
+
+def _check_bf16(gpus: list[GPUReadout]) -> Check:
+    """bf16 passes only when every GPU computes in it: a model split across them runs on each."""
+    without = [g for g in gpus if not g.supports_bf16]
+    if not without:
+        return Check("bf16", "pass", "bf16 supported: use bf16 as compute dtype")
+    if len(without) == len(gpus) and len({tuple(g.capability) for g in gpus}) == 1:
+        g = gpus[0]
+        return Check(
+            "bf16",
+            "info",
+            f"sm_{g.capability[0]}{g.capability[1]} has no bf16: compute dtype must be fp16 (oomkit's 'auto' picks it)",
+            "Do not pass bf16=True or torch_dtype=bfloat16 on this GPU" if len(gpus) == 1 else
+            "Do not pass bf16=True or torch_dtype=bfloat16 on these GPUs",
+        )  # fmt: skip
+    lacking = ", ".join(f"GPU {g.index} (sm_{g.capability[0]}{g.capability[1]})" for g in without)
+    return Check(
+        "bf16",
+        "info",
+        f"{lacking} {'has' if len(without) == 1 else 'have'} no bf16: a model split across these GPUs computes "
+        "in fp16 (oomkit's 'auto' picks it)",
+        "Do not pass bf16=True or torch_dtype=bfloat16 for a model on these GPUs",
+    )
 
 
 def _check_gpu_memory(snap: MemorySnapshot) -> list[Check]:
-    g = snap.gpu
-    if g is None:
-        return []
+    """Free memory and memory held outside this process's PyTorch, per GPU (each check names its GPU when
+    there are several)."""
+    checks = []
+    for g in snap.gpus:
+        checks += _gpu_memory_checks(g, len(snap.gpus) > 1)
+    return checks
+
+
+def _gpu_memory_checks(g: GPUReadout, several: bool) -> list[Check]:
+    """The two memory checks of one GPU; with several, each name starts with the GPU's index, so a warning
+    says which card to free."""
+    held_name = f"GPU {g.index} memory held elsewhere" if several else "GPU memory held elsewhere"
+    free_name = f"GPU {g.index} free memory" if several else "free GPU memory"
+    index = {"index": g.index} if several else {}
     checks = []
     foreign = g.non_pytorch
     others = [p for p in (g.processes or []) if p.pid != _pid()]
     if foreign > FOREIGN_GPU_WARN:
         who = ", ".join(f"PID {p.pid} {p.name} {format_bytes(p.used)}" for p in others) or "unknown processes"
+        holder = f"GPU {g.index}" if several else "the GPU"
         checks.append(
             Check(
-                "GPU memory held elsewhere",
+                held_name,
                 "warn",
                 f"{format_bytes(foreign)} in use outside this process's PyTorch ({who})",
-                "A previous kernel or another process holds the GPU: Runtime > Restart session, "
+                f"A previous kernel or another process holds {holder}: Runtime > Restart session, "
                 "or kill the process named above",
-                data={"bytes": foreign},
+                data={"bytes": foreign, **index},
             )
         )
     status = "pass"
@@ -185,12 +227,12 @@ def _check_gpu_memory(snap: MemorySnapshot) -> list[Check]:
         fix = "Free memory first: helpers.cleanup() or unload(model); restart the runtime if it does not come back"
     checks.append(
         Check(
-            "free GPU memory",
+            free_name,
             status,
             f"{format_bytes(g.free)} free of {format_bytes(g.total)} "
             f"({format_bytes(g.allocated)} allocated by this process)",
             fix,
-            data={"free": g.free},
+            data={"free": g.free, **index},
         )
     )
     return checks
@@ -253,58 +295,204 @@ def _unreadable_model(model: Any, error: Exception) -> Check:
                  "config.json")  # fmt: skip
 
 
-def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None) -> list:
-    """The "fit" check of :func:`preflight`: does ``model`` fit this GPU (or a T4)?"""
-    gpu = snapshot.gpu if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else None
-    if gpu is not None:
-        # What this process can still use: free memory plus what it already holds.
-        capacity = gpu.free + gpu.allocated
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            capacity += CUDA_CONTEXT + CUBLAS_WORKSPACE  # already paid: free memory excludes it
-        device = {"capacity": capacity}
-        where = f"{gpu.name} ({format_bytes(capacity)} usable)"
-        dev_arg: Any = capacity
-        bf16 = bool(gpu.supports_bf16)
-    else:
-        device = DEVICES[DEFAULT_DEVICE]
-        where = f"a T4 ({format_bytes(device['capacity'])}; no GPU here, so checked against Colab's)"
-        dev_arg = DEFAULT_DEVICE
-        bf16 = False
+def _usable_memory(gpu: GPUReadout) -> int:
+    """Bytes of ``gpu`` this process can still use: free memory plus what it already holds, plus the CUDA
+    context once this device has one (free memory excludes a context already paid; the estimate counts one)."""
+    usable = gpu.free + gpu.allocated
+    if _has_context(gpu):
+        usable += CUDA_CONTEXT + CUBLAS_WORKSPACE
+    return usable
+
+
+def _has_context(gpu: GPUReadout) -> bool:
+    # CUDA starts a context on the current device; another device gets its own only once something runs
+    # there, and then PyTorch has reserved memory on it
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    return gpu.index == torch.cuda.current_device() or gpu.reserved > 0
+
+
+@dataclass
+class _Option:
+    """One way to run the model: a load mode on GPU 0 alone, or split across every GPU."""
+
+    est: MemoryEstimate
+    verdict: str
+    split: bool = False
+    plan: DevicePlan | None = None  # a split's placement; None when the weights alone exceed every GPU
+    error: str = ""  # why a split could not be planned
+
+
+def _compute(load: str, half: str) -> str:
+    """The compute dtype preflight estimates ``load`` with: the GPUs' half precision for bitsandbytes."""
+    return half if load in QUANTIZED else "auto"
+
+
+def _split_option(model: Any, est: MemoryEstimate, caps: list[int], max_new_tokens: int, half: str) -> _Option:
+    """``est``'s model split across GPUs of ``caps`` bytes, placed as ``from_pretrained(device_map="auto")``
+    places it (:func:`helpers.placement.plan_devices`)."""
+    if est.weights > sum(caps):  # no placement can help: skip building the model on the meta device
+        return _Option(est, DOES_NOT_FIT, split=True)
+    try:
+        # a full GPU still counts as one (1 MiB, the smallest size a device takes): it gets no layer, and the
+        # shares keep their GPU's index
+        devices = [max(c, MiB) for c in caps]
+        plan = plan_devices(model, load=est.load, devices=devices, compute_dtype=_compute(est.load, half),
+                            double_quant=est.inputs.get("double_quant", True), max_new_tokens=max_new_tokens)  # fmt: skip
+    except (OomkitError, ValueError, ImportError) as e:  # an architecture transformers cannot build on meta
+        return _Option(est, DOES_NOT_FIT, split=True, error=str(e).splitlines()[0][:200])
+    if not plan.fits:
+        return _Option(est, DOES_NOT_FIT, True, plan)
+    fullest = max(plan.gpus, key=lambda s: s.total / s.capacity)
+    return _Option(est, verdict(fullest.total, fullest.capacity), True, plan)
+
+
+def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], max_new_tokens: int, half: str):
+    """Ways to run the model, in the order load="auto" prefers them: each load mode on GPU 0 alone, then
+    (with more GPUs, when one is not a clean fit) split across all of them. A generator: a split is
+    planned only when the options before it did not fit."""
+    for e in ests:
+        alone = _Option(e, verdict(e.total, caps[0]))
+        yield alone
+        if len(caps) > 1 and alone.verdict != FITS:
+            yield _split_option(model, e, caps, max_new_tokens, half)
+
+
+def _choose(options) -> tuple[_Option, list[_Option]]:
+    """The first option that fits, else the first tight one, else the last planned (the roomiest);
+    with every option looked at."""
+    seen: list[_Option] = []
+    for option in options:
+        seen.append(option)
+        if option.verdict == FITS:
+            return option, seen
+    planned = [o for o in seen if not o.error]
+    return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
+
+
+def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None) -> list[Check]:
+    """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
+    (as ``device_map="auto"`` splits it), or (without a GPU) a T4?"""
+    gpus = list(snapshot.gpus) if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else []
+    # What this process can use on each GPU; without one, Colab's T4
+    caps = [_usable_memory(g) for g in gpus] or [DEVICES[DEFAULT_DEVICE]["capacity"]]
+    bf16 = bool(gpus) and all(g.supports_bf16 for g in gpus)
     half = "bf16" if bf16 else "fp16"
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
+    dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
     try:
-        ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg,
-                         compute_dtype=half if m in QUANTIZED else "auto") for m in loads]  # fmt: skip
+        ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg, compute_dtype=_compute(m, half))
+                for m in loads]  # fmt: skip
+        chosen, seen = _choose(_options(model, ests, caps, max_new_tokens, half))
     except EstimateError as e:
         return [_unreadable_model(model, e)]
-    cap = device["capacity"]
-    chosen = next((e for e in ests if verdict(e.total, cap) == FITS), None)
-    chosen = chosen or next((e for e in ests if verdict(e.total, cap) == TIGHT), None) or ests[-1]
-    v = fit(chosen, dev_arg)
-    data = {"load": chosen.load, "total": chosen.total, "weights": chosen.weights, "params": chosen.params,
+    if chosen.split:
+        checks = _split_check(model, chosen, ests, gpus, caps, load, max_new_tokens, half)
+    else:
+        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen)]
+    params = chosen.est.params
+    if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
+        checks.append(
+            Check("GPU needed", "fail", f"{chosen.est.model} has {format_params(params)} parameters and this "
+                  "runtime has no GPU: loading would take RAM the kernel may not survive, and each generated "
+                  "token would take seconds", COLAB_GPU_FIX, {"params": params})
+        )  # fmt: skip
+    return checks
+
+
+def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
+                   load: str, max_new_tokens: int, seen: list[_Option]) -> Check:  # fmt: skip
+    """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU."""
+    cap = caps[0]
+    if not gpus:
+        where = f"a T4 ({format_bytes(cap)}; no GPU here, so checked against Colab's)"
+    else:
+        where = ("GPU 0 " if len(gpus) > 1 else "") + f"{gpus[0].name} ({format_bytes(cap)} usable)"
+    v = fit(est, cap if gpus else DEFAULT_DEVICE)
+    data = {"load": est.load, "total": est.total, "weights": est.weights, "params": est.params,
             "capacity": cap, "verdict": v.verdict, "headroom": v.headroom,
             "all": {e.load: e.total for e in ests}}  # fmt: skip
     summary = (
-        f"{chosen.model} ({format_params(chosen.params)} params) with load={chosen.load} and "
-        f"max_new_tokens={max_new_tokens}: {format_bytes(chosen.total)} predicted "
-        f"(weights {format_bytes(chosen.weights)}) on {where}: {v.verdict}"
+        f"{est.model} ({format_params(est.params)} params) with load={est.load} and "
+        f"max_new_tokens={max_new_tokens}: {format_bytes(est.total)} predicted "
+        f"(weights {format_bytes(est.weights)}) on {where}: {v.verdict}"
     )
+    if len(gpus) > 1 and v.verdict == FITS:
+        rest = [f"GPU {g.index}" for g in gpus[1:]]
+        summary += f" ({', '.join(rest)} {'stays' if len(rest) == 1 else 'stay'} free)"
     if load == "auto" and len(ests) > 1:
         summary += " [" + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
-    status = VERDICT_STATUS[v.verdict]
+    errors = [o.error for o in seen if o.error]
+    if errors:
+        summary += f" (a split across {len(gpus)} GPUs could not be planned: {errors[0]})"
     fix = None
     if v.suggestions:
         fix = f"{v.suggestions[0]}"
-    elif load == "auto" and chosen.load != loads[0]:
-        fix = f"load with {chosen.load} ({loads[0]} needs {format_bytes(ests[0].total)})"
-    checks = [Check("fit", status, summary, fix, data)]
-    if gpu is None and (snapshot is None or snapshot.backend == "cpu") and chosen.params >= CPU_PARAMS_LIMIT:
-        checks.append(
-            Check("GPU needed", "fail", f"{chosen.model} has {format_params(chosen.params)} parameters and this "
-                  "runtime has no GPU: loading would take RAM the kernel may not survive, and each generated "
-                  "token would take seconds", COLAB_GPU_FIX, {"params": chosen.params})
-        )  # fmt: skip
+    elif load == "auto" and est.load != ests[0].load:
+        split = next((o for o in seen if o.split and o.est is ests[0]), None)
+        also = f"; split across {len(gpus)} GPUs: {split.verdict}" if split is not None else ""
+        fix = f"load with {est.load} ({ests[0].load} needs {format_bytes(ests[0].total)}{also})"
+    return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
+
+
+def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
+                 load: str, max_new_tokens: int, half: str) -> list[Check]:  # fmt: skip
+    """The fit check for a model split across every GPU (each GPU's share, or why no split fits and the
+    fix), and the placement's note on what a split costs."""
+    est, plan, n = chosen.est, chosen.plan, len(gpus)
+    shares = [
+        {"index": g.index, "name": g.name, "capacity": s.capacity, "total": s.total, "weights": s.weights,
+         "kv_cache": s.kv_cache, "layers": s.layers}
+        for g, s in zip(gpus, plan.gpus if plan is not None else [])
+    ]  # fmt: skip
+    total = sum(s["total"] for s in shares) or est.total
+    room = min((s["capacity"] - s["total"] for s in shares), default=sum(caps) - total)  # the fullest GPU's
+    data = {"load": est.load, "total": total, "weights": est.weights, "params": est.params, "capacity": sum(caps),
+            "verdict": chosen.verdict, "headroom": room, "all": {e.load: e.total for e in ests}, "split": True,
+            "gpus": shares, "max_memory": dict(plan.max_memory) if plan is not None else {}}  # fmt: skip
+    head = f"{est.model} ({format_params(est.params)} params) with load={est.load} and max_new_tokens={max_new_tokens}"
+    alone = f"on GPU 0 alone {format_bytes(est.total)}: {verdict(est.total, caps[0])}"
+    listing = " [one GPU: " + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
+    listing = listing if load == "auto" and len(ests) > 1 else ""
+    smaller = _smaller_load(model, est, caps, max_new_tokens, half, ests) if chosen.verdict != FITS else None
+    if chosen.verdict == DOES_NOT_FIT:
+        weights = f"the weights alone ({format_bytes(est.weights)}) exceed the {n} GPUs together"
+        why = plan.reasons[0] if plan else weights
+        summary = f"{head}: does not fit across {n} GPUs ({format_bytes(sum(caps))} usable): {why} ({alone}){listing}"
+        return [Check("fit", "fail", summary, smaller or _no_split_fix(est, caps), data)]
+    each = ", ".join(f"GPU {s['index']} {format_bytes(s['total'])} of {format_bytes(s['capacity'])}" for s in shares)
+    summary = (f"{head}: {format_bytes(total)} predicted (weights {format_bytes(est.weights)}): {chosen.verdict} "
+               f"across {n} GPUs ({each}; {alone}){listing}")  # fmt: skip
+    how = (f"load(LoadPlan({est.model!r}, load={est.load!r}, max_new_tokens={max_new_tokens})) splits it so, "
+           "each card checked; "
+           f"plan_devices({est.model!r}, load={est.load!r}, devices='current') shows the device map")  # fmt: skip
+    checks = [Check("fit", VERDICT_STATUS[chosen.verdict], summary, f"{smaller}, or {how}" if smaller else how, data)]
+    if plan.notes:  # why two GPUs hold a bigger model but are not faster
+        checks.append(Check("GPU split", "info", "; ".join(plan.notes)))
     return checks
+
+
+def _smaller_load(model: Any, est: MemoryEstimate, caps: list[int], max_new_tokens: int, half: str,
+                  tried: list[MemoryEstimate]) -> str | None:  # fmt: skip
+    """``"load=nf4: fits GPU 0 alone"`` (or across the GPUs) for the first load mode that load="auto" would
+    try, has smaller weights than ``est`` and fits; None when none does."""
+    loads = [m for m in auto_load_order(half == "bf16") if m not in {e.load for e in tried}]
+    others = [est.replace(load=m, compute_dtype=_compute(m, half)) for m in loads]
+    smaller = [e for e in others if e.weights < est.weights]
+    if not smaller:
+        return None
+    alt, _ = _choose(_options(model, smaller, caps, max_new_tokens, half))
+    if alt.verdict != FITS:
+        return None
+    return f"load={alt.est.load}: fits " + (f"across {len(caps)} GPUs" if alt.split else "GPU 0 alone")
+
+
+def _no_split_fix(est: MemoryEstimate, caps: list[int]) -> str:
+    """When no load mode fits the GPUs: a change that fits GPU 0 (often a smaller model), and CPU offload."""
+    offload = (f"offload layers to CPU RAM: plan_devices({est.model!r}, load={est.load!r}, devices='current', "
+               "cpu_offload=True) (offloaded layers cross PCIe every token: several times slower)")  # fmt: skip
+    fitting = [s for s in fit(est, caps[0]).suggestions if verdict(s.estimate.total, caps[0]) == FITS]
+    return f"{fitting[0].change} (fits GPU 0 alone); or {offload}" if fitting else offload
 
 
 def _pid() -> int:

@@ -462,7 +462,7 @@ def _fill_shares(plan: DevicePlan, meta, config, est, gpus, rt: dict, b: int, do
     plan.crossings = [(a, c, hidden) for a, c in zip(order, order[1:])]
     if len(plan.gpus) > 1 and any(isinstance(a, int) and isinstance(c, int) for a, c, _ in plan.crossings):
         plan.notes.append("the hidden state crosses devices between consecutive layers only (pipeline, one GPU "
-                          "busy at a time): two T4s hold a bigger model, they do not generate faster")  # fmt: skip
+                          "busy at a time): the cards together hold a bigger model, they do not generate faster")  # fmt: skip
 
 
 def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) -> None:

@@ -66,7 +66,8 @@ OUTPUT_DIR = "runs/05_multi_gpu"
 # %% [markdown]
 # ## 1. Preflight of every card
 # On Kaggle pick *Accelerator: GPU T4 x2*. Each GPU is listed with its capacity; the preflight
-# checks versions, bitsandbytes and whether the model fits one card.
+# checks versions, bitsandbytes, each card's free memory and whether the model fits one card or,
+# split as `load()` splits it, both.
 
 # %%
 # %load_ext helpers

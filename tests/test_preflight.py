@@ -174,3 +174,141 @@ def test_a_safetensors_shard_is_memory_mapped_and_only_a_shard_past_free_ram_fai
     assert pickled.check("RAM for loading").status == "fail"
     past = run(machine(ram_avail=9 * GiB), model="some/model", checkpoint=(13 * GiB, 10 * GiB, "hub safetensors files"))
     assert past.check("RAM for loading").status == "fail"
+
+
+# -- several GPUs (Kaggle's "GPU T4 x2") ------------------------------------------------------
+
+
+def t4(index, free=None, processes=None, name="Tesla T4", capability=(7, 5), total=T4_TOTAL):
+    free = total - 400 * MiB if free is None else free
+    return GPUReadout(index, name, capability, total, free, 0, 0, 0, 0, processes)
+
+
+def two_gpus(*gpus):
+    """Kaggle's machine: two T4s (or the readouts given), 29 GiB of RAM."""
+    gpus = gpus or (t4(0), t4(1))
+    ram = RAMReadout(31 * GiB, 29 * GiB, 1 * GiB, 500 * MiB)
+    return MemorySnapshot("cuda", list(gpus), ram, [DiskReadout("HF cache", "/kaggle/hf", 100 * GiB, 60 * GiB)])
+
+
+def test_two_gpus_are_both_named_and_checked():
+    report = run(two_gpus())
+    gpu = report.check("GPU")
+    assert gpu.status == "pass" and gpu.data["indices"] == [0, 1]
+    assert gpu.summary == "2 GPUs: Tesla T4 ×2, 14.74 GiB each, compute capability 7.5"
+    assert report.check("bf16").status == "info" and "fp16" in report.check("bf16").summary
+    for i in (0, 1):
+        free = report.check(f"GPU {i} free memory")
+        assert free.status == "pass" and free.data["index"] == i
+    assert report.status == "pass"
+
+
+def test_mixed_gpus_are_each_named_and_bf16_needs_all_of_them():
+    a100 = t4(0, name="NVIDIA A100-SXM4-40GB", capability=(8, 0), total=40 * GiB)
+    report = run(two_gpus(a100, t4(1)))
+    summary = report.check("GPU").summary
+    assert "GPU 0 NVIDIA A100-SXM4-40GB (40.00 GiB, compute capability 8.0)" in summary
+    assert "GPU 1 Tesla T4 (14.74 GiB, compute capability 7.5)" in summary
+    bf16 = report.check("bf16")
+    assert bf16.status == "info" and "GPU 1 (sm_75) has no bf16" in bf16.summary and "GPU 0" not in bf16.summary
+    both = run(two_gpus(a100, t4(1, name="NVIDIA A100-SXM4-40GB", capability=(8, 0), total=40 * GiB)))
+    assert both.check("bf16").status == "pass" and "A100-SXM4-40GB ×2" in both.check("GPU").summary
+
+
+def test_a_process_on_gpu_1_warns_naming_gpu_1():
+    held = t4(1, free=T4_TOTAL - 9 * GiB, processes=[GPUProcess(19585, 9 * GiB, "python3")])
+    report = run(two_gpus(t4(0), held))
+    warn = report.check("GPU 1 memory held elsewhere")
+    assert warn.status == "warn" and "PID 19585 python3" in warn.summary and "GPU 1" in warn.fix
+    assert warn.data == {"bytes": 9 * GiB, "index": 1}
+    assert report.check("GPU 1 free memory").status == "warn"
+    assert report.check("GPU 0 free memory").status == "pass"
+    assert "GPU 0 memory held elsewhere" not in {c.name for c in report.checks}
+    assert "[WARN] GPU 1 memory held elsewhere: 9.00 GiB" in str(report)
+
+
+def test_llama_7b_fp16_fits_across_two_t4s_but_not_one():
+    # 4096 new tokens: 15.4 GiB on one T4 (14.35 GiB usable), half of it on each of two
+    kw = dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"), load="fp16", max_new_tokens=4096)
+    one = run(machine(), **kw).check("fit")
+    assert one.status == "fail" and "does not fit" in one.summary
+    report = run(two_gpus(), **kw)
+    fit = report.check("fit")
+    assert fit.status == "pass" and "fits across 2 GPUs" in fit.summary and report.ok
+    assert "GPU 0 7.92 GiB of 14.35 GiB, GPU 1 7.92 GiB of 14.35 GiB" in fit.summary
+    assert "on GPU 0 alone 15.38 GiB: does not fit" in fit.summary and "max_new_tokens=4096)) splits it" in fit.fix
+    shares = fit.data["gpus"]
+    assert fit.data["split"] and [s["index"] for s in shares] == [0, 1]
+    assert sum(s["layers"] for s in shares) == 32 and all(0 < s["total"] < s["capacity"] for s in shares)
+    assert sum(s["weights"] for s in shares) == fit.data["weights"]
+    note = report.check("GPU split")
+    assert note.status == "info" and "do not generate faster" in note.summary
+
+
+def test_auto_on_two_t4s_keeps_fp16_split_instead_of_nf4_on_one():
+    """fp16 is tight on one T4 at 256 new tokens: one T4 gets nf4 (as before), two T4s fp16 split."""
+    kw = dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"))
+    assert run(machine(), **kw).check("fit").data["load"] == "nf4"
+    fit = run(two_gpus(), **kw).check("fit")
+    assert fit.status == "pass" and fit.data["load"] == "fp16" and fit.data["split"]
+    assert "[one GPU: fp16 13.41 GiB, nf4 4.46 GiB]" in fit.summary
+
+
+def test_a_small_model_stays_on_gpu_0_and_says_gpu_1_is_free():
+    report = run(two_gpus(), "openai-community/gpt2", checkpoint=(500 * MiB, 500 * MiB, "hub"), load="fp16")
+    fit = report.check("fit")
+    assert fit.status == "pass" and "on GPU 0 Tesla T4 (14.35 GiB usable): fits (GPU 1 stays free)" in fit.summary
+    assert "split" not in fit.data and "GPU split" not in {c.name for c in report.checks}
+
+
+def test_a_model_too_big_for_two_gpus_does_not_fit_with_a_fix(tmp_path):
+    # Llama-3.1-8B in fp32: 29.9 GiB of weights, 28.7 GiB on both T4s; fp16 splits
+    fit = run(two_gpus(), "Llama-3.1-8B", checkpoint=(32 * GiB, 5 * GiB, "hub"), load="fp32").check("fit")
+    assert fit.status == "fail" and "does not fit across 2 GPUs" in fit.summary
+    assert "weights alone (29.92 GiB)" in fit.summary and fit.fix == "load=fp16: fits across 2 GPUs"
+    # Llama-2-70B: neither fp16 nor nf4 fits both T4s; the fix offers a smaller model or CPU offload
+    from helpers.placement import reference_configs
+
+    reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
+    report = run(two_gpus(), str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"))
+    fit = report.check("fit")
+    assert fit.status == "fail" and fit.data["load"] == "nf4" and not report.ok
+    assert "does not fit across 2 GPUs" in fit.summary and "cpu_offload=True" in fit.fix
+    assert "a smaller model" in fit.fix
+
+
+def test_one_gpu_and_cpu_read_as_before():
+    report = run(machine(), "Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"))
+    assert report.check("GPU").summary == "Tesla T4, compute capability 7.5, 14.74 GiB"
+    assert report.check("GPU").data == {"index": 0} and report.check("free GPU memory").data == {
+        "free": T4_TOTAL - 400 * MiB
+    }
+    fit = report.check("fit")
+    assert "on Tesla T4 (14.35 GiB usable): fits [fp16 13.41 GiB, nf4 4.46 GiB]" in fit.summary
+    assert fit.fix == "load with nf4 (fp16 needs 13.41 GiB)" and "split" not in fit.data
+    cpu = run(machine(gpu=False), "Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub")).check("fit")
+    assert "on a T4 (14.74 GiB; no GPU here, so checked against Colab's): fits" in cpu.summary
+
+
+def test_cli_text_and_json_on_two_t4s(monkeypatch, capsys):
+    import helpers.environment as environment
+    from helpers.cli import preflight_main
+
+    monkeypatch.setattr(environment, "take_snapshot", two_gpus)
+    monkeypatch.setattr(environment, "checkpoint_size", lambda model: (13 * GiB, 10 * GiB, "hub safetensors files"))
+    monkeypatch.setattr(environment, "bitsandbytes_status", lambda device: (True, f"quantizes on {device}"))
+    assert preflight_main(["--model", "meta-llama/Llama-2-7b-hf"]) == 0
+    text = capsys.readouterr().out
+    assert "[ok  ] GPU: 2 GPUs: Tesla T4 ×2" in text and "[ok  ] GPU 1 free memory: 14.35 GiB" in text
+    assert "load=fp16 and max_new_tokens=256" in text and "fits across 2 GPUs" in text
+    assert "[info] GPU split:" in text
+    assert preflight_main(["--model", "meta-llama/Llama-2-7b-hf", "--json"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert [g["index"] for g in checks["fit"]["data"]["gpus"]] == [0, 1]
+
+
+def test_two_gpu_report_escapes_names_from_the_machine():
+    hostile = "<img src=x onerror=alert(1)>"
+    report = run(two_gpus(t4(0), t4(1, name=hostile)), "Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"))
+    html = report._repr_html_()
+    assert hostile not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
