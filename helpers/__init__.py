@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _API: dict[str, str] = {
     **dict.fromkeys(["GiB", "MiB", "format_bytes", "parse_bytes"], "units"),
     **dict.fromkeys(["OomkitError"], "errors"),
-    **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved"], "memory"),
+    **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved", "peak_allocated"], "memory"),
     **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "reclaim"),
     **dict.fromkeys(["PreflightReport", "preflight"], "environment"),
     **dict.fromkeys(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .memory import allocated, peak_allocated
 from .units import MiB, format_bytes
 
 __all__ = ["CellRecord", "CellStats"]
@@ -75,7 +76,7 @@ class CellStats:
     def _gpu() -> tuple[int | None, int | None]:
         if not torch.cuda.is_available():
             return None, None
-        return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        return allocated("all"), peak_allocated("all")  # every GPU: a split model's cell grows both
 
     @staticmethod
     def _tensors() -> int | None:

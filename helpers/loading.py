@@ -46,7 +46,7 @@ from .gpu_split import (
     usable_gpus,
 )
 from .html import table
-from .memory import MemorySnapshot
+from .memory import MemorySnapshot, allocated
 from .placement import DevicePlan, PlacementError
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import MiB, format_bytes, percent
@@ -888,7 +888,7 @@ def load(
     est = checked.estimate
     kwargs, token = _run_kwargs(plan, checked)
     cuda = torch.cuda.is_available()
-    before = _cuda_allocated() if cuda else 0
+    before = allocated("all") if cuda else 0
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
@@ -906,7 +906,7 @@ def load(
         estimated_total=est.total,
         load_seconds=seconds,
         placement=where,
-        cuda_allocated=(_cuda_allocated() - before) if cuda else None,
+        cuda_allocated=(allocated("all") - before) if cuda else None,
         adapter_bytes=adapter_bytes,
         warnings=[*checked.warnings, *_offload_warnings(where)],
         estimate=est,
@@ -915,11 +915,6 @@ def load(
         notes=checked.notes,
     )
     return model, tokenizer, report
-
-
-def _cuda_allocated() -> int:
-    """Bytes the caching allocator has handed out, on every GPU (a split load fills more than one)."""
-    return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
 def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) -> PlanCheck:

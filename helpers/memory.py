@@ -191,14 +191,29 @@ def hf_cache_dir() -> Path:
         return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
 
 
-def allocated(device: int | torch.device | None = None) -> int:
-    """Bytes held by tensors on a CUDA device (0 without CUDA). Cheap: for use inside loops."""
-    return torch.cuda.memory_allocated(device) if torch.cuda.is_available() else 0
+def allocated(device: int | torch.device | str | None = None) -> int:
+    """Bytes held by tensors on a CUDA device, or on every GPU with ``"all"`` (a model split over two
+    cards fills both); 0 without CUDA. Cheap: for use inside loops."""
+    return _per_device(torch.cuda.memory_allocated, device)
 
 
-def reserved(device: int | torch.device | None = None) -> int:
-    """Bytes reserved by PyTorch's CUDA caching allocator (0 without CUDA)."""
-    return torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
+def reserved(device: int | torch.device | str | None = None) -> int:
+    """Bytes reserved by PyTorch's CUDA caching allocator on a device, or on every GPU with ``"all"``
+    (0 without CUDA)."""
+    return _per_device(torch.cuda.memory_reserved, device)
+
+
+def peak_allocated(device: int | torch.device | str | None = None) -> int:
+    """``max_memory_allocated`` of a device, or the sum of every GPU's with ``"all"`` (0 without CUDA)."""
+    return _per_device(torch.cuda.max_memory_allocated, device)
+
+
+def _per_device(read, device) -> int:
+    if not torch.cuda.is_available():
+        return 0
+    if device == "all":
+        return sum(read(i) for i in range(torch.cuda.device_count()))
+    return read(device)
 
 
 def nvml_handle(index: int):

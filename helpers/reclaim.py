@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .memory import allocated, reserved
 from .session import caller_namespace, ipython
 from .units import format_bytes
 
@@ -170,9 +171,8 @@ def drop_output_history() -> list[str]:
 
 
 def counters() -> tuple[int, int, int]:
-    if torch.cuda.is_available():
-        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), psutil.Process().memory_info().rss
-    return 0, 0, psutil.Process().memory_info().rss
+    """(allocated, reserved) on every GPU, and this process's RSS: what a cleanup can give back."""
+    return allocated("all"), reserved("all"), psutil.Process().memory_info().rss
 
 
 def _collect_and_empty(collect: bool = True) -> int:

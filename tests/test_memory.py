@@ -106,3 +106,22 @@ def test_nvml_handle_matches_the_torch_device_by_uuid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_uuid)
     calls.clear()
     assert nvml_handle(1) == (fake, "by-index") and calls == [("index", 1)]
+
+
+def test_all_sums_every_gpu_for_the_readouts_a_split_model_needs(monkeypatch):
+    """A model split over two cards: cleanup's report, the cell accounting and the load report add
+    both cards up (they read GPU 0 alone before, so half of an unload went unreported)."""
+    from helpers import memory, reclaim
+    from helpers.cellstats import CellStats
+
+    per_gpu = {"alloc": {0: 5 * MiB, 1: 7 * MiB}, "res": {0: 8 * MiB, 1: 9 * MiB}, "peak": {0: 6 * MiB, 1: 7 * MiB}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: per_gpu["alloc"][d or 0])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: per_gpu["res"][d or 0])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: per_gpu["peak"][d or 0])
+    assert memory.allocated() == 5 * MiB and memory.allocated(1) == 7 * MiB
+    assert memory.allocated("all") == 12 * MiB and memory.reserved("all") == 17 * MiB
+    assert memory.peak_allocated("all") == 13 * MiB
+    assert reclaim.counters()[:2] == (12 * MiB, 17 * MiB)
+    assert CellStats._gpu() == (12 * MiB, 13 * MiB)
