@@ -7,10 +7,20 @@ top fix, and ``panel.plan`` is always the matching :class:`~helpers.loading.Load
 widget front end (papermill, plain Python, no ipywidgets) the panel is a printed summary and the
 notebook's parameters decide.
 
+Over several GPUs (``device="kaggle-2xt4"``, ``["t4", "t4"]``, or ``"current"`` where torch sees more
+than one) the panel places the plan as :func:`~helpers.loading.load` does there, one bar per GPU: on
+GPU 0 alone when it fits (the others drawn free), else split with
+:func:`~helpers.placement.plan_devices` (planned once per setting; a "GPUs" dropdown sets
+``LoadPlan.gpus``), the layer runs in the verdict, and a top fix checked by placing it the same way.
+On one GPU that is half of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan that does not fit
+says whether the set would hold it.
+
 DOM hooks for browser tests: every control has a stable ``description`` ("Load mode", "Double
-quant", "max_new_tokens", "Batch size", "Prompt tokens", button "Load") and CSS classes
+quant", "max_new_tokens", "Batch size", "Prompt tokens", "GPUs" over several, button "Load") and CSS classes
 ``oomkit-panel``, ``oomkit-estimate`` (the bar), ``oomkit-verdict`` (verdict + fix text, with
-``data-verdict``), ``oomkit-load`` (button) and ``oomkit-report`` (output after loading).
+``data-verdict``), ``oomkit-load`` (button) and ``oomkit-report`` (output after loading). Over several
+GPUs the estimate holds ``oomkit-gpu-bar`` (``data-gpu``) per GPU and ``oomkit-left-over`` lines, the
+verdict ``data-gpus`` and ``oomkit-note``; a single GPU's hint is ``oomkit-alternative``.
 """
 
 from __future__ import annotations
@@ -21,25 +31,38 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from .devices import resolve_device
-from .estimator import fit, resolve_config
-from .html import COLORS
+from .devices import DEVICE_SETS, resolve_device
+from .errors import OomkitError
+from .estimator import MemoryEstimate, fit, resolve_config
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom import is_oom
+from .panel_gpus import (
+    Alternative,
+    FirstGpuState,
+    SplitFix,
+    SplitState,
+    gpu_specs,
+    hashable_devices,
+    multi_gpu_set,
+    split_gpus,
+    split_target,
+    split_verdict,
+)
+from .panel_state import SEGMENTS, PanelState, judgement
+from .placement import DevicePlan, plan_devices
 from .reclaim import unload
 from .session import enable_colab_widgets
-from .units import format_bytes
-from .vocab import FITS, FOUR_BIT, LOAD_MODES, VERDICT_STATUS, verdict
+from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, verdict
 
-__all__ = ["Control", "LoadPanel", "Panel", "PanelState", "widget_bundle", "widgets_available"]
+__all__ = [
+    "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
+    "multi_gpu_set", "widget_bundle", "widgets_available",
+]  # fmt: skip
 
-SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
-    ("weights", ("weights",), 1.0),
-    ("KV cache", ("kv_cache",), 0.7),
-    ("activations", ("activations",), 0.5),
-    ("overheads", ("training", "overhead"), 0.3),
-]
+# the plan fields plan_devices takes: a fix changing anything else (another model) is not tried on the split
+SPLIT_KNOBS = frozenset({"load", "double_quant", "max_new_tokens", "batch_size", "prompt_tokens"})
+MAX_FIX_TRIES = 4  # candidate fixes planned across the GPUs (~5 ms each, ~0.1 s for a new load mode)
 MAX_NEW_TOKENS_RANGE = (16, 4096, 16)  # min, max, step: every multiple of 16, so 16/32/64 are reachable
 PROMPT_TOKENS_RANGE = (16, 8192, 16)
 BATCH_RANGE = (1, 64, 1)
@@ -86,93 +109,6 @@ def widget_bundle(widget, include=None, exclude=None) -> dict:
     return bundle
 
 
-@dataclass
-class PanelState:
-    """What the panel shows for one setting: the estimate, the verdict, the top fix, how long it took."""
-
-    plan: LoadPlan
-    estimate: Any
-    verdict: str
-    capacity: int
-    device: str
-    suggestion: Any = None
-    seconds: float = 0.0
-    cached: bool = False
-    segments_spec: tuple = tuple(SEGMENTS)  # (label, estimate row groups, opacity) per bar segment
-
-    @property
-    def headroom(self) -> int:
-        return self.capacity - self.estimate.total
-
-    def _named_device(self) -> bool:
-        """False when the device is a bare byte count: its label is the capacity, shown once already."""
-        return self.device != format_bytes(self.capacity)
-
-    def _on(self, html: bool = False) -> str:
-        device = escape(self.device) if html else self.device
-        return f" on {device}" if self._named_device() else ""
-
-    def segments(self) -> list[tuple[str, int]]:
-        """Bytes per bar segment (weights, KV cache, activations, overheads for a load panel)."""
-        return [(label, sum(self.estimate.group_bytes(g) for g in groups)) for label, groups, _ in self.segments_spec]
-
-    def verdict_text(self) -> str:
-        text = (
-            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
-            f"{self._on()} (headroom {format_bytes(self.headroom)})"
-        )
-        if self.suggestion is not None:
-            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
-        return text
-
-    def _short(self) -> str:
-        """Said after a top fix that does not make the plan fit by itself (no single change does)."""
-        after = verdict(self.suggestion.estimate.total, self.capacity)
-        return "" if after == FITS else f"; still {after}: not enough alone"
-
-    def bar_html(self, width: int = 420) -> str:
-        color = COLORS[VERDICT_STATUS[self.verdict]]
-        scale = max(self.capacity, self.estimate.total) or 1
-        spans, legend = [], []
-        for (label, nbytes), (_, _, alpha) in zip(self.segments(), self.segments_spec, strict=True):
-            pct = 100 * nbytes / scale
-            spans.append(
-                f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
-                f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>"
-            )
-            # nowrap: a narrow output area wraps between items, never between a label and its size
-            legend.append(
-                f"<span style='white-space:nowrap'><span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> "
-                f"{escape(label)} {format_bytes(nbytes)}</span>"
-            )
-        cap_mark = 100 * self.capacity / scale
-        return (
-            "<div style='font-family:monospace'>"
-            f"<div style='position:relative;width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
-            f"overflow:hidden'>{''.join(spans)}"
-            f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
-            "</span></div>"
-            f"<div style='color:{color}'>{' &nbsp; '.join(legend)}</div>"
-            f"<div>total {format_bytes(self.estimate.total)} / {format_bytes(self.capacity)}"
-            f"{f' ({escape(self.device)})' if self._named_device() else ''}</div></div>"
-        )
-
-    def verdict_html(self) -> str:
-        color = COLORS[VERDICT_STATUS[self.verdict]]
-        fix = ""
-        if self.suggestion is not None:
-            fix = (
-                f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
-                f"(saves {format_bytes(self.suggestion.saving)}{escape(self._short())})</div>"
-            )
-        return (
-            f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
-            f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
-            f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
-            f"(headroom {format_bytes(self.headroom)}){fix}</div>"
-        )
-
-
 @dataclass(frozen=True)
 class Control:
     """One panel control: the plan field it sets, its label, and its widget."""
@@ -211,7 +147,7 @@ class Panel:
         self.model = str(model)
         self.device = device
         self._config = resolve_config(self.model)[0]
-        self._capacity, self._device_label, self._est_device = _resolve_panel_device(device)
+        self._capacity, self._device_label, self._est_device = self.target(device)
         self._cache: dict[tuple, PanelState] = {}
         self._values = dict(values)
         self._quiet = False
@@ -236,6 +172,10 @@ class Panel:
         return self._device_label
 
     # -- what a subclass decides ------------------------------------------------------------------
+
+    def target(self, device: Any) -> tuple[int, str, Any]:
+        """(capacity bytes, label, device argument for the estimator) of the panel's ``device``."""
+        return _resolve_panel_device(device)
 
     def plan_for(self, values: dict):
         """The plan these control values stand for (raises on an invalid value)."""
@@ -346,20 +286,19 @@ class Panel:
         plan = plan or self.plan
         if use_cache and key in self._cache:
             return self._cache[key]
-        est = self.estimate_plan(plan)
-        result = verdict(est.total, self._capacity)
-        suggestion = None
-        if result != FITS:
-            target = self._capacity if self._est_device == "cpu" else self._est_device
-            sugg = fit(est, target).suggestions
-            suggestion = sugg[0] if sugg else None
-        state = PanelState(
-            plan, est, result, self._capacity, self._device_label, suggestion, time.perf_counter() - started,
-            segments_spec=self.SEGMENTS,
-        )  # fmt: skip
+        state = self.judge(plan, self.estimate_plan(plan))
+        state.seconds = time.perf_counter() - started
         if use_cache and key is not None:
             self._cache[key] = state
         return state
+
+    def judge(self, plan: Any, est: MemoryEstimate) -> PanelState:
+        """The verdict of ``est`` against the panel's device, with the top fix when it does not fit."""
+        target = self._capacity if self._est_device == "cpu" else self._est_device
+        result, suggestion = judgement(est, self._capacity, target)
+        return PanelState(
+            plan, est, result, self._capacity, self._device_label, suggestion, segments_spec=self.SEGMENTS
+        )
 
     def refresh(self) -> PanelState:
         """Recompute (or fetch) the state for the current values and redraw the widgets."""
@@ -382,9 +321,8 @@ class Panel:
 
     def summary(self) -> str:
         s = self.state
-        segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in s.segments())
-        lines = [f"{self.TITLE}: {self.model}", f"  plan: {self.plan}", f"  estimate: {segs}", f"  {s.verdict_text()}"]
-        lines += [f"  note: {m}" for m in [*s.estimate.warnings, *self.notes()]]
+        lines = [f"{self.TITLE}: {self.model}", f"  plan: {self.plan}", *(f"  {line}" for line in s.text_lines())]
+        lines += [f"  note: {m}" for m in [*s.estimate.warnings, *s.notes(), *self.notes()]]
         if self.controls is None:
             lines.append("  (no widgets here: the parameters cell decides; change values with panel.set(...))")
         return "\n".join(lines)
@@ -422,14 +360,21 @@ class LoadPanel(Panel):
 
     Args:
         model: hub id, shipped config name or local directory (only its config is read here).
-        device: ``"current"`` (this GPU; without one, this machine's free RAM), a preset such as
-            ``"t4"``, or a capacity in bytes.
+        device: ``"current"`` (this GPU; without one, this machine's free RAM; with several, all of
+            them), a preset such as ``"t4"``, or a capacity in bytes; or several GPUs: a set such as
+            ``"kaggle-2xt4"``, a list such as ``["t4", "t4"]`` or ``{0: bytes, 1: bytes}``. Over several
+            GPUs the panel shows one bar per GPU, placing the plan as ``load()`` does on such a machine:
+            GPU 0 alone when it fits there, else the ``device_map="auto"`` split (``gpus`` is a control).
         load, double_quant, max_new_tokens, batch_size, prompt_tokens: starting values (from the
             notebook's parameters cell, which decides when there is no widget front end).
         **plan_fields: any other :class:`LoadPlan` field (``adapter``, ``device_map``, ...).
 
     ``panel.plan`` is the current plan; ``panel.set(load="int8")`` changes values from code;
-    ``panel.load()`` loads it (or returns what the Load button already loaded for that plan).
+    ``panel.load()`` loads it (or returns what the Load button already loaded for that plan);
+    ``panel.placement`` is the split over several GPUs (a :class:`~helpers.placement.DevicePlan`; None
+    while the plan stays on GPU 0 alone).
+    On one GPU that is a preset of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan that does
+    not fit says whether it would fit split across that set.
     """
 
     TITLE = "oomkit load panel"
@@ -465,9 +410,24 @@ class LoadPanel(Panel):
         self.loaded: tuple | None = None  # (model, tokenizer, report) after Load
         self._loaded_plan: LoadPlan | None = None
         self.error: Exception | None = None
+        self._gpus = split_gpus(device)
+        self._pair = None if self._gpus is not None else multi_gpu_set(device)
+        self._placements: dict[tuple, DevicePlan] = {}
+        if self._gpus is not None:  # how many of them load() may use: a control of its own
+            self._specs = gpu_specs(device, self._gpus)
+            values["gpus"] = self._base.gpus
+            self._base = self._base.replace(gpus=None)
+            choices = (("auto", None), *((str(n), n) for n in range(1, len(self._gpus) + 1)))
+            self.CONTROLS = (*type(self).CONTROLS, Control("gpus", "GPUs", "dropdown", choices))
         super().__init__(model, device, values, widgets)
 
+    def target(self, device: Any) -> tuple[int, str, Any]:
+        return super().target(device) if self._gpus is None else split_target(device, self._gpus)
+
     def plan_for(self, values: dict) -> LoadPlan:
+        n = values.get("gpus")
+        if self._gpus is not None and n is not None and n > len(self._gpus):
+            raise ValueError(f"gpus={n}: the panel's device has {len(self._gpus)} GPUs (None: as many as needed)")
         return self._base.replace(**values)
 
     def estimate_plan(self, plan: LoadPlan):
@@ -476,10 +436,97 @@ class LoadPanel(Panel):
     def disabled(self) -> set[str]:
         return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
 
+    # -- several GPUs ----------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> DevicePlan | None:
+        """The current plan's split across the panel's GPUs (None on one device, or on GPU 0 alone)."""
+        return self.state.placement if isinstance(self.state, SplitState) else None
+
+    def placement_for(self, plan: LoadPlan, devices: Any = None) -> DevicePlan:
+        """:func:`~helpers.placement.plan_devices` of ``plan`` on ``devices`` (default: the panel's GPUs), once
+        per setting: the first plan of a load mode builds the model on the meta device (~0.1-2 s), a repeat ~5 ms."""
+        devices = self._specs if devices is None else devices
+        dq = plan.double_quant if plan.load in FOUR_BIT else None
+        key = (hashable_devices(devices), plan.load, dq, plan.compute_dtype, plan.max_new_tokens, plan.batch_size,
+               plan.prompt_tokens)  # fmt: skip
+        if key not in self._placements:
+            self._placements[key] = plan_devices(
+                self.config, load=plan.load, devices=devices, compute_dtype=plan.compute_dtype,
+                double_quant=plan.double_quant, batch_size=plan.batch_size, prompt_tokens=plan.prompt_tokens,
+                max_new_tokens=plan.max_new_tokens,
+            )  # fmt: skip
+        return self._placements[key]
+
+    def arrangement(self, plan: LoadPlan, est: MemoryEstimate) -> tuple[str, DevicePlan | None]:
+        """(verdict, split) of ``plan`` placed on the panel's GPUs as ``load()`` places it: on GPU 0 alone
+        (split None) when it fits there or ``gpus=1``, else split across ``plan.gpus`` GPUs (default all)."""
+        n = plan.gpus or len(self._gpus)
+        alone = verdict(est.total, self._gpus[0][1]["capacity"])
+        if n == 1 or (plan.gpus is None and alone != DOES_NOT_FIT):
+            return alone, None
+        split = self.placement_for(plan, self._specs[:n])
+        return split_verdict(split), split
+
+    def judge(self, plan: LoadPlan, est: MemoryEstimate) -> PanelState:
+        """One device: as :class:`Panel` (and, when it does not fit, whether the GPU's multi-GPU set would hold
+        it). Several: where ``load()`` would put it (:meth:`arrangement`), and the top fix when it does not fit."""
+        if self._gpus is None:
+            state = super().judge(plan, est)
+            if state.verdict == DOES_NOT_FIT and self._pair is not None:
+                state.alternative = self._alternative(plan, est, self._pair, f"device={self._pair!r}")
+            return state
+        result, split = self.arrangement(plan, est)
+        if split is None:
+            return self._first_gpu_state(plan, est)
+        fix = None if split.fits else self._split_fix(plan, est, split)
+        return SplitState(
+            plan, est, result, self._capacity, self.device_label, segments_spec=self.SEGMENTS, placement=split,
+            fix=fix,
+        )  # fmt: skip
+
+    def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
+        label0, gpu0 = self._gpus[0]
+        result, suggestion = judgement(est, gpu0["capacity"], self._est_device)
+        state = FirstGpuState(
+            plan, est, result, gpu0["capacity"], self.device_label, suggestion, segments_spec=self.SEGMENTS,
+            gpu0=label0, free=[(label, d["capacity"]) for label, d in self._gpus[1:]],
+        )  # fmt: skip
+        if result == DOES_NOT_FIT and len(self._gpus) > 1:  # gpus=1 was asked for: would all the GPUs hold it?
+            state.alternative = self._alternative(plan, est, self._specs, f"gpus={len(self._gpus)}")
+        return state
+
+    def _split_fix(self, plan: LoadPlan, est: MemoryEstimate, split: DevicePlan) -> SplitFix | None:
+        """The first of the estimator's fixes (against the GPUs' memory added up, least drastic first) that
+        places as fitting (:meth:`arrangement`); else the split's own advice."""
+        bf16 = all(d["bf16"] for _, d in self._gpus)
+        candidates = [
+            s for s in fit(est, sum(g.capacity for g in split.gpus)).suggestions
+            if set(s.kwargs) <= SPLIT_KNOBS and (bf16 or s.kwargs.get("load") != "bf16")  # a T4 has no bf16
+        ]  # fmt: skip
+        for s in candidates[:MAX_FIX_TRIES]:
+            result, tried = self.arrangement(plan.replace(**s.kwargs), s.estimate)
+            if result != DOES_NOT_FIT:
+                return SplitFix(s.change, dict(s.kwargs), result, tried)
+        return SplitFix(split.fixes[0]) if split.fixes else None
+
+    def _alternative(self, plan: LoadPlan, est: MemoryEstimate, devices: Any, how: str) -> Alternative | None:
+        """``plan`` split across ``devices`` (a multi-GPU set, or this panel's GPUs), when it would fit there."""
+        specs = DEVICE_SETS[devices] if isinstance(devices, str) else devices
+        # a split needs at least the whole-model estimate (each GPU adds its own context): skip hopeless plans
+        if est.total > sum(resolve_device(d)[1]["capacity"] for d in specs):
+            return None
+        try:
+            placement = self.placement_for(plan, devices)
+        except OomkitError:  # oomkit refuses to plan it (an architecture not buildable on meta): no hint
+            return None
+        return Alternative(how, placement) if placement.fits else None
+
     def cache_key(self) -> tuple:
         v = self._values
         dq = v["double_quant"] if v["load"] in FOUR_BIT else None
-        return (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
+        key = (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
+        return key if self._gpus is None else (*key, v["gpus"])
 
     def extra_widgets(self, w) -> list:
         button = w.Button(

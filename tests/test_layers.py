@@ -22,7 +22,7 @@ LAYERS = [
     {"retry", "generation", "loading"},
     {"batch_size", "environment"},
     {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},
-    {"widgets", "train_panel", "cellstats"},
+    {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

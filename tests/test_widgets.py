@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import helpers.widgets as widgets_mod
+from helpers.devices import DEVICES
 from helpers.loading import LoadError
 from helpers.widgets import LoadPanel, widgets_available
 
@@ -244,3 +245,212 @@ def test_set_past_a_sliders_range_widens_it(panel):
     assert (c["batch_size"].value, c["max_new_tokens"].value) == (128, 8000) == (panel.plan.batch_size, 8000)
     c["prompt_tokens"].value = 64  # another move keeps both
     assert panel.plan.batch_size == 128 and panel.plan.max_new_tokens == 8000
+
+
+# -- several GPUs: one bar per GPU ------------------------------------------------------------------
+# The panel places a plan as load() does on such a machine: on GPU 0 alone when it fits there (the
+# other cards stay free), split with plan_devices when it does not, or across the GPUs asked for (gpus=).
+
+SPLIT_FP16 = {"load": "fp16", "gpus": 2}  # 7B fp16 split across Kaggle's two T4s
+
+
+def test_a_split_shows_one_bar_per_gpu_and_where_the_layers_go():
+    """7B in fp16 split across Kaggle's two T4s: two bars whose weights add up to the whole-model
+    estimate, the layer runs in the verdict, and the note that a split is not faster."""
+    panel = LoadPanel(BIG, device="kaggle-2xt4", widgets=True, **SPLIT_FP16)
+    s, c = panel.state, panel.controls
+    assert isinstance(s, widgets_mod.SplitState) and panel.placement is s.placement
+    gpus = panel.placement.gpus
+    assert len(gpus) == 2 and [g.capacity for g in gpus] == [DEVICES["t4"]["capacity"]] * 2
+    single = LoadPanel(BIG, device="t4", load="fp16", widgets=False).state.estimate
+    assert sum(g.weights for g in gpus) == s.estimate.weights == single.weights
+    assert s.verdict == "fits" and panel.device_label == "kaggle-2xt4" and panel.plan.gpus == 2
+    bars = c["estimate"].value
+    assert bars.count("class='oomkit-gpu-bar'") == 2 and "data-gpu='0'" in bars and "data-gpu='1'" in bars
+    assert "GPU 0: t4, layers 0-15: total" in bars and "GPU 1: t4, layers 16-31: total" in bars
+    verdict = c["verdict"].value
+    assert "data-verdict='fits'" in verdict and "data-gpus='2'" in verdict
+    assert "across 2 GPUs (kaggle-2xt4): layers 0-15 on GPU 0, 16-31 on GPU 1" in verdict
+    assert "do not generate faster" in verdict and "Top fix" not in verdict
+    # the layer runs the panel names are the device map from_pretrained(device_map="auto") gets
+    dm = panel.placement.device_map
+    assert {dm[f"model.layers.{i}"] for i in range(16)} == {0}
+    assert {dm[f"model.layers.{i}"] for i in range(16, 32)} == {1}
+
+
+def test_a_plan_that_fits_gpu_0_stays_there_as_load_keeps_it():
+    """gpus='auto' (None): a plan that fits one T4 is judged on GPU 0 alone, GPU 1 drawn free, as load()
+    places it; the GPUs dropdown splits it; a plan too big for GPU 0 splits by itself."""
+    panel = LoadPanel(BIG, device="kaggle-2xt4", load="nf4", widgets=True)
+    s, c = panel.state, panel.controls
+    assert isinstance(s, widgets_mod.FirstGpuState) and panel.placement is None and s.verdict == "fits"
+    assert s.capacity == DEVICES["t4"]["capacity"] and s.headroom == s.capacity - s.estimate.total
+    bars = c["estimate"].value
+    assert bars.count("class='oomkit-gpu-bar'") == 2 and "GPU 1: t4: free (14.74 GiB)" in bars
+    text = s.verdict_text()
+    assert text.startswith("FITS on GPU 0 alone (kaggle-2xt4): ")
+    assert "GPU 1 stays free (for a second model, or DDP); gpus=2 splits the model across both" in text
+    assert "GPU 0: t4: the whole model" in str(panel) and "GPU 1: t4: free" in str(panel)
+    gpus = c["gpus"]
+    assert (
+        gpus.description == "GPUs" and gpus.value is None and list(gpus.options) == [("auto", None), ("1", 1), ("2", 2)]
+    )
+    gpus.value = 2
+    assert panel.plan.gpus == 2 and isinstance(panel.state, widgets_mod.SplitState)
+    gpus.value = None
+    panel.set(load="fp16", batch_size=16, max_new_tokens=2048)  # 20 GB: not one T4
+    assert isinstance(panel.state, widgets_mod.SplitState) and panel.state.verdict == "fits"
+    with pytest.raises(ValueError, match="gpus=3: the panel's device has 2 GPUs"):
+        panel.set(gpus=3)
+    assert "gpus" not in LoadPanel(BIG, device="t4", widgets=True).controls  # one GPU: no such control
+
+
+def test_gpus_1_that_does_not_fit_says_the_split_would():
+    panel = LoadPanel(BIG, device="kaggle-2xt4", load="fp16", batch_size=16, max_new_tokens=2048, gpus=1)
+    s = panel.state
+    assert isinstance(s, widgets_mod.FirstGpuState) and s.verdict == "does not fit" and s.suggestion is not None
+    assert "GPU 1 stays free (gpus=1)" in s.verdict_text()
+    assert s.alternative is not None and s.alternative.placement.fits
+    assert "Would fit split across 2 GPUs with gpus=2: layers 0-15 on GPU 0, 16-31 on GPU 1" in s.verdict_text()
+    html = s.verdict_html()
+    assert "DOES NOT FIT</b> on GPU 0 alone" in html and "with gpus=2: layers 0-15" in html
+
+
+def test_the_text_form_has_a_line_per_gpu():
+    panel = LoadPanel(BIG, device="kaggle-2xt4", **SPLIT_FP16)
+    lines = [line.strip() for line in str(panel).splitlines()]
+    gpu_lines = [line for line in lines if line.startswith("GPU ")]
+    assert len(gpu_lines) == 2
+    assert gpu_lines[0].startswith("GPU 0: t4, layers 0-15: weights 6.74 GiB, KV cache 48.00 MiB, activations")
+    assert gpu_lines[1].startswith("GPU 1: t4, layers 16-31: weights 6.74 GiB")
+    assert all(line.endswith("of 14.74 GiB (fits)") for line in gpu_lines)
+    assert any(line.startswith("FITS across 2 GPUs (kaggle-2xt4): layers 0-15 on GPU 0") for line in lines)
+    assert any("note: " in line and "do not generate faster" in line for line in lines)
+    assert repr(panel) == str(panel) and "parameters cell decides" in str(panel)
+    html = panel._repr_mimebundle_()["text/html"]
+    assert html.count("oomkit-gpu-bar") == 2 and "data-verdict='fits'" in html
+
+
+def test_a_split_that_does_not_fit_names_a_fix_checked_as_load_would_place_it():
+    """Batch 32 x 4096 tokens: the KV cache pushes layers off the GPUs. The top fix is one that places as
+    fitting (not only the two cards' memory added up), and set(**fix.kwargs) applies it."""
+    panel = LoadPanel(BIG, device="kaggle-2xt4", load="fp16", batch_size=32, max_new_tokens=4096, widgets=True)
+    s = panel.state
+    assert s.verdict == "does not fit" and not panel.placement.fits
+    assert s.fix is not None and s.fix.result in ("fits", "tight") and s.fix.placement.fits and s.fix.kwargs
+    verdict = panel.controls["verdict"].value
+    assert "data-verdict='does not fit'" in verdict and f"Top fix: <b>{s.fix.change} (then " in verdict
+    assert "no room on the GPUs for" in panel.controls["estimate"].value  # the layers that found no GPU
+    assert "no room on the GPUs for" in str(panel)
+    panel.set(**s.fix.kwargs)
+    assert panel.state.verdict == s.fix.result and panel.placement is s.fix.placement  # planned once
+    panel.set(load="fp32", batch_size=1, max_new_tokens=256)  # 28 GB of weights, 29.5 GB of T4s
+    assert panel.state.verdict == "does not fit" and panel.state.fix.kwargs == {"load": "fp16"}
+    # in fp16 it fits one T4 (tightly), so load() would keep it on GPU 0
+    assert "Top fix: load=fp16 (then tight on GPU 0 alone)" in panel.state.verdict_text()
+
+
+def test_a_fix_no_candidate_confirms_is_the_placements_advice_escaped(monkeypatch):
+    """When none of the estimator's fixes places as fitting, the top fix is plan_devices' own advice, and
+    its text (quotes included) is escaped in the HTML."""
+
+    class NoFixes:
+        suggestions = []
+
+    monkeypatch.setattr(widgets_mod, "fit", lambda est, device: NoFixes())
+    panel = LoadPanel(BIG, device="kaggle-2xt4", load="fp32", widgets=True)
+    fix = panel.state.fix
+    assert fix.kwargs == {} and fix.result is None and fix.change == panel.placement.fixes[0]
+    assert "load='fp16'" in fix.change and "load='fp16'" in panel.state.verdict_text()
+    html = panel.controls["verdict"].value
+    assert "load=&#x27;fp16&#x27;" in html and "load='fp16'" not in html
+
+
+def test_lists_and_dicts_of_gpus_split_as_the_named_set_does():
+    from helpers.units import GiB
+
+    named = LoadPanel(BIG, device="kaggle-2xt4", **SPLIT_FP16).placement
+    listed = LoadPanel(BIG, device=["t4", "t4"], **SPLIT_FP16)
+    assert [g.total for g in listed.placement.gpus] == [g.total for g in named.gpus]
+    assert "FITS across 2 GPUs: layers" in listed.state.verdict_text()  # no label that only repeats the count
+    by_size = LoadPanel(BIG, device={0: 12 * GiB, 1: 12 * GiB}, load="fp16")  # 14 GB: not one 12 GB card
+    assert [g.capacity for g in by_size.placement.gpus] == [12 * GiB] * 2
+    one = LoadPanel(BIG, device=["t4"], load="nf4").state
+    assert isinstance(one, widgets_mod.FirstGpuState) and one.free == [] and one.verdict == "fits"
+
+
+def test_slider_moves_plan_each_setting_once(monkeypatch):
+    calls = []
+    real = widgets_mod.plan_devices
+    monkeypatch.setattr(widgets_mod, "plan_devices", lambda *a, **k: calls.append(k) or real(*a, **k))
+    panel = LoadPanel(BIG, device="kaggle-2xt4", load="nf4", gpus=2, widgets=True)
+    first = panel.placement
+    slider = panel.controls["max_new_tokens"]
+    for value in (512, 1024, 256, 512, 1024, 256):
+        slider.value = value
+    assert len(calls) == 3 and panel.placement is first and panel.state.cached
+    longer = panel.placement_for(panel.plan.replace(max_new_tokens=1024))
+    assert [g.kv_cache for g in first.gpus] != [g.kv_cache for g in longer.gpus]
+
+
+def _fake_gpus(monkeypatch, n: int, name: str = "Tesla T4"):
+    """torch.cuda as a machine with ``n`` T4s (each reporting the preset's capacity) shows it."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(name=name, total_memory=DEVICES["t4"]["capacity"], major=7, minor=5)
+    for attr, value in {
+        "is_available": lambda: True,
+        "device_count": lambda: n,
+        "current_device": lambda: 0,
+        "get_device_properties": lambda index=0: props,
+        "get_device_capability": lambda index=0: (7, 5),
+        "get_per_process_memory_fraction": lambda index=0: 1.0,
+    }.items():
+        monkeypatch.setattr(torch.cuda, attr, value, raising=False)
+
+
+def test_current_with_two_gpus_splits_and_escapes_their_names(monkeypatch):
+    hostile = "Tesla T4 <img src=x onerror=alert(1)>"
+    _fake_gpus(monkeypatch, 2, hostile)
+    panel = LoadPanel(BIG, device="current", load="fp16", batch_size=16, max_new_tokens=2048, widgets=True)
+    assert isinstance(panel.state, widgets_mod.SplitState) and len(panel.placement.gpus) == 2
+    assert panel.state.verdict == "fits" and "across 2 GPUs (this machine)" in panel.state.verdict_text()
+    assert hostile in str(panel)  # the text form shows the name as the driver reports it...
+    for html in (panel.controls["estimate"].value, panel.controls["verdict"].value):
+        assert "<img" not in html  # ...the HTML never as markup
+    assert "&lt;img src=x onerror=alert(1)&gt;" in panel.controls["estimate"].value
+    panel.set(batch_size=1, max_new_tokens=256)  # fits GPU 0: its name is escaped there too
+    assert isinstance(panel.state, widgets_mod.FirstGpuState)
+    assert "<img" not in panel.controls["estimate"].value and "&lt;img" in panel.controls["estimate"].value
+
+
+def test_current_with_one_gpu_keeps_the_single_bar(monkeypatch):
+    _fake_gpus(monkeypatch, 1)
+    panel = LoadPanel(BIG, device="current", load="nf4", widgets=False)
+    assert type(panel.state) is widgets_mod.PanelState and panel.placement is None
+    assert panel.state.capacity == DEVICES["t4"]["capacity"]
+    # a card reporting a T4's capacity to the byte is a T4: its hint names Kaggle's pair
+    assert widgets_mod.multi_gpu_set("current") == "kaggle-2xt4"
+    panel.set(load="fp16", batch_size=32, max_new_tokens=2048)
+    assert panel.state.verdict == "does not fit" and panel.state.alternative.how == "device='kaggle-2xt4'"
+
+
+def test_one_gpu_that_does_not_fit_says_whether_its_multi_gpu_set_would():
+    """A Colab T4 user whose plan does not fit hears that Kaggle's 2xT4 would hold it (split), and how to ask."""
+    assert widgets_mod.multi_gpu_set("t4") == "kaggle-2xt4" and widgets_mod.multi_gpu_set("L4") == "2xl4"
+    assert widgets_mod.multi_gpu_set("a100-80") == "2xa100-80"  # the smallest set of that GPU
+    assert widgets_mod.multi_gpu_set("rtx3090") is None and widgets_mod.multi_gpu_set(16 * 2**30) is None
+    panel = LoadPanel(BIG, device="t4", load="fp16", batch_size=32, max_new_tokens=2048, widgets=True)
+    alt = panel.state.alternative
+    assert panel.state.verdict == "does not fit" and alt is not None and alt.how == "device='kaggle-2xt4'"
+    assert alt.placement.fits and panel.placement is None  # a hint: the panel still judges one T4
+    hint = "Would fit split across 2 GPUs with device='kaggle-2xt4': layers 0-15 on GPU 0, 16-31 on GPU 1"
+    assert hint in panel.state.verdict_text() and hint in str(panel)
+    html = panel.controls["verdict"].value
+    assert "class='oomkit-alternative'" in html and "device=&#x27;kaggle-2xt4&#x27;" in html
+    panel.set(load="fp32", max_new_tokens=4096)  # too big for two T4s as well: no hint
+    assert panel.state.verdict == "does not fit" and panel.state.alternative is None
+    panel.set(load="nf4", batch_size=1, max_new_tokens=256)  # fits one T4: no hint
+    assert panel.state.alternative is None and "Would fit" not in panel.controls["verdict"].value

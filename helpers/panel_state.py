@@ -1,0 +1,151 @@
+"""What a panel shows for one setting: :class:`PanelState` (estimate, verdict, top fix) and its bar.
+
+Shared by every panel (:mod:`helpers.widgets`, :mod:`helpers.train_panel`) and by the states over
+several GPUs (:mod:`helpers.panel_gpus`), so one bar drawing and one verdict wording serve them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from .estimator import MemoryEstimate, Suggestion, fit
+from .html import COLORS
+from .units import format_bytes
+from .vocab import FITS, VERDICT_STATUS, verdict
+
+__all__ = ["SEGMENTS", "PanelState", "judgement", "stacked_bar"]
+
+SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
+    ("weights", ("weights",), 1.0),
+    ("KV cache", ("kv_cache",), 0.7),
+    ("activations", ("activations",), 0.5),
+    ("overheads", ("training", "overhead"), 0.3),
+]
+
+
+def stacked_bar(
+    parts: list[tuple[str, int, float]], total: int, capacity: int, verdict_: str, caption: str, *, width: int = 420,
+    attrs: str = "",
+) -> str:  # fmt: skip
+    """A bar of ``parts`` (label, bytes, opacity) against ``capacity``, its legend and ``caption`` (HTML: the
+    caller escapes what it puts there); ``attrs`` goes into the outer ``div`` (a class, data attributes)."""
+    color = COLORS[VERDICT_STATUS[verdict_]]
+    scale = max(capacity, total) or 1
+    spans, legend = [], []
+    for label, nbytes, alpha in parts:
+        pct = 100 * nbytes / scale
+        spans.append(
+            f"<span title='{escape(label)} {format_bytes(nbytes)}' style='display:block;float:left;"
+            f"width:{pct:.2f}%;height:100%;background:{color};opacity:{alpha}'></span>"
+        )
+        # nowrap: a narrow output area wraps between items, never between a label and its size
+        legend.append(
+            f"<span style='white-space:nowrap'><span style='opacity:{max(alpha, 0.5)}'>&#9632;</span> "
+            f"{escape(label)} {format_bytes(nbytes)}</span>"
+        )
+    cap_mark = 100 * capacity / scale
+    return (
+        f"<div{attrs} style='font-family:monospace'>"
+        f"<div style='position:relative;width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
+        f"overflow:hidden'>{''.join(spans)}"
+        f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
+        "</span></div>"
+        f"<div style='color:{color}'>{' &nbsp; '.join(legend)}</div>"
+        f"<div>{caption}</div></div>"
+    )
+
+
+@dataclass
+class PanelState:
+    """What the panel shows for one setting: the estimate, the verdict, the top fix, how long it took."""
+
+    plan: Any  # a LoadPlan, or a TrainPlan in the training panel
+    estimate: Any
+    verdict: str
+    capacity: int
+    device: str
+    suggestion: Any = None
+    seconds: float = 0.0
+    cached: bool = False
+    segments_spec: tuple = tuple(SEGMENTS)  # (label, estimate row groups, opacity) per bar segment
+    alternative: Any = None  # a panel_gpus.Alternative: a multi-GPU set of this GPU where the plan would fit
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.estimate.total
+
+    def _named_device(self) -> bool:
+        """False when the device is a bare byte count: its label is the capacity, shown once already."""
+        return self.device != format_bytes(self.capacity)
+
+    def _on(self, html: bool = False) -> str:
+        device = escape(self.device) if html else self.device
+        return f" on {device}" if self._named_device() else ""
+
+    def segments(self) -> list[tuple[str, int]]:
+        """Bytes per bar segment (weights, KV cache, activations, overheads for a load panel)."""
+        return [(label, sum(self.estimate.group_bytes(g) for g in groups)) for label, groups, _ in self.segments_spec]
+
+    def verdict_text(self) -> str:
+        text = (
+            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
+            f"{self._on()} (headroom {format_bytes(self.headroom)})"
+        )
+        if self.suggestion is not None:
+            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
+        if self.alternative is not None:
+            text += f". {self.alternative}"
+        return text
+
+    def _short(self) -> str:
+        """Said after a top fix that does not make the plan fit by itself (no single change does)."""
+        after = verdict(self.suggestion.estimate.total, self.capacity)
+        return "" if after == FITS else f"; still {after}: not enough alone"
+
+    def bar_html(self, width: int = 420) -> str:
+        parts = [
+            (label, nbytes, alpha)
+            for (label, nbytes), (_, _, alpha) in zip(self.segments(), self.segments_spec, strict=True)
+        ]
+        caption = (
+            f"total {format_bytes(self.estimate.total)} / {format_bytes(self.capacity)}"
+            f"{f' ({escape(self.device)})' if self._named_device() else ''}"
+        )
+        return stacked_bar(parts, self.estimate.total, self.capacity, self.verdict, caption, width=width)
+
+    def text_lines(self) -> list[str]:
+        """The summary's lines for this state: the breakdown and the verdict."""
+        segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in self.segments())
+        return [f"estimate: {segs}", self.verdict_text()]
+
+    def notes(self) -> list[str]:
+        """Notes of this state beyond the estimate's warnings (a split's, a device set that would fit)."""
+        return []
+
+    def verdict_html(self) -> str:
+        color = COLORS[VERDICT_STATUS[self.verdict]]
+        fix = ""
+        if self.suggestion is not None:
+            fix = (
+                f"<div class='oomkit-suggestion'>Top fix: <b>{escape(self.suggestion.change)}</b> "
+                f"(saves {format_bytes(self.suggestion.saving)}{escape(self._short())})</div>"
+            )
+        if self.alternative is not None:
+            fix += f"<div class='oomkit-alternative'>{escape(str(self.alternative))}</div>"
+        return (
+            f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
+            f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
+            f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
+            f"(headroom {format_bytes(self.headroom)}){fix}</div>"
+        )
+
+
+def judgement(est: MemoryEstimate, capacity: int, target: Any) -> tuple[str, Suggestion | None]:
+    """(verdict of ``est`` against ``capacity``, the estimator's top fix for ``target`` when it is not "fits")."""
+    result = verdict(est.total, capacity)
+    if result == FITS:
+        return result, None
+    sugg = fit(est, target).suggestions
+    return result, (sugg[0] if sugg else None)
