@@ -22,6 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
+from .gpu_split import stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -305,11 +306,9 @@ def _usable_memory(gpu: GPUReadout) -> int:
 
 
 def _has_context(gpu: GPUReadout) -> bool:
-    # CUDA starts a context on the current device; another device gets its own only once something runs
-    # there, and then PyTorch has reserved memory on it
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return False
-    return gpu.index == torch.cuda.current_device() or gpu.reserved > 0
+    # reading a device's free memory (snapshot() does, for every GPU) starts its context, so once CUDA
+    # is initialized every card's context is paid, as load() counts it
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 @dataclass
@@ -349,12 +348,15 @@ def _split_option(model: Any, est: MemoryEstimate, caps: list[int], max_new_toke
 
 def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], max_new_tokens: int, half: str):
     """Ways to run the model, in the order load="auto" prefers them: each load mode on GPU 0 alone, then
-    (with more GPUs, when one is not a clean fit) split across all of them. A generator: a split is
+    (with more GPUs, when it does not stay on GPU 0, the rule load() follows) split across all of them. A generator: a split is
     planned only when the options before it did not fit."""
     for e in ests:
         alone = _Option(e, verdict(e.total, caps[0]))
+        stays = len(caps) == 1 or stays_on_first(e, {"name": "GPU 0", "capacity": caps[0], "bf16": half == "bf16"})
+        if alone.verdict == FITS and not stays:
+            alone.verdict = DOES_NOT_FIT  # transformers' placement on GPU 0 alone would spill to the CPU
         yield alone
-        if len(caps) > 1 and alone.verdict != FITS:
+        if not stays:  # as load() decides: a plan that is not a clean fit on GPU 0 is split
             yield _split_option(model, e, caps, max_new_tokens, half)
 
 

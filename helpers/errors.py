@@ -7,8 +7,24 @@ fits), so ``except OomkitError`` catches oomkit's refusals and ``except ValueErr
 
 from __future__ import annotations
 
-__all__ = ["OomkitError"]
+__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused"]
 
 
 class OomkitError(Exception):
     """Raised by oomkit with a message that names the bad value and what to do instead."""
+
+
+class LoadError(OomkitError, RuntimeError):
+    """A load refused before it started: ``reason`` says why, ``fix`` what to do."""
+
+    def __init__(self, reason: str, fix: str | None = None):
+        self.reason, self.fix = reason, fix
+        super().__init__(reason + (f"\nfix: {fix}" if fix else ""))
+
+
+class ModelNotFoundError(LoadError, FileNotFoundError):
+    """The model (or adapter) path does not exist, or the hub id is unknown."""
+
+
+class LoadRefused(LoadError):
+    """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""

@@ -10,14 +10,30 @@ context) before any weight is read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from .devices import OFFLOAD_RAM_SHARE
+from .devices import GPU_MARGIN, OFFLOAD_RAM_SHARE
+from .errors import LoadRefused
+from .estimator import fit
 from .memory import GPUReadout, MemorySnapshot
-from .placement import DevicePlan, PlacementError, plan_devices
-from .units import format_bytes
+from .placement import DeviceMapError, DevicePlan, PlacementError, plan_devices
+from .units import MiB, format_bytes
+from .vocab import FITS
 
-__all__ = ["gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "split_plan", "describe_split"]
+__all__ = [
+    "gpu_room",
+    "gpu_device",
+    "usable_gpus",
+    "map_gpus",
+    "max_memory_gpus",
+    "map_gpu",
+    "free_devices",
+    "split_plan",
+    "stays_on_first",
+    "describe_split",
+    "offload_ram",
+]
 
 
 def gpu_room(estimate, g: GPUReadout) -> int:
@@ -54,33 +70,67 @@ def _gpu_indices(devices) -> set[int]:
     for dev in devices:
         if isinstance(dev, int) and not isinstance(dev, bool):
             out.add(dev)
+        elif getattr(dev, "type", None) == "cuda":  # torch.device
+            out.add(dev.index or 0)
         elif str(dev).startswith("cuda"):
             out.add(int(str(dev).partition(":")[2] or 0))
     return out
 
 
+def free_devices(estimate, gpus: list[GPUReadout], margin: int = 0) -> list[dict]:
+    """``gpus`` as devices whose capacity is what each has free now (its context already paid), less ``margin``."""
+    return [gpu_device(g, max(0, gpu_room(estimate, g) - margin)) for g in gpus]
+
+
 def split_plan(
-    estimate, gpus: list[GPUReadout], *, ram: int, offload: bool = False, disk: bool = False,
-    device_map: dict | None = None,
+    estimate, devices: list[dict], *, ram: int = 0, offload: bool = False, disk: bool = False,
+    device_map: dict | None = None, max_memory: dict | None = None, offload_folder: str | None = None,
 ) -> DevicePlan:  # fmt: skip
-    """The placement of ``estimate``'s model over ``gpus``' free memory (``plan_devices`` with the
-    estimate's own inputs), or the check of a hand-made ``device_map``.
+    """The placement of ``estimate``'s model over ``devices`` (:func:`gpu_device` dicts): ``plan_devices``
+    with the estimate's own inputs, or the check of a hand-made ``device_map`` or ``max_memory``.
 
     Raises :class:`PlacementError` when the architecture cannot be planned (the caller falls back
-    to transformers' own placement)."""
+    to transformers' own placement), :class:`DeviceMapError` when the map or caps are wrong."""
     inputs = estimate.inputs
     if estimate.load not in ("fp32", "fp16", "bf16", "int8", "nf4", "fp4") or estimate.source is None:
         raise PlacementError(f"no placement for a {estimate.load} checkpoint")
-    compute = inputs.get("compute_dtype", "auto")
-    if compute == "auto" and estimate.load in ("int8", "nf4", "fp4"):
-        compute = "bf16" if all(g.supports_bf16 for g in gpus) else "fp16"
-    devices = [gpu_device(g, gpu_room(estimate, g)) for g in gpus]
+    # an unquantized load computes (and is laid out on the meta device) in its own dtype
+    compute = inputs.get("compute_dtype", "auto") if estimate.load in ("int8", "nf4", "fp4") else estimate.load
+    if compute == "auto":
+        compute = "bf16" if all(d["bf16"] for d in devices) else "fp16"
     return plan_devices(
         estimate.source, load=estimate.load, devices=devices, cpu_offload=offload, disk_offload=disk,
         cpu_memory=ram, compute_dtype=compute, double_quant=inputs.get("double_quant", True),
         batch_size=inputs.get("batch_size", 1), prompt_tokens=inputs.get("prompt_tokens", 512),
-        max_new_tokens=inputs.get("max_new_tokens", 256), device_map=device_map,
+        max_new_tokens=inputs.get("max_new_tokens", 256), device_map=device_map, max_memory=max_memory,
+        offload_folder=offload_folder or "offload",
     )  # fmt: skip
+
+
+def stays_on_first(estimate, first: dict, place=None) -> bool:
+    """Whether a plan stays on GPU 0 alone when it may use more (the rule :func:`helpers.load`, preflight
+    and the panel share): it fits that card with room to spare (a tight plan is split: the other cards
+    give the KV cache room, and a split is no slower), and the placement transformers computes for the
+    card alone (bitsandbytes' 10 % margin, accelerate's largest-layer reserve) keeps every weight there.
+    ``fit()`` alone would say yes to a 13B int8 on a T4 that this placement half-spills to the CPU
+    while GPU 1 sits idle. Where the architecture cannot be built on the meta device, ``fit()`` decides.
+    ``place`` returns that placement instead of computing it (a caller's cache)."""
+    if fit(estimate, device=first, suggest=False).verdict != FITS:
+        return False
+    try:
+        return (place() if place is not None else split_plan(estimate, [first])).fits
+    except PlacementError:
+        return True
+
+
+def map_gpu(device_map: Any) -> int | None:
+    """The one GPU a ``device_map`` names (``0``, ``"cuda:1"``, ``torch.device("cuda", 1)``, ``{"": 1}``);
+    None when it names none or several."""
+    if isinstance(device_map, dict):
+        gpus = map_gpus(device_map)
+        return next(iter(gpus)) if len(gpus) == 1 else None
+    found = _gpu_indices([device_map]) if device_map not in (None, "auto") else set()
+    return next(iter(found)) if found else None
 
 
 def offload_ram(snap: MemorySnapshot) -> int:
@@ -101,3 +151,172 @@ def describe_split(plan: DevicePlan) -> str:
         of = f" of {format_bytes(s.capacity)}" if s.capacity else ""
         parts.append(f"{where}: {layers}, {format_bytes(s.total)}{of}")
     return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- the load decision
+
+HELD_HINT = 512 * MiB  # holding this much GPU memory before a load usually means an earlier model is still loaded
+NO_FIX = "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+
+
+def held_hint(g: GPUReadout) -> str:
+    """When this process already holds GPU memory, the likeliest reason a plan stopped fitting."""
+    if g.allocated < HELD_HINT:
+        return ""
+    return (
+        f". This process already holds {format_bytes(g.allocated)} on the GPU: a model from an earlier cell? "
+        "unload(model) first"
+    )
+
+
+def first_fix(verdict) -> str | None:
+    """The top suggestion of a :func:`helpers.fit` verdict, as one line."""
+    sugg = getattr(verdict, "suggestions", None) or []
+    return f"{sugg[0].change} (saves {format_bytes(sugg[0].saving)})" if sugg else None
+
+
+@dataclass
+class GpuDecision:
+    """How a load uses a machine's GPUs when it may use more than one (see :func:`decide_gpus`)."""
+
+    split: DevicePlan | None = None  # the checked placement; None where transformers places it
+    max_memory: dict | None = None  # what from_pretrained gets (None: the plan's own)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def decide_gpus(plan, est, snap: MemorySnapshot) -> GpuDecision | None:
+    """The multi-GPU part of the pre-load checks of ``plan`` (a :class:`helpers.LoadPlan`); ``None`` when
+    one GPU decides (one card, GPU 0 alone, or none). Raises :class:`LoadRefused` with the fix."""
+    if not snap.gpus:
+        return None  # a CPU machine (a rehearsal): nothing here to place on
+    if plan.gpus is not None and plan.gpus > len(snap.gpus):
+        raise LoadRefused(
+            f"the plan asks for {plan.gpus} GPUs and this machine has {len(snap.gpus)}",
+            "LoadPlan(..., gpus=None) uses what there is; on Kaggle pick the 'GPU T4 x2' accelerator",
+        )
+    if len(map_gpus(plan.device_map)) > 1:
+        return check_given_split(plan, est, snap)
+    if plan.device_map == "auto" and len(max_memory_gpus(plan.max_memory)) > 1:
+        return check_given_max_memory(plan, est, snap)
+    gpus = usable_gpus(snap, plan.gpus)
+    if plan.device_map != "auto" or plan.max_memory is not None or len(gpus) < 2:
+        return None
+    if plan.gpus is None and stays_on_first(est, free_devices(est, gpus[:1])[0]):
+        return None
+    return check_split(plan, est, snap, gpus)
+
+
+def other_gpus_note(plan, snap: MemorySnapshot) -> list[str]:
+    """Say so when GPUs stay idle because the model fits on the first (transformers alone would split it)."""
+    n = len(snap.gpus)
+    if n < 2 or plan.device_map != "auto" or plan.max_memory is not None or plan.gpus is not None:
+        return []
+    others = "the other GPU stays" if n == 2 else f"the other {n - 1} GPUs stay"
+    return [f"fits on GPU 0 alone: {others} free (for a second model, or DDP); "
+            f"LoadPlan(..., gpus={n}) splits it across all {n}"]  # fmt: skip
+
+
+def _with_split(split: DevicePlan, warnings: list[str]) -> GpuDecision:
+    notes = [f"split: {describe_split(split)}", *split.notes]
+    return GpuDecision(split, dict(split.max_memory), warnings, notes)
+
+
+def _fix_across(est, gpus: list[GPUReadout]) -> str:
+    """The estimator's top fix for the GPUs' free memory added up, in a dtype every one of them computes in."""
+    both = gpu_device(gpus[0], sum(gpu_room(est, g) for g in gpus))
+    both["bf16"] = all(g.supports_bf16 for g in gpus)
+    return first_fix(fit(est, device=both)) or NO_FIX
+
+
+def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuDecision:
+    """The split of ``plan`` over ``gpus``' free memory, checked card by card; refuses what does not fit."""
+    ram = offload_ram(snap)
+    folder = plan.offload_folder
+    try:
+        split = split_plan(est, free_devices(est, gpus), ram=ram, offload_folder=folder)
+        offloaded = None
+        if not split.fits and plan.allow_offload:
+            offloaded = split_plan(est, free_devices(est, gpus), ram=ram, offload=True, disk=bool(folder),
+                                   offload_folder=folder)  # fmt: skip
+    except PlacementError as e:
+        return _transformers_places(plan, est, snap, gpus, e)
+    if split.fits:
+        return _with_split(
+            split, [f"split because it does not fit GPU 0 alone{held_hint(gpus[0])}"] if held_hint(gpus[0]) else []
+        )
+    if offloaded is not None and offloaded.fits:
+        return _with_split(offloaded, [f"the model does not fit the {len(gpus)} GPUs: {offloaded.slowdown}"])
+    fix = _fix_across(est, gpus)
+    spill = split.offloaded("cpu") + split.offloaded("disk")
+    if not plan.allow_offload and 0 < spill <= ram:
+        fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
+    reason = (offloaded or split).reasons[0]
+    free = " + ".join(format_bytes(g.free) for g in gpus)
+    raise LoadRefused(
+        f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs ({free} free): {reason}", fix
+    )
+
+
+def _transformers_places(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout], error: Exception) -> GpuDecision:
+    """No placement of our own (an architecture the meta device cannot build): caps for every card that
+    keep each one's runtime free, RAM only with ``allow_offload``, and the whole checked."""
+    runtime = max(0, est.total - est.weights)
+    caps: dict[Any, int] = {g.index: max(0, gpu_room(est, g) - runtime - GPU_MARGIN) for g in gpus}
+    room = sum(caps.values()) + (offload_ram(snap) if plan.allow_offload else 0)
+    if est.weights > room:
+        raise LoadRefused(f"{est.model} as {est.load} has {format_bytes(est.weights)} of weights and the "
+                          f"{len(gpus)} GPUs have room for {format_bytes(room)}", _fix_across(est, gpus))  # fmt: skip
+    if plan.allow_offload:
+        caps["cpu"] = offload_ram(snap)
+    why = str(error).split(" (", 1)[0]
+    return GpuDecision(None, caps, [], [f"split by transformers within max_memory ({why}: not checked card by card)"])
+
+
+def check_given_max_memory(plan, est, snap: MemorySnapshot) -> GpuDecision:
+    """A ``max_memory`` of the user's over several GPUs: the placement transformers computes within those
+    caps, each card then checked against what it has free."""
+    named = sorted(max_memory_gpus(plan.max_memory))
+    if named[-1] >= len(snap.gpus):
+        raise LoadRefused(
+            f"max_memory caps GPU {named[-1]} and this machine has {len(snap.gpus)} GPU(s)",
+            "drop that key, or leave max_memory=None: load() then plans the split for this machine",
+        )
+    gpus = snap.gpus[: named[-1] + 1]
+    try:
+        split = split_plan(est, free_devices(est, gpus), ram=offload_ram(snap), max_memory=plan.max_memory,
+                           disk=bool(plan.offload_folder), offload_folder=plan.offload_folder)  # fmt: skip
+    except DeviceMapError as e:
+        raise LoadRefused(str(e), "write max_memory as {0: '13GiB', 1: '13GiB', 'cpu': '20GiB'}") from None
+    except PlacementError as e:
+        return _transformers_places(plan, est, snap, gpus, e)
+    if not split.fits:
+        raise LoadRefused(f"within this max_memory, {split.reasons[0]}",
+                          "lower that card's cap so layers move to the others, or max_memory=None: load() plans "
+                          "the split for what each card has free")  # fmt: skip
+    return _with_split(split, [f"max_memory offloads weights: {split.slowdown}"] if split.slowdown else [])
+
+
+def check_given_split(plan, est, snap: MemorySnapshot) -> GpuDecision:
+    """Check a hand-made ``device_map`` over several GPUs card by card (``plan_devices`` computed it, or
+    the user wrote it), each card keeping the same margin a planned split keeps; refuses a card that
+    would overflow and a map that leaves a weight out."""
+    wanted = max(map_gpus(plan.device_map)) + 1
+    if wanted > len(snap.gpus):
+        raise LoadRefused(
+            f"the device_map uses GPU {wanted - 1} and this machine has {len(snap.gpus)} GPU(s)",
+            "plan it for this machine: plan_devices(model, load=..., devices='current'), or LoadPlan(...) "
+            "with device_map='auto'",
+        )
+    devices = free_devices(est, snap.gpus[:wanted], margin=GPU_MARGIN)
+    try:
+        split = split_plan(est, devices, ram=offload_ram(snap), device_map=plan.device_map,
+                           disk=bool(plan.offload_folder), offload_folder=plan.offload_folder)  # fmt: skip
+    except DeviceMapError as e:
+        raise LoadRefused(str(e), "device_map='auto' (load() plans the split and checks every card)") from None
+    except PlacementError as e:
+        return GpuDecision(None, None, [], [f"the device_map is passed on as it is ({str(e).split(' (', 1)[0]})"])
+    if not split.fits:
+        fix = "move layers off that card in the map, or device_map='auto' (load() plans the split for what each card has free)"
+        raise LoadRefused(f"the device_map does not fit this machine: {split.reasons[0]}", fix)
+    return _with_split(split, [f"the device_map offloads weights: {split.slowdown}"] if split.slowdown else [])

@@ -32,24 +32,15 @@ from .devices import (  # the placement constants live with the device facts; na
     bitsandbytes_status,
     device_kind,
 )
-from .errors import OomkitError
+from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
-from .gpu_split import (
-    describe_split,
-    gpu_device,
-    gpu_room,
-    map_gpus,
-    max_memory_gpus,
-    offload_ram,
-    split_plan,
-    usable_gpus,
-)
+from .gpu_split import decide_gpus, first_fix, gpu_device, gpu_room, held_hint, map_gpu, other_gpus_note
 from .html import table
 from .memory import MemorySnapshot, allocated
-from .placement import DevicePlan, PlacementError
+from .placement import DevicePlan
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
-from .units import MiB, format_bytes, percent
+from .units import format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
 
 __all__ = [
@@ -65,24 +56,6 @@ TOKEN_HELP = (
 )
 # torch.load of a .bin shard holds it whole plus part of a copy while tensors are moved.
 PICKLE_LOAD_FACTOR = 1.2
-# Holding this much GPU memory before a load usually means an earlier model is still loaded.
-HELD_HINT = 512 * MiB
-
-
-class LoadError(OomkitError, RuntimeError):
-    """A load refused before it started: ``reason`` says why, ``fix`` what to do."""
-
-    def __init__(self, reason: str, fix: str | None = None):
-        self.reason, self.fix = reason, fix
-        super().__init__(reason + (f"\nfix: {fix}" if fix else ""))
-
-
-class ModelNotFoundError(LoadError, FileNotFoundError):
-    """The model (or adapter) path does not exist, or the hub id is unknown."""
-
-
-class LoadRefused(LoadError):
-    """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""
 
 
 def auto_compute_dtype(device: str | None = None) -> str:
@@ -390,14 +363,14 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     """
     warnings: list[str] = []
     ram = snap.ram.available
-    g = snap.gpu
+    g = _mapped_gpu(plan, snap)
     if g is None:
         if estimate.total > ram:
             verdict = fit(estimate, device=ram)
             raise LoadRefused(
                 f"the estimate ({format_bytes(estimate.total)}) is more than the "
                 f"{format_bytes(ram)} of RAM available: the process would be killed",
-                _top_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
+                first_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
             )
         return warnings
     room = gpu_room(estimate, g)
@@ -405,7 +378,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     if verdict.verdict != DOES_NOT_FIT:
         return warnings
     extra = estimate.total - room
-    fix = _top_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+    fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
         raise LoadRefused(
             f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}",
@@ -430,7 +403,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
         raise LoadRefused(
             f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on "
             f"{g.name}: loading would offload about {format_bytes(extra)} of weights to {where}, and every "
-            f"generated token would be much slower{_held_hint(g)}",
+            f"generated token would be much slower{held_hint(g)}",
             f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
         )
     warnings.append(
@@ -438,24 +411,6 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
         f"Better: {fix}"
     )
     return warnings
-
-
-def _held_hint(g) -> str:
-    """When this process already holds GPU memory, the likeliest reason a plan stopped fitting."""
-    if g.allocated < HELD_HINT:
-        return ""
-    return (
-        f". This process already holds {format_bytes(g.allocated)} on the GPU: a model from an earlier cell? "
-        "unload(model) first"
-    )
-
-
-def _top_fix(verdict) -> str | None:
-    sugg = getattr(verdict, "suggestions", None) or []
-    if not sugg:
-        return None
-    s = sugg[0]
-    return f"{s.change} (saves {format_bytes(s.saving)})"
 
 
 def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
@@ -505,6 +460,17 @@ def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
         raise LoadRefused(check.summary, check.fix)
 
 
+def _mapped_gpu(plan: LoadPlan, snap: MemorySnapshot):
+    """The GPU a one-card ``device_map`` names (``{"": 1}``, ``"cuda:1"``), GPU 0 otherwise; None without one."""
+    index = map_gpu(plan.device_map) or 0
+    if snap.gpus and index >= len(snap.gpus):
+        raise LoadRefused(
+            f"the device_map puts the model on GPU {index} and this machine has {len(snap.gpus)} GPU(s)",
+            "device_map='auto' (GPU 0 first), or {'': 0}",
+        )
+    return snap.gpus[index] if snap.gpus else None
+
+
 def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
     """``max_memory`` for ``device_map="auto"`` that keeps room on the GPU for KV cache and activations."""
     g = snap.gpu
@@ -547,122 +513,17 @@ def check_plan(
     check_bitsandbytes(plan.load, device, bnb)
     check_ram_for_loading(plan.model, snap)
     est = estimate if estimate is not None else plan.estimate("current")
-    checked = PlanCheck(plan=plan, source=source, estimate=est)
-    if len(map_gpus(plan.device_map)) > 1:
-        checked.split, checked.warnings = check_given_split(plan, est, snap)
-    elif plan.device_map == "auto" and len(max_memory_gpus(plan.max_memory)) > 1:
-        checked.notes = check_given_max_memory(plan, est, snap)
-    elif _may_split(plan, est, snap):
-        checked.split, checked.warnings = check_split(plan, est, snap)
-    else:
-        checked.warnings = check_fit(plan, est, snap)
-        checked.notes = _other_gpus_note(plan, snap)
-    checked.max_memory = plan.max_memory
-    if checked.split is not None:
-        checked.max_memory = dict(checked.split.max_memory)
-        checked.notes += [f"split: {describe_split(checked.split)}", *checked.split.notes]
-    elif checked.max_memory is None and plan.device_map == "auto":
+    checked = PlanCheck(plan=plan, source=source, estimate=est, max_memory=plan.max_memory)
+    decision = decide_gpus(plan, est, snap)  # None: one GPU (or none) decides, as below
+    if decision is not None:
+        checked.split, checked.warnings, checked.notes = decision.split, decision.warnings, decision.notes
+        checked.max_memory = decision.max_memory if decision.max_memory is not None else plan.max_memory
+        return checked
+    checked.warnings = check_fit(plan, est, snap)
+    checked.notes = other_gpus_note(plan, snap)
+    if checked.max_memory is None and plan.device_map == "auto":
         checked.max_memory = max_memory_for(est, snap)
     return checked
-
-
-def _may_split(plan: LoadPlan, est, snap: MemorySnapshot) -> bool:
-    """Whether ``device_map="auto"`` should spread the plan over more than GPU 0: asked for with
-    ``gpus=``, or needed (it does not fit GPU 0 alone)."""
-    if plan.gpus is not None and snap.gpus and plan.gpus > len(snap.gpus):
-        raise LoadRefused(
-            f"the plan asks for {plan.gpus} GPUs and this machine has {len(snap.gpus)}",
-            "LoadPlan(..., gpus=None) uses what there is; on Kaggle pick the 'GPU T4 x2' accelerator",
-        )
-    gpus = usable_gpus(snap, plan.gpus)
-    if plan.device_map != "auto" or plan.max_memory is not None or len(gpus) < 2:
-        return False
-    alone = fit(est, device=gpu_device(gpus[0], gpu_room(est, gpus[0])), suggest=False)
-    return plan.gpus is not None or alone.verdict == DOES_NOT_FIT
-
-
-def _other_gpus_note(plan: LoadPlan, snap: MemorySnapshot) -> list[str]:
-    """Say so when GPUs stay idle because the model fits on the first (transformers alone would split it)."""
-    n = len(snap.gpus)
-    if n < 2 or plan.device_map != "auto" or plan.max_memory is not None or plan.gpus is not None:
-        return []
-    others = "the other GPU stays" if n == 2 else f"the other {n - 1} GPUs stay"
-    return [f"fits on GPU 0 alone: {others} free (for a second model, or DDP); "
-            f"LoadPlan(..., gpus={n}) splits it across all {n}"]  # fmt: skip
-
-
-def check_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan | None, list[str]]:
-    """The split of ``plan`` over this machine's GPUs, checked card by card; refuses what does not fit.
-
-    Returns ``(plan, warnings)``; ``(None, [warning])`` when the architecture cannot be planned
-    here (transformers then places it over every GPU)."""
-    gpus = usable_gpus(snap, plan.gpus)
-    ram = offload_ram(snap)
-    try:
-        split = split_plan(est, gpus, ram=ram)
-        if split.fits or not plan.allow_offload:
-            offloaded = None
-        else:
-            offloaded = split_plan(est, gpus, ram=ram, offload=True, disk=bool(plan.offload_folder))
-    except PlacementError as e:
-        return None, [f"could not plan the split over {len(gpus)} GPUs ({e}); transformers places it"]
-    if split.fits:
-        return split, [f"split because it does not fit GPU 0 alone{_held_hint(gpus[0])}"] if _held_hint(gpus[0]) else []
-    if offloaded is not None and offloaded.fits:
-        return offloaded, [f"the model does not fit the {len(gpus)} GPUs: {offloaded.slowdown}"]
-    free = " + ".join(format_bytes(g.free) for g in gpus)
-    both = gpu_device(gpus[0], sum(gpu_room(est, g) for g in gpus))  # what a split of the rest could hold
-    both["bf16"] = all(g.supports_bf16 for g in gpus)
-    fix = _top_fix(fit(est, device=both))
-    fix = fix or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
-    spill = split.offloaded("cpu") + split.offloaded("disk")
-    if not plan.allow_offload and 0 < spill <= ram:
-        fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
-    raise LoadRefused(
-        f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs ({free} free): {split.reasons[0]}", fix
-    )
-
-
-def check_given_max_memory(plan: LoadPlan, est, snap: MemorySnapshot) -> list[str]:
-    """A ``max_memory`` of the user's over several GPUs: transformers places the model within those caps.
-    Only the whole is checked here (every card's room together, and RAM when it lists ``"cpu"``)."""
-    named = sorted(max_memory_gpus(plan.max_memory))
-    if named[-1] >= len(snap.gpus):
-        raise LoadRefused(
-            f"max_memory caps GPU {named[-1]} and this machine has {len(snap.gpus)} GPU(s)",
-            "drop that key, or leave max_memory=None: load() then plans the split for this machine",
-        )
-    room = sum(gpu_room(est, snap.gpus[i]) for i in named)
-    ram = offload_ram(snap) if "cpu" in plan.max_memory else 0
-    if est.total > room + ram:
-        raise LoadRefused(
-            f"{est.model} as {est.load} needs {format_bytes(est.total)}: more than the {format_bytes(room)} free on "
-            f"GPUs {', '.join(map(str, named))}{f' and {format_bytes(ram)} of RAM' if ram else ''}",
-            _top_fix(fit(est, device=gpu_device(snap.gpus[named[0]], room)))
-            or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model",
-        )
-    return ["max_memory was given: transformers splits the model within it, and the cards' shares are not "
-            "checked one by one (max_memory=None lets load() plan and check the split)"]  # fmt: skip
-
-
-def check_given_split(plan: LoadPlan, est, snap: MemorySnapshot) -> tuple[DevicePlan | None, list[str]]:
-    """Check a hand-made ``device_map`` over several GPUs card by card (``plan_devices`` computed it, or
-    the user wrote it); refuses a card that would overflow."""
-    wanted = max(map_gpus(plan.device_map)) + 1
-    if wanted > len(snap.gpus):
-        raise LoadRefused(
-            f"the device_map uses GPU {wanted - 1} and this machine has {len(snap.gpus)} GPU(s)",
-            "plan it for this machine: plan_devices(model, load=..., devices='current'), or LoadPlan(...) "
-            "with device_map='auto'",
-        )
-    try:
-        split = split_plan(est, snap.gpus[:wanted], ram=offload_ram(snap), device_map=plan.device_map,
-                           disk=bool(plan.offload_folder))  # fmt: skip
-    except PlacementError as e:
-        return None, [f"could not check the device_map card by card ({e})"]
-    if not split.fits:
-        raise LoadRefused(f"the device_map does not fit this machine: {split.reasons[0]}", split.fixes[0])
-    return split, [f"the device_map offloads weights: {split.slowdown}"] if split.slowdown else []
 
 
 def _find_token() -> str | None:

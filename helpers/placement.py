@@ -46,7 +46,7 @@ from .units import format_bytes, parse_bytes
 from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, torch_dtype, verdict
 
 __all__ = [
-    "DevicePlan", "DeviceShare", "PlacementError", "plan_devices", "placement_model", "element_sizes",
+    "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
     "reference_configs", "FitsTable", "fits_table", "BNB_MARGIN",
 ]  # fmt: skip
 
@@ -55,6 +55,10 @@ BNB_MARGIN = 0.90  # bitsandbytes' quantizers keep 10 % of every device's max_me
 
 class PlacementError(OomkitError, ValueError):
     """A placement that cannot be planned (bad devices, an architecture that cannot be built)."""
+
+
+class DeviceMapError(PlacementError):
+    """A device map or ``max_memory`` that cannot be right: a device the plan lacks, a weight left out."""
 
 
 @dataclass
@@ -372,6 +376,7 @@ def plan_devices(
     max_new_tokens: int = 256,
     offload_folder: str = "offload",
     device_map: dict | None = None,
+    max_memory: dict | None = None,
 ) -> DevicePlan:
     """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map="auto")`` places it.
 
@@ -386,6 +391,8 @@ def plan_devices(
         cpu_memory: RAM offloaded weights may use (default 80 % of the available RAM).
         device_map: a map chosen by hand (``{"model.layers.0": 0, ..., "lm_head": 1}``) to check instead of
             computing accelerate's; its ``"cpu"`` and ``"disk"`` entries count as asked-for offload.
+        max_memory: caps of your own for the placement (``{0: "13GiB", 1: "13GiB", "cpu": "20GiB"}``), as
+            ``from_pretrained`` takes them; each card is still checked against ``devices``' capacity.
     """
     if load not in LOAD_MODES:
         raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
@@ -398,7 +405,11 @@ def plan_devices(
     rt = _runtime(est, len(gpus))
     room = _headroom(headroom, rt["headroom"])
     ram = int(psutil.virtual_memory().available * OFFLOAD_RAM_SHARE) if cpu_memory is None else int(cpu_memory)
-    max_memory: dict[Any, int] = {i: max(0, d["capacity"] - room) for i, (_, d) in enumerate(gpus)}
+    caps = _user_caps(max_memory, len(gpus)) if max_memory is not None else None
+    if caps is not None:
+        cpu_offload = cpu_offload or "cpu" in caps
+        ram = caps.get("cpu", ram)
+    max_memory = {i: max(0, d["capacity"] - room) if caps is None else caps.get(i, 0) for i, (_, d) in enumerate(gpus)}
     if cpu_offload or not gpus:
         max_memory["cpu"] = ram
     meta, quantized = placement_model(config, load, torch_dtype(cd))
@@ -419,6 +430,21 @@ def plan_devices(
     return plan
 
 
+def _user_caps(max_memory: dict, n_gpus: int) -> dict:
+    """``max_memory`` as ``{gpu index: bytes, "cpu": bytes}`` (sizes such as ``"13GiB"`` read)."""
+    out: dict[Any, int] = {}
+    for key, value in max_memory.items():
+        dev = key if isinstance(key, int) and not isinstance(key, bool) else str(key)
+        if isinstance(dev, str) and dev.startswith("cuda"):
+            dev = int(dev.partition(":")[2] or 0)
+        if dev == "disk":
+            continue
+        if dev != "cpu" and not (isinstance(dev, int) and 0 <= dev < n_gpus):
+            raise DeviceMapError(f"max_memory caps {key!r}: this plan has GPUs 0-{n_gpus - 1} and 'cpu'")
+        out[dev] = parse_bytes(value) if isinstance(value, str) else int(value)
+    return out
+
+
 def _given_map(device_map: dict, meta: torch.nn.Module, n_gpus: int) -> dict:
     """``device_map`` checked: every value a GPU of the plan, ``"cpu"`` or ``"disk"``; every weight covered."""
     out = {}
@@ -428,11 +454,14 @@ def _given_map(device_map: dict, meta: torch.nn.Module, n_gpus: int) -> dict:
         if isinstance(dev, str) and dev.startswith("cuda"):
             dev = int(dev.partition(":")[2] or 0)
         if dev not in ("cpu", "disk") and not (isinstance(dev, int) and 0 <= dev < n_gpus):
-            raise PlacementError(f"device_map puts {name or 'the model'!r} on {dev!r}: this plan has GPUs "
+            raise DeviceMapError(f"device_map puts {name or 'the model'!r} on {dev!r}: this plan has GPUs "
                                  f"0-{n_gpus - 1}, 'cpu' and 'disk'")  # fmt: skip
         out[name] = dev
     for name, _ in meta.named_parameters():
-        _where(name, out)  # raises, naming the first weight the map leaves out
+        try:
+            _where(name, out)
+        except PlacementError:
+            raise DeviceMapError(f"the device_map leaves {name} out: name a device for every module") from None
     return out
 
 
@@ -494,6 +523,12 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) 
         if not s.fits:
             plan.reasons.append(f"GPU {s.device} needs {format_bytes(s.total)} of {format_bytes(s.capacity)}")
             plan.fixes.append("lower headroom needs (max_new_tokens, batch_size) or add a GPU")
+    ram_share = next((s for s in plan.shares if s.device == "cpu"), None)
+    if ram_share is not None and not ram_share.fits:
+        # accelerate sized the offload at the quantized width; bitsandbytes leaves offloaded modules unquantized
+        plan.reasons.append(f"the {format_bytes(ram_share.weights)} of weights offloaded to CPU RAM exceed the "
+                            f"{format_bytes(ram_share.capacity)} offered")  # fmt: skip
+        plan.fixes.append("a 4-bit load, more GPUs, or a smaller model")
 
 
 def _more_room_fix(plan: DevicePlan) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
+from .gpu_split import stays_on_first  # load()'s rule for GPU 0 alone
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom import is_oom
@@ -463,7 +464,8 @@ class LoadPanel(Panel):
         (split None) when it fits there or ``gpus=1``, else split across ``plan.gpus`` GPUs (default all)."""
         n = plan.gpus or len(self._gpus)
         alone = verdict(est.total, self._gpus[0][1]["capacity"])
-        if n == 1 or (plan.gpus is None and alone != DOES_NOT_FIT):
+        first = self._specs[0]
+        if n == 1 or (plan.gpus is None and stays_on_first(est, first, lambda: self.placement_for(plan, [first]))):
             return alone, None
         split = self.placement_for(plan, self._specs[:n])
         return split_verdict(split), split

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import helpers.loading as loading
+from helpers import gpu_split
 from helpers.estimator import estimate
 from helpers.loading import LoadPlan, LoadRefused, check_plan, load
 from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import plan_devices
+from helpers.placement import PlacementError, plan_devices, reference_configs
 from helpers.units import GiB, MiB
 
 T4_TOTAL = int(14.74 * GiB)
@@ -102,6 +103,10 @@ def test_a_hand_made_device_map_is_checked_on_each_card(tiny_llama):
     given = check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map=split.device_map), snapshot=kaggle(),
                        bnb=BNB_OK, estimate=est)  # fmt: skip
     assert [s.total for s in given.split.shares] == [s.total for s in split.shares]
+    with pytest.raises(LoadRefused, match="leaves model.embed_tokens.weight out") as e:
+        check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map={"model.layers": 0, "lm_head": 1}),
+                   snapshot=kaggle(), bnb=BNB_OK, estimate=est)  # fmt: skip
+    assert "device_map='auto'" in e.value.fix
     lopsided = {"model": 0, "lm_head": 1}  # everything but the head on GPU 0
     with pytest.raises(LoadRefused, match="device_map does not fit this machine: GPU 0 needs"):
         check_plan(LoadPlan(str(tiny_llama), load="fp16", device_map=lopsided), snapshot=kaggle(free=12 * GiB),
@@ -111,16 +116,86 @@ def test_a_hand_made_device_map_is_checked_on_each_card(tiny_llama):
                    snapshot=kaggle(), bnb=BNB_OK, estimate=est)  # fmt: skip
 
 
-def test_a_max_memory_over_several_gpus_is_checked_as_a_whole(tiny_llama):
+def test_a_max_memory_over_several_gpus_is_placed_within_it_and_checked_per_card(tiny_llama):
     est = llama8b("fp16")  # does not fit GPU 0 alone: that alone is no reason to refuse
     plan = LoadPlan(str(tiny_llama), load="fp16", max_memory={0: "13GiB", 1: "13GiB"})
     checked = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est)
-    assert checked.split is None and checked.max_memory == {0: "13GiB", 1: "13GiB"}
-    assert "not checked one by one" in checked.notes[0]
-    with pytest.raises(LoadRefused, match="more than the .* free on GPUs 0, 1"):
-        check_plan(plan, snapshot=kaggle(free=6 * GiB), bnb=BNB_OK, estimate=est)
+    assert checked.split.fits and [s.layers for s in checked.split.gpus] == [16, 16]
+    assert checked.max_memory == {0: 13 * GiB, 1: 13 * GiB}  # the caps, as from_pretrained takes them
+    # GPU 0 has 5 GiB free: transformers would still put 8 GiB there within these caps
+    uneven = kaggle()
+    uneven.gpus[0].free = 5 * GiB
+    with pytest.raises(LoadRefused, match="within this max_memory, GPU 0 needs") as e:
+        check_plan(plan, snapshot=uneven, bnb=BNB_OK, estimate=est)
+    assert "max_memory=None" in e.value.fix
+    assert check_plan(plan.replace(max_memory=None), snapshot=uneven, bnb=BNB_OK, estimate=est).split.fits
     with pytest.raises(LoadRefused, match="max_memory caps GPU 2 and this machine has 2"):
         check_plan(plan.replace(max_memory={0: "13GiB", 2: "13GiB"}), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    # a CPU machine rehearsing a Kaggle notebook: nothing to place on, nothing refused
+    cpu = MemorySnapshot("cpu", [], RAMReadout(int(30 * GiB), 25 * GiB, GiB, 500 * MiB))
+    assert check_plan(plan, snapshot=cpu, bnb=BNB_OK, estimate=llama8b("nf4")).split is None
+
+
+def test_a_13b_int8_that_would_half_spill_from_gpu_0_is_split_instead(tiny_llama):
+    """fit() says a 13B int8 fits a T4, but the placement transformers computes for that card (with
+    bitsandbytes' 10 % margin) sends the last layers to the CPU: on two cards it is split."""
+    est = estimate(reference_configs()["Llama-2-13b"], load="int8", device="t4")
+    one_card = check_plan(LoadPlan(str(tiny_llama), load="int8"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert one_card.split is not None and one_card.split.offloaded("cpu") == 0
+    assert all(s.layers for s in one_card.split.gpus)
+
+
+def test_an_offload_larger_than_the_ram_is_refused(tiny_llama):
+    est = estimate(reference_configs()["Llama-2-70b"], load="nf4", device="t4")
+    plan = LoadPlan(str(tiny_llama), load="nf4", allow_offload=True)
+    with pytest.raises(LoadRefused, match="offloaded to CPU RAM exceed the .* offered"):
+        check_plan(plan, snapshot=kaggle(ram_avail=28 * GiB), bnb=BNB_OK, estimate=est)
+
+
+def test_a_one_card_map_is_checked_on_the_card_it_names(tiny_llama):
+    est = estimate("meta-llama/Llama-2-7b-hf", load="nf4", device="t4")
+    tight = kaggle()
+    tight.gpus[1].free = 2 * GiB
+    for device_map in ({"": 1}, "cuda:1", {"": "cuda:1"}, torch.device("cuda", 1)):
+        with pytest.raises(LoadRefused, match="does not fit the 2.00 GiB free"):
+            check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map=device_map), snapshot=tight, bnb=BNB_OK,
+                       estimate=est)  # fmt: skip
+    busy = kaggle()
+    busy.gpus[0].free = 2 * GiB
+    assert check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map={"": 1}), snapshot=busy, bnb=BNB_OK,
+                      estimate=est).split is None  # fmt: skip
+    with pytest.raises(LoadRefused, match="on GPU 3 and this machine has 2"):
+        check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map={"": 3}), snapshot=busy, bnb=BNB_OK, estimate=est)
+
+
+def test_an_fp32_split_is_laid_out_in_fp32_on_uneven_cards(tiny_llama):
+    est = estimate("microsoft/phi-2", load="fp32", device="t4")
+    uneven = kaggle()
+    uneven.gpus[0].free, uneven.gpus[1].free = int(4.5 * GiB), 9 * GiB
+    split = check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=uneven, bnb=BNB_OK, estimate=est).split
+    assert split.fits and split.compute_dtype == "fp32"
+    assert sum(s.weights for s in split.shares) == est.weights
+
+
+def test_an_architecture_without_a_placement_is_capped_per_card_not_offloaded(monkeypatch, tiny_llama):
+    def unplaceable(*args, **kwargs):
+        raise PlacementError("cannot build this architecture on the meta device (ValueError: model_type 'x')")
+
+    monkeypatch.setattr(gpu_split, "split_plan", unplaceable)
+    est = llama8b("fp16")
+    checked = check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert checked.split is None and set(checked.max_memory) == {0, 1}  # no "cpu": never a silent offload
+    assert checked.notes == ["split by transformers within max_memory (cannot build this architecture on the meta "
+                             "device: not checked card by card)"]  # fmt: skip
+    with pytest.raises(LoadRefused, match="the 2 GPUs have room for"):
+        check_plan(LoadPlan(str(tiny_llama), load="fp32"), snapshot=kaggle(), bnb=BNB_OK, estimate=llama8b("fp32"))
+
+
+def test_the_offload_folder_asked_for_is_the_one_used(tiny_llama):
+    est = llama8b("fp32")
+    plan = LoadPlan(str(tiny_llama), load="fp32", allow_offload=True, offload_folder="/kaggle/working/offload")
+    checked = check_plan(plan, snapshot=kaggle(ram_avail=60 * GiB), bnb=BNB_OK, estimate=est)
+    assert checked.split.from_pretrained_kwargs(plan)["offload_folder"] == "/kaggle/working/offload"
 
 
 def test_the_split_is_what_from_pretrained_gets(tiny_llama, monkeypatch):

@@ -347,7 +347,7 @@ def test_a_split_that_does_not_fit_names_a_fix_checked_as_load_would_place_it():
     panel.set(load="fp32", batch_size=1, max_new_tokens=256)  # 28 GB of weights, 29.5 GB of T4s
     assert panel.state.verdict == "does not fit" and panel.state.fix.kwargs == {"load": "fp16"}
     # in fp16 it fits one T4 (tightly), so load() would keep it on GPU 0
-    assert "Top fix: load=fp16 (then tight on GPU 0 alone)" in panel.state.verdict_text()
+    assert "Top fix: load=fp16 (then fits across 2 GPUs)" in panel.state.verdict_text()  # tight on one: split
 
 
 def test_a_fix_no_candidate_confirms_is_the_placements_advice_escaped(monkeypatch):
@@ -421,7 +421,7 @@ def test_current_with_two_gpus_splits_and_escapes_their_names(monkeypatch):
     for html in (panel.controls["estimate"].value, panel.controls["verdict"].value):
         assert "<img" not in html  # ...the HTML never as markup
     assert "&lt;img src=x onerror=alert(1)&gt;" in panel.controls["estimate"].value
-    panel.set(batch_size=1, max_new_tokens=256)  # fits GPU 0: its name is escaped there too
+    panel.set(load="nf4", batch_size=1, max_new_tokens=256)  # fits GPU 0: its name is escaped there too
     assert isinstance(panel.state, widgets_mod.FirstGpuState)
     assert "<img" not in panel.controls["estimate"].value and "&lt;img" in panel.controls["estimate"].value
 
