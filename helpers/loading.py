@@ -35,10 +35,19 @@ from .devices import (  # the placement constants live with the device facts; na
 from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
-from .gpu_split import decide_gpus, first_fix, gpu_device, gpu_room, held_hint, map_gpu, other_gpus_note
+from .gpu_split import (
+    decide_gpus,
+    first_fix,
+    gpu_device,
+    gpu_room,
+    held_hint,
+    map_gpu,
+    other_gpus_note,
+    split_plan,
+)
 from .html import table
 from .memory import MemorySnapshot, allocated
-from .placement import DevicePlan
+from .placement import DevicePlan, PlacementError
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
@@ -376,7 +385,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     room = gpu_room(estimate, g)
     verdict = fit(estimate, device=gpu_device(g, room))
     if verdict.verdict != DOES_NOT_FIT:
-        return warnings
+        return warnings + placement_spill(plan, estimate, g, room)
     extra = estimate.total - room
     fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
@@ -458,6 +467,30 @@ def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
     check = ram_for_loading(snap, *checkpoint_size(model))  # a hub id: sizes from the hub's file list
     if check.status == "fail":
         raise LoadRefused(check.summary, check.fix)
+
+
+def placement_spill(plan: LoadPlan, estimate, g, room: int) -> list[str]:
+    """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
+    (bitsandbytes keeps 10 % of the card's ``max_memory`` for its buffers, accelerate keeps room for the
+    largest layer). Refuse that before loading, or warn with ``allow_offload``: never offload silently."""
+    if plan.device_map != "auto" or plan.max_memory is not None:
+        return []
+    try:
+        placed = split_plan(estimate, [gpu_device(g, room)])
+    except PlacementError:  # an architecture the meta device cannot build: the estimate decided
+        return []
+    spill = placed.offloaded("cpu") + placed.offloaded("disk")
+    if not spill:
+        return []
+    smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(estimate.load)
+    fix = f"load={smaller!r}, or a smaller batch or max_new_tokens" if smaller else "a smaller model"
+    why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
+           f"transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest "
+           f"layer needs room) leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+    if not plan.allow_offload:
+        raise LoadRefused(f"{why}: every generated token would be much slower",
+                          f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip
+    return [f"{why}: generation will be much slower. Better: {fix}"]
 
 
 def _mapped_gpu(plan: LoadPlan, snap: MemorySnapshot):

@@ -54,6 +54,7 @@ from .panel_state import SEGMENTS, PanelState, judgement
 from .placement import DevicePlan, plan_devices
 from .reclaim import unload
 from .session import enable_colab_widgets
+from .units import format_bytes
 from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, verdict
 
 __all__ = [
@@ -356,6 +357,21 @@ class Panel:
             display(self)
 
 
+@dataclass
+class PlacementSpill:
+    """The estimate fits one card, but transformers' placement would offload ``spill`` bytes to the CPU."""
+
+    spill: int
+    load: str
+
+    def __str__(self) -> str:
+        smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(self.load)
+        fix = f"load={smaller!r}" if smaller else "a smaller model"
+        return (f"The estimate fits, but transformers' placement on this card (bitsandbytes keeps 10 % for its "
+                f"buffers, the largest layer needs room) leaves {format_bytes(self.spill)} of weights for CPU RAM: "
+                f"load() refuses it. Fix: {fix}, or allow_offload=True (every token slower)")  # fmt: skip
+
+
 class LoadPanel(Panel):
     """Widgets that build a :class:`LoadPlan`, show whether it fits, and load it with one click.
 
@@ -475,7 +491,11 @@ class LoadPanel(Panel):
         it). Several: where ``load()`` would put it (:meth:`arrangement`), and the top fix when it does not fit."""
         if self._gpus is None:
             state = super().judge(plan, est)
-            if state.verdict == DOES_NOT_FIT and self._pair is not None:
+            if state.verdict != DOES_NOT_FIT and self._est_device != "cpu":
+                spill = self._placement_spill(plan)
+                if spill is not None:  # load() refuses it: the panel says so, and why
+                    state.verdict, state.alternative = DOES_NOT_FIT, spill
+            if state.verdict == DOES_NOT_FIT and self._pair is not None and state.alternative is None:
                 state.alternative = self._alternative(plan, est, self._pair, f"device={self._pair!r}")
             return state
         result, split = self.arrangement(plan, est)
@@ -486,6 +506,16 @@ class LoadPanel(Panel):
             plan, est, result, self._capacity, self.device_label, segments_spec=self.SEGMENTS, placement=split,
             fix=fix,
         )  # fmt: skip
+
+    def _placement_spill(self, plan: LoadPlan) -> PlacementSpill | None:
+        """Where the estimate fits the card but transformers' placement for it (bitsandbytes keeps 10 % for its
+        buffers, the largest layer needs room) leaves weights for the CPU: what ``load()`` refuses."""
+        try:
+            placed = self.placement_for(plan, [self.device])
+        except (OomkitError, ValueError):  # an architecture the meta device cannot build: the estimate decides
+            return None
+        spill = placed.offloaded("cpu") + placed.offloaded("disk")
+        return PlacementSpill(spill, plan.load) if spill else None
 
     def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
         label0, gpu0 = self._gpus[0]

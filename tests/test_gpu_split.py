@@ -239,3 +239,19 @@ def test_on_two_real_gpus_the_split_lands_as_planned(tiny_llama):
         assert abs(report.placement[dev] - planned_bytes) <= 0.01 * planned_bytes
     ids = tok(["hello"], return_tensors="pt").to("cuda:0")
     assert model.generate(**ids, max_new_tokens=4).shape[1] == ids["input_ids"].shape[1] + 4
+
+
+def test_one_t4_refuses_what_transformers_placement_would_offload(tiny_llama):
+    """Colab's one T4: the estimate of a 13B int8 fits, but the placement from_pretrained computes for the
+    card leaves its last layers for the CPU. Refused before loading (never a silent offload); with
+    allow_offload the load goes on, warned."""
+    est = estimate(reference_configs()["Llama-2-13b"], load="int8", device="t4")
+    plan = LoadPlan(str(tiny_llama), load="int8")
+    with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
+        check_plan(plan, snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert e.value.fix.startswith("load='nf4'") and "allow_offload=True" in e.value.fix
+    checked = check_plan(plan.replace(allow_offload=True), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert any("much slower" in w for w in checked.warnings)
+    # what the placement keeps on the card is not touched
+    nf4 = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
+    assert check_plan(plan.replace(load="nf4"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=nf4).warnings == []

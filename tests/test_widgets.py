@@ -454,3 +454,17 @@ def test_one_gpu_that_does_not_fit_says_whether_its_multi_gpu_set_would():
     assert panel.state.verdict == "does not fit" and panel.state.alternative is None
     panel.set(load="nf4", batch_size=1, max_new_tokens=256)  # fits one T4: no hint
     assert panel.state.alternative is None and "Would fit" not in panel.controls["verdict"].value
+
+
+def test_a_t4_panel_does_not_call_fitting_what_load_would_refuse_as_an_offload(tmp_path):
+    """A 13B int8 estimate fits a T4, but the placement from_pretrained computes leaves layers for the CPU:
+    load() refuses it, so the panel says does not fit, and why, in its text and HTML."""
+    from helpers.placement import reference_configs
+
+    reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)  # a config-only folder: nothing to download
+    panel = LoadPanel(str(tmp_path), device="t4", load="int8", widgets=True)
+    assert panel.state.verdict == "does not fit"
+    assert "leaves" in str(panel.state.alternative) and "load='nf4'" in str(panel.state.alternative)
+    assert "load() refuses it" in panel.controls["verdict"].value
+    panel.set(load="nf4")
+    assert panel.state.verdict == "fits" and panel.state.alternative is None
