@@ -22,7 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import stays_on_first
+from .gpu_split import placement_keeps, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -320,6 +320,7 @@ class _Option:
     split: bool = False
     plan: DevicePlan | None = None  # a split's placement; None when the weights alone exceed every GPU
     error: str = ""  # why a split could not be planned
+    spill: bool = False  # the estimate fits GPU 0, but transformers' placement there leaves weights for the CPU
 
 
 def _compute(load: str, half: str) -> str:
@@ -352,8 +353,14 @@ def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], max_new_to
     planned only when the options before it did not fit."""
     for e in ests:
         alone = _Option(e, verdict(e.total, caps[0]))
-        stays = len(caps) == 1 or stays_on_first(e, {"name": "GPU 0", "capacity": caps[0], "bf16": half == "bf16"})
-        if alone.verdict == FITS and not stays:
+        first = {"name": "GPU 0", "capacity": caps[0], "bf16": half == "bf16"}
+        if len(caps) == 1:  # one card: what load() refuses, preflight does not pass
+            stays = True
+            alone.spill = alone.verdict != DOES_NOT_FIT and not placement_keeps(e, first)
+        else:
+            stays = stays_on_first(e, first)
+            alone.spill = alone.verdict == FITS and not stays
+        if alone.spill:
             alone.verdict = DOES_NOT_FIT  # transformers' placement on GPU 0 alone would spill to the CPU
         yield alone
         if not stays:  # as load() decides: a plan that is not a clean fit on GPU 0 is split
@@ -391,7 +398,7 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
     if chosen.split:
         checks = _split_check(model, chosen, ests, gpus, caps, load, max_new_tokens, half)
     else:
-        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen)]
+        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen, chosen.spill)]
     params = chosen.est.params
     if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
         checks.append(
@@ -403,7 +410,7 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
 
 
 def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
-                   load: str, max_new_tokens: int, seen: list[_Option]) -> Check:  # fmt: skip
+                   load: str, max_new_tokens: int, seen: list[_Option], spill: bool = False) -> Check:  # fmt: skip
     """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU."""
     cap = caps[0]
     if not gpus:
@@ -434,6 +441,12 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
         split = next((o for o in seen if o.split and o.est is ests[0]), None)
         also = f"; split across {len(gpus)} GPUs: {split.verdict}" if split is not None else ""
         fix = f"load with {est.load} ({ests[0].load} needs {format_bytes(ests[0].total)}{also})"
+    if spill:  # load() refuses it: say why, and what does fit
+        summary += (", but transformers' placement on this card (bitsandbytes keeps 10 % for its buffers, the "
+                    "largest layer needs room) would offload part of it to the CPU: load() refuses it")  # fmt: skip
+        smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(est.load)
+        fix = f"load={smaller!r}" if smaller else "a smaller model"
+        return Check("fit", "fail", summary, fix, {**data, "verdict": DOES_NOT_FIT, "placement_spill": True})
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
 
 

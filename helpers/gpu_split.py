@@ -117,8 +117,15 @@ def stays_on_first(estimate, first: dict, place=None) -> bool:
     ``place`` returns that placement instead of computing it (a caller's cache)."""
     if fit(estimate, device=first, suggest=False).verdict != FITS:
         return False
+    return placement_keeps(estimate, first, place)
+
+
+def placement_keeps(estimate, device: dict, place=None) -> bool:
+    """Whether the placement transformers computes for ``device`` alone keeps every weight of ``estimate``
+    on it; True where the architecture cannot be built on the meta device (the estimate decides there).
+    ``place`` returns that placement instead of computing it (a caller's cache)."""
     try:
-        return (place() if place is not None else split_plan(estimate, [first])).fits
+        return (place() if place is not None else split_plan(estimate, [device])).fits
     except PlacementError:
         return True
 

@@ -385,7 +385,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     room = gpu_room(estimate, g)
     verdict = fit(estimate, device=gpu_device(g, room))
     if verdict.verdict != DOES_NOT_FIT:
-        return warnings + placement_spill(plan, estimate, g, room)
+        return warnings + placement_spill(plan, estimate, g, room, snap)
     extra = estimate.total - room
     fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
@@ -469,14 +469,16 @@ def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
         raise LoadRefused(check.summary, check.fix)
 
 
-def placement_spill(plan: LoadPlan, estimate, g, room: int) -> list[str]:
+def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot) -> list[str]:
     """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
     (bitsandbytes keeps 10 % of the card's ``max_memory`` for its buffers, accelerate keeps room for the
-    largest layer). Refuse that before loading, or warn with ``allow_offload``: never offload silently."""
+    largest layer). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
+    before loading, or warn with ``allow_offload``; never offload silently, never into too little RAM."""
     if plan.device_map != "auto" or plan.max_memory is not None:
         return []
+    ram = int(snap.ram.available * OFFLOAD_RAM_SHARE)
     try:
-        placed = split_plan(estimate, [gpu_device(g, room)])
+        placed = split_plan(estimate, [gpu_device(g, room)], ram=ram, offload=True)
     except PlacementError:  # an architecture the meta device cannot build: the estimate decided
         return []
     spill = placed.offloaded("cpu") + placed.offloaded("disk")
@@ -487,6 +489,8 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int) -> list[str]:
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
            f"transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest "
            f"layer needs room) leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+    if not placed.fits:
+        raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
     if not plan.allow_offload:
         raise LoadRefused(f"{why}: every generated token would be much slower",
                           f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip

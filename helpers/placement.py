@@ -214,8 +214,12 @@ def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Mod
         lay = layout(config)
         if lay.approximate:
             raise PlacementError(f"cannot build this architecture on the meta device ({lay.missing[0]})")
-        with init_empty_weights(), contextlib.redirect_stderr(None):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+        try:
+            with init_empty_weights(), contextlib.redirect_stderr(None):
+                model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+        except (ValueError, KeyError, ImportError, TypeError) as e:  # no causal-LM class for it (T5, CLIP, ...)
+            raise PlacementError(f"cannot build this architecture on the meta device ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:120]})") from None  # fmt: skip
         model.tie_weights()  # tied embeddings count once, as transformers counts them
         params = dict(model.named_parameters())
         quantized = {

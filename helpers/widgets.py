@@ -368,7 +368,7 @@ class PlacementSpill:
         smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(self.load)
         fix = f"load={smaller!r}" if smaller else "a smaller model"
         return (f"The estimate fits, but transformers' placement on this card (bitsandbytes keeps 10 % for its "
-                f"buffers, the largest layer needs room) leaves {format_bytes(self.spill)} of weights for CPU RAM: "
+                f"buffers, the largest layer needs room) leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
                 f"load() refuses it. Fix: {fix}, or allow_offload=True (every token slower)")  # fmt: skip
 
 
@@ -492,9 +492,7 @@ class LoadPanel(Panel):
         if self._gpus is None:
             state = super().judge(plan, est)
             if state.verdict != DOES_NOT_FIT and self._est_device != "cpu":
-                spill = self._placement_spill(plan)
-                if spill is not None:  # load() refuses it: the panel says so, and why
-                    state.verdict, state.alternative = DOES_NOT_FIT, spill
+                self._mark_spill(state, plan, self.device)
             if state.verdict == DOES_NOT_FIT and self._pair is not None and state.alternative is None:
                 state.alternative = self._alternative(plan, est, self._pair, f"device={self._pair!r}")
             return state
@@ -507,15 +505,17 @@ class LoadPanel(Panel):
             fix=fix,
         )  # fmt: skip
 
-    def _placement_spill(self, plan: LoadPlan) -> PlacementSpill | None:
+    def _mark_spill(self, state: PanelState, plan: LoadPlan, device: Any) -> None:
         """Where the estimate fits the card but transformers' placement for it (bitsandbytes keeps 10 % for its
-        buffers, the largest layer needs room) leaves weights for the CPU: what ``load()`` refuses."""
+        buffers, the largest layer needs room) leaves weights for the CPU, ``load()`` refuses: so does the panel,
+        saying why."""
         try:
-            placed = self.placement_for(plan, [self.device])
+            placed = self.placement_for(plan, [device])
         except (OomkitError, ValueError):  # an architecture the meta device cannot build: the estimate decides
-            return None
+            return
         spill = placed.offloaded("cpu") + placed.offloaded("disk")
-        return PlacementSpill(spill, plan.load) if spill else None
+        if spill:
+            state.verdict, state.alternative = DOES_NOT_FIT, PlacementSpill(spill, plan.load)
 
     def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
         label0, gpu0 = self._gpus[0]
@@ -524,7 +524,10 @@ class LoadPanel(Panel):
             plan, est, result, gpu0["capacity"], self.device_label, suggestion, segments_spec=self.SEGMENTS,
             gpu0=label0, free=[(label, d["capacity"]) for label, d in self._gpus[1:]],
         )  # fmt: skip
-        if result == DOES_NOT_FIT and len(self._gpus) > 1:  # gpus=1 was asked for: would all the GPUs hold it?
+        if result != DOES_NOT_FIT:
+            self._mark_spill(state, plan, self._specs[0])  # gpus=1 on a plan transformers would half-offload
+        if state.verdict == DOES_NOT_FIT and state.alternative is None and len(self._gpus) > 1:
+            # gpus=1 was asked for: would all the GPUs hold it?
             state.alternative = self._alternative(plan, est, self._specs, f"gpus={len(self._gpus)}")
         return state
 

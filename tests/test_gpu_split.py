@@ -255,3 +255,18 @@ def test_one_t4_refuses_what_transformers_placement_would_offload(tiny_llama):
     # what the placement keeps on the card is not touched
     nf4 = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
     assert check_plan(plan.replace(load="nf4"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=nf4).warnings == []
+
+
+def test_an_allowed_offload_into_too_little_ram_is_refused(tiny_llama):
+    est = estimate(reference_configs()["Llama-2-13b"], load="int8", device="t4")
+    plan = LoadPlan(str(tiny_llama), load="int8", allow_offload=True)
+    with pytest.raises(LoadRefused, match="leaves .* for CPU RAM, and .* do not fit the GPUs and the CPU RAM offered"):
+        check_plan(plan, snapshot=kaggle(n=1, ram_avail=int(1.2 * GiB)), bnb=BNB_OK, estimate=est)
+
+
+def test_an_architecture_without_a_causal_lm_class_is_an_oomkit_answer_not_a_traceback(tiny_llama):
+    from transformers import T5Config
+
+    est = estimate(T5Config(), load="fp16", device="t4")
+    for n in (1, 2):  # the placement cannot build it: the estimate decides, as before
+        assert check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=n), bnb=BNB_OK, estimate=est)

@@ -312,3 +312,15 @@ def test_two_gpu_report_escapes_names_from_the_machine():
     report = run(two_gpus(t4(0), t4(1, name=hostile)), "Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"))
     html = report._repr_html_()
     assert hostile not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_one_t4_fails_what_load_refuses_as_an_offload(tmp_path):
+    """Llama-2-13B int8: the estimate fits a T4, transformers' placement does not; preflight and load() agree."""
+    from helpers.placement import reference_configs
+
+    reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)
+    fit = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="int8").check("fit")
+    assert fit.status == "fail" and "load() refuses it" in fit.summary and fit.fix == "load='nf4'"
+    assert fit.data["placement_spill"] is True
+    nf4 = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="nf4").check("fit")
+    assert nf4.status == "pass"

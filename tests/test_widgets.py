@@ -468,3 +468,8 @@ def test_a_t4_panel_does_not_call_fitting_what_load_would_refuse_as_an_offload(t
     assert "load() refuses it" in panel.controls["verdict"].value
     panel.set(load="nf4")
     assert panel.state.verdict == "fits" and panel.state.alternative is None
+
+
+def test_gpus_1_on_two_cards_refuses_what_load_would_refuse_as_an_offload():
+    panel = LoadPanel("Qwen/Qwen2.5-7B", device="kaggle-2xt4", load="fp16", gpus=1, widgets=False)
+    assert panel.state.verdict == "does not fit" and "load() refuses it" in str(panel.state.alternative)
