@@ -26,6 +26,7 @@ verdict ``data-gpus`` and ``oomkit-note``; a single GPU's hint is ``oomkit-alter
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from html import escape
@@ -146,6 +147,11 @@ class Panel:
     SEGMENTS = SEGMENTS
 
     def __init__(self, model: str, device: Any, values: dict, widgets: bool | None = None):
+        if not isinstance(model, str | os.PathLike):  # the Load button needs something from_pretrained reads
+            raise TypeError(
+                f"a panel takes a hub id or a model folder, got {type(model).__name__}: for a config, save it "
+                "first (config.save_pretrained('my_model')) and pass 'my_model'; estimate() takes the config itself"
+            )
         self.model = str(model)
         self.device = device
         self._config = resolve_config(self.model)[0]

@@ -473,3 +473,10 @@ def test_a_t4_panel_does_not_call_fitting_what_load_would_refuse_as_an_offload(t
 def test_gpus_1_on_two_cards_refuses_what_load_would_refuse_as_an_offload():
     panel = LoadPanel("Qwen/Qwen2.5-7B", device="kaggle-2xt4", load="fp16", gpus=1, widgets=False)
     assert panel.state.verdict == "does not fit" and "load() refuses it" in str(panel.state.alternative)
+
+
+def test_a_panel_given_a_config_object_says_how_to_pass_it():
+    from helpers.placement import reference_configs
+
+    with pytest.raises(TypeError, match="save_pretrained"):
+        LoadPanel(reference_configs()["Llama-2-7b"], device="t4", widgets=False)
