@@ -62,6 +62,17 @@ def trainer_tokenizer_kwarg() -> str:
     return "processing_class" if at_least("transformers", PROCESSING_CLASS_SINCE) else "tokenizer"
 
 
+def supported_kwargs(fn, **kwargs) -> dict:
+    """``kwargs`` less those ``fn`` does not take: transformers' copy of ``infer_auto_device_map`` gained
+    ``no_placement_params`` after 5.1, and the oldest supported release rejects it."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
 def bitsandbytes_runs_on_cpu() -> bool:
     """Whether the installed bitsandbytes has CPU kernels (int8 / nf4 without a GPU)."""
     return at_least("bitsandbytes", BNB_CPU_SINCE)

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import torch
 
+from .compat import supported_kwargs
 from .devices import (
     CUBLAS_WORKSPACE,
     CUDA_CONTEXT,
@@ -281,8 +282,11 @@ def device_map_for(model, load: str, quantized: set[int], max_memory: dict) -> t
         balanced = get_balanced_memory(model, dict(max_memory), no_split, hf_quantizer=sizes)
         if sizes is not None:
             balanced = sizes.adjust_max_memory(balanced)
+        extra = supported_kwargs(
+            infer_auto_device_map, no_placement_params=getattr(model, "_no_placement_params", None)
+        )
         dm = infer_auto_device_map(model, max_memory=dict(balanced), no_split_module_classes=no_split,
-                                   hf_quantizer=sizes, no_placement_params=getattr(model, "_no_placement_params", None))  # fmt: skip
+                                   hf_quantizer=sizes, **extra)  # fmt: skip
     return dict(dm), balanced
 
 
