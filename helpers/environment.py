@@ -31,7 +31,17 @@ from .placement import DevicePlan, plan_devices
 from .session import in_colab
 from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, MiB, format_bytes
-from .vocab import DOES_NOT_FIT, FITS, QUANTIZED, STATUS_ORDER, TIGHT, VERDICT_STATUS, auto_load_order, verdict
+from .vocab import (
+    DOES_NOT_FIT,
+    FITS,
+    QUANTIZED,
+    SMALLER_LOAD,
+    STATUS_ORDER,
+    TIGHT,
+    VERDICT_STATUS,
+    auto_load_order,
+    verdict,
+)
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -444,7 +454,7 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
     if spill:  # load() refuses it: say why, and what does fit
         summary += (", but transformers' placement on this card (bitsandbytes keeps 10 % for its buffers, the "
                     "largest layer needs room) would offload part of it to the CPU: load() refuses it")  # fmt: skip
-        smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(est.load)
+        smaller = SMALLER_LOAD.get(est.load)
         fix = f"load={smaller!r}" if smaller else "a smaller model"
         return Check("fit", "fail", summary, fix, {**data, "verdict": DOES_NOT_FIT, "placement_spill": True})
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)

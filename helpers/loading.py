@@ -50,7 +50,7 @@ from .memory import MemorySnapshot, allocated
 from .placement import DevicePlan, PlacementError
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import format_bytes, percent
-from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
+from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, dtype_name, torch_dtype
 
 __all__ = [
     "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
@@ -484,7 +484,7 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     spill = placed.offloaded("cpu") + placed.offloaded("disk")
     if not spill:
         return []
-    smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(estimate.load)
+    smaller = SMALLER_LOAD.get(estimate.load)
     fix = f"load={smaller!r}, or a smaller batch or max_new_tokens" if smaller else "a smaller model"
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
            f"transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest "

@@ -44,7 +44,7 @@ from .estimator import FRAGMENTATION, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .html import Markup, table
 from .units import format_bytes, parse_bytes
-from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, torch_dtype, verdict
+from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype, verdict
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
@@ -540,7 +540,7 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) 
 
 
 def _more_room_fix(plan: DevicePlan) -> str:
-    smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(plan.load)
+    smaller = SMALLER_LOAD.get(plan.load)
     options = ["cpu_offload=True (slow: see the slowdown)", "more GPUs"]
     if smaller:
         options.insert(0, f"load={smaller!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from .errors import OomkitError
 
 __all__ = [
-    "LOAD_MODES", "QUANTIZED", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
 ]  # fmt: skip
@@ -19,6 +19,8 @@ __all__ = [
 # Widest first: the order users read them in (dropdowns, CLI help, error messages).
 LOAD_MODES = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
 QUANTIZED = ("int8", "nf4", "fp4")  # bitsandbytes: LLM.int8 and the two 4-bit data types
+# The next load mode down when a plan does not fit: about half the weight bytes each step.
+SMALLER_LOAD = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}
 FOUR_BIT = ("nf4", "fp4")
 HALF = ("fp16", "bf16")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}

@@ -56,7 +56,7 @@ from .placement import DevicePlan, plan_devices
 from .reclaim import unload
 from .session import enable_colab_widgets
 from .units import format_bytes
-from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, verdict
+from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, SMALLER_LOAD, verdict
 
 __all__ = [
     "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
@@ -371,7 +371,7 @@ class PlacementSpill:
     load: str
 
     def __str__(self) -> str:
-        smaller = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}.get(self.load)
+        smaller = SMALLER_LOAD.get(self.load)
         fix = f"load={smaller!r}" if smaller else "a smaller model"
         return (f"The estimate fits, but transformers' placement on this card (bitsandbytes keeps 10 % for its "
                 f"buffers, the largest layer needs room) leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
