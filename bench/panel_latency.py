@@ -35,6 +35,12 @@ CASES = [  # (label, model, device, panel settings)
     ("tiny Llama (4 layers), nf4, CPU", str(REPO / "data" / "tiny" / "llama"), "current", {"load": "nf4"}),
     ("Mistral-7B nf4 on T4: fits", "mistralai/Mistral-7B-v0.1", "t4", {"load": "nf4"}),
     ("Llama-3.1-8B fp16 on T4: does not fit (+ top fix)", "meta-llama/Llama-3.1-8B", "t4", {"load": "fp16"}),
+    (
+        "Llama-3.1-8B fp16 on Kaggle 2×T4: split, one bar per GPU",
+        "meta-llama/Llama-3.1-8B",
+        "kaggle-2xt4",
+        {"load": "fp16"},
+    ),
 ]
 
 FRESH = """
