@@ -22,7 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import placement_keeps, stays_on_first
+from .gpu_split import SPILL_WHY, placement_keeps, smaller_load_fix, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -35,7 +35,6 @@ from .vocab import (
     DOES_NOT_FIT,
     FITS,
     QUANTIZED,
-    SMALLER_LOAD,
     STATUS_ORDER,
     TIGHT,
     VERDICT_STATUS,
@@ -310,12 +309,12 @@ def _usable_memory(gpu: GPUReadout) -> int:
     """Bytes of ``gpu`` this process can still use: free memory plus what it already holds, plus the CUDA
     context once this device has one (free memory excludes a context already paid; the estimate counts one)."""
     usable = gpu.free + gpu.allocated
-    if _has_context(gpu):
+    if _context_paid():
         usable += CUDA_CONTEXT + CUBLAS_WORKSPACE
     return usable
 
 
-def _has_context(gpu: GPUReadout) -> bool:
+def _context_paid() -> bool:
     # reading a device's free memory (snapshot() does, for every GPU) starts its context, so once CUDA
     # is initialized every card's context is paid, as load() counts it
     return torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -452,11 +451,14 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
         also = f"; split across {len(gpus)} GPUs: {split.verdict}" if split is not None else ""
         fix = f"load with {est.load} ({ests[0].load} needs {format_bytes(ests[0].total)}{also})"
     if spill:  # load() refuses it: say why, and what does fit
-        summary += (", but transformers' placement on this card (bitsandbytes keeps 10 % for its buffers, the "
-                    "largest layer needs room) would offload part of it to the CPU: load() refuses it")  # fmt: skip
-        smaller = SMALLER_LOAD.get(est.load)
-        fix = f"load={smaller!r}" if smaller else "a smaller model"
-        return Check("fit", "fail", summary, fix, {**data, "verdict": DOES_NOT_FIT, "placement_spill": True})
+        summary += f", but {SPILL_WHY} would offload part of it to the CPU: load() refuses it"
+        return Check(
+            "fit",
+            "fail",
+            summary,
+            smaller_load_fix(est.load),
+            {**data, "verdict": DOES_NOT_FIT, "placement_spill": True},
+        )
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
 
 

@@ -19,21 +19,13 @@ from .estimator import fit
 from .memory import GPUReadout, MemorySnapshot
 from .placement import DeviceMapError, DevicePlan, PlacementError, plan_devices
 from .units import MiB, format_bytes
-from .vocab import FITS
+from .vocab import FITS, SMALLER_LOAD
 
 __all__ = [
-    "gpu_room",
-    "gpu_device",
-    "usable_gpus",
-    "map_gpus",
-    "max_memory_gpus",
-    "map_gpu",
-    "free_devices",
-    "split_plan",
-    "stays_on_first",
-    "describe_split",
-    "offload_ram",
-]
+    "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
+    "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
+    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix",
+]  # fmt: skip
 
 
 def gpu_room(estimate, g: GPUReadout) -> int:
@@ -164,6 +156,17 @@ def describe_split(plan: DevicePlan) -> str:
 
 HELD_HINT = 512 * MiB  # holding this much GPU memory before a load usually means an earlier model is still loaded
 NO_FIX = "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+
+
+# why an estimate that fits one card can still be offloaded in part: said alike by load(), preflight and the panel
+SPILL_WHY = ("transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest layer "
+             "needs room)")  # fmt: skip
+
+
+def smaller_load_fix(load: str) -> str:
+    """The first fix for a plan transformers would partly offload: the next smaller load mode."""
+    smaller = SMALLER_LOAD.get(load)
+    return f"load={smaller!r}" if smaller else "a smaller model"
 
 
 def held_hint(g: GPUReadout) -> str:

@@ -36,13 +36,16 @@ from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there 
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
 from .gpu_split import (
+    SPILL_WHY,
     decide_gpus,
     first_fix,
     gpu_device,
     gpu_room,
     held_hint,
     map_gpu,
+    offload_ram,
     other_gpus_note,
+    smaller_load_fix,
     split_plan,
 )
 from .html import table
@@ -50,7 +53,7 @@ from .memory import MemorySnapshot, allocated
 from .placement import DevicePlan, PlacementError
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import format_bytes, percent
-from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, dtype_name, torch_dtype
+from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
 
 __all__ = [
     "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
@@ -476,7 +479,7 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     before loading, or warn with ``allow_offload``; never offload silently, never into too little RAM."""
     if plan.device_map != "auto" or plan.max_memory is not None:
         return []
-    ram = int(snap.ram.available * OFFLOAD_RAM_SHARE)
+    ram = offload_ram(snap)
     try:
         placed = split_plan(estimate, [gpu_device(g, room)], ram=ram, offload=True)
     except PlacementError:  # an architecture the meta device cannot build: the estimate decided
@@ -484,11 +487,9 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     spill = placed.offloaded("cpu") + placed.offloaded("disk")
     if not spill:
         return []
-    smaller = SMALLER_LOAD.get(estimate.load)
-    fix = f"load={smaller!r}, or a smaller batch or max_new_tokens" if smaller else "a smaller model"
+    fix = f"{smaller_load_fix(estimate.load)}, or a smaller batch or max_new_tokens"
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
-           f"transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest "
-           f"layer needs room) leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+           f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
     if not placed.fits:
         raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
     if not plan.allow_offload:
@@ -515,7 +516,7 @@ def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
         return None
     runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
     gpu_cap = max(0, gpu_room(estimate, g) - runtime - GPU_MARGIN)
-    return {g.index: gpu_cap, "cpu": int(snap.ram.available * OFFLOAD_RAM_SHARE)}
+    return {g.index: gpu_cap, "cpu": offload_ram(snap)}
 
 
 @dataclass

@@ -292,9 +292,7 @@ class FirstGpuState(PanelState):
             f"on GPU 0 alone ({self.device}): {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} "
             f"(headroom {format_bytes(self.headroom)})"
         )
-        if self.suggestion is not None:
-            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
-        text += f". {self._free_text()}"
+        text += f"{self.fix_text()}. {self._free_text()}"
         return text + (f". {self.alternative}" if self.alternative is not None else "")
 
     def verdict_text(self) -> str:

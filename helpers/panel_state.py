@@ -93,11 +93,16 @@ class PanelState:
             f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}"
             f"{self._on()} (headroom {format_bytes(self.headroom)})"
         )
-        if self.suggestion is not None:
-            text += f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
+        text += self.fix_text()
         if self.alternative is not None:
             text += f". {self.alternative}"
         return text
+
+    def fix_text(self) -> str:
+        """ ". Top fix: <change> (saves ...)" when there is one; "" otherwise."""
+        if self.suggestion is None:
+            return ""
+        return f". Top fix: {self.suggestion.change} (saves {format_bytes(self.suggestion.saving)}{self._short()})"
 
     def _short(self) -> str:
         """Said after a top fix that does not make the plan fit by itself (no single change does)."""

@@ -35,7 +35,7 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
-from .gpu_split import stays_on_first  # load()'s rule for GPU 0 alone
+from .gpu_split import SPILL_WHY, smaller_load_fix, stays_on_first  # load()'s rule for GPU 0 alone
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom import is_oom
@@ -56,7 +56,7 @@ from .placement import DevicePlan, plan_devices
 from .reclaim import unload
 from .session import enable_colab_widgets
 from .units import GiB, format_bytes
-from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, SMALLER_LOAD, verdict
+from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, verdict
 
 __all__ = [
     "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
@@ -371,11 +371,10 @@ class PlacementSpill:
     load: str
 
     def __str__(self) -> str:
-        smaller = SMALLER_LOAD.get(self.load)
-        fix = f"load={smaller!r}" if smaller else "a smaller model"
-        return (f"The estimate fits, but transformers' placement on this card (bitsandbytes keeps 10 % for its "
-                f"buffers, the largest layer needs room) leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
-                f"load() refuses it. Fix: {fix}, or allow_offload=True (every token slower)")  # fmt: skip
+        return (
+            f"The estimate fits, but {SPILL_WHY} leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
+            f"load() refuses it. Fix: {smaller_load_fix(self.load)}, or allow_offload=True (every token slower)"
+        )
 
 
 class LoadPanel(Panel):

@@ -133,3 +133,21 @@ def test_fits_table_knows_the_classics():
     assert table.cell("Llama-2-13b", "fp16", "2×T4").startswith("fits")
     assert table.cell("Llama-2-70b", "nf4", "2×T4") == "no"
     assert "| 13b | nf4 |" in table.markdown() and "<table" in table._repr_html_()
+
+
+def test_supported_kwargs_drops_what_an_older_signature_lacks():
+    """transformers 5.1's copy of infer_auto_device_map has no no_placement_params; newer ones do."""
+    from helpers.compat import supported_kwargs
+
+    def old(model, max_memory=None):
+        return None
+
+    def new(model, max_memory=None, no_placement_params=None):
+        return None
+
+    def open_ended(model, **kwargs):
+        return None
+
+    assert supported_kwargs(old, no_placement_params=["x"]) == {}
+    assert supported_kwargs(new, no_placement_params=["x"]) == {"no_placement_params": ["x"]}
+    assert supported_kwargs(open_ended, no_placement_params=None) == {"no_placement_params": None}
