@@ -1,10 +1,11 @@
 """Watch memory while something runs: a sampling thread with a timeline, and a Trainer callback.
 
-``MemoryMonitor`` samples the GPU (PyTorch allocated/reserved, and the driver's view through NVML),
-the process RSS and the machine's RAM every ``interval`` seconds in a background thread. ``mark()``
+``MemoryMonitor`` samples every GPU (PyTorch allocated/reserved, and the driver's view through NVML),
+the process RSS and the machine's RAM every ``interval`` seconds in a background thread; on a
+machine with two cards (a model split over Kaggle's 2×T4) each card is kept and judged on its own. ``mark()``
 puts named events on the timeline, ``plot()`` draws it, ``to_csv()`` keeps it. When usage crosses
-``threshold`` of the card (of the RAM without a GPU) it warns once per crossing, naming the largest
-live tensors at that moment.
+``threshold`` of a card (of the RAM without a GPU) it warns once per crossing, naming the card and
+the largest live tensors at that moment.
 
 ``MemoryCallback`` adds memory figures to the Hugging Face ``Trainer``'s logs (allocated, reserved,
 peak since the last log, RAM) and says so when memory grows steadily from one log to the next.
@@ -21,6 +22,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -28,15 +30,29 @@ import torch
 from .memory import nvml_handle
 from .units import MiB, format_bytes
 
-__all__ = ["Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
+__all__ = ["GpuSample", "Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
 
 MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
 PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
+GPU_KEYS = ("allocated", "reserved", "device_used")
+
+
+class GpuSample(NamedTuple):
+    """One card's figures in a :class:`Sample` (bytes; ``device_used`` is None without NVML)."""
+
+    index: int
+    allocated: int
+    reserved: int
+    device_used: int | None
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One reading, ``t`` seconds after the monitor started. Bytes; ``device_used`` is None without NVML."""
+    """One reading, ``t`` seconds after the monitor started. Bytes; ``device_used`` is None without NVML.
+
+    ``allocated``, ``reserved`` and ``device_used`` add up every watched card; ``gpus`` holds each
+    card's own figures when more than one is watched (empty otherwise: one card is the totals).
+    """
 
     t: float
     allocated: int
@@ -44,6 +60,11 @@ class Sample:
     device_used: int | None
     ram_used: int
     process_rss: int
+    gpus: tuple[GpuSample, ...] = ()
+
+
+def _max_or_none(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _merge(pair: list[Sample]) -> Sample:
@@ -52,15 +73,14 @@ def _merge(pair: list[Sample]) -> Sample:
         return pair[0]
     a, b = pair
     # field by field, not getattr in a loop: the sampling thread merges 50,000 pairs at a time, holding the GIL
-    dev = (
-        b.device_used
-        if a.device_used is None
-        else a.device_used
-        if b.device_used is None
-        else max(a.device_used, b.device_used)
-    )
-    return Sample(b.t, max(a.allocated, b.allocated), max(a.reserved, b.reserved), dev, max(a.ram_used, b.ram_used),
-                  max(a.process_rss, b.process_rss))  # fmt: skip
+    gpus = tuple(
+        GpuSample(x.index, max(x.allocated, y.allocated), max(x.reserved, y.reserved),
+                  _max_or_none(x.device_used, y.device_used))
+        for x, y in zip(a.gpus, b.gpus)
+    )  # fmt: skip
+    return Sample(b.t, max(a.allocated, b.allocated), max(a.reserved, b.reserved),
+                  _max_or_none(a.device_used, b.device_used), max(a.ram_used, b.ram_used),
+                  max(a.process_rss, b.process_rss), gpus)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,13 +91,15 @@ class Mark:
 
 @dataclass
 class ThresholdCrossing:
-    """Usage crossed the threshold: when, how much, and the largest live tensors at that moment."""
+    """Usage crossed the threshold: when, on which card (None: the only one, or RAM), how much, and
+    the largest live tensors at that moment."""
 
     t: float
     used: int
     capacity: int
     what: str
     top: list[tuple[str, int, str]] = field(default_factory=list)
+    device: int | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -94,8 +116,10 @@ class MemoryMonitor:
     Args:
         interval: seconds between samples (the thread sleeps in between; cost is one readout).
         threshold: warn when usage reaches this share of ``capacity`` (re-armed below 95 % of it).
-        capacity: bytes to compare against; default the GPU's total memory, or the machine's RAM.
-        device: CUDA device index (default: the current one).
+        capacity: bytes to compare each card against (e.g. a T4's on a bigger card); default each
+            GPU's total memory, or the machine's RAM without a GPU.
+        device: the CUDA device index to watch, or a list of them; default every visible GPU (a
+            model split over two cards can fill the second while the first has room).
         top: how many live tensors a threshold warning names.
         warn: also emit a Python warning on a crossing (the crossings are kept in ``.crossings``).
 
@@ -144,16 +168,14 @@ class MemoryMonitor:
             )
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
-        self.device = (torch.cuda.current_device() if device is None else device) if self.cuda else None
-        self._nvml, self._handle = nvml_handle(self.device) if self.cuda else (None, None)
+        self.devices: tuple[int, ...] = _watched(device) if self.cuda else ()
+        self.device = self.devices[0] if self.devices else None  # the first watched card
+        self._handles = {d: nvml_handle(d) for d in self.devices}
+        self.capacities = {
+            d: int(capacity) if capacity else torch.cuda.get_device_properties(d).total_memory for d in self.devices
+        }
         self.capacity = (
-            int(capacity)
-            if capacity
-            else (
-                torch.cuda.get_device_properties(self.device).total_memory
-                if self.cuda
-                else psutil.virtual_memory().total
-            )
+            self.capacities[self.device] if self.cuda else int(capacity) if capacity else psutil.virtual_memory().total
         )
         self.samples: list[Sample] = []  # in time order; older ones merged pairwise past max_samples
         self.max_samples = max_samples
@@ -161,33 +183,49 @@ class MemoryMonitor:
         # the sampling thread merges `samples` in place while a callback may bisect it: one lock for both
         self._samples_lock = threading.Lock()
         self._peaks = dict.fromkeys(PEAK_KEYS, 0)
+        self._gpu_peaks = {d: dict.fromkeys(GPU_KEYS, 0) for d in self.devices}
         self.marks: list[Mark] = []
         self.crossings: list[ThresholdCrossing] = []
         self._proc = psutil.Process()
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._above = False
+        self._above: dict[int | None, bool] = {}  # per card (None: the RAM): warned, not yet back below
 
     # -- sampling --------------------------------------------------------------------------------
     def sample(self) -> Sample:
         """Take one reading now (the thread calls this every ``interval``) and check the threshold."""
-        alloc = res = 0
-        dev_used = None
-        if self.cuda:
-            alloc, res = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
-            if self._handle is not None:
-                try:
-                    dev_used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-                except Exception:
-                    dev_used = None
+        gpus = tuple(self._read_gpu(d) for d in self.devices)
+        used = [g.device_used for g in gpus]
         vm = psutil.virtual_memory()
         s = Sample(
-            time.perf_counter() - self._t0, alloc, res, dev_used, vm.total - vm.available, self._proc.memory_info().rss
+            time.perf_counter() - self._t0,
+            sum(g.allocated for g in gpus),
+            sum(g.reserved for g in gpus),
+            None if not gpus or None in used else sum(used),
+            vm.total - vm.available,
+            self._proc.memory_info().rss,
+            gpus if len(gpus) > 1 else (),  # one card: its figures are the totals, stored once
         )
         self._keep(s)
         self._check(s)
         return s
+
+    def _read_gpu(self, index: int) -> GpuSample:
+        nvml, handle = self._handles[index]
+        used = None
+        if handle is not None:
+            try:
+                used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+            except Exception:  # noqa: BLE001 - the driver view is optional; PyTorch's figures stand
+                used = None
+        return GpuSample(index, torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), used)
+
+    def cards(self, s: Sample) -> tuple[GpuSample, ...]:
+        """Each watched card's figures in ``s`` (one card: the sample's totals)."""
+        if s.gpus or not self.devices:
+            return s.gpus
+        return (GpuSample(self.device, s.allocated, s.reserved, s.device_used),)
 
     def _keep(self, s: Sample) -> None:
         with self._samples_lock:
@@ -197,6 +235,10 @@ class MemoryMonitor:
         self.samples.append(s)
         for k in PEAK_KEYS:
             self._peaks[k] = max(self._peaks[k], getattr(s, k) or 0)
+        for g in s.gpus:
+            peaks = self._gpu_peaks[g.index]
+            for k in GPU_KEYS:
+                peaks[k] = max(peaks[k], getattr(g, k) or 0)
         if self._merging is None and len(self.samples) > self.max_samples:
             # merge the older half pairwise, keeping each pair's highest figures: storage stays bounded and
             # no peak is lost, only the time resolution of the distant past
@@ -215,29 +257,38 @@ class MemoryMonitor:
         at, end = at + merged, end - (len(chunk) - merged)
         self._merging = [at, end] if at < end else None
 
-    def used(self, s: Sample) -> int:
-        """What the threshold compares: the card's use (driver view, else reserved), or the RAM in use."""
-        if self.cuda:
+    def used(self, s: Sample | GpuSample) -> int:
+        """What the threshold compares: a card's use (driver view, else reserved; a ``Sample``: every
+        watched card's), or the RAM in use without a GPU."""
+        if self.cuda or isinstance(s, GpuSample):
             return s.device_used if s.device_used is not None else s.reserved
         return s.ram_used
 
     def _check(self, s: Sample) -> None:
-        used, limit = self.used(s), self.threshold * self.capacity
-        if used >= limit and not self._above:
-            self._above = True
+        if not self.cuda:
+            self._check_one(s.t, None, self.used(s), self.capacity, "RAM")
+            return
+        many = len(self.devices) > 1
+        for g in self.cards(s):  # each card against its own capacity: a split model fills one first
+            name = f"GPU {g.index} memory" if many else "GPU memory"
+            self._check_one(s.t, g.index if many else None, self.used(g), self.capacities[g.index], name)
+
+    def _check_one(self, t: float, device: int | None, used: int, capacity: int, what: str) -> None:
+        limit = self.threshold * capacity
+        if used >= limit and not self._above.get(device):
+            self._above[device] = True
             from .oom import largest_tensors
 
             try:
                 top = largest_tensors(self.top)
             except Exception:  # noqa: BLE001 - a census must never kill the sampler
                 top = []
-            what = "GPU memory" if self.cuda else "RAM"
-            crossing = ThresholdCrossing(s.t, used, self.capacity, f"{what} crossed {self.threshold:.0%}", top)
+            crossing = ThresholdCrossing(t, used, capacity, f"{what} crossed {self.threshold:.0%}", top, device)
             self.crossings.append(crossing)
             if self.warn:
-                warnings.warn(str(crossing), ResourceWarning, stacklevel=2)
+                warnings.warn(str(crossing), ResourceWarning, stacklevel=3)
         elif used < 0.95 * limit:
-            self._above = False
+            self._above[device] = False
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -276,32 +327,49 @@ class MemoryMonitor:
 
     # -- results ---------------------------------------------------------------------------------
     def peak(self, since: float = 0.0) -> dict[str, int]:
-        """Highest value of each figure over the samples taken at or after ``since`` seconds."""
+        """Highest value of each figure over the samples taken at or after ``since`` seconds (GPU
+        figures: every watched card added up at each moment; :meth:`peak_by_gpu` has each card's)."""
         if since <= 0:
             return dict(self._peaks)  # kept up to date per sample: no scan
-        with self._samples_lock:  # a merge in the sampling thread would shift the indices under bisect
-            samples = self.samples
-            rows = samples[bisect.bisect_left(samples, since, key=lambda s: s.t) :]
+        rows = self._since(since)
         return {k: max((getattr(s, k) or 0 for s in rows), default=0) for k in PEAK_KEYS}
 
+    def peak_by_gpu(self, since: float = 0.0) -> dict[int, dict[str, int]]:
+        """Each watched card's highest ``allocated``, ``reserved`` and ``device_used`` (bytes), by index."""
+        if len(self.devices) == 1:
+            totals = self.peak(since)
+            return {self.device: {k: totals[k] for k in GPU_KEYS}}
+        if since <= 0:
+            return {d: dict(p) for d, p in self._gpu_peaks.items()}
+        rows = self._since(since)
+        return {
+            d: {k: max((getattr(s.gpus[i], k) or 0 for s in rows), default=0) for k in GPU_KEYS}
+            for i, d in enumerate(self.devices)
+        }
+
+    def _since(self, since: float) -> list[Sample]:
+        with self._samples_lock:  # a merge in the sampling thread would shift the indices under bisect
+            samples = self.samples
+            return samples[bisect.bisect_left(samples, since, key=lambda s: s.t) :]
+
     def to_csv(self, path: str | Path | None = None) -> str:
-        """The samples (and marks, as rows with a label) as CSV; written to ``path`` when given."""
+        """The samples (and marks, as rows with a label) as CSV; written to ``path`` when given. With
+        more than one card, each card's figures follow the totals (``gpu1_allocated``, ...)."""
+        per_gpu = [f"gpu{d}_{k}" for d in self.devices for k in GPU_KEYS] if len(self.devices) > 1 else []
+        head = ["t", *PEAK_KEYS[:3], "ram_used", "process_rss", *per_gpu, "mark"]
+
+        def cell(v):
+            return "" if v is None else v
+
+        rows = [
+            (s.t, s.allocated, s.reserved, cell(s.device_used), s.ram_used, s.process_rss,
+             *(cell(getattr(g, k)) for g in s.gpus for k in GPU_KEYS), "")
+            for s in list(self.samples)
+        ]  # fmt: skip
+        rows += [(m.t, *[""] * (len(head) - 2), m.label) for m in self.marks]
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["t", "allocated", "reserved", "device_used", "ram_used", "process_rss", "mark"])
-        rows = [
-            (
-                s.t,
-                s.allocated,
-                s.reserved,
-                "" if s.device_used is None else s.device_used,
-                s.ram_used,
-                s.process_rss,
-                "",
-            )
-            for s in list(self.samples)
-        ]
-        rows += [(m.t, "", "", "", "", "", m.label) for m in self.marks]
+        w.writerow(head)
         for r in sorted(rows, key=lambda r: r[0]):
             w.writerow([f"{r[0]:.3f}", *r[1:]])
         text = buf.getvalue()
@@ -309,11 +377,37 @@ class MemoryMonitor:
             Path(path).write_text(text)
         return text
 
+    def _series(self, samples: list[Sample]) -> list[tuple[str, list[int]]]:
+        """(label, values) per line of the plot: each card's when there are several."""
+        if len(self.devices) > 1:
+            return [
+                (f"GPU {d} {label}", [getattr(s.gpus[i], key) for s in samples])
+                for i, d in enumerate(self.devices)
+                for key, label in (("allocated", "allocated"), ("reserved", "reserved"))
+            ]
+        series = ([("allocated", "PyTorch allocated"), ("reserved", "PyTorch reserved"),
+                   ("device_used", "device used (NVML)")] if self.cuda else
+                  [("process_rss", "process RSS"), ("ram_used", "machine RAM in use")])  # fmt: skip
+        return [(label, [getattr(s, key) for s in samples]) for key, label in series]
+
+    def _limits(self) -> list[tuple[int, str]]:
+        """(bytes, label) per warning line: one per distinct capacity among the watched cards."""
+        if not self.cuda or len(self.devices) == 1:
+            return [(self.threshold * self.capacity, f"{self.threshold:.0%} of {format_bytes(self.capacity)}")]
+        by_capacity: dict[int, list[int]] = {}
+        for d in self.devices:
+            by_capacity.setdefault(self.capacities[d], []).append(d)
+        return [
+            (self.threshold * cap, f"{self.threshold:.0%} of {format_bytes(cap)} (GPU {', '.join(map(str, ds))})")
+            for cap, ds in by_capacity.items()
+        ]
+
     def plot(self, title: str = "memory over time"):
         """A matplotlib ``Figure``: each figure over time with its peak, the warning threshold and the marks.
 
         The y axis fits the data (GiB, or MiB below 1 GiB); a threshold far above it is named in the
-        legend (beside the chart) instead of squashing the lines flat; marks closer than 3 % of the run share one label.
+        legend (beside the chart) instead of squashing the lines flat; marks closer than 3 % of the run
+        share one label. With several cards each has its own lines.
         """
         import matplotlib.pyplot as plt
 
@@ -322,24 +416,21 @@ class MemoryMonitor:
         fig, ax = plt.subplots(figsize=(10.5, 3.6))
         plt.close(fig)
         t = [s.t for s in samples]
-        series = ([("allocated", "PyTorch allocated"), ("reserved", "PyTorch reserved"),
-                   ("device_used", "device used (NVML)")] if self.cuda else
-                  [("process_rss", "process RSS"), ("ram_used", "machine RAM in use")])  # fmt: skip
-        plotted = [(label, [getattr(s, key) for s in samples]) for key, label in series]
-        plotted = [(label, ys) for label, ys in plotted if ys and all(y is not None for y in ys)]
+        plotted = [(label, ys) for label, ys in self._series(samples) if ys and all(y is not None for y in ys)]
         top = max((max(ys) for _, ys in plotted), default=0) or 1  # all zero (nothing allocated yet): still a scale
-        limit = self.threshold * self.capacity
-        shown_limit = limit <= 1.5 * top  # else the data would be a flat line at the bottom
-        scale, unit = (2**30, "GiB") if max(top, limit if shown_limit else 0) >= 2**30 else (2**20, "MiB")
+        limits = [(limit, label, limit <= 1.5 * top) for limit, label in self._limits()]  # else: a flat line
+        high = max([top, *(limit for limit, _, shown in limits if shown)])
+        scale, unit = (2**30, "GiB") if high >= 2**30 else (2**20, "MiB")
         for label, ys in plotted:
             (line,) = ax.plot(t, [y / scale for y in ys], label=label)
             _annotate_peak(ax, t, ys, scale, line.get_color())
-        limit_label = f"{self.threshold:.0%} of {format_bytes(self.capacity)} = {format_bytes(limit)}"
-        if shown_limit:
-            ax.axhline(limit / scale, color="#c0392b", ls="--", lw=1, label=limit_label)
-        else:
-            ax.plot([], [], color="#c0392b", ls="--", lw=1, label=f"{limit_label} (above the chart)")
-        ax.set_ylim(0, max(top, limit if shown_limit else 0) / scale * 1.12)
+        for limit, label, shown in limits:
+            label = f"{label} = {format_bytes(limit)}"
+            if shown:
+                ax.axhline(limit / scale, color="#c0392b", ls="--", lw=1, label=label)
+            else:
+                ax.plot([], [], color="#c0392b", ls="--", lw=1, label=f"{label} (above the chart)")
+        ax.set_ylim(0, high / scale * 1.12)
         span = (t[-1] - t[0]) if len(t) > 1 else 0.0
         for when, text in _grouped_marks(self.marks, span):
             ax.axvline(when, color="grey", lw=0.8, ls=":")
@@ -358,7 +449,12 @@ class MemoryMonitor:
         p = self.peak()
         span = self.samples[-1].t - self.samples[0].t
         head = f"MemoryMonitor: {len(self.samples)} samples over {span:.1f} s, {len(self.marks)} marks; peaks: "
-        if self.cuda:
+        if len(self.devices) > 1:
+            head += "".join(
+                f"GPU {d} allocated {format_bytes(g['allocated'])}, reserved {format_bytes(g['reserved'])}; "
+                for d, g in self.peak_by_gpu().items()
+            )
+        elif self.cuda:
             head += f"allocated {format_bytes(p['allocated'])}, reserved {format_bytes(p['reserved'])}, "
         head += f"process RSS {format_bytes(p['process_rss'])}, RAM in use {format_bytes(p['ram_used'])}"
         return "\n".join([head, *(str(c) for c in self.crossings)])
@@ -369,8 +465,13 @@ class MemoryMonitor:
         from .html import table
 
         p = self.peak()
-        keys = (["allocated", "reserved", "device_used"] if self.cuda else []) + ["process_rss", "ram_used"]
-        rows = [[k.replace("_", " "), format_bytes(p[k])] for k in keys]
+        rows = []
+        if len(self.devices) > 1:
+            for d, g in self.peak_by_gpu().items():
+                rows += [[f"GPU {d} {k.replace('_', ' ')}", format_bytes(v)] for k, v in g.items() if v]
+        elif self.cuda:
+            rows += [[k.replace("_", " "), format_bytes(p[k])] for k in GPU_KEYS]
+        rows += [[k.replace("_", " "), format_bytes(p[k])] for k in ("process_rss", "ram_used")]
         rows += [[f"⚠ t={c.t:.1f} s", c.what] for c in self.crossings]
         return table(["peak", "bytes"], rows, title=f"{len(self.samples)} samples, {len(self.marks)} marks")
 
@@ -379,15 +480,18 @@ class _MemoryCallback:
     """Add memory figures to the Trainer's logs and detect steady growth between log steps.
 
     Each log gets ``mem_allocated_mib``, ``mem_reserved_mib``, ``mem_peak_mib`` (peak allocated
-    since the previous log; this resets CUDA's peak counter) on a GPU, and ``ram_rss_mib`` (and
-    ``ram_peak_mib`` when a ``monitor`` samples in between). The same figures go into
+    since the previous log; this resets CUDA's peak counters) on a GPU, and ``ram_rss_mib`` (and
+    ``ram_peak_mib`` when a ``monitor`` samples in between). With more than one GPU the first three
+    add every card up and each card's peak follows (``mem_gpu1_peak_mib``): that is the figure to
+    hold against one card's capacity. The same figures go into
     ``trainer.state.log_history``. Growth is judged by a :class:`helpers.leaks.GrowthDetector`
     over the log steps; a leak is reported once, in ``.leaks`` and as a warning.
 
     Args:
         monitor: a running :class:`MemoryMonitor` to put train/checkpoint marks on and read peaks from.
         warmup, window, min_growth: passed to the ``GrowthDetector`` (in log steps and bytes).
-        measure: bytes to watch for growth; default CUDA allocated, or the process RSS on a CPU.
+        measure: bytes to watch for growth; default CUDA allocated on every card, or the process RSS
+            on a CPU.
     """
 
     def __init__(
@@ -403,8 +507,11 @@ class _MemoryCallback:
 
         self.monitor = monitor
         self.cuda = torch.cuda.is_available()
+        self.devices = (
+            (monitor.devices if monitor is not None else tuple(range(torch.cuda.device_count()))) if self.cuda else ()
+        )
         self._proc = psutil.Process()
-        self.measure = measure or (torch.cuda.memory_allocated if self.cuda else lambda: self._proc.memory_info().rss)
+        self.measure = measure or (self._allocated if self.cuda else lambda: self._proc.memory_info().rss)
         self.detector = GrowthDetector(warmup=warmup, window=window, min_growth=min_growth, measure=self.measure)
         self.leaks: list[str] = []
         self._last_t = 0.0
@@ -413,19 +520,29 @@ class _MemoryCallback:
         """The memory figures of one log line, in MiB (rounded to 0.1)."""
         out = {}
         if self.cuda:
-            out["mem_allocated_mib"] = torch.cuda.memory_allocated() / MiB
-            out["mem_reserved_mib"] = torch.cuda.memory_reserved() / MiB
-            out["mem_peak_mib"] = torch.cuda.max_memory_allocated() / MiB
-            torch.cuda.reset_peak_memory_stats()
+            peaks = {d: torch.cuda.max_memory_allocated(d) for d in self.devices}
+            out["mem_allocated_mib"] = self._allocated() / MiB
+            out["mem_reserved_mib"] = sum(torch.cuda.memory_reserved(d) for d in self.devices) / MiB
+            out["mem_peak_mib"] = sum(peaks.values()) / MiB  # several cards: their peaks' sum, an upper bound
+            if len(self.devices) > 1:
+                out.update({f"mem_gpu{d}_peak_mib": peak / MiB for d, peak in peaks.items()})
+            self._reset_peaks()
         out["ram_rss_mib"] = self._proc.memory_info().rss / MiB
         if self.monitor is not None and self.monitor.samples:
             out["ram_peak_mib"] = max(out["ram_rss_mib"], self.monitor.peak(self._last_t)["process_rss"] / MiB)
             self._last_t = self.monitor.samples[-1].t
         return {k: round(v, 1) for k, v in out.items()}
 
+    def _allocated(self) -> int:
+        return sum(torch.cuda.memory_allocated(d) for d in self.devices)
+
+    def _reset_peaks(self) -> None:
+        for d in self.devices:  # reset_peak_memory_stats() alone resets the current card only
+            torch.cuda.reset_peak_memory_stats(d)
+
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            self._reset_peaks()
         if self.monitor is not None:
             self.monitor.mark(f"train from step {state.global_step}")
 
@@ -465,6 +582,26 @@ def __getattr__(name: str):
         globals()["MemoryCallback"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _watched(device) -> tuple[int, ...]:
+    """The CUDA device indices a monitor watches: every visible one, or those asked for (checked)."""
+    count = torch.cuda.device_count()
+    if device is None:
+        return tuple(range(count))
+    asked = list(device) if isinstance(device, list | tuple) else [device]
+    indices = []
+    for d in asked:
+        index = d
+        if isinstance(d, torch.device) and d.type == "cuda":
+            index = torch.cuda.current_device() if d.index is None else d.index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(
+                f"device={device!r}: this machine has {count} GPU(s), numbered 0 to {count - 1}; pass one of "
+                "those indices, a list of them, or None for every GPU"
+            )
+        indices.append(index)
+    return tuple(dict.fromkeys(indices))
 
 
 def _annotate_peak(ax, t: list[float], ys: list[int], scale: int, color) -> None:

@@ -210,3 +210,111 @@ def test_interval_is_finite_and_not_below_the_floor():
     for bad in (float("nan"), float("inf"), 0.001):
         with pytest.raises(ValueError, match="interval"):
             MemoryMonitor(interval=bad)
+
+
+def _two_cards(fake_gpus, monkeypatch):
+    import helpers.monitor
+
+    monkeypatch.setattr(helpers.monitor, "nvml_handle", lambda index: (None, None))  # no driver view here
+    return fake_gpus(2, 15 * 2**30)
+
+
+def test_a_split_model_filling_the_second_card_is_caught_on_that_card(fake_gpus, monkeypatch):
+    """A model split over Kaggle's 2×T4: GPU 1 reaches 95 % while GPU 0 holds 2 GiB. Watching GPU 0
+    (the old default) saw nothing; the totals (17 GiB) against one card would have cried wolf at 57 %
+    on GPU 1 alone. Each card is judged on its own and the warning names the card."""
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    mon = MemoryMonitor(interval=1, warn=False, top=1)
+    assert mon.devices == (0, 1) and mon.capacities == {0: 15 * 2**30, 1: 15 * 2**30}
+    cuda.set(0, 2 * 2**30, 2 * 2**30)
+    cuda.set(1, 8 * 2**30, 8 * 2**30)
+    mon.sample()
+    assert mon.crossings == []  # 13 % and 53 %
+    cuda.set(1, 14 * 2**30, int(14.3 * 2**30))
+    s = mon.sample()
+    assert [(c.device, c.what) for c in mon.crossings] == [(1, "GPU 1 memory crossed 90%")]
+    assert "GPU 1 memory" in str(mon.crossings[0])
+    assert (s.allocated, s.reserved) == (16 * 2**30, int(16.3 * 2**30))  # the totals add the cards up
+    assert [(g.index, g.allocated) for g in s.gpus] == [(0, 2 * 2**30), (1, 14 * 2**30)]
+    mon.sample()
+    assert len(mon.crossings) == 1  # once per crossing, per card
+    cuda.set(0, int(13.8 * 2**30), int(13.8 * 2**30))
+    mon.sample()
+    assert [c.device for c in mon.crossings] == [1, 0]  # GPU 0 crosses in its own right
+
+    assert mon.peak_by_gpu() == {
+        0: {"allocated": int(13.8 * 2**30), "reserved": int(13.8 * 2**30), "device_used": 0},
+        1: {"allocated": 14 * 2**30, "reserved": int(14.3 * 2**30), "device_used": 0},
+    }
+    assert "GPU 0 allocated 13.80 GiB" in str(mon) and "GPU 1 allocated 14.00 GiB" in str(mon)
+    assert "GPU 1 reserved" in mon._repr_html_()
+
+
+def test_each_card_has_its_csv_columns_and_plot_lines(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    mon = MemoryMonitor(interval=1, warn=False)
+    for gib in (1, 3, 2):
+        cuda.set(0, gib * 2**30)
+        cuda.set(1, 2 * gib * 2**30)
+        mon.sample()
+    mon.mark("step")
+    rows = list(csv.DictReader(io.StringIO(mon.to_csv())))
+    samples, marks = [r for r in rows if not r["mark"]], [r for r in rows if r["mark"]]
+    assert [int(r["gpu1_allocated"]) for r in samples[:3]] == [2 * 2**30, 6 * 2**30, 4 * 2**30]
+    assert [int(r["allocated"]) for r in samples[:3]] == [3 * 2**30, 9 * 2**30, 6 * 2**30]
+    assert [(r["mark"], r["gpu1_allocated"]) for r in marks] == [("step", "")]
+    labels = [line.get_label() for line in mon.plot().axes[0].lines]
+    assert labels[:4] == ["GPU 0 allocated", "GPU 0 reserved", "GPU 1 allocated", "GPU 1 reserved"]
+    assert any("(GPU 0, 1)" in label for label in labels)  # one threshold line for two equal cards
+
+
+def test_merging_keeps_each_cards_peak(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    mon = MemoryMonitor(interval=1, warn=False, max_samples=8)
+    for i in range(40):
+        cuda.set(0, (100 + (i == 3) * 50) * MiB)  # one spike per card, long merged away in time
+        cuda.set(1, (200 + (i == 5) * 70) * MiB)
+        cuda.peak = dict.fromkeys(cuda.peak, 0)
+        mon.sample()
+    assert len(mon.samples) <= 16
+    assert max(s.gpus[0].allocated for s in mon.samples) == 150 * MiB
+    assert max(s.gpus[1].allocated for s in mon.samples) == 270 * MiB
+    assert mon.peak_by_gpu(since=0.001)[1]["allocated"] >= 200 * MiB
+
+
+def test_watching_one_card_or_a_card_that_is_not_there(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    cuda.set(1, 5 * 2**30)
+    mon = MemoryMonitor(interval=1, warn=False, device=1)
+    s = mon.sample()
+    assert mon.devices == (1,) and s.allocated == 5 * 2**30 and s.gpus == ()  # one card: the totals are its own
+    assert mon.peak_by_gpu() == {1: {"allocated": 5 * 2**30, "reserved": 5 * 2**30, "device_used": 0}}
+    assert MemoryMonitor(device=torch.device("cuda:1"), warn=False).devices == (1,)
+    with pytest.raises(ValueError, match="has 2 GPU"):
+        MemoryMonitor(device=2)
+
+
+def test_callback_on_two_cards_logs_each_cards_peak_and_resets_both(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    cb = MemoryCallback(warmup=1, window=4)
+    cuda.set(0, 3 * 2**30)
+    cuda.set(1, 5 * 2**30)
+    cuda.peak[1] = 6 * 2**30  # a spike between two logs
+    logs = {"loss": 1.0}
+    cb.on_log(None, TrainerState(), TrainerControl(), logs=logs)  # (TrainingArguments would look for the GPU)
+    assert logs["mem_allocated_mib"] == 8 * 1024 and logs["mem_peak_mib"] == 9 * 1024
+    assert logs["mem_gpu0_peak_mib"] == 3 * 1024 and logs["mem_gpu1_peak_mib"] == 6 * 1024
+    assert sorted(cuda.resets) == [0, 1] and cuda.peak[1] == 5 * 2**30  # both cards' peaks start over
+    assert cb.measure() == 8 * 2**30  # growth is watched on every card
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (Kaggle's 2×T4)")
+def test_on_two_real_gpus_the_second_cards_memory_is_seen_as_its_own():
+    mon = MemoryMonitor(interval=1, warn=False)
+    before = mon.sample()
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:1")
+    s = mon.sample()
+    assert s.gpus[1].allocated - before.gpus[1].allocated >= 64 * MiB
+    assert s.gpus[0].allocated == before.gpus[0].allocated
+    del x
