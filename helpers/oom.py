@@ -180,6 +180,19 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
             "cap: the fixes below apply to it",
         ),
     ),
+    "other_gpu_room": (
+        "this card ran out while another GPU of this machine has room: the work is not spread over the cards",
+        (
+            "Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus=<GPU count>)) places "
+            "its layers so each card keeps room for its share of the KV cache and activations, checked before "
+            "loading",
+            "With from_pretrained(device_map='auto'), cap the card that ran out lower in max_memory (e.g. "
+            "max_memory={0: '10GiB', 1: '14GiB'}) so more layers go to the card with room: 'auto' fills the "
+            "first cards up to their cap with weights and leaves their generation no room",
+            "If the model sits on one card, load it across both as above, or on the emptier card "
+            "(device_map={'': <its index>})",
+        ),
+    ),
     "steady_state": (
         "the model, activations and optimizer state together do not fit the card",
         (
@@ -244,6 +257,7 @@ class OOMReport:
     exception_type: str | None = None
     snapshot: object | None = None
     tensors: list[tuple[str, int, str]] = field(default_factory=list)
+    other_gpus: list[tuple[int, int]] = field(default_factory=list)  # (index, free bytes) of the other cards, live
 
     @property
     def explanation(self) -> str:
@@ -272,9 +286,10 @@ class OOMReport:
             names = [("requested", "tried to allocate")]
         if self.process_cap is not None:
             names.insert(2, ("process_cap", "allowed for this process (its cap)"))
-        return [
+        rows = [
             (label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown") for n, label in names
         ]
+        return rows + [(f"free on GPU {index} now", format_bytes(free)) for index, free in self.other_gpus]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -549,7 +564,7 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
             e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/CPU/cuBLAS/cuDNN/bitsandbytes/Colab
             form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
         live: add a current ``snapshot()`` and the largest live tensors (default: when given an
-            exception).
+            exception). On a machine with several GPUs it also tells when another card has room.
         memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
             steady state, the estimator's fixes for the memory this process had (re-estimated, ranked)
             follow the general ones.
@@ -569,11 +584,44 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
     if f.get("reserved") is None and f.get("allocated") is not None and f.get("reserved_unallocated") is not None:
         f["reserved"] = f["allocated"] + f["reserved_unallocated"]  # stated as its two parts
     f["held_elsewhere"] = _held_elsewhere(f)
+    snap = None
+    if live if live is not None else exc is not None:
+        from .memory import snapshot
+
+        snap = snapshot()
+    others = _other_gpus(f, snap)
     causes = _classify(f)
+    if _other_card_helps(f, others, causes):
+        causes.insert(0, "other_gpu_room")
+    report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f))
+    report.other_gpus = others
+    if snap is not None:
+        report.snapshot = snap
+        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
+    return report
+
+
+def _other_gpus(f: dict, snap) -> list[tuple[int, int]]:
+    """(index, free bytes) of this machine's other GPUs, when the card that ran out is known."""
+    if snap is None or f.get("device") is None or len(getattr(snap, "gpus", [])) < 2:
+        return []
+    return [(g.index, g.free) for g in snap.gpus if g.index != f["device"]]
+
+
+def _other_card_helps(f: dict, others: list[tuple[int, int]], causes: list[str]) -> bool:
+    """Another card could take work: it has the request free and a tenth of a card besides (a single
+    tensor larger than the card is not helped by a second one)."""
+    if "request_too_large" in causes or not others:
+        return False
+    room = max(f.get("requested") or 0, (f.get("total") or 0) // 10, 256 << 20)
+    return any(free >= room for _, free in others)
+
+
+def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, estimated: list[str]) -> OOMReport:
+    """The report of parsed figures ``f``: the fixes of every cause in order, and what the message lacks."""
     fixes: list[str] = []
     for c in causes:
         fixes += [x for x in CAUSES[c][1] if x not in fixes]
-    estimated = _estimator_fixes(memory_estimate, f)  # [] without an estimate
     if "steady_state" in causes:
         fixes += [x for x in estimated if x not in fixes]
     wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
@@ -584,7 +632,9 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
     unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
     if f["form"] == "cuda_legacy":
         unknown = [u for u in unknown if u != "reserved unallocated"]
-    report = OOMReport(
+    figures = ("device", "requested", "total", "free", "allocated", "reserved", "reserved_unallocated",
+               "this_process", "held_elsewhere", "mps_allocated", "other_allocations", "max_allowed", "process_cap")  # fmt: skip
+    return OOMReport(
         form=f["form"],
         source=f["source"],
         cause=causes[0],
@@ -593,32 +643,9 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
         unknown=unknown,
         message=text.strip(),
         exception_type=type(exc).__name__ if exc is not None else None,
-        **{
-            k: f.get(k)
-            for k in (
-                "device",
-                "requested",
-                "total",
-                "free",
-                "allocated",
-                "reserved",
-                "reserved_unallocated",
-                "this_process",
-                "held_elsewhere",
-                "mps_allocated",
-                "other_allocations",
-                "max_allowed",
-                "process_cap",
-            )
-        },
+        **{k: f.get(k) for k in figures},
         processes=f.get("processes", []),
     )
-    if live if live is not None else exc is not None:
-        from .memory import snapshot
-
-        report.snapshot = snapshot()
-        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,3 +254,47 @@ def test_the_estimators_fixes_follow_a_steady_state_diagnosis():
     assert "From the estimate" not in str(explain_oom(CPU, memory_estimate=est))  # system RAM: not its fixes
     with pytest.raises(TypeError, match="MemoryEstimate"):
         explain_oom(CUDA_NOW, memory_estimate="Qwen/Qwen2.5-7B")
+
+
+SPLIT_GPU1 = (
+    "CUDA out of memory. Tried to allocate 1.00 GiB. GPU 1 has a total capacity of 15.00 GiB of which "
+    "600.00 MiB is free. Including non-PyTorch memory, this process has 14.40 GiB memory in use. Of the "
+    "allocated memory 13.90 GiB is allocated by PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."
+)
+
+
+def _split_machine(fake_gpus, monkeypatch, gpu0_free: int):
+    import helpers.memory
+
+    monkeypatch.setattr(helpers.memory, "nvml_handle", lambda index: (None, None))  # no driver here
+    cuda = fake_gpus(2, 15 * GiB)
+    cuda.set(0, 15 * GiB - gpu0_free)
+    cuda.set(1, int(13.9 * GiB), 14 * GiB)
+    return cuda
+
+
+def test_a_card_that_ran_out_while_the_other_has_room_says_move_the_work(fake_gpus, monkeypatch):
+    """device_map='auto' on Kaggle's 2×T4 fills GPU 0 first: here GPU 1 ran out during generation
+    while GPU 0 has 6 GiB free. The first fix is to spread the work, not to quantize."""
+    _split_machine(fake_gpus, monkeypatch, gpu0_free=6 * GiB)
+    report = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
+    assert report.device == 1 and report.cause == "other_gpu_room"
+    assert report.other_gpus == [(0, 6 * GiB)]
+    assert "gpus=" in report.fixes[0] and "max_memory" in report.fixes[1]
+    assert "steady_state" in report.causes  # still there, after it
+    text = str(report)
+    assert "Out of memory on GPU 1" in text and "free on GPU 0 now: 6.00 GiB" in text
+    assert "free on GPU 0 now" in report._repr_html_() and report.to_dict()["other_gpus"] == [(0, 6 * GiB)]
+
+
+def test_no_move_hint_when_the_other_card_is_full_or_the_text_is_all_there_is(fake_gpus, monkeypatch):
+    _split_machine(fake_gpus, monkeypatch, gpu0_free=300 * MiB)  # less than the 1 GiB asked for
+    full = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
+    assert full.cause == "steady_state" and "other_gpu_room" not in full.causes
+    assert full.other_gpus == [(0, 300 * MiB)]  # the figure is still shown
+    _split_machine(fake_gpus, monkeypatch, gpu0_free=6 * GiB)
+    pasted = explain_oom(SPLIT_GPU1)  # a message pasted from a log: nothing live to compare
+    assert pasted.cause == "steady_state" and pasted.other_gpus == []
+    too_big = SPLIT_GPU1.replace("Tried to allocate 1.00 GiB", "Tried to allocate 20.00 GiB")
+    one_tensor = explain_oom(torch.OutOfMemoryError(too_big))  # a second card cannot hold one huge tensor
+    assert one_tensor.cause == "request_too_large" and "other_gpu_room" not in one_tensor.causes
