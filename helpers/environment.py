@@ -22,7 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import SPILL_WHY, placement_keeps, smaller_load_fix, stays_on_first
+from .gpu_split import SPILL_WHY, held_hint, placement_keeps, smaller_load_fix, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -459,7 +459,17 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
             smaller_load_fix(est.load),
             {**data, "verdict": DOES_NOT_FIT, "placement_spill": True},
         )
+    if gpus and v.verdict != DOES_NOT_FIT and held_hint(gpus[0]) and not _fits_free_now(est, cap, gpus[0]):
+        # usable counts this process's own tensors as free (what unloading gives back); load() reads free memory
+        summary += f" only counting what this process holds as free; load() would refuse it now{held_hint(gpus[0])}"
+        return Check("fit", "warn", summary, "unload(model) (or helpers.cleanup()) before loading the next model",
+                     {**data, "held": gpus[0].allocated})  # fmt: skip
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
+
+
+def _fits_free_now(est: MemoryEstimate, usable: int, gpu: GPUReadout) -> bool:
+    """Whether ``est`` fits the memory ``gpu`` has free now, without what this process already holds there."""
+    return fit(est, usable - gpu.allocated).verdict != DOES_NOT_FIT
 
 
 def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],

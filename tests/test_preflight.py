@@ -324,3 +324,20 @@ def test_one_t4_fails_what_load_refuses_as_an_offload(tmp_path):
     assert fit.data["placement_spill"] is True
     nf4 = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="nf4").check("fit")
     assert nf4.status == "pass"
+
+
+def test_a_model_still_loaded_is_named_when_the_next_only_fits_after_unloading_it():
+    """Preflight counts this process's own tensors as usable (unloading gives them back); load() reads
+    free memory. With a 7B from an earlier cell still on the T4, the next 7B 'fits' only after the
+    first is unloaded: say so, instead of a pass that load() then refuses."""
+    held, kw = 11 * GiB, dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"), load="nf4")
+    snap = machine(free=T4_TOTAL - held - 400 * MiB, reserved=held)
+    snap.gpus[0].allocated = held
+    report = run(snap, **kw)
+    fit_check = report.check("fit")
+    assert fit_check.status == "warn" and fit_check.data["held"] == held
+    assert "already holds 11.00 GiB" in fit_check.summary and "load() would refuse it now" in fit_check.summary
+    assert "unload(model)" in fit_check.fix
+    light = machine(free=T4_TOTAL - 1 * GiB - 400 * MiB, reserved=1 * GiB)
+    light.gpus[0].allocated = 1 * GiB  # 1 GiB held: the nf4 7B still fits beside it
+    assert run(light, **kw).check("fit").status == "pass"
