@@ -170,6 +170,20 @@ else:
     model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, device_map=plan.cpu_device_map()))
 report
 
+# %% [markdown]
+# Generate on the split model with a `MemoryMonitor` watching every card: each GPU gets its own
+# lines and its own 90 % warning, which names the card (a split can fill GPU 1 while GPU 0 has
+# room; an OOM there is explained that way too). Without a GPU it draws the process's RAM.
+
+# %%
+from helpers import MemoryMonitor, generate_batched
+
+with MemoryMonitor(interval=0.05) as monitor:
+    monitor.mark("generate")
+    texts = generate_batched(model, tokenizer, ["def fibonacci(n):"] * 4, max_new_tokens=32, batch_size=4)
+print(monitor)
+monitor.plot(title="generation on the split model")
+
 # %%
 from helpers import free
 
