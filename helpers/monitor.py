@@ -17,6 +17,7 @@ import bisect
 import csv
 import io
 import math
+import operator
 import threading
 import time
 import warnings
@@ -30,11 +31,16 @@ import torch
 from .memory import nvml_handle
 from .units import MiB, format_bytes
 
-__all__ = ["GpuSample", "Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
+__all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
 
 MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
 PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
 GPU_KEYS = ("allocated", "reserved", "device_used")
+
+
+class MemoryWarning(UserWarning):
+    """A threshold crossing or a leak. A ``UserWarning``: Python's default filters hide
+    ``ResourceWarning`` in Colab, Kaggle and plain scripts, so the warning would never be seen."""
 
 
 class GpuSample(NamedTuple):
@@ -91,7 +97,7 @@ class Mark:
 
 @dataclass
 class ThresholdCrossing:
-    """Usage crossed the threshold: when, on which card (None: the only one, or RAM), how much, and
+    """Usage crossed the threshold: when, on which card (None: the RAM), how much, and
     the largest live tensors at that moment."""
 
     t: float
@@ -174,8 +180,9 @@ class MemoryMonitor:
         self.capacities = {
             d: int(capacity) if capacity else torch.cuda.get_device_properties(d).total_memory for d in self.devices
         }
+        # what used(sample) is compared with: every watched card together (capacities: each card's)
         self.capacity = (
-            self.capacities[self.device] if self.cuda else int(capacity) if capacity else psutil.virtual_memory().total
+            sum(self.capacities.values()) if self.cuda else int(capacity) if capacity else psutil.virtual_memory().total
         )
         self.samples: list[Sample] = []  # in time order; older ones merged pairwise past max_samples
         self.max_samples = max_samples
@@ -191,6 +198,7 @@ class MemoryMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._above: dict[int | None, bool] = {}  # per card (None: the RAM): warned, not yet back below
+        self._check_lock = threading.Lock()  # the thread and mark() both sample: one crossing, one warning
 
     # -- sampling --------------------------------------------------------------------------------
     def sample(self) -> Sample:
@@ -219,7 +227,10 @@ class MemoryMonitor:
                 used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
             except Exception:  # noqa: BLE001 - the driver view is optional; PyTorch's figures stand
                 used = None
-        return GpuSample(index, torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), used)
+        stats = torch.cuda.memory_stats(index)  # one dict for both figures (each readout builds it anew)
+        return GpuSample(
+            index, stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0), used
+        )
 
     def cards(self, s: Sample) -> tuple[GpuSample, ...]:
         """Each watched card's figures in ``s`` (one card: the sample's totals)."""
@@ -265,13 +276,14 @@ class MemoryMonitor:
         return s.ram_used
 
     def _check(self, s: Sample) -> None:
-        if not self.cuda:
-            self._check_one(s.t, None, self.used(s), self.capacity, "RAM")
-            return
-        many = len(self.devices) > 1
-        for g in self.cards(s):  # each card against its own capacity: a split model fills one first
-            name = f"GPU {g.index} memory" if many else "GPU memory"
-            self._check_one(s.t, g.index if many else None, self.used(g), self.capacities[g.index], name)
+        with self._check_lock:
+            if not self.cuda:
+                self._check_one(s.t, None, self.used(s), self.capacity, "RAM")
+                return
+            named = len(self.devices) > 1 or self.device != 0  # "GPU memory" only where it cannot be another
+            for g in self.cards(s):  # each card against its own capacity: a split model fills one first
+                name = f"GPU {g.index} memory" if named else "GPU memory"
+                self._check_one(s.t, g.index, self.used(g), self.capacities[g.index], name)
 
     def _check_one(self, t: float, device: int | None, used: int, capacity: int, what: str) -> None:
         limit = self.threshold * capacity
@@ -286,7 +298,7 @@ class MemoryMonitor:
             crossing = ThresholdCrossing(t, used, capacity, f"{what} crossed {self.threshold:.0%}", top, device)
             self.crossings.append(crossing)
             if self.warn:
-                warnings.warn(str(crossing), ResourceWarning, stacklevel=3)
+                warnings.warn(str(crossing), MemoryWarning, stacklevel=4)
         elif used < 0.95 * limit:
             self._above[device] = False
 
@@ -379,11 +391,11 @@ class MemoryMonitor:
 
     def _series(self, samples: list[Sample]) -> list[tuple[str, list[int]]]:
         """(label, values) per line of the plot: each card's when there are several."""
-        if len(self.devices) > 1:
+        if len(self.devices) > 1:  # (a card without the driver view drops its NVML line in plot())
             return [
                 (f"GPU {d} {label}", [getattr(s.gpus[i], key) for s in samples])
                 for i, d in enumerate(self.devices)
-                for key, label in (("allocated", "allocated"), ("reserved", "reserved"))
+                for key, label in (("allocated", "allocated"), ("reserved", "reserved"), ("device_used", "used (NVML)"))
             ]
         series = ([("allocated", "PyTorch allocated"), ("reserved", "PyTorch reserved"),
                    ("device_used", "device used (NVML)")] if self.cuda else
@@ -468,7 +480,8 @@ class MemoryMonitor:
         rows = []
         if len(self.devices) > 1:
             for d, g in self.peak_by_gpu().items():
-                rows += [[f"GPU {d} {k.replace('_', ' ')}", format_bytes(v)] for k, v in g.items() if v]
+                keys = GPU_KEYS if self._handles[d][1] is not None else GPU_KEYS[:2]  # NVML: where it is read
+                rows += [[f"GPU {d} {k.replace('_', ' ')}", format_bytes(g[k])] for k in keys]
         elif self.cuda:
             rows += [[k.replace("_", " "), format_bytes(p[k])] for k in GPU_KEYS]
         rows += [[k.replace("_", " "), format_bytes(p[k])] for k in ("process_rss", "ram_used")]
@@ -507,9 +520,8 @@ class _MemoryCallback:
 
         self.monitor = monitor
         self.cuda = torch.cuda.is_available()
-        self.devices = (
-            (monitor.devices if monitor is not None else tuple(range(torch.cuda.device_count()))) if self.cuda else ()
-        )
+        # every visible card, not the monitor's: a monitor may watch another card than the one training
+        self.devices = tuple(range(torch.cuda.device_count())) if self.cuda else ()
         self._proc = psutil.Process()
         self.measure = measure or (self._allocated if self.cuda else lambda: self._proc.memory_info().rss)
         self.detector = GrowthDetector(warmup=warmup, window=window, min_growth=min_growth, measure=self.measure)
@@ -560,7 +572,7 @@ class _MemoryCallback:
                 "see notebooks/04_leak_hunting."
             )
             self.leaks.append(message)
-            warnings.warn(message, ResourceWarning, stacklevel=2)
+            warnings.warn(message, MemoryWarning, stacklevel=2)
 
     def on_save(self, args, state, control, **kwargs):
         if self.monitor is not None:
@@ -585,23 +597,36 @@ def __getattr__(name: str):
 
 
 def _watched(device) -> tuple[int, ...]:
-    """The CUDA device indices a monitor watches: every visible one, or those asked for (checked)."""
+    """The CUDA device indices a monitor watches: those asked for (checked), else every visible one, or
+    under DDP (a process per card) this process's own card."""
     count = torch.cuda.device_count()
     if device is None:
-        return tuple(range(count))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return (torch.cuda.current_device(),) if distributed else tuple(range(count))
     asked = list(device) if isinstance(device, list | tuple) else [device]
-    indices = []
-    for d in asked:
-        index = d
-        if isinstance(d, torch.device) and d.type == "cuda":
-            index = torch.cuda.current_device() if d.index is None else d.index
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
-            raise ValueError(
-                f"device={device!r}: this machine has {count} GPU(s), numbered 0 to {count - 1}; pass one of "
-                "those indices, a list of them, or None for every GPU"
-            )
-        indices.append(index)
-    return tuple(dict.fromkeys(indices))
+    if not asked:
+        raise ValueError("device=[] watches nothing: pass a GPU index, a list of them, or None for every GPU")
+    return tuple(dict.fromkeys(_device_index(d, count, device) for d in asked))
+
+
+def _device_index(d, count: int, asked) -> int:
+    """``d`` (``1``, ``"cuda:1"``, ``torch.device("cuda")``, a numpy integer) as a checked CUDA index."""
+    index = None
+    try:
+        if isinstance(d, str | torch.device):
+            dev = torch.device(d)
+            if dev.type == "cuda":
+                index = torch.cuda.current_device() if dev.index is None else dev.index
+        elif not isinstance(d, bool):
+            index = operator.index(d)
+    except (TypeError, RuntimeError):
+        index = None
+    if index is None or not 0 <= index < count:
+        raise ValueError(
+            f"device={asked!r}: this machine has {count} GPU(s), numbered 0 to {count - 1}; pass one of those "
+            "(1, 'cuda:1'), a list of them, or None for every GPU"
+        )
+    return index
 
 
 def _annotate_peak(ax, t: list[float], ys: list[int], scale: int, color) -> None:

@@ -76,7 +76,9 @@ class FakeCuda:
     def index(self, device) -> int:
         if device is None:
             return 0
-        return (device.index or 0) if isinstance(device, torch.device) else int(device)
+        if isinstance(device, str | torch.device):
+            return torch.device(device).index or 0
+        return int(device)
 
     def set(self, device: int, allocated: int, reserved: int | None = None) -> None:
         self.allocated[device] = allocated
@@ -97,6 +99,10 @@ class FakeCuda:
             "max_memory_reserved": lambda d=None: self.reserved[self.index(d)],
             "reset_peak_memory_stats": self._reset,
             "mem_get_info": lambda d=None: (self.free(self.index(d)), self.capacity),
+            "memory_stats": lambda d=None: {
+                "allocated_bytes.all.current": self.allocated[self.index(d)],
+                "reserved_bytes.all.current": self.reserved[self.index(d)],
+            },
         }
         for attr, value in fake.items():
             monkeypatch.setattr(torch.cuda, attr, value, raising=False)

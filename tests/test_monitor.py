@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import subprocess
+import sys
 import time
 
 import psutil
@@ -12,7 +14,7 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from helpers.monitor import Mark, MemoryCallback, MemoryMonitor, Sample
+from helpers.monitor import Mark, MemoryCallback, MemoryMonitor, MemoryWarning, Sample
 from helpers.units import MiB
 
 
@@ -78,7 +80,7 @@ def test_plot_keeps_lines_readable_and_marks_apart():
 def test_threshold_crossing_names_the_largest_tensor():
     hog = torch.zeros(8 * MiB // 4)  # noqa: F841 - the tensor the warning must name
     mon = MemoryMonitor(interval=1, capacity=1 * MiB, threshold=0.9)
-    with pytest.warns(ResourceWarning, match="crossed 90%"):
+    with pytest.warns(MemoryWarning, match="crossed 90%"):
         mon.sample()
     mon.sample()  # still above: no second warning
     assert len(mon.crossings) == 1
@@ -116,7 +118,7 @@ def test_callback_reports_steady_growth_once():
 
     cb = MemoryCallback(measure=grow, warmup=1, window=4)
     state = TrainerState()
-    with pytest.warns(ResourceWarning, match="LEAK"):
+    with pytest.warns(MemoryWarning, match="LEAK"):
         for step in range(1, 12):
             logs = _log(cb, step, state)
     assert len(cb.leaks) == 1 and "step 6" in cb.leaks[0]
@@ -318,3 +320,79 @@ def test_on_two_real_gpus_the_second_cards_memory_is_seen_as_its_own():
     assert s.gpus[1].allocated - before.gpus[1].allocated >= 64 * MiB
     assert s.gpus[0].allocated == before.gpus[0].allocated
     del x
+
+
+def _driver_view(monkeypatch, used: dict[int, int]):
+    """NVML as the driver reports each card (``used[i]``: every process on card i, context included)."""
+    import types
+
+    import helpers.monitor
+
+    nvml = types.SimpleNamespace(nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]))
+    monkeypatch.setattr(helpers.monitor, "nvml_handle", lambda index: (nvml, index))
+
+
+def test_each_card_is_judged_on_the_drivers_view_and_plotted_with_it(fake_gpus, monkeypatch):
+    """The threshold reads what the driver says a card holds (the context and other processes count):
+    GPU 1 at 12.6 GiB reserved but 13.77 GiB used crosses 90 % of 15 GiB, and its plot shows that line."""
+    cuda = fake_gpus(2, 15 * 2**30)
+    used = {0: 1 * 2**30, 1: int(13.77 * 2**30)}
+    _driver_view(monkeypatch, used)
+    cuda.set(1, 12 * 2**30, int(12.6 * 2**30))
+    mon = MemoryMonitor(interval=1, warn=False)
+    s = mon.sample()
+    assert [c.device for c in mon.crossings] == [1] and mon.crossings[0].used == used[1]
+    assert s.device_used == used[0] + used[1] and s.gpus[1].device_used == used[1]
+    labels = [line.get_label() for line in mon.plot().axes[0].lines]
+    assert "GPU 1 used (NVML)" in labels and "GPU 0 used (NVML)" in labels
+    assert "GPU 1 device used" in mon._repr_html_() and "GPU 0 allocated" in mon._repr_html_()  # idle card shown too
+    assert mon.capacity == 30 * 2**30 and mon.used(s) == s.device_used  # the totals against every card's total
+
+
+def test_peak_since_counts_only_the_samples_after_it(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    mon = MemoryMonitor(interval=1, warn=False)
+    cuda.set(1, 9 * 2**30)
+    mon.sample()  # a spike before the window
+    cuda.set(1, 1 * 2**30)
+    cuda.peak = dict.fromkeys(cuda.peak, 0)
+    since = mon.sample().t
+    cuda.set(1, 2 * 2**30)
+    mon.sample()
+    assert mon.peak_by_gpu(since)[1]["allocated"] == 2 * 2**30
+    assert mon.peak_by_gpu()[1]["allocated"] == 9 * 2**30
+
+
+def test_devices_are_taken_as_torch_names_them(fake_gpus, monkeypatch):
+    import numpy as np
+
+    _two_cards(fake_gpus, monkeypatch)
+    for device in ("cuda:1", torch.device("cuda:1"), np.int64(1), [1], (1, 1)):
+        assert MemoryMonitor(device=device, warn=False).devices == (1,), device
+    assert MemoryMonitor(device="cuda", warn=False).devices == (0,)  # the current card
+    assert MemoryMonitor(device=[1, "cuda:0"], warn=False).devices == (1, 0)
+    for bad in ([], "cpu", 2, -1, True, "cuda:7"):
+        with pytest.raises(ValueError, match="device="):
+            MemoryMonitor(device=bad)
+
+
+def test_a_single_card_that_is_not_gpu_0_is_named(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    mon = MemoryMonitor(interval=1, warn=False, device=1)
+    cuda.set(1, 14 * 2**30)
+    mon.sample()
+    assert [(c.device, c.what) for c in mon.crossings] == [(1, "GPU 1 memory crossed 90%")]
+
+
+def test_the_callback_watches_every_card_whatever_its_monitor_watches(fake_gpus, monkeypatch):
+    cuda = _two_cards(fake_gpus, monkeypatch)
+    cb = MemoryCallback(MemoryMonitor(interval=1, warn=False, device=1))
+    cuda.set(0, 5 * 2**30)  # training on GPU 0, the monitor watching GPU 1
+    assert cb.devices == (0, 1) and cb.measure() == 5 * 2**30
+
+
+def test_memory_warnings_are_shown_under_pythons_default_filters():
+    """ResourceWarning is ignored by default (Colab, Kaggle, scripts): a crossing would go unseen."""
+    code = "import warnings\nfrom helpers.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "MemoryWarning: GPU 1 memory crossed" in done.stderr
