@@ -182,15 +182,13 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "other_gpu_room": (
         "this card ran out while another GPU of this machine has room: the work is not spread over the cards",
-        (
+        (  # the generic wording; a live report names the cards (_move_fixes)
             "Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus=<GPU count>)) places "
             "its layers so each card keeps room for its share of the KV cache and activations, checked before "
             "loading",
-            "With from_pretrained(device_map='auto'), cap the card that ran out lower in max_memory (e.g. "
-            "max_memory={0: '10GiB', 1: '14GiB'}) so more layers go to the card with room: 'auto' fills the "
-            "first cards up to their cap with weights and leaves their generation no room",
-            "If the model sits on one card, load it across both as above, or on the emptier card "
-            "(device_map={'': <its index>})",
+            "Or place it yourself: from_pretrained(..., device_map='sequential', max_memory={...}) with a lower "
+            "cap for the card that ran out: 'sequential' fills the cards in order up to each cap, so the layers "
+            "it loses go to the next card ('auto' balances the weights alone, leaving generation no room)",
         ),
     ),
     "steady_state": (
@@ -591,9 +589,13 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
         snap = snapshot()
     others = _other_gpus(f, snap)
     causes = _classify(f)
+    moved: dict[str, list[str]] = {}
     if _other_card_helps(f, others, causes):
-        causes.insert(0, "other_gpu_room")
-    report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f))
+        # after what this process cannot fix by moving layers (another holder, fragmentation, its own cap)
+        at = causes.index("steady_state") if "steady_state" in causes else len(causes)
+        causes.insert(at, "other_gpu_room")
+        moved["other_gpu_room"] = _move_fixes(f, others, len(snap.gpus))
+    report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
     report.other_gpus = others
     if snap is not None:
         report.snapshot = snap
@@ -601,27 +603,60 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
     return report
 
 
+# the allocator messages that name the card that ran out (a cuBLAS or driver error names none)
+_CARD_FORMS = ("cuda", "cuda_legacy", "hip")
+
+
 def _other_gpus(f: dict, snap) -> list[tuple[int, int]]:
-    """(index, free bytes) of this machine's other GPUs, when the card that ran out is known."""
-    if snap is None or f.get("device") is None or len(getattr(snap, "gpus", [])) < 2:
+    """(index, bytes this process could still use) of the machine's other GPUs: free, plus its own cache
+    there; none when the card that ran out is unknown, or under DDP (each card is another process's)."""
+    if snap is None or f.get("device") is None or len(getattr(snap, "gpus", [])) < 2 or _distributed():
         return []
-    return [(g.index, g.free) for g in snap.gpus if g.index != f["device"]]
+    return [(g.index, g.free + g.reserved_unallocated) for g in snap.gpus if g.index != f["device"]]
+
+
+def _distributed() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 def _other_card_helps(f: dict, others: list[tuple[int, int]], causes: list[str]) -> bool:
     """Another card could take work: it has the request free and a tenth of a card besides (a single
     tensor larger than the card is not helped by a second one)."""
-    if "request_too_large" in causes or not others:
+    if f["form"] not in _CARD_FORMS or "request_too_large" in causes or not others:
         return False
-    room = max(f.get("requested") or 0, (f.get("total") or 0) // 10, 256 << 20)
-    return any(free >= room for _, free in others)
+    return any(room >= _room_worth_moving(f) for _, room in others)
 
 
-def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, estimated: list[str]) -> OOMReport:
-    """The report of parsed figures ``f``: the fixes of every cause in order, and what the message lacks."""
+def _room_worth_moving(f: dict) -> int:
+    return max(f.get("requested") or 0, (f.get("total") or 0) // 10, 256 << 20)
+
+
+def _move_fixes(f: dict, others: list[tuple[int, int]], count: int) -> list[str]:
+    """The fixes for a card that ran out beside one with room, naming both."""
+    full = f["device"]
+    spare, room = max(others, key=lambda o: o[1])
+    need = 2 * (f.get("requested") or 0) or 1 << 30
+    return [
+        f"Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus={count})) places its "
+        "layers so every card keeps room for its share of the KV cache and activations, checked before loading",
+        f"Or place it yourself: from_pretrained(..., device_map='sequential', max_memory={{...}}) with GPU {full}'s "
+        f"cap at least {format_bytes(need)} (twice the request) below what it holds now, and GPU {spare}'s up to "
+        f"its {format_bytes(room)} of room: 'sequential' fills the cards in order up to each cap, so the layers "
+        f"GPU {full} loses go to GPU {spare} ('auto' balances the weights alone, leaving generation no room)",
+        f"If the model sits on GPU {full} alone, split it as above, or move it to GPU {spare} "
+        f"(device_map={{'': {spare}}}) if it fits there",
+    ]
+
+
+def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, estimated: list[str],
+            named: dict[str, list[str]]) -> OOMReport:  # fmt: skip
+    """The report of parsed figures ``f``: the fixes of every cause in order (``named``: a cause's fixes
+    written for this machine, in place of the generic ones), and what the message lacks."""
     fixes: list[str] = []
     for c in causes:
-        fixes += [x for x in CAUSES[c][1] if x not in fixes]
+        fixes += [x for x in named.get(c, CAUSES[c][1]) if x not in fixes]
     if "steady_state" in causes:
         fixes += [x for x in estimated if x not in fixes]
     wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(

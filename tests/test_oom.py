@@ -280,7 +280,9 @@ def test_a_card_that_ran_out_while_the_other_has_room_says_move_the_work(fake_gp
     report = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
     assert report.device == 1 and report.cause == "other_gpu_room"
     assert report.other_gpus == [(0, 6 * GiB)]
-    assert "gpus=" in report.fixes[0] and "max_memory" in report.fixes[1]
+    assert "gpus=2" in report.fixes[0]
+    assert "device_map='sequential'" in report.fixes[1] and "GPU 1's cap at least 2.00 GiB" in report.fixes[1]
+    assert "go to GPU 0" in report.fixes[1] and "device_map={'': 0}" in report.fixes[2]
     assert "steady_state" in report.causes  # still there, after it
     text = str(report)
     assert "Out of memory on GPU 1" in text and "free on GPU 0 now: 6.00 GiB" in text
@@ -298,3 +300,36 @@ def test_no_move_hint_when_the_other_card_is_full_or_the_text_is_all_there_is(fa
     too_big = SPLIT_GPU1.replace("Tried to allocate 1.00 GiB", "Tried to allocate 20.00 GiB")
     one_tensor = explain_oom(torch.OutOfMemoryError(too_big))  # a second card cannot hold one huge tensor
     assert one_tensor.cause == "request_too_large" and "other_gpu_room" not in one_tensor.causes
+
+
+def test_the_move_hint_comes_after_causes_that_moving_layers_cannot_fix(fake_gpus, monkeypatch):
+    _split_machine(fake_gpus, monkeypatch, gpu0_free=6 * GiB)
+    held = (
+        "CUDA out of memory. Tried to allocate 1.00 GiB. GPU 1 has a total capacity of 15.00 GiB of which 600.00 MiB "
+        "is free. Process 77 has 9.00 GiB memory in use. Including non-PyTorch memory, this process has 5.40 GiB "
+        "memory in use. Of the allocated memory 4.90 GiB is allocated by PyTorch, and 100.00 MiB is reserved by "
+        "PyTorch but unallocated."
+    )  # another process holds 9 GiB of GPU 1: moving layers is not the first fix
+    report = explain_oom(torch.OutOfMemoryError(held))
+    assert report.causes[:2] == ["held_elsewhere", "other_gpu_room"]
+    fragmented = SPLIT_GPU1.replace("and 100.00 MiB is reserved", "and 3.80 GiB is reserved")
+    assert explain_oom(torch.OutOfMemoryError(fragmented)).causes.index("fragmentation") < (
+        explain_oom(torch.OutOfMemoryError(fragmented)).causes.index("other_gpu_room")
+    )
+
+
+def test_no_move_hint_for_an_error_that_is_not_an_oom_or_under_ddp(fake_gpus, monkeypatch):
+    _split_machine(fake_gpus, monkeypatch, gpu0_free=6 * GiB)
+    illegal = explain_oom(RuntimeError("CUDA error: an illegal memory access was encountered on GPU 1"))
+    assert illegal.not_oom and "other_gpu_room" not in illegal.causes
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: GPU 0 is another rank's card
+    ddp = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
+    assert ddp.cause == "steady_state" and ddp.other_gpus == []
+
+
+def test_the_other_cards_room_counts_this_process_cache_there(fake_gpus, monkeypatch):
+    cuda = _split_machine(fake_gpus, monkeypatch, gpu0_free=200 * MiB)
+    cuda.reserved[0] += 2 * GiB  # 2 GiB cached on GPU 0, holding no tensor: this process can use it
+    cuda.others[0] = -2 * GiB  # (the fake's free stays at 200 MiB)
+    report = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
+    assert report.other_gpus == [(0, 200 * MiB + 2 * GiB)] and report.cause == "other_gpu_room"
