@@ -408,6 +408,8 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
         checks = _split_check(model, chosen, ests, gpus, caps, load, max_new_tokens, half)
     else:
         checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen, chosen.spill)]
+    if any(held_hint(g) for g in gpus) and chosen.verdict != DOES_NOT_FIT:
+        checks[0] = _held_check(checks[0], _load_now(model, chosen, gpus, caps, max_new_tokens, half), gpus)
     params = chosen.est.params
     if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
         checks.append(
@@ -459,17 +461,34 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
             smaller_load_fix(est.load),
             {**data, "verdict": DOES_NOT_FIT, "placement_spill": True},
         )
-    if gpus and v.verdict != DOES_NOT_FIT and held_hint(gpus[0]) and not _fits_free_now(est, cap, gpus[0]):
-        # usable counts this process's own tensors as free (what unloading gives back); load() reads free memory
-        summary += f" only counting what this process holds as free; load() would refuse it now{held_hint(gpus[0])}"
-        return Check("fit", "warn", summary, "unload(model) (or helpers.cleanup()) before loading the next model",
-                     {**data, "held": gpus[0].allocated})  # fmt: skip
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
 
 
-def _fits_free_now(est: MemoryEstimate, usable: int, gpu: GPUReadout) -> bool:
-    """Whether ``est`` fits the memory ``gpu`` has free now, without what this process already holds there."""
-    return fit(est, usable - gpu.allocated).verdict != DOES_NOT_FIT
+def _load_now(model: Any, chosen: _Option, gpus: list[GPUReadout], caps: list[int], max_new_tokens: int,
+              half: str) -> _Option:  # fmt: skip
+    """What load() decides for ``chosen``'s load mode now: the usable caps count this process's own tensors
+    as free (what unloading gives back), while load() reads the memory free now."""
+    now = [cap - g.allocated for cap, g in zip(caps, gpus)]
+    return _choose(_options(model, [chosen.est], now, max_new_tokens, half))[0]
+
+
+def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
+    """The fit ``check``, warning where the memory this process still holds changes what load() does now."""
+    if now.verdict == DOES_NOT_FIT:
+        happens = "load() would refuse it now"
+    elif now.split and not check.data.get("split"):
+        happens = f"load() would split it across {len(gpus)} GPUs now instead of keeping it on GPU 0"
+    else:
+        return check
+    if len(gpus) == 1:
+        why = held_hint(gpus[0])
+    else:
+        on = " and ".join(f"{format_bytes(g.allocated)} on GPU {g.index}" for g in gpus if held_hint(g))
+        why = f". This process already holds {on}: a model from an earlier cell? unload(model) first"
+    summary = f"{check.summary}; counting what this process holds as free: {happens}{why}"
+    held_bytes = {g.index: g.allocated for g in gpus if g.allocated}
+    return Check(check.name, "warn", summary, "unload(model) (or helpers.cleanup()) before loading the next model",
+                 {**(check.data or {}), "held": held_bytes})  # fmt: skip
 
 
 def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],

@@ -335,9 +335,37 @@ def test_a_model_still_loaded_is_named_when_the_next_only_fits_after_unloading_i
     snap.gpus[0].allocated = held
     report = run(snap, **kw)
     fit_check = report.check("fit")
-    assert fit_check.status == "warn" and fit_check.data["held"] == held
+    assert fit_check.status == "warn" and fit_check.data["held"] == {0: held}
     assert "already holds 11.00 GiB" in fit_check.summary and "load() would refuse it now" in fit_check.summary
     assert "unload(model)" in fit_check.fix
     light = machine(free=T4_TOTAL - 1 * GiB - 400 * MiB, reserved=1 * GiB)
     light.gpus[0].allocated = 1 * GiB  # 1 GiB held: the nf4 7B still fits beside it
     assert run(light, **kw).check("fit").status == "pass"
+
+
+def _holding(index: int, held: int) -> GPUReadout:
+    """A T4 on which this process still holds ``held`` bytes of tensors (an earlier model)."""
+    g = t4(index, free=T4_TOTAL - held - 400 * MiB)
+    g.allocated = g.reserved = held
+    return g
+
+
+def test_on_two_gpus_a_model_still_on_gpu_0_makes_load_split_what_would_stay_there():
+    """2×T4, GPU 0 holding 11 GiB: counting it as free, an nf4 7B stays on GPU 0; load() reads free
+    memory and would split it. Preflight says that, not "would refuse"."""
+    kw = dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"), load="nf4")
+    check = run(two_gpus(_holding(0, 11 * GiB), t4(1)), **kw).check("fit")
+    assert check.status == "warn" and check.data["held"] == {0: 11 * GiB}
+    assert "load() would split it across 2 GPUs now instead of keeping it on GPU 0" in check.summary
+    assert "would refuse" not in check.summary and "unload(model)" in check.fix
+
+
+def test_on_two_gpus_a_split_that_only_fits_after_unloading_is_not_a_pass():
+    """An earlier model holds 8 GiB on each T4: fp16 7B 'fits across 2 GPUs' only if it is unloaded
+    first; load() would refuse it with 6.35 GiB free on each."""
+    kw = dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"), load="fp16")
+    check = run(two_gpus(_holding(0, 8 * GiB), _holding(1, 8 * GiB)), **kw).check("fit")
+    assert check.status == "warn" and "fits across 2 GPUs" in check.summary
+    assert "load() would refuse it now" in check.summary and check.data["held"] == {0: 8 * GiB, 1: 8 * GiB}
+    fresh = run(two_gpus(), **kw).check("fit")
+    assert fresh.status == "pass" and "held" not in fresh.data
