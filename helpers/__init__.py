@@ -34,7 +34,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["TrainPanel"], "train_panel"),
     **dict.fromkeys(["explain_oom", "is_oom", "OOMReport"], "oom"),
     **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),
-    **dict.fromkeys(["safe_generate", "load_prompts", "EvalReport"], "evaluate"),
+    **dict.fromkeys(["load_prompts"], "prompts"),
+    **dict.fromkeys(["safe_generate", "EvalReport"], "evaluate"),
     **dict.fromkeys(["simulated_budget"], "testing"),
     **dict.fromkeys(
         ["TrainPlan", "prepare_qlora", "find_micro_batch", "train", "save_adapter", "merge_adapter",

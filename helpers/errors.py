@@ -7,7 +7,7 @@ fits), so ``except OomkitError`` catches oomkit's refusals and ``except ValueErr
 
 from __future__ import annotations
 
-__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused"]
+__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused", "EvalError"]
 
 
 class OomkitError(Exception):
@@ -28,3 +28,10 @@ class ModelNotFoundError(LoadError, FileNotFoundError):
 
 class LoadRefused(LoadError):
     """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""
+
+
+class EvalError(OomkitError, ValueError):
+    """Bad input to ``safe_generate`` (raised before any generation).
+
+    Here, not in ``evaluate``, because the prompt loader, the results file and the scorers raise it too.
+    """

@@ -8,35 +8,32 @@ batches again. A prompt that does not fit even alone is retried with fewer new t
 as truncated, never dropped. Every finished sample is appended to a JSONL file and flushed at once;
 a rerun skips finished ids and repairs a line torn by a crash.
 
-``simulated_budget`` (a test double that makes a CPU run behave like a small GPU) lives in
-:mod:`helpers.testing`; it is re-exported here because notebooks/03_safe_eval imports it from here.
+What it stands on lives in modules of its own and is re-exported here, so ``from helpers.evaluate
+import X`` works for every name in ``__all__``: reading and checking prompts (:mod:`helpers.prompts`),
+the crash-safe results file (:mod:`helpers.results_file`), the scorers (:mod:`helpers.scoring`) and
+``EvalError`` (:mod:`helpers.errors`). ``simulated_budget`` (a test double that makes a CPU run
+behave like a small GPU) lives in :mod:`helpers.testing`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import errno
 import hashlib
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; runs unlocked
-    fcntl = None
-
 import torch
 
 from .batch_size import BatchSearch, remember_batch, remembered_batch
-from .errors import OomkitError
+from .errors import EvalError
 from .generation import (
     Generated,
     can_stream,
@@ -47,7 +44,10 @@ from .generation import (
     stop_token_ids,
 )
 from .memory import allocated, ram_readout, reserved
+from .prompts import load_prompts, prompt_id
+from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
+from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer
 from .units import format_bytes
 
 __all__ = [
@@ -65,335 +65,6 @@ __all__ = [
     "contains_reference",
     "SCORERS",
 ]
-
-
-class EvalError(OomkitError, ValueError):
-    """Bad input to ``safe_generate`` (raised before any generation)."""
-
-
-class ResultsWriteError(OomkitError, OSError):
-    """A finished result could not be written (disk full, file too large, permissions).
-
-    ``unsaved`` holds the finished records that did not reach the disk, so even then nothing is lost.
-    """
-
-    def __init__(self, message: str, unsaved: list[dict]):
-        super().__init__(message)
-        self.unsaved = unsaved
-
-
-# ---------------------------------------------------------------------------------------------
-# prompts
-
-
-def prompt_id(prompt: str) -> str:
-    """A stable id for a prompt without one: the first 12 hex digits of its SHA-1."""
-    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:12]
-
-
-def _rows(prompts: Any) -> Iterable[Any]:
-    if isinstance(prompts, str | os.PathLike):
-        path = Path(prompts)
-        if not path.is_file():
-            one = (
-                ""
-                if path.suffix in (".jsonl", ".json") or os.sep in str(prompts)
-                else f" To evaluate this text as a single prompt, pass a list: [{str(prompts)[:40]!r}]."
-            )
-            raise EvalError(
-                f"prompt file {path} not found: pass a JSONL path with one {{'prompt': ...}} per line, "
-                f"or a list of prompts.{one}"
-            )
-        rows = []
-        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EvalError(f"{path} line {n} is not valid JSON ({e.msg})") from None
-                if isinstance(row, list):
-                    raise EvalError(
-                        f"{path} line {n} is a JSON array; the file must be JSONL: one "
-                        "{'prompt': ...} object per line (or pass the list itself: json.load(open(path)))"
-                    )
-                rows.append(row)
-        return rows
-    if isinstance(prompts, dict):
-        # iterating a dict gives its keys: {"prompt": "hi"} would be evaluated as the prompt "prompt"
-        raise EvalError(
-            f"prompts is a dict (keys {list(prompts)[:3]}): pass a list, e.g. [prompts] for one "
-            "{'prompt': ...} record, or [{'id': k, 'prompt': v} for k, v in prompts.items()] for id -> prompt"
-        )
-    if hasattr(prompts, "column_names") and hasattr(prompts, "__iter__"):  # a datasets.Dataset
-        return list(prompts)
-    if isinstance(prompts, Iterable):
-        return list(prompts)
-    raise EvalError(
-        f"prompts must be a list of strings or dicts, a JSONL path or a datasets.Dataset, not {type(prompts).__name__}"
-    )
-
-
-def _read_utf8(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise EvalError(
-            f"prompt file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
-            "re-save it as UTF-8, e.g. text = open(path, encoding='latin-1').read(); "
-            "open(path, 'w', encoding='utf-8').write(text)"
-        ) from None
-
-
-def _check_text(value: Any, what: str) -> None:
-    """Refuse text UTF-8 cannot encode (a lone surrogate, e.g. from a bad decode): the results file could not hold it."""
-    if not isinstance(value, str):
-        return
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise EvalError(
-            f"{what} holds a lone surrogate {value[e.start]!r} at character {e.start} (text {value[:40]!r}), "
-            "which UTF-8 cannot encode: clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
-        ) from None
-
-
-def load_prompts(prompts: Any) -> list[dict]:
-    """Normalize prompts to ``[{'id', 'prompt', 'reference'}]`` (ids from the data or stable hashes).
-
-    Accepts a list of strings, a list of dicts with ``prompt`` (and optional ``id``, ``reference``),
-    a JSONL path, or a ``datasets.Dataset`` with those columns. Repeated prompts without ids get
-    ``#2``, ``#3``... suffixes; repeated explicit ids are an error.
-    """
-    out: list[dict] = []
-    seen: dict[str, int] = {}
-    for n, row in enumerate(_rows(prompts)):
-        if isinstance(row, str):
-            row = {"prompt": row}
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise EvalError(f"prompt #{n} must be a string or a dict with a 'prompt' string, got {row!r:.80}")
-        for name in ("prompt", "id", "reference"):
-            _check_text(row.get(name), f"prompt #{n}'s {name}")
-        if row.get("id") is not None:
-            pid = str(row["id"])
-            if pid in seen:
-                raise EvalError(f"id {pid!r} appears twice (prompts #{seen[pid]} and #{n}): ids must be unique")
-        else:
-            pid = base = prompt_id(row["prompt"])
-            k = 1
-            while pid in seen:
-                k += 1
-                pid = f"{base}#{k}"
-        seen[pid] = n
-        ref = row.get("reference")
-        out.append({"id": pid, "prompt": row["prompt"], "reference": None if ref is None else str(ref)})
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# results file
-
-
-class ResultsFile:
-    """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.
-
-    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<path>.lock``, which holds
-    the owner's pid), so two writers (a notebook re-run while an old kernel still runs, two tabs)
-    cannot both append: the second gets an error naming the first. It reads what a previous run
-    finished; a last line torn by a crash (no newline, or not valid JSON) is cut off and kept in
-    ``<path>.torn`` for inspection, so it is neither lost nor duplicated. The repair only touches a
-    file no other process holds.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.repaired = False
-        self._fh = None
-        self._lock: int | None = None
-
-    @property
-    def lock_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".lock")
-
-    def lock(self) -> bool:
-        """Take the run's exclusive lock (without waiting); False where the file system has no locks.
-
-        Raises:
-            EvalError: another process holds it (the message names its pid).
-        """
-        if fcntl is None or self._lock is not None:
-            return self._lock is not None
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise EvalError(
-                    f"{self.path} is being written by another run (process {holder}; this is {os.getpid()}): "
-                    "two writers would duplicate every result. Wait for it to finish or stop it (an old "
-                    "notebook kernel, another tab), or pass results= another path"
-                ) from None
-            return False  # no locks on this file system (some network mounts): run unlocked
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock = fd
-        return True
-
-    def unlock(self) -> None:
-        if self._lock is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._lock, 0)
-                fcntl.flock(self._lock, fcntl.LOCK_UN)
-            os.close(self._lock)
-            self._lock = None
-
-    def read(self) -> dict[str, dict]:
-        """Finished records by id (repairing a torn last line first, unless another process holds the file)."""
-        if not self.path.exists():
-            return {}
-        if self._lock is None:
-            try:
-                self.lock()
-            except EvalError:
-                return self._parse(self.path.read_bytes(), repair=False)  # someone is writing: read only
-            try:
-                return self._parse(self.path.read_bytes(), repair=True)
-            finally:
-                self.unlock()
-        return self._parse(self.path.read_bytes(), repair=True)
-
-    def _parse(self, data: bytes, *, repair: bool) -> dict[str, dict]:
-        data = self.path.read_bytes()
-        records: dict[str, dict] = {}
-        good_end = 0
-        pos = 0
-        lines = data.split(b"\n")
-        for i, line in enumerate(lines):
-            end = pos + len(line) + 1  # including the newline
-            last = i == len(lines) - 1
-            if not line.strip():
-                pos = end
-                if not last:
-                    good_end = end
-                continue
-            try:
-                rec = json.loads(line)
-                ok = isinstance(rec, dict) and "id" in rec and not last  # the last piece has no newline: torn
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                ok = False
-            if not ok:
-                if not last and any(x.strip() for x in lines[i + 1 :]):
-                    raise EvalError(
-                        f"{self.path} line {i + 1} is not a valid result record: fix or move the file "
-                        "(only a torn last line is repaired automatically)"
-                    )
-                break
-            records[str(rec["id"])] = rec
-            good_end = pos = end
-        if repair and good_end < len(data):
-            torn = data[good_end:]
-            if torn.strip():
-                with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
-                    f.write(torn + b"\n")
-                self.repaired = True
-            with open(self.path, "r+b") as f:
-                f.truncate(good_end)
-        return records
-
-    def open(self, *, fresh: bool = False) -> dict[str, dict]:
-        """Lock the file, check it can be written (before any generation), return what is already finished.
-
-        ``fresh``: start the file over (only a results file: anything else is refused, never deleted).
-        """
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.lock()
-            if fresh:
-                self._start_over()
-            done = self.read()
-            self._fh = open(self.path, "a", encoding="utf-8")
-        except OSError as e:
-            self.unlock()
-            raise EvalError(
-                f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
-                "writable folder (in Colab, /content/... or a mounted Drive folder)"
-            ) from None
-        except BaseException:
-            self.unlock()
-            raise
-        return done
-
-    def _start_over(self) -> None:
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return
-        with open(self.path, "rb") as f:
-            first = f.readline(1 << 20)
-        try:
-            rec = json.loads(first)
-            ours = isinstance(rec, dict) and "id" in rec and ("output" in rec or "error" in rec)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            ours = False
-        if not ours:
-            raise EvalError(
-                f"{self.path} is not a safe_generate results file (its first line is no result record), "
-                "so resume=False will not delete it: pass results= another path"
-            )
-        with open(self.path, "r+b") as f:
-            f.truncate(0)
-
-    def append(self, record: dict, *, sync: bool = True) -> None:
-        """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._fh.flush()
-        if sync:
-            self.sync()
-
-    def sync(self) -> None:
-        """fsync: what was flushed survives a crash of the machine, not only of the process."""
-        os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        if self._fh is not None:
-            with contextlib.suppress(OSError):
-                self._fh.close()
-            self._fh = None
-        self.unlock()
-
-
-# ---------------------------------------------------------------------------------------------
-# scoring
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split()).strip(" .!?")
-
-
-def exact_match(output: str, reference: str) -> float:
-    """1.0 when the output equals the reference (case, surrounding spaces and final punctuation ignored)."""
-    return float(_norm(output) == _norm(reference))
-
-
-def contains_reference(output: str, reference: str) -> float:
-    """1.0 when the (normalized) reference appears in the output."""
-    return float(_norm(reference) in _norm(output))
-
-
-SCORERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "contains": contains_reference}
-
-
-def _scorer(score) -> tuple[str, Callable[[str, str], float]] | None:
-    if score is None:
-        return None
-    if isinstance(score, str):
-        if score not in SCORERS:
-            raise EvalError(
-                f"unknown score {score!r}: use one of {', '.join(SCORERS)} or a function(output, reference)"
-            )
-        return score, SCORERS[score]
-    if callable(score):
-        return getattr(score, "__name__", "score"), score
-    raise EvalError("score must be None, a name in SCORERS, or a function(output, reference) -> float")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -764,12 +435,50 @@ def safe_generate(
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
     """
+    items, ids, run = _prepare(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        results=results,
+        resume=resume,
+        generation_kwargs=generation_kwargs,
+        score=score,
+        max_batch_size=max_batch_size,
+        stream=stream,
+    )
+    store = ResultsFile(results)
+    _refuse_input_as_results(prompts, store.path)
+    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
+    try:
+        report = _generate_pending(
+            run,
+            items,
+            ids,
+            store,
+            done,
+            resume=resume,
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            progress=progress,
+            on_result=on_result,
+        )
+    finally:
+        store.close()
+    _finish(report, run, store, items)
+    return report
+
+
+def _prepare(
+    model, tokenizer, prompts, *, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream
+) -> tuple[list[dict], list[list[int]], _Run]:
+    """Every check that needs no results file (all before any generation): the prompts, their token ids, the run."""
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
     _check_results_arguments(results, resume)
     items = load_prompts(prompts)
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
-    scorer = _scorer(score)
+    scorer = resolve_scorer(score)
     # token ids once: the lengths (sorting, context limits) and the batches themselves
     ids = encode(tokenizer, [it["prompt"] for it in items])
     context = _context_length(model, tokenizer)
@@ -777,24 +486,34 @@ def safe_generate(
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
-    store = ResultsFile(results)
-    _refuse_input_as_results(prompts, store.path)
-    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
+    return items, ids, run
+
+
+def _generate_pending(
+    run: _Run,
+    items: list[dict],
+    ids: list[list[int]],
+    store: ResultsFile,
+    done: dict[str, dict],
+    *,
+    resume,
+    batch_size,
+    max_batch_size: int,
+    progress: bool,
+    on_result,
+) -> EvalReport:
+    """Generate what the (open, locked) results file does not hold yet; the report of this run so far."""
+    done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
+    _check_reuse(done, items, run, resume, store.path)
+    pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
+    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+    report.skipped = len(items) - len(pending)
+    longest = max(len(row) for row in ids)
+    budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
     try:
-        done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
-        _check_reuse(done, items, run, resume, store.path)
-        pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
-        report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
-        report.skipped = len(items) - len(pending)
-        longest = max(len(row) for row in ids)
-        budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
-        try:
-            _Loop(run, pending, store, report, budget, progress, on_result).run()
-        finally:
-            _remember(key, budget, max_new_tokens + longest)
+        _Loop(run, pending, store, report, budget, progress, on_result).run()
     finally:
-        store.close()
-    _finish(report, run, store, items)
+        _remember(key, budget, run.max_new_tokens + longest)
     return report
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
     {"units", "errors"},
-    {"html", "vocab"},
+    {"html", "vocab", "prompts", "results_file", "scoring"},
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime"},
     {"sources", "reclaim", "tensors"},
