@@ -221,3 +221,25 @@ def test_leak_views_escape_holder_names():
     for view in (leaks.census(ns), leaks.leak_checks(ns)):
         html = view._repr_html_()
         assert "<img" not in html and "&lt;img" in html, type(view).__name__
+
+
+def test_the_oom_forecast_on_two_cards_uses_the_fuller_card_that_holds_the_run(fake_gpus):
+    """A split model leaking on 2×T4: it runs out when the first card it uses fills. GPU 0 has 2 GiB
+    of room, GPU 1 11 GiB: the forecast counts 2 GiB. A card the run does not touch cannot take the growth."""
+    gib, mib = 2**30, 2**20
+    cuda = fake_gpus(2, 15 * gib)
+    cuda.set(0, 12 * gib, 12 * gib)
+    cuda.others[0] = 1 * gib  # 2 GiB free on GPU 0
+    cuda.set(1, 4 * gib, 5 * gib)  # 10 GiB free + 1 GiB cached on GPU 1
+    level = [0]
+
+    def grow():
+        level[0] += 100 * mib
+        return level[0]
+
+    det = leaks.GrowthDetector(warmup=1, window=4, measure=grow)
+    for _ in range(10):
+        det.record()
+    assert abs(det.report().predicted_oom_step - (10 + 2 * gib / (100 * mib))) <= 1  # ~20 steps, not ~113
+    cuda.set(0, 0, 0)  # the run on GPU 1 alone: GPU 0's room cannot take its growth
+    assert abs(det.report().predicted_oom_step - (10 + 11 * gib / (100 * mib))) <= 1

@@ -33,16 +33,23 @@ def _measure() -> int:
 
 
 def _headroom() -> int | None:
-    """Bytes that can still be allocated before an OOM: the GPU's free memory plus PyTorch's cache."""
+    """Bytes that can still be allocated before an OOM: a GPU's free memory plus PyTorch's cache there.
+    With several cards, the least of those that hold this process's tensors: growth spread over a split
+    model runs out on the first card to fill (a card it does not use cannot take the growth)."""
     try:
         if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
-            return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            used = [d for d in range(torch.cuda.device_count()) if torch.cuda.memory_allocated(d)]
+            return min(_card_headroom(d) for d in used or [torch.cuda.current_device()])
         import psutil
 
         return psutil.virtual_memory().available
     except Exception:
         return None
+
+
+def _card_headroom(device: int) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @dataclass
