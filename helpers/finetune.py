@@ -295,7 +295,14 @@ class TrainPlan:
             dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         )  # fmt: skip
         kw.update(overrides)
-        return TrainingArguments(**kw)
+        args = TrainingArguments(**kw)
+        if args.n_gpu > 1 and hasattr(args, "_n_gpu"):
+            # a notebook that sees several cards (Kaggle's 2×T4): Trainer would multiply the batch by the card
+            # count and wrap the model in nn.DataParallel, so the measured micro-batch doubles on one card (a
+            # quantized model is never wrapped) and a full-precision one is copied onto every card. One process
+            # trains on one card, as Trainer itself sets it for a model split over cards; run_ddp_qlora uses all
+            args._n_gpu = 1
+        return args
 
     def __str__(self) -> str:
         mb = "? (find_micro_batch)" if self.micro_batch is None else str(self.micro_batch)

@@ -342,3 +342,20 @@ def test_persistent_files_go_to_drive_when_it_is_mounted(monkeypatch, tmp_path):
     (tmp_path / "MyDrive").mkdir()
     assert sources.persistent_path("eval_results.jsonl") == tmp_path / "MyDrive" / "oomkit" / "eval_results.jsonl"
     assert sources.persistent_path(tmp_path / "mine.jsonl") == tmp_path / "mine.jsonl"  # an explicit path wins
+
+
+def test_a_notebook_seeing_two_cards_trains_the_measured_micro_batch_on_one(fake_gpus, monkeypatch, tmp_path):
+    """Kaggle's 2×T4 in a notebook: TrainingArguments counts 2 GPUs, so Trainer would feed 2 × the
+    micro-batch find_micro_batch measured to GPU 0 (a 4-bit model is never wrapped in DataParallel)
+    and copy a full-precision model onto GPU 1. The plan's batch stays the plan's."""
+    import bitsandbytes  # noqa: F401 - imported for real before torch.cuda is faked
+    from transformers import Trainer  # noqa: F401
+
+    fake_gpus(2, 15 * 2**30)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    plan = TrainPlan("some/model", micro_batch=2, batch_size=8, output_dir=str(tmp_path), precision="fp32",
+                     optimizer="adamw_torch")  # fmt: skip
+    args = plan.training_arguments()
+    assert args.device.type == "cuda" and torch.cuda.device_count() == 2
+    assert args.n_gpu == 1 and args.train_batch_size == 2
+    assert args.train_batch_size * args.gradient_accumulation_steps == plan.batch_size
