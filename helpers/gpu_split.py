@@ -17,14 +17,22 @@ from .devices import GPU_MARGIN, OFFLOAD_RAM_SHARE
 from .errors import LoadRefused
 from .estimator import fit
 from .memory import GPUReadout, MemorySnapshot
-from .placement import DeviceMapError, DevicePlan, PlacementError, plan_devices
+from .placement import (
+    PREQUANTIZED_OFFLOAD,
+    PREQUANTIZED_OFFLOAD_FIX,
+    DeviceMapError,
+    DevicePlan,
+    PlacementError,
+    bnb_prequantized,
+    plan_devices,
+)
 from .units import MiB, format_bytes
-from .vocab import FITS, SMALLER_LOAD
+from .vocab import FITS, QUANTIZED, SMALLER_LOAD
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
     "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
-    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix",
+    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix", "offloaded_bytes", "unquantized_note",
 ]  # fmt: skip
 
 
@@ -86,17 +94,41 @@ def split_plan(
     inputs = estimate.inputs
     if estimate.load not in ("fp32", "fp16", "bf16", "int8", "nf4", "fp4") or estimate.source is None:
         raise PlacementError(f"no placement for a {estimate.load} checkpoint")
-    # an unquantized load computes (and is laid out on the meta device) in its own dtype
-    compute = inputs.get("compute_dtype", "auto") if estimate.load in ("int8", "nf4", "fp4") else estimate.load
-    if compute == "auto":
-        compute = "bf16" if all(d["bf16"] for d in devices) else "fp16"
     return plan_devices(
         estimate.source, load=estimate.load, devices=devices, cpu_offload=offload, disk_offload=disk,
-        cpu_memory=ram, compute_dtype=compute, double_quant=inputs.get("double_quant", True),
+        cpu_memory=ram, compute_dtype=_compute_dtype(estimate, all(d["bf16"] for d in devices)),
+        double_quant=inputs.get("double_quant", True),
         batch_size=inputs.get("batch_size", 1), prompt_tokens=inputs.get("prompt_tokens", 512),
         max_new_tokens=inputs.get("max_new_tokens", 256), device_map=device_map, max_memory=max_memory,
         offload_folder=offload_folder or "offload",
     )  # fmt: skip
+
+
+def _compute_dtype(estimate, bf16: bool) -> str:
+    """The dtype ``estimate``'s model computes in on GPUs that have bf16 (or not): an unquantized load computes
+    (and is laid out on the meta device) in its own dtype; int8/4-bit in the plan's compute dtype."""
+    compute = estimate.inputs.get("compute_dtype", "auto") if estimate.load in QUANTIZED else estimate.load
+    if compute == "auto":
+        return "bf16" if bf16 else "fp16"
+    return compute
+
+
+def unquantized_note(estimate, bf16: bool) -> str:
+    """Why a quantized load offloads more bytes than its estimate shows, for a refusal or warning to say (load()
+    and the split alike); empty for an unquantized load."""
+    if estimate.load not in QUANTIZED:
+        return ""
+    return f" (offloaded bitsandbytes layers stay unquantized, in {_compute_dtype(estimate, bf16)})"
+
+
+def offloaded_bytes(estimate, overflow: int, bf16: bool) -> int:
+    """RAM that ``overflow`` bytes of ``estimate``'s weights (counted at the load's width) take once offloaded:
+    bitsandbytes leaves offloaded layers unquantized, in the compute dtype. The placement (:func:`split_plan`)
+    counts this module by module; this is the same rule on average, for a model no placement can be built for."""
+    if estimate.load not in QUANTIZED or overflow <= 0:
+        return max(0, overflow)
+    plain = estimate.replace(load=_compute_dtype(estimate, bf16)).weights
+    return -(-overflow * plain // estimate.weights)  # rounded up: a refusal, not a kill, at the boundary
 
 
 def stays_on_first(estimate, first: dict, place=None) -> bool:
@@ -259,7 +291,9 @@ def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuD
         return _with_split(offloaded, [f"the model does not fit the {len(gpus)} GPUs: {offloaded.slowdown}"])
     fix = _fix_across(est, gpus)
     spill = split.offloaded("cpu") + split.offloaded("disk")
-    if not plan.allow_offload and 0 < spill <= ram:
+    if bnb_prequantized(est):
+        fix += f"; or {PREQUANTIZED_OFFLOAD_FIX}"
+    elif not plan.allow_offload and 0 < spill <= ram:
         fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
     reason = (offloaded or split).reasons[0]
     free = " + ".join(format_bytes(g.free) for g in gpus)
@@ -273,12 +307,21 @@ def _transformers_places(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]
     keep each one's runtime free, RAM only with ``allow_offload``, and the whole checked."""
     runtime = max(0, est.total - est.weights)
     caps: dict[Any, int] = {g.index: max(0, gpu_room(est, g) - runtime - GPU_MARGIN) for g in gpus}
-    room = sum(caps.values()) + (offload_ram(snap) if plan.allow_offload else 0)
-    if est.weights > room:
+    offload, ram = plan.allow_offload and not bnb_prequantized(est), offload_ram(snap)
+    overflow = max(0, est.weights - sum(caps.values()))
+    if overflow and not offload:
+        why = f"; {PREQUANTIZED_OFFLOAD}" if plan.allow_offload else ""
         raise LoadRefused(f"{est.model} as {est.load} has {format_bytes(est.weights)} of weights and the "
-                          f"{len(gpus)} GPUs have room for {format_bytes(room)}", _fix_across(est, gpus))  # fmt: skip
-    if plan.allow_offload:
-        caps["cpu"] = offload_ram(snap)
+                          f"{len(gpus)} GPUs have room for {format_bytes(sum(caps.values()))}{why}",
+                          _fix_across(est, gpus))  # fmt: skip
+    bf16 = all(g.supports_bf16 for g in gpus)
+    needed = offloaded_bytes(est, overflow, bf16)
+    if needed > ram:
+        raise LoadRefused(f"{est.model} as {est.load} would offload {format_bytes(needed)} of weights to CPU RAM"
+                          f"{unquantized_note(est, bf16)}, more than the {format_bytes(ram)} offered",
+                          _fix_across(est, gpus))  # fmt: skip
+    if offload:
+        caps["cpu"] = ram
     why = str(error).split(" (", 1)[0]
     return GpuDecision(None, caps, [], [f"split by transformers within max_memory ({why}: not checked card by card)"])
 

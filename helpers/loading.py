@@ -27,7 +27,6 @@ from .compat import from_pretrained_dtype
 from .devices import (  # the placement constants live with the device facts; named here as before
     DISK_BYTES_PER_S,
     GPU_MARGIN,
-    OFFLOAD_RAM_SHARE,
     PCIE_BYTES_PER_S,
     bitsandbytes_status,
     device_kind,
@@ -44,13 +43,15 @@ from .gpu_split import (
     held_hint,
     map_gpu,
     offload_ram,
+    offloaded_bytes,
     other_gpus_note,
     smaller_load_fix,
     split_plan,
+    unquantized_note,
 )
 from .html import table
 from .memory import MemorySnapshot, allocated
-from .placement import DevicePlan, PlacementError
+from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
@@ -389,7 +390,6 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
     verdict = fit(estimate, device=gpu_device(g, room))
     if verdict.verdict != DOES_NOT_FIT:
         return warnings + placement_spill(plan, estimate, g, room, snap)
-    extra = estimate.total - room
     fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
         raise LoadRefused(
@@ -403,26 +403,51 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
             f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
             fix,
         )
-    if extra > ram * OFFLOAD_RAM_SHARE and not plan.offload_folder:
+    return warnings + check_offload(plan, estimate, g, room, snap, fix)
+
+
+def check_offload(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, fix: str) -> list[str]:
+    """The estimate does not fit GPU ``g``: what ``device_map="auto"`` would offload, sized as the split over
+    several GPUs sizes it (transformers' placement for the card, offloaded bitsandbytes layers counted
+    unquantized: a Llama-2-13B nf4 3.4 GiB over a T4's free memory puts 15.7 GiB into RAM, as
+    tests/test_loading.py checks). Refused when that does not fit the RAM offload may take, or without
+    ``allow_offload``; else a warning."""
+    too_big = f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
+    if bnb_prequantized(estimate):
         raise LoadRefused(
-            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} "
-            f"free on {g.name}, and the {format_bytes(extra)} that would be offloaded does not fit "
-            f"the {format_bytes(ram)} of RAM available either",
+            f"{too_big}, and {PREQUANTIZED_OFFLOAD}{held_hint(g)}", f"{fix}; or {PREQUANTIZED_OFFLOAD_FIX}"
+        )
+    ram, share = snap.ram.available, offload_ram(snap)
+    try:
+        placed = split_plan(estimate, [gpu_device(g, room)], ram=share, offload=True, disk=bool(plan.offload_folder),
+                            offload_folder=plan.offload_folder)  # fmt: skip
+        on_cpu, on_disk, reason = placed.offloaded("cpu"), placed.offloaded("disk"), next(iter(placed.reasons), None)
+    except PlacementError:  # an architecture the meta device cannot build: the estimate's overflow, at RAM width
+        on_cpu = offloaded_bytes(estimate, estimate.total - room, g.supports_bf16)
+        on_disk, reason = 0, None
+        if on_cpu > share and plan.offload_folder:  # what RAM cannot take goes to the folder
+            on_cpu, on_disk = share, on_cpu - share
+    offload = on_cpu + on_disk
+    if on_cpu > share or (on_disk and not plan.offload_folder):
+        raise LoadRefused(
+            f"{too_big}, and the {format_bytes(offload)} of weights that would be offloaded"
+            f"{unquantized_note(estimate, g.supports_bf16)} do not fit the {format_bytes(ram)} of RAM available "
+            f"either (offload may take {format_bytes(share)}){held_hint(g)}",
             fix,
         )
-    where = "CPU RAM" if extra <= ram * OFFLOAD_RAM_SHARE else "disk"
+    if reason is not None:  # 4-bit weights to disk, a card without room for its runtime
+        raise LoadRefused(f"{too_big}, and {reason}{held_hint(g)}", fix)
+    where = "disk" if on_disk else "CPU RAM"
     if not plan.allow_offload:
         raise LoadRefused(
-            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on "
-            f"{g.name}: loading would offload about {format_bytes(extra)} of weights to {where}, and every "
+            f"{too_big}: loading would offload about {format_bytes(offload)} of weights to {where}, and every "
             f"generated token would be much slower{held_hint(g)}",
             f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
         )
-    warnings.append(
-        f"about {format_bytes(extra)} of weights will be offloaded to {where}: generation will be much slower. "
+    return [
+        f"about {format_bytes(offload)} of weights will be offloaded to {where}: generation will be much slower. "
         f"Better: {fix}"
-    )
-    return warnings
+    ]
 
 
 def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
@@ -488,6 +513,8 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     if not spill:
         return []
     fix = f"{smaller_load_fix(estimate.load)}, or a smaller batch or max_new_tokens"
+    if bnb_prequantized(estimate):  # its load mode is the saved one; the placement refuses its offload
+        fix = f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
            f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
     if not placed.fits:
@@ -496,6 +523,21 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
         raise LoadRefused(f"{why}: every generated token would be much slower",
                           f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip
     return [f"{why}: generation will be much slower. Better: {fix}"]
+
+
+def check_prequantized_map(plan: LoadPlan, estimate) -> None:
+    """Refuse a ``device_map`` of the user's that offloads part of a checkpoint saved quantized by bitsandbytes:
+    transformers cannot load it so (``PREQUANTIZED_OFFLOAD``). Every module on the CPU is no offload."""
+    if not bnb_prequantized(estimate) or not isinstance(plan.device_map, dict):
+        return
+    places = {str(v) for v in plan.device_map.values()}
+    offloaded = sorted(places & {"cpu", "disk"})
+    if offloaded and places != {"cpu"}:
+        raise LoadRefused(
+            f"the device_map puts part of {plan.model} on {' and '.join(offloaded)}, and {PREQUANTIZED_OFFLOAD}",
+            "put every module on the GPU (device_map={'': 0}) with a smaller batch or max_new_tokens; "
+            f"or {PREQUANTIZED_OFFLOAD_FIX}",
+        )
 
 
 def _mapped_gpu(plan: LoadPlan, snap: MemorySnapshot):
@@ -551,6 +593,7 @@ def check_plan(
     check_bitsandbytes(plan.load, device, bnb)
     check_ram_for_loading(plan.model, snap)
     est = estimate if estimate is not None else plan.estimate("current")
+    check_prequantized_map(plan, est)
     checked = PlanCheck(plan=plan, source=source, estimate=est, max_memory=plan.max_memory)
     decision = decide_gpus(plan, est, snap)  # None: one GPU (or none) decides, as below
     if decision is not None:
@@ -771,7 +814,7 @@ def load(
     Raises:
         LoadError (``ModelNotFoundError`` or ``LoadRefused``) with the reason and the fix.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if isinstance(plan, str | os.PathLike):
         _check_fields(plan_changes)
@@ -789,7 +832,7 @@ def load(
     cuda = torch.cuda.is_available()
     before = allocated("all") if cuda else 0
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(plan.model, **kwargs)
+    model = _from_pretrained(plan.model, kwargs, est)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
     tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
     measured = footprint(model)
@@ -825,6 +868,7 @@ def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) 
     if plan.adapter:
         check_adapter(plan.adapter)
     check_bitsandbytes(plan.load, device_kind(), bnb)
+    check_prequantized_map(plan, checked.estimate)  # a certain failure, not a risk to accept
     return checked
 
 
@@ -841,12 +885,32 @@ def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str
         run_plan.from_pretrained_kwargs() if checked.split is None else checked.split.from_pretrained_kwargs(run_plan)
     )
     if checked.estimate.quantized_by is not None:  # the checkpoint's own config decides (transformers warns)
+        # nor is llm_int8_enable_fp32_cpu_offload passed another way: the checks refused any offload of a
+        # bitsandbytes checkpoint, which transformers cannot load (placement.PREQUANTIZED_OFFLOAD)
         kwargs.pop("quantization_config", None)
     if device_kind() != "cuda" and (kwargs.get("device_map") == "auto" or checked.split is not None):
         # nothing to place on a CPU-only machine (a split here was planned for a simulated one)
         kwargs["device_map"] = None
         kwargs.pop("max_memory", None)
     return kwargs, run_plan.token
+
+
+def _from_pretrained(model: str, kwargs: dict[str, Any], est):
+    """``AutoModelForCausalLM.from_pretrained``; the refusal transformers gives when its own placement offloads
+    part of a checkpoint saved quantized by bitsandbytes (a ``max_memory`` with a CPU share: the checks
+    predicted no offload) becomes oomkit's, with the fix."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    except ValueError as e:
+        if not (bnb_prequantized(est) and "llm_int8_enable_fp32_cpu_offload" in str(e)):
+            raise
+        raise LoadRefused(
+            f"transformers' placement put part of {model} on the CPU or disk, and {PREQUANTIZED_OFFLOAD}",
+            "free GPU memory (unload an earlier model), a smaller batch or max_new_tokens; "
+            f"or {PREQUANTIZED_OFFLOAD_FIX}",
+        ) from None
 
 
 def _with_adapter(model, adapter: str | None, base_bytes: int):

@@ -48,10 +48,32 @@ from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
-    "reference_configs", "FitsTable", "fits_table", "BNB_MARGIN",
+    "reference_configs", "FitsTable", "fits_table", "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
+    "PREQUANTIZED_OFFLOAD_FIX",
 ]  # fmt: skip
 
 BNB_MARGIN = 0.90  # bitsandbytes' quantizers keep 10 % of every device's max_memory for their buffers
+
+# transformers (5.1 to 5.23) loads a saved bitsandbytes checkpoint with its own quantization_config and ignores one
+# passed to from_pretrained (it warns; BitsAndBytesConfig is not among the configs whose loading attributes it merges),
+# so the offload flag cannot be passed that way. Set in the checkpoint's own config instead, it builds the layers a
+# device_map dict offloads as plain nn.Linear, which the saved packed weights do not fit (5.23: size mismatch at load;
+# 5.1 and int8: the load succeeds, the first forward fails); with device_map="auto" the layers are replaced before the
+# map exists, and an offloaded one quantizes the saved packed bytes again at its first forward (seen with disk offload)
+PREQUANTIZED_OFFLOAD = (
+    "a checkpoint saved quantized by bitsandbytes cannot be offloaded to CPU or disk (transformers refuses it without "
+    "llm_int8_enable_fp32_cpu_offload, and with it the offloaded layers cannot take the saved 4-bit/8-bit weights)"
+)
+PREQUANTIZED_OFFLOAD_FIX = (
+    "load the original (unquantized) checkpoint with load='nf4' instead: bitsandbytes then quantizes it while loading "
+    "and can offload what does not fit"
+)
+
+
+def bnb_prequantized(est) -> bool:
+    """Whether the estimate is of a checkpoint saved quantized by bitsandbytes (a ``*-bnb-4bit`` repo): its
+    layers can only be loaded where they fit, never offloaded (see ``PREQUANTIZED_OFFLOAD``)."""
+    return getattr(est, "quantized_by", None) == "bitsandbytes"
 
 
 class PlacementError(OomkitError, ValueError):
@@ -434,7 +456,7 @@ def plan_devices(
     plan = DevicePlan(str(name), load, cd, [], device_map, max_memory, placed, est.weights,
                       offload_folder=offload_folder if disk_offload else None)  # fmt: skip
     _fill_shares(plan, meta, config, est, gpus, rt, b, double_quant, ram, cpu_offload or disk_offload)
-    _check_rules(plan, gpus, cpu_offload, disk_offload)
+    _check_rules(plan, gpus, cpu_offload, disk_offload, bnb_prequantized(est))
     return plan
 
 
@@ -502,7 +524,7 @@ def _fill_shares(plan: DevicePlan, meta, config, est, gpus, rt: dict, b: int, do
                           "busy at a time): the cards together hold a bigger model, they do not generate faster")  # fmt: skip
 
 
-def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) -> None:
+def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool, prequantized: bool) -> None:
     cpu, disk = plan.offloaded("cpu"), plan.offloaded("disk")
     if not gpus:
         plan.notes.append("no GPU: every module on the CPU")
@@ -515,7 +537,11 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) 
     spill = cpu + disk
     if spill and not (cpu_offload or disk_offload):
         plan.reasons.append(f"{format_bytes(spill)} of weights do not fit on the {len(gpus)} GPU(s)")
-        plan.fixes.append(_more_room_fix(plan))
+        plan.fixes.append(_more_room_fix(plan, prequantized))
+        return
+    if spill and prequantized:
+        plan.reasons.append(PREQUANTIZED_OFFLOAD)
+        plan.fixes.append(_more_room_fix(plan, prequantized))
         return
     if disk and not disk_offload:
         plan.reasons.append(f"{format_bytes(disk)} of weights do not fit the GPUs and the CPU RAM offered")
@@ -539,7 +565,9 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool) 
         plan.fixes.append("a 4-bit load, more GPUs, or a smaller model")
 
 
-def _more_room_fix(plan: DevicePlan) -> str:
+def _more_room_fix(plan: DevicePlan, prequantized: bool) -> str:
+    if prequantized:  # its load mode is the saved one, and it cannot be offloaded
+        return f"more GPUs; or {PREQUANTIZED_OFFLOAD_FIX}"
     smaller = SMALLER_LOAD.get(plan.load)
     options = ["cpu_offload=True (slow: see the slowdown)", "more GPUs"]
     if smaller:

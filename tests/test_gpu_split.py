@@ -152,6 +152,40 @@ def test_an_offload_larger_than_the_ram_is_refused(tiny_llama):
         check_plan(plan, snapshot=kaggle(ram_avail=28 * GiB), bnb=BNB_OK, estimate=est)
 
 
+def test_without_a_placement_an_offload_larger_than_the_ram_is_refused(monkeypatch, tiny_llama):
+    """The caps transformers splits within (an architecture the meta device cannot build): the weights over
+    the cards are counted unquantized in RAM, as the placement counts them. Llama-2-70B nf4 on 2×T4 was let
+    through with 28 GiB of RAM (its nf4 overflow fits the 22.4 GiB offload may take; unquantized it does not)."""
+
+    def unplaceable(*args, **kwargs):
+        raise PlacementError("cannot build this architecture on the meta device (ValueError: model_type 'x')")
+
+    monkeypatch.setattr(gpu_split, "split_plan", unplaceable)
+    est = estimate(reference_configs()["Llama-2-70b"], load="nf4", device="t4")
+    plan = LoadPlan(str(tiny_llama), load="nf4", allow_offload=True)
+    with pytest.raises(LoadRefused, match=r"would offload .* of weights to CPU RAM \(offloaded bitsandbytes layers "
+                       r"stay unquantized, in fp16\), more than the 22.40 GiB offered"):  # fmt: skip
+        check_plan(plan, snapshot=kaggle(ram_avail=28 * GiB), bnb=BNB_OK, estimate=est)
+    checked = check_plan(plan, snapshot=kaggle(ram_avail=60 * GiB), bnb=BNB_OK, estimate=est)
+    assert checked.max_memory["cpu"] == int(60 * GiB * 0.8)
+
+
+def test_a_saved_bnb_checkpoint_is_split_over_the_gpus_or_refused_never_offloaded(tiny_llama):
+    """A "-bnb-4bit" repo of Llama-2-70B does not fit 2×T4: offload is refused even with allow_offload
+    (transformers cannot load it so), and the fix is not allow_offload."""
+    import copy
+
+    config = copy.deepcopy(reference_configs()["Llama-2-70b"])
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    est = estimate(config, device="t4")
+    for allow in (False, True):
+        with pytest.raises(LoadRefused, match="does not fit split across 2 GPUs") as e:
+            check_plan(LoadPlan(str(tiny_llama), load="nf4", allow_offload=allow), snapshot=kaggle(ram_avail=100 * GiB),
+                       bnb=BNB_OK, estimate=est)  # fmt: skip
+        assert "allow_offload" not in e.value.fix and "original (unquantized) checkpoint" in e.value.fix
+    assert "cannot be offloaded" in str(e.value)
+
+
 def test_a_one_card_map_is_checked_on_the_card_it_names(tiny_llama):
     est = estimate("meta-llama/Llama-2-7b-hf", load="nf4", device="t4")
     tight = kaggle()

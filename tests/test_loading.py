@@ -1,13 +1,17 @@
 """Load plans, pre-load refusals with their messages, and real int8/nf4 loads of the tiny model."""
 
+import copy
+import warnings
+
 import httpx2
 import pytest
 import torch
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-from transformers import BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import helpers.loading as loading
 import helpers.sources as sources
+from helpers import gpu_split
 from helpers.estimator import estimate
 from helpers.loading import (
     LoadPlan,
@@ -19,7 +23,8 @@ from helpers.loading import (
     max_memory_for,
 )  # fmt: skip
 from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.units import GiB, MiB
+from helpers.placement import PlacementError, reference_configs
+from helpers.units import GiB, MiB, format_bytes
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")
@@ -256,6 +261,150 @@ def test_memory_held_by_an_earlier_model_is_named_instead_of_a_silent_offload(ti
     held.gpus[0].allocated = 12 * GiB  # an earlier cell's model still on the card
     with pytest.raises(LoadRefused, match="already holds 12.00 GiB on the GPU.*unload\\(model\\) first"):
         check_plan(LoadPlan(str(tiny_llama), load="nf4"), snapshot=held, bnb=BNB_OK, estimate=est)
+
+
+# -- what offloading puts into RAM, and checkpoints that cannot be offloaded -------------------
+
+
+def test_one_card_offload_is_sized_as_bitsandbytes_leaves_it_unquantized(tiny_llama):
+    """Colab's T4 with 4 GiB free and 11 GiB of RAM. Llama-2-13B nf4 is 3.37 GiB over the card at nf4 width,
+    but the layers that go to the CPU stay unquantized: 15.67 GiB, more than the 8.80 GiB offload may take
+    (the kernel would die). The figure is the split's (placement per module), refused even with allow_offload."""
+    snap = machine(free=4 * GiB)
+    est = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
+    room = gpu_split.gpu_room(est, snap.gpu)
+    placed = gpu_split.split_plan(est, [gpu_split.gpu_device(snap.gpu, room)], ram=gpu_split.offload_ram(snap),
+                                  offload=True)  # fmt: skip
+    assert format_bytes(est.total - room) == "3.37 GiB"  # what was compared with the RAM before
+    assert format_bytes(placed.offloaded("cpu")) == "15.67 GiB"
+    plan = LoadPlan(str(tiny_llama), load="nf4", allow_offload=True)
+    with pytest.raises(LoadRefused, match=r"and the 15\.67 GiB of weights that would be offloaded \(offloaded "
+                       r"bitsandbytes layers stay unquantized, in fp16\) do not fit the 11\.00 GiB of RAM available "
+                       r"either \(offload may take 8\.80 GiB\)"):  # fmt: skip
+        check_plan(plan, snapshot=snap, bnb=BNB_OK, estimate=est)
+    # what fits the RAM is allowed, and the warning says what RAM will hold: Mistral-7B int8, 3.14 GiB over
+    est = estimate("mistralai/Mistral-7B-v0.1", load="int8", device="t4")
+    (warning,) = check_plan(plan.replace(load="int8"), snapshot=snap, bnb=BNB_OK, estimate=est).warnings
+    assert warning.startswith("about 7.96 GiB of weights will be offloaded to CPU RAM"), warning
+
+
+def test_without_a_placement_the_offload_is_still_counted_unquantized(tiny_llama, monkeypatch):
+    """An architecture the meta device cannot build: the estimate's overflow, re-counted at the compute width."""
+
+    def unplaceable(*args, **kwargs):
+        raise PlacementError("cannot build this architecture on the meta device")
+
+    monkeypatch.setattr(loading, "split_plan", unplaceable)
+    snap = machine(free=4 * GiB)
+    est = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
+    overflow = est.total - gpu_split.gpu_room(est, snap.gpu)
+    real = gpu_split.offloaded_bytes(est, overflow, bf16=False)
+    assert real > 3.5 * overflow  # nf4 is ~4.5 bits a weight, fp16 16
+    with pytest.raises(LoadRefused, match=f"the {format_bytes(real)} of weights that would be offloaded"):
+        check_plan(LoadPlan(str(tiny_llama), load="nf4", allow_offload=True), snapshot=snap, bnb=BNB_OK, estimate=est)
+
+
+BNB_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+           "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "float16"}  # fmt: skip
+
+
+def saved_bnb(name: str, quantization_config: dict):
+    """A reference model's config as a "-bnb-4bit" repo ships it: its quantization_config decides the load."""
+    config = copy.deepcopy(reference_configs()[name])
+    config.quantization_config = dict(quantization_config)
+    return config
+
+
+def test_a_saved_bnb_checkpoint_that_would_offload_is_refused_even_with_allow_offload(tiny_llama):
+    """transformers cannot offload part of a checkpoint that bitsandbytes saved (see the test below): oomkit
+    refuses before loading whatever the plan allows, and never offers allow_offload as the fix."""
+    est = estimate(saved_bnb("Llama-2-13b", BNB_NF4), device="t4")
+    assert est.quantized_by == "bitsandbytes" and est.load == "nf4"
+    plan = LoadPlan(str(tiny_llama), load="nf4")
+    for allow in (False, True):
+        with pytest.raises(LoadRefused, match="does not fit the 4.00 GiB free on Tesla T4, and a checkpoint saved "
+                           "quantized by bitsandbytes cannot be offloaded") as e:  # fmt: skip
+            check_plan(plan.replace(allow_offload=allow), snapshot=machine(free=4 * GiB), bnb=BNB_OK, estimate=est)
+        assert "allow_offload" not in e.value.fix and "original (unquantized) checkpoint with load='nf4'" in e.value.fix
+    # the estimate fits a whole T4, but transformers' placement leaves the last layers of a 13B int8 for the CPU
+    int8 = estimate(saved_bnb("Llama-2-13b", {"quant_method": "bitsandbytes", "load_in_8bit": True}), device="t4")
+    with pytest.raises(LoadRefused, match="leaves .* for CPU RAM, and a checkpoint saved quantized by bitsandbytes "
+                       "cannot be offloaded") as e:  # fmt: skip
+        check_plan(plan.replace(load="int8", allow_offload=True), snapshot=machine(), bnb=BNB_OK, estimate=int8)
+    assert e.value.fix.startswith("a smaller batch or max_new_tokens; or load the original")
+    # a hand-made map with a CPU or disk entry is refused before anything else is checked
+    with pytest.raises(LoadRefused, match="the device_map puts part of .* on disk, and a checkpoint saved"):
+        check_plan(plan.replace(device_map={"model": 0, "lm_head": "disk"}), snapshot=machine(), bnb=BNB_OK,
+                   estimate=est)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved_nf4(tiny_models, tmp_path_factory):
+    """The tiny Llama saved after an nf4 load: a "-bnb-4bit" folder, as Unsloth and others publish them."""
+    path = tmp_path_factory.mktemp("tiny-llama-bnb-4bit")
+    model, tok, _ = load(LoadPlan(str(tiny_models["llama"]), load="nf4", double_quant=False))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def offloading_map(layers: int, first: str = "disk") -> dict:
+    """A device map of the tiny Llama with layer 0 on ``first`` and the rest on the CPU (a CPU machine's offload)."""
+    return {"model.embed_tokens": "cpu", **{f"model.layers.{i}": first if i == 0 else "cpu" for i in range(layers)},
+            "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
+
+
+def test_what_from_pretrained_gets_for_a_saved_bnb_checkpoint(saved_nf4, tmp_path, monkeypatch):
+    """Its own quantization_config loads it (none passed beside it); a map that offloads part of it is
+    refused before from_pretrained is called (transformers would refuse it, or load what cannot run)."""
+    plan = LoadPlan(str(saved_nf4), load="nf4", double_quant=False)
+    kwargs, _ = loading._run_kwargs(plan, check_plan(plan, snapshot=machine(gpu=False), bnb=BNB_OK))
+    assert "quantization_config" not in kwargs and "config" not in kwargs
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    offloading = plan.replace(device_map=offloading_map(4), offload_folder=str(tmp_path), allow_offload=True)
+    for check in (True, False):  # not a risk to accept: a load that cannot work
+        with pytest.raises(LoadRefused, match="the device_map puts part of .* on cpu and disk, and a checkpoint "
+                           "saved quantized by bitsandbytes cannot be offloaded") as e:  # fmt: skip
+            load(offloading, check=check)
+        assert "load='nf4'" in e.value.fix
+    assert calls == []
+    model, _, report = load(plan)  # all on the CPU: no offload, loads
+    assert len(calls) == 1 and "quantization_config" not in calls[0] and set(report.placement) == {"cpu"}
+
+
+def test_transformers_own_offload_of_a_saved_bnb_checkpoint_is_an_oomkit_refusal(saved_nf4, tmp_path):
+    """device_map="auto" with a CPU share in max_memory: when transformers' placement offloads after all
+    (the checks predicted it would not), its ValueError comes back as LoadRefused with the fix."""
+    est = estimate(str(saved_nf4), device="current")
+    kwargs = {"device_map": "auto", "max_memory": {"cpu": 300 * 1024}, "offload_folder": str(tmp_path)}
+    with pytest.raises(LoadRefused, match="transformers' placement put part of .* on the CPU or disk, and a "
+                       "checkpoint saved quantized by bitsandbytes cannot be offloaded"):  # fmt: skip
+        loading._from_pretrained(str(saved_nf4), kwargs, est)
+
+
+def test_transformers_cannot_offload_a_saved_bnb_checkpoint_even_with_the_flag(saved_nf4, tmp_path):
+    """Why load() refuses instead of passing llm_int8_enable_fp32_cpu_offload=True: a BitsAndBytesConfig passed
+    beside the checkpoint's own is ignored (transformers warns, then refuses the offload), and the flag set in
+    the checkpoint's own config builds the offloaded layers as plain nn.Linear, which the saved 4-bit weights
+    do not fit (5.23: a size mismatch while loading; 5.1: the first forward fails). If this test fails,
+    transformers has learnt to do it: pass the flag instead of refusing (placement.PREQUANTIZED_OFFLOAD)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(saved_nf4)
+    dm = offloading_map(config.num_hidden_layers)
+    flag = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_enable_fp32_cpu_offload=True)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="llm_int8_enable_fp32_cpu"):
+        warnings.simplefilter("always")
+        AutoModelForCausalLM.from_pretrained(saved_nf4, device_map=dm, offload_folder=str(tmp_path / "a"),
+                                             quantization_config=flag)  # fmt: skip
+    assert any("`quantization_config` from the model will be used" in str(w.message) for w in caught)
+    config.quantization_config["llm_int8_enable_fp32_cpu_offload"] = True
+    with pytest.raises((RuntimeError, ValueError), match="size|shape"):
+        model = AutoModelForCausalLM.from_pretrained(saved_nf4, config=config, device_map=dm,
+                                                     offload_folder=str(tmp_path / "b"))  # fmt: skip
+        model(torch.tensor([[1, 2, 3]]))
 
 
 def test_cpu_only_plan_larger_than_ram_is_refused(tiny_llama):
