@@ -168,13 +168,15 @@ class LoadPlan:
             return None
         from transformers import BitsAndBytesConfig
 
+        # fp32 CPU offload lets device_map="auto" put the modules that do not fit on the CPU instead of failing
+        # (transformers refuses a placement with CPU entries without it, for 4-bit as for int8); the checks
+        # before loading allow that only with allow_offload, and the report warns about the speed
+        offload = self.device_map == "auto" and device_kind() == "cuda"
         if self.load == "int8":
-            # fp32 CPU offload lets device_map put the modules that do not fit on the CPU
-            # instead of failing; the report warns about the speed.
-            offload = self.device_map == "auto" and device_kind() == "cuda"
             return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
         return BitsAndBytesConfig(
             load_in_4bit=True,
+            llm_int8_enable_fp32_cpu_offload=offload,
             bnb_4bit_quant_type=self.load,
             bnb_4bit_use_double_quant=self.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(self.resolved_compute_dtype(device)),

@@ -54,6 +54,18 @@ def test_4bit_kwargs_use_quantization_config_not_deprecated_keywords(mode, quant
     assert kw["device_map"] == "auto" and kw["attn_implementation"] == "sdpa" and kw["trust_remote_code"] is False
 
 
+@pytest.mark.parametrize("mode", ["int8", "nf4", "fp4"])
+def test_an_auto_placement_on_a_gpu_may_offload_any_bitsandbytes_mode(mode, monkeypatch):
+    """transformers refuses an 'auto' placement with CPU entries unless llm_int8_enable_fp32_cpu_offload is set,
+    for 4-bit as for int8: an nf4 plan load() allowed to offload (allow_offload=True) failed there."""
+    monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    assert LoadPlan("org/model", load=mode, compute_dtype="fp16").quantization_config().llm_int8_enable_fp32_cpu_offload
+    pinned = LoadPlan("org/model", load=mode, compute_dtype="fp16", device_map={"": 0}).quantization_config()
+    assert pinned.llm_int8_enable_fp32_cpu_offload is False  # a map of one card never offloads
+    monkeypatch.setattr(loading, "device_kind", lambda: "cpu")
+    assert LoadPlan("org/model", load=mode).quantization_config().llm_int8_enable_fp32_cpu_offload is False
+
+
 def test_int8_and_half_precision_kwargs():
     kw = LoadPlan("org/model", load="int8").from_pretrained_kwargs()
     assert kw["quantization_config"].load_in_8bit and "load_in_8bit" not in kw
