@@ -22,12 +22,12 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import SPILL_WHY, held_hint, placement_keeps, smaller_load_fix, stays_on_first
+from .gpu_split import SPILL_WHY, held_hint, placement_keeps, spill_fix, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
 from .memory import snapshot as take_snapshot
-from .placement import DevicePlan, plan_devices
+from .placement import PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized, plan_devices
 from .session import in_colab
 from .sources import checkpoint_size, hub_offline_reason, looks_like_path
 from .units import GiB, MiB, format_bytes
@@ -458,7 +458,7 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
             "fit",
             "fail",
             summary,
-            smaller_load_fix(est.load),
+            spill_fix(est),
             {**data, "verdict": DOES_NOT_FIT, "placement_spill": True},
         )
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
@@ -547,6 +547,8 @@ def _no_split_fix(est: MemoryEstimate, caps: list[int]) -> str:
     """When no load mode fits the GPUs: a change that fits GPU 0 (often a smaller model), and CPU offload."""
     offload = (f"offload layers to CPU RAM: plan_devices({est.model!r}, load={est.load!r}, devices='current', "
                "cpu_offload=True) (offloaded layers cross PCIe every token: several times slower)")  # fmt: skip
+    if bnb_prequantized(est):  # saved quantized: it cannot be offloaded
+        offload = PREQUANTIZED_OFFLOAD_FIX
     fitting = [s for s in fit(est, caps[0]).suggestions if verdict(s.estimate.total, caps[0]) == FITS]
     return f"{fitting[0].change} (fits GPU 0 alone); or {offload}" if fitting else offload
 

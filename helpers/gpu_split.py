@@ -32,7 +32,7 @@ from .vocab import FITS, QUANTIZED, SMALLER_LOAD
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
     "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
-    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix", "offloaded_bytes", "unquantized_note",
+    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
 ]  # fmt: skip
 
 
@@ -199,6 +199,15 @@ def smaller_load_fix(load: str) -> str:
     """The first fix for a plan transformers would partly offload: the next smaller load mode."""
     smaller = SMALLER_LOAD.get(load)
     return f"load={smaller!r}" if smaller else "a smaller model"
+
+
+def spill_fix(est) -> str:
+    """The fix for a plan transformers would partly offload: the next smaller load mode; for a checkpoint
+    saved quantized by bitsandbytes (its load mode is the saved one, and it cannot be offloaded), loading
+    the original instead."""
+    if bnb_prequantized(est):
+        return f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
+    return f"{smaller_load_fix(est.load)}, or a smaller batch or max_new_tokens"
 
 
 def held_hint(g: GPUReadout) -> str:

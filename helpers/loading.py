@@ -45,7 +45,7 @@ from .gpu_split import (
     offload_ram,
     offloaded_bytes,
     other_gpus_note,
-    smaller_load_fix,
+    spill_fix,
     split_plan,
     unquantized_note,
 )
@@ -514,9 +514,7 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     spill = placed.offloaded("cpu") + placed.offloaded("disk")
     if not spill:
         return []
-    fix = f"{smaller_load_fix(estimate.load)}, or a smaller batch or max_new_tokens"
-    if bnb_prequantized(estimate):  # its load mode is the saved one; the placement refuses its offload
-        fix = f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
+    fix = spill_fix(estimate)
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
            f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
     if not placed.fits:

@@ -35,7 +35,7 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
-from .gpu_split import SPILL_WHY, smaller_load_fix, stays_on_first  # load()'s rule for GPU 0 alone
+from .gpu_split import SPILL_WHY, spill_fix, stays_on_first  # load()'s rule for GPU 0 alone
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom import is_oom
@@ -52,7 +52,7 @@ from .panel_gpus import (
     split_verdict,
 )
 from .panel_state import SEGMENTS, PanelState, judgement
-from .placement import DevicePlan, plan_devices
+from .placement import DevicePlan, bnb_prequantized, plan_devices
 from .reclaim import unload
 from .session import enable_colab_widgets
 from .units import GiB, format_bytes
@@ -368,12 +368,14 @@ class PlacementSpill:
     """The estimate fits one card, but transformers' placement would offload ``spill`` bytes to the CPU."""
 
     spill: int
-    load: str
+    fix: str
+    can_offload: bool = True  # False for a checkpoint saved quantized by bitsandbytes: it cannot be offloaded
 
     def __str__(self) -> str:
+        offload = ", or allow_offload=True (every token slower)" if self.can_offload else ""
         return (
             f"The estimate fits, but {SPILL_WHY} leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
-            f"load() refuses it. Fix: {smaller_load_fix(self.load)}, or allow_offload=True (every token slower)"
+            f"load() refuses it. Fix: {self.fix}{offload}"
         )
 
 
@@ -522,7 +524,9 @@ class LoadPanel(Panel):
             return
         spill = placed.offloaded("cpu") + placed.offloaded("disk")
         if spill:
-            state.verdict, state.alternative = DOES_NOT_FIT, PlacementSpill(spill, plan.load)
+            est = state.estimate
+            state.verdict = DOES_NOT_FIT
+            state.alternative = PlacementSpill(spill, spill_fix(est), can_offload=not bnb_prequantized(est))
 
     def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
         label0, gpu0 = self._gpus[0]

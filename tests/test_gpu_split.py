@@ -304,3 +304,19 @@ def test_an_architecture_without_a_causal_lm_class_is_an_oomkit_answer_not_a_tra
     est = estimate(T5Config(), load="fp16", device="t4")
     for n in (1, 2):  # the placement cannot build it: the estimate decides, as before
         assert check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=n), bnb=BNB_OK, estimate=est)
+
+
+def test_a_checkpoint_saved_quantized_is_never_told_to_offload_or_change_its_load_mode():
+    """load(), preflight and the panel share one spill fix: for a *-bnb-4bit checkpoint neither a smaller
+    load mode (its mode is the saved one) nor allow_offload=True (transformers cannot load it so) helps."""
+    import types
+
+    from helpers.gpu_split import spill_fix
+    from helpers.widgets import PlacementSpill
+
+    fresh = types.SimpleNamespace(load="int8", quantized_by=None)
+    saved = types.SimpleNamespace(load="nf4", quantized_by="bitsandbytes")
+    assert spill_fix(fresh) == "load='nf4', or a smaller batch or max_new_tokens"
+    assert "load the original (unquantized) checkpoint" in spill_fix(saved) and "load='fp4'" not in spill_fix(saved)
+    assert "allow_offload=True" in str(PlacementSpill(GiB, spill_fix(fresh)))
+    assert "allow_offload" not in str(PlacementSpill(GiB, spill_fix(saved), can_offload=False))

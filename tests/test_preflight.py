@@ -320,7 +320,8 @@ def test_one_t4_fails_what_load_refuses_as_an_offload(tmp_path):
 
     reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)
     fit = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="int8").check("fit")
-    assert fit.status == "fail" and "load() refuses it" in fit.summary and fit.fix == "load='nf4'"
+    assert fit.status == "fail" and "load() refuses it" in fit.summary
+    assert fit.fix == "load='nf4', or a smaller batch or max_new_tokens"  # load()'s own fix, word for word
     assert fit.data["placement_spill"] is True
     nf4 = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="nf4").check("fit")
     assert nf4.status == "pass"
