@@ -194,14 +194,14 @@ _PINNED_SLACK = 16 << 20
 
 
 def release_after_oom(
-    probe: weakref.ref | None = None, *, baseline: int | None = None, device: torch.device | int | None = None
+    probe: weakref.ref | None = None, *, baseline: int | None = None, device: torch.device | int | str | None = None
 ) -> bool:
     """Give back what a failed (out-of-memory) call held; call it after ``del`` of the exception.
 
     Drops the stored exception state, then runs the full garbage collector only when something of the
     failed call is still alive: ``probe`` (a weak reference to one of the call's inputs, which its
-    frames hold) did not die, or CUDA memory allocated is still above ``baseline`` (the figure before
-    the call). With neither to go by it always collects. A full collection costs 0.1-0.3 s once
+    frames hold) did not die, or CUDA memory allocated on ``device`` (the current one; ``"all"``: every
+    card) is still above ``baseline`` (the figure before the call). With neither to go by it always collects. A full collection costs 0.1-0.3 s once
     transformers is imported, more than a small batch takes, and refcounting alone frees a failed
     ``generate``'s frames, so an adaptive loop that collects after every OOM pays for nothing.
     Then it empties the allocator cache. Returns whether the full collection ran.
@@ -211,7 +211,7 @@ def release_after_oom(
     if probe is not None and probe() is not None:
         pinned = True
     if baseline is not None and torch.cuda.is_available():
-        pinned = pinned or torch.cuda.memory_allocated(device) > baseline + _PINNED_SLACK
+        pinned = pinned or allocated(device) > baseline + _PINNED_SLACK
     _collect_and_empty(collect=pinned)
     return pinned
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .memory import allocated
 from .oom import is_oom
 from .reclaim import release_after_oom
 
@@ -78,10 +79,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _allocated(device: torch.device | None) -> int | None:
-    """CUDA memory allocated now (what a failed step is checked against); None off CUDA."""
+    """CUDA memory allocated now on every card (what a failed step is checked against: a model split over
+    two cards leaves the failed step's tensors on either); None off CUDA."""
     if device is not None and torch.device(device).type != "cuda":
         return None
-    return torch.cuda.memory_allocated(device) if torch.cuda.is_available() else None
+    return allocated("all") if torch.cuda.is_available() else None
 
 
 def attempt(
@@ -97,8 +99,8 @@ def attempt(
         watch: a :class:`Watch` the step adds its inputs to; without one, or when the step failed
             before adding any (and off CUDA), the full collector always runs after an OOM, since
             nothing tells whether the failed call is gone.
-        device: the CUDA device whose allocated memory is compared with the figure before the step
-            (None: the current one when CUDA is available; a CPU device: no comparison).
+        device: where the step runs: a CPU device skips the comparison of CUDA memory with the figure
+            before the step (None or a CUDA device: every card's memory is compared).
 
     Returns:
         An :class:`Attempt`. Exceptions other than out-of-memory propagate as they are.
@@ -116,6 +118,5 @@ def attempt(
         return Attempt(True, value, elapsed=time.perf_counter() - started)
     # Outside the except block: the exception (whose traceback pins the failed step's tensors) is
     # no longer held by the interpreter, so refcounting has already freed what nothing else holds.
-    cuda = None if device is None or torch.device(device).type != "cuda" else device
-    collected = release_after_oom(watch or None, baseline=baseline, device=cuda)
+    collected = release_after_oom(watch or None, baseline=baseline, device="all")
     return Attempt(False, error=error, elapsed=time.perf_counter() - started, collected=collected)

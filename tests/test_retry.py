@@ -60,3 +60,25 @@ def test_wrapped_and_text_ooms_are_caught_other_errors_propagate():
             raise KeyboardInterrupt
 
         attempt(interrupted)
+
+
+def test_memory_a_failed_step_left_on_the_second_card_is_collected(fake_gpus, monkeypatch):
+    """A model split over 2×T4: the failed step's activations sit on GPU 1 while its inputs (on GPU 0,
+    watched) are freed. Compared on GPU 0 alone the step looked gone and the full collector was skipped,
+    leaving GPU 1's memory pinned; every card is compared now."""
+    cuda = fake_gpus(2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # nothing real to synchronize or empty
+    watch = Watch()
+
+    def step():
+        watch.add(torch.ones(4))  # the input: freed with the frame
+        cuda.set(1, cuda.allocated[1] + 64 * 2**20)  # held on GPU 1 by something the frame left behind
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 1 has a total capacity")
+
+    assert attempt(step, watch=watch, device="cuda:0").collected is True
+
+    def clean_step():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    clean = attempt(clean_step, watch=Watch())
+    assert clean.oom and clean.collected is False  # nothing left on any card: no full collection
