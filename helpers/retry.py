@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .memory import allocated
-from .oom import is_oom
+from .oom_messages import is_oom
 from .reclaim import release_after_oom
 
 __all__ = ["Attempt", "Watch", "attempt"]

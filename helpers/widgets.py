@@ -38,7 +38,7 @@ from .estimator import MemoryEstimate, fit, resolve_config
 from .gpu_split import SPILL_WHY, spill_fix, stays_on_first  # load()'s rule for GPU 0 alone
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
-from .oom import is_oom
+from .oom_messages import is_oom
 from .panel_gpus import (
     Alternative,
     FirstGpuState,

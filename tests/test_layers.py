@@ -13,12 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
     {"units", "errors"},
-    {"html", "vocab", "prompts", "results_file", "scoring"},
+    {"html", "vocab", "prompts", "results_file", "scoring", "oom_messages"},
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime"},
     {"sources", "reclaim", "tensors"},
     {"estimator"},
-    {"oom", "placement", "gpu_split"},
+    {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},
     {"batch_size", "environment"},
     {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},

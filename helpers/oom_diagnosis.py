@@ -1,0 +1,499 @@
+"""Diagnosis of an out-of-memory error: ``explain_oom(error_or_text) -> OOMReport``.
+
+What ran out, by how much, why, and the fixes in the order to try them. The causes are data
+(``CAUSES``, each with its fixes); the message is read by :mod:`helpers.oom_messages`. On a live
+error the report adds a snapshot, the largest live tensors, and the room on the machine's other GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import estimator, tensors
+from .oom_messages import is_oom_text, parse_message
+from .session import user_namespace
+from .units import format_bytes
+
+__all__ = ["CAUSES", "OOMReport", "explain_oom", "largest_tensors"]
+
+# Cause classes, each with its fixes in the order to try them.
+CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "request_too_large": (
+        "a single allocation is larger than the whole card",
+        (
+            "This one tensor can never fit: shrink the dimension that made it (batch size, sequence length, "
+            "vocabulary-sized logits; e.g. compute the loss in chunks or keep only the last token's logits)",
+            "Load the model quantized (4-bit or 8-bit) or offload layers with device_map='auto'",
+        ),
+    ),
+    "fragmentation": (
+        "fragmentation: PyTorch holds enough free cache, but not in one piece",
+        (
+            "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch touches the GPU (first cell, "
+            "then restart): segments grow in place instead of leaving holes between fixed blocks",
+            "Call helpers.cleanup() to return the cached blocks, then retry",
+            "Keep batch shapes steady (pad to a few fixed lengths): changing shapes fragment the cache",
+        ),
+    ),
+    "held_elsewhere": (
+        "memory is held outside this process's PyTorch tensors (another process, an old "
+        "kernel, or CUDA context/library workspaces)",
+        (
+            "Find who holds it: `nvidia-smi` (or helpers.snapshot()); kill the other process, or shut down the "
+            "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
+            "Restart this runtime if the holder is this process's earlier state",
+            "Then retry; if it still fails, follow the steady-state fixes",
+        ),
+    ),
+    "process_cap": (
+        "this process hit its own memory cap (torch.cuda.set_per_process_memory_fraction), not the card's limit",
+        (
+            "If the cap is not deliberate, remove it: torch.cuda.set_per_process_memory_fraction(1.0), or drop "
+            "per_process_memory_fraction from PYTORCH_CUDA_ALLOC_CONF",
+            "If it is (sharing the GPU, or acting as a smaller card such as a T4), the memory to save is under the "
+            "cap: the fixes below apply to it",
+        ),
+    ),
+    "other_gpu_room": (
+        "this card ran out while another GPU of this machine has room: the work is not spread over the cards",
+        (  # the generic wording; a live report names the cards (_move_fixes)
+            "Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus=<GPU count>)) places "
+            "its layers so each card keeps room for its share of the KV cache and activations, checked before "
+            "loading",
+            "Or place it yourself: from_pretrained(..., device_map='sequential', max_memory={...}) with a lower "
+            "cap for the card that ran out: 'sequential' fills the cards in order up to each cap, so the layers "
+            "it loses go to the next card ('auto' balances the weights alone, leaving generation no room)",
+        ),
+    ),
+    "steady_state": (
+        "the model, activations and optimizer state together do not fit the card",
+        (
+            "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
+            "Use a smaller batch (helpers.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
+            "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
+            "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
+        ),
+    ),
+    "system_ram": (
+        "system RAM, not GPU memory, ran out",
+        (
+            "Load with low_cpu_mem_usage=True / device_map='auto' so weights go straight to the GPU",
+            "Load a safetensors checkpoint in a smaller dtype (torch_dtype=torch.float16 / bfloat16)",
+            "Free what the notebook holds: helpers.free('name'), helpers.cleanup(); keep datasets streamed",
+            "Check the requested size: a huge request usually means a wrong shape, not a small machine",
+        ),
+    ),
+    "library_workspace": (
+        "a CUDA library (cuBLAS/cuDNN) or the driver could not get memory for its workspace",
+        (
+            "The GPU is full; the library just hit it first: free memory (helpers.cleanup()) and follow the "
+            "steady-state fixes",
+            "If it happens at the first matmul, another process may hold the card: check nvidia-smi",
+        ),
+    ),
+    "unknown": (
+        "the message does not say enough to tell",
+        ("Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",),
+    ),
+}
+
+
+@dataclass
+class OOMReport:
+    """What ran out, by how much, why, and what to do, in that order.
+
+    Every figure is bytes, or None when the message does not state it (``unknown`` lists those).
+    """
+
+    form: str
+    source: str
+    cause: str
+    fixes: list[str]
+    causes: list[str] = field(default_factory=list)
+    device: int | None = None
+    requested: int | None = None
+    total: int | None = None
+    free: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    reserved_unallocated: int | None = None
+    this_process: int | None = None
+    held_elsewhere: int | None = None
+    processes: list[tuple[int, int]] = field(default_factory=list)
+    mps_allocated: int | None = None
+    other_allocations: int | None = None
+    max_allowed: int | None = None
+    process_cap: int | None = None
+    unknown: list[str] = field(default_factory=list)
+    message: str = ""
+    exception_type: str | None = None
+    snapshot: object | None = None
+    tensors: list[tuple[str, int, str]] = field(default_factory=list)
+    other_gpus: list[tuple[int, int]] = field(default_factory=list)  # (index, free bytes) of the other cards, live
+
+    @property
+    def explanation(self) -> str:
+        return CAUSES[self.cause][0]
+
+    def figures(self) -> list[tuple[str, str]]:
+        """(label, value) for every figure, 'unknown' where the message lacks it."""
+        names = [
+            ("requested", "tried to allocate"),
+            ("total", "GPU capacity" if self.form != "cpu" else "capacity"),
+            ("free", "free"),
+            ("allocated", "allocated by PyTorch"),
+            ("reserved_unallocated", "reserved but unallocated"),
+            ("reserved", "reserved by PyTorch"),
+            ("this_process", "this process in total"),
+            ("held_elsewhere", "held outside this process's PyTorch"),
+        ]
+        if self.form == "mps":
+            names = [
+                ("requested", "tried to allocate"),
+                ("mps_allocated", "MPS allocated"),
+                ("other_allocations", "other allocations"),
+                ("max_allowed", "max allowed"),
+            ]
+        if self.form in ("cpu", "colab_ram"):
+            names = [("requested", "tried to allocate")]
+        if self.process_cap is not None:
+            names.insert(2, ("process_cap", "allowed for this process (its cap)"))
+        rows = [
+            (label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown") for n, label in names
+        ]
+        return rows + [(f"free on GPU {index} now", format_bytes(free)) for index, free in self.other_gpus]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["snapshot"] = None if self.snapshot is None else str(self.snapshot)
+        d["explanation"] = self.explanation
+        return d
+
+    @property
+    def not_oom(self) -> bool:
+        """True when nothing in the message (or exception) reads as running out of memory."""
+        return (
+            self.form == "unknown"
+            and self.cause == "unknown"
+            and not is_oom_text(self.message)
+            and "outofmemoryerror" not in self.message.lower()
+            and self.requested is None
+            and self.total is None
+        )
+
+    def _not_oom_text(self) -> str:
+        first = self.message.splitlines()[0][:200] if self.message else "(empty message)"
+        return (
+            f"Not an out-of-memory error: {first}\nexplain_oom only explains OOMs; this error's own message "
+            "and traceback say what went wrong (for an OOM, pass its exception or full message text)."
+        )
+
+    def __str__(self) -> str:
+        if self.not_oom:
+            return self._not_oom_text() + (f"\nNow: {self.snapshot}" if self.snapshot is not None else "")
+        where = f" on GPU {self.device}" if self.device is not None else ""
+        lines = [f"Out of memory{where}: {self.source}", f"Cause: {self.explanation}"]
+        lines += [f"  {label}: {value}" for label, value in self.figures()]
+        for pid, used in self.processes:
+            lines.append(f"  process {pid}: {format_bytes(used)}")
+        if self.unknown:
+            lines.append(f"  (the message does not state: {', '.join(self.unknown)})")
+        lines.append("Fixes, in order:")
+        lines += [f"  {i}. {fix}" for i, fix in enumerate(self.fixes, 1)]
+        if self.tensors:
+            lines.append("Largest live tensors:")
+            lines += [f"  {format_bytes(n):>11}  {name}  {desc}" for name, n, desc in self.tensors]
+        if self.snapshot is not None:
+            lines.append(f"Now: {self.snapshot}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        from .html import bar, table
+
+        if self.not_oom:
+            return "<pre>" + escape(self._not_oom_text()) + "</pre>"
+        parts = [
+            f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
+            f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"
+        ]
+        if self.total and self.free is not None:
+            parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
+        rows = [[label, value] for label, value in self.figures()]
+        rows += [[f"process {pid}", format_bytes(used)] for pid, used in self.processes]
+        parts.append(table(["figure", "value"], rows, title="What the message says"))
+        parts.append("<ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
+        if self.tensors:
+            parts.append(
+                table(
+                    ["tensor", "size", "shape / dtype / device"],
+                    [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
+                    title="Largest live tensors",
+                )
+            )
+        if self.snapshot is not None and hasattr(self.snapshot, "_repr_html_"):
+            parts.append(self.snapshot._repr_html_())
+        return "<div>" + "".join(parts) + "</div>"
+
+
+def _exception_text(exc: BaseException) -> str:
+    """The messages of ``exc`` and everything it wraps, outermost first."""
+    texts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
+def _classify(f: dict) -> list[str]:
+    """Every cause the figures support, most likely first."""
+    form = f["form"]
+    if form in ("cpu", "colab_ram"):
+        return ["system_ram"]
+    causes = []
+    req, total = f.get("requested"), f.get("total")
+    if form == "mps":
+        total = f.get("max_allowed")
+    if req is not None and total is not None and req > total:
+        causes.append("request_too_large")
+    if req is not None and f.get("reserved_unallocated") is not None and f["reserved_unallocated"] >= req:
+        causes.append("fragmentation")
+    if (
+        form == "cuda_legacy"
+        and req is not None
+        and f.get("reserved") is not None
+        and f.get("allocated") is not None
+        and f["reserved"] - f["allocated"] >= req
+    ):
+        causes.append("fragmentation")
+    held = f.get("held_elsewhere")
+    minor_held = False
+    if held is not None and total and held >= max(req or 0, 0.05 * total):
+        # a quarter of the card in someone else's hands outranks how this process's cache is cut up;
+        # less may be the CUDA context and library workspaces: then it comes after the other causes
+        if held >= 0.25 * total:
+            causes.insert(0, "held_elsewhere")
+        else:
+            minor_held = True
+    if form == "mps" and f.get("other_allocations") and total and f["other_allocations"] >= 0.25 * total:
+        causes.append("held_elsewhere")
+    if form in ("cublas", "cudnn", "cuda_error", "nccl"):
+        causes.append("library_workspace")
+    cap = f.get("process_cap")
+    if cap is not None and total is not None and cap < total:
+        # the card may have room; this process's cap is what refused (first when the card had the room)
+        free = f.get("free")
+        causes.insert(0 if free is None or req is None or free >= req else len(causes), "process_cap")
+    if "request_too_large" not in causes and (
+        total is not None or form in ("cuda", "hip", "xpu", "mps", "cuda_legacy", "bitsandbytes")
+    ):
+        causes.append("steady_state")
+    if minor_held:
+        causes.append("held_elsewhere")
+    if not causes:
+        causes.append("unknown")
+    return list(dict.fromkeys(causes))
+
+
+def _held_elsewhere(f: dict) -> int | None:
+    total, free = f.get("total"), f.get("free")
+    if total is None or free is None:
+        return None
+    this, ours = f.get("this_process"), (f.get("allocated") or 0) + (f.get("reserved_unallocated") or 0)
+    if this is not None and this >= ours:  # current wording: everything not in this process
+        return max(0, total - free - this)
+    # (less than PyTorch's own share: NVML cannot see this process, e.g. in a container; read "reserved")
+    if f.get("reserved") is not None:  # older wording: CUDA context and other processes included
+        return max(0, total - free - f["reserved"])
+    return None
+
+
+def _room(f: dict) -> int | None:
+    """The memory this process could have had when it ran out: its cap or the card, less what others held."""
+    if f["form"] == "mps":
+        cap, others = f.get("max_allowed"), f.get("other_allocations")
+    else:
+        cap, others = f.get("process_cap") or f.get("total"), f.get("held_elsewhere")
+    return None if not cap else max(cap - (others or 0), 1)
+
+
+def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
+    """The estimator's fixes for what ran (``fit()``'s suggestions, each re-estimated), ranked for the
+    memory this process had when it ran out (``_room``); nothing without an estimate."""
+    if memory_estimate is None:
+        return []
+    if not isinstance(memory_estimate, estimator.MemoryEstimate):
+        raise TypeError(
+            f"explain_oom(memory_estimate=...) takes a helpers.estimator.MemoryEstimate (from estimate(model, ...)), "
+            f"got {type(memory_estimate).__name__}"
+        )
+    room = _room(f)
+    try:
+        verdict = estimator.fit(memory_estimate, room if room and room >= (1 << 20) else None)
+    except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
+        return []
+    return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
+
+
+def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
+    """The ``n`` largest live tensors as (name, bytes, description), counting shared storage once.
+
+    Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames) and the
+    notebook's namespace; the walk is :func:`helpers.tensors.largest_tensors`.
+    """
+    names = dict(names or {})
+    for var, value in list(user_namespace().items()):
+        if isinstance(value, torch.Tensor) and not var.startswith("_"):
+            names.setdefault(id(value), var)
+    return tensors.largest_tensors(n, names)
+
+
+def _traceback_names(tb) -> dict[int, str]:
+    """``id(tensor) -> "function().name"`` for the tensors local to the traceback's function frames."""
+    names: dict[int, str] = {}
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name != "<module>":
+            local = frame.f_locals
+            for var, value in local.items():
+                if isinstance(value, torch.Tensor):
+                    names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
+            # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
+            local.clear()
+            del local
+        tb = tb.tb_next
+    return names
+
+
+def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None, memory_estimate=None) -> OOMReport:
+    """Explain an out-of-memory error or message: what ran out, why, and the fixes in order.
+
+    Args:
+        error_or_text: the exception (also when the OOM is wrapped inside another one) or its text,
+            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/CPU/cuBLAS/cuDNN/bitsandbytes/Colab
+            form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
+        live: add a current ``snapshot()`` and the largest live tensors (default: when given an
+            exception). On a machine with several GPUs it also tells when another card has room.
+        memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
+            steady state, the estimator's fixes for the memory this process had (re-estimated, ranked)
+            follow the general ones.
+
+    Only the last OOM message of a long log is read (found with plain ``str.rfind``s, then a bounded
+    window is parsed), so a diagnosis takes milliseconds whatever the input.
+    """
+    if isinstance(error_or_text, BaseException):
+        text, exc = _exception_text(error_or_text), error_or_text
+    elif isinstance(error_or_text, str):
+        text, exc = error_or_text, None
+    else:
+        raise TypeError(f"explain_oom() takes an exception or its message text, got {type(error_or_text).__name__}")
+    f = parse_message(text)
+    if exc is not None and f["form"] == "unknown" and isinstance(exc, MemoryError):
+        f.update(form="cpu", source="Python MemoryError (system RAM)")
+    if f.get("reserved") is None and f.get("allocated") is not None and f.get("reserved_unallocated") is not None:
+        f["reserved"] = f["allocated"] + f["reserved_unallocated"]  # stated as its two parts
+    f["held_elsewhere"] = _held_elsewhere(f)
+    snap = None
+    if live if live is not None else exc is not None:
+        from .memory import snapshot
+
+        snap = snapshot()
+    others = _other_gpus(f, snap)
+    causes = _classify(f)
+    moved: dict[str, list[str]] = {}
+    if _other_card_helps(f, others, causes):
+        # after what this process cannot fix by moving layers (another holder, fragmentation, its own cap)
+        at = causes.index("steady_state") if "steady_state" in causes else len(causes)
+        causes.insert(at, "other_gpu_room")
+        moved["other_gpu_room"] = _move_fixes(f, others, len(snap.gpus))
+    report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
+    report.other_gpus = others
+    if snap is not None:
+        report.snapshot = snap
+        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
+    return report
+
+
+# the allocator messages that name the card that ran out (a cuBLAS or driver error names none)
+_CARD_FORMS = ("cuda", "cuda_legacy", "hip")
+
+
+def _other_gpus(f: dict, snap) -> list[tuple[int, int]]:
+    """(index, bytes this process could still use) of the machine's other GPUs: free, plus its own cache
+    there; none when the card that ran out is unknown, or under DDP (each card is another process's)."""
+    if snap is None or f.get("device") is None or len(getattr(snap, "gpus", [])) < 2 or _distributed():
+        return []
+    return [(g.index, g.free + g.reserved_unallocated) for g in snap.gpus if g.index != f["device"]]
+
+
+def _distributed() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _other_card_helps(f: dict, others: list[tuple[int, int]], causes: list[str]) -> bool:
+    """Another card could take work: it has the request free and a tenth of a card besides (a single
+    tensor larger than the card is not helped by a second one)."""
+    if f["form"] not in _CARD_FORMS or "request_too_large" in causes or not others:
+        return False
+    return any(room >= _room_worth_moving(f) for _, room in others)
+
+
+def _room_worth_moving(f: dict) -> int:
+    return max(f.get("requested") or 0, (f.get("total") or 0) // 10, 256 << 20)
+
+
+def _move_fixes(f: dict, others: list[tuple[int, int]], count: int) -> list[str]:
+    """The fixes for a card that ran out beside one with room, naming both."""
+    full = f["device"]
+    spare, room = max(others, key=lambda o: o[1])
+    need = 2 * (f.get("requested") or 0) or 1 << 30
+    return [
+        f"Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus={count})) places its "
+        "layers so every card keeps room for its share of the KV cache and activations, checked before loading",
+        f"Or place it yourself: from_pretrained(..., device_map='sequential', max_memory={{...}}) with GPU {full}'s "
+        f"cap at least {format_bytes(need)} (twice the request) below what it holds now, and GPU {spare}'s up to "
+        f"its {format_bytes(room)} of room: 'sequential' fills the cards in order up to each cap, so the layers "
+        f"GPU {full} loses go to GPU {spare} ('auto' balances the weights alone, leaving generation no room)",
+        f"If the model sits on GPU {full} alone, split it as above, or move it to GPU {spare} "
+        f"(device_map={{'': {spare}}}) if it fits there",
+    ]
+
+
+def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, estimated: list[str],
+            named: dict[str, list[str]]) -> OOMReport:  # fmt: skip
+    """The report of parsed figures ``f``: the fixes of every cause in order (``named``: a cause's fixes
+    written for this machine, in place of the generic ones), and what the message lacks."""
+    fixes: list[str] = []
+    for c in causes:
+        fixes += [x for x in named.get(c, CAUSES[c][1]) if x not in fixes]
+    if "steady_state" in causes:
+        fixes += [x for x in estimated if x not in fixes]
+    wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
+        f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"]
+    )
+    if f["form"] in ("cuda_error", "cublas", "cudnn", "nccl", "unknown", "bitsandbytes") and "total" not in f:
+        wanted = ["requested", "total", "free"]
+    unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
+    if f["form"] == "cuda_legacy":
+        unknown = [u for u in unknown if u != "reserved unallocated"]
+    figures = ("device", "requested", "total", "free", "allocated", "reserved", "reserved_unallocated",
+               "this_process", "held_elsewhere", "mps_allocated", "other_allocations", "max_allowed", "process_cap")  # fmt: skip
+    return OOMReport(
+        form=f["form"],
+        source=f["source"],
+        cause=causes[0],
+        causes=causes,
+        fixes=fixes,
+        unknown=unknown,
+        message=text.strip(),
+        exception_type=type(exc).__name__ if exc is not None else None,
+        **{k: f.get(k) for k in figures},
+        processes=f.get("processes", []),
+    )

@@ -1,0 +1,193 @@
+"""Out-of-memory messages: recognize them however they arrive, and read their figures.
+
+The signatures and message forms are data (message fragments and patterns), not a chain of ``if``s.
+``is_oom`` and ``is_oom_text`` recognize an OOM; ``parse_message`` reads the form and the figures of
+the last OOM message in a text. Diagnosis (:mod:`helpers.oom_diagnosis`) builds on them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .units import parse_bytes
+
+__all__ = ["OOM_SIGNATURES", "OOM_FORMS", "is_oom", "is_oom_text", "parse_message"]
+
+# Fragments (lower-case) that mark an allocation failure in an exception's message.
+OOM_SIGNATURES: tuple[str, ...] = (
+    "out of memory",  # CUDA/HIP allocator, "CUDA error: out of memory", MPS
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",  # older cuDNN
+    "cudnn_status_not_supported. this error may appear if you passed in a non-contiguous input",  # cuDNN OOM in disguise
+    "can't allocate memory",  # CPU: DefaultCPUAllocator
+    "cannot allocate memory",
+    "can not allocate memory",  # Intel XPU (IPEX): "Current platform can NOT allocate memory block ..."
+    "failed to allocate",
+    "not enough memory",
+)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it wraps) is an out-of-memory error.
+
+    Recognizes ``torch.OutOfMemoryError``, ``MemoryError``, and ``RuntimeError``s whose message
+    carries an allocation failure (cuBLAS, cuDNN, "CUDA error: out of memory", the CPU allocator),
+    also when wrapped as the ``__cause__``/``__context__`` of another exception. Given message text
+    instead of an exception, it reads the text (as :func:`is_oom_text` does).
+    """
+    if isinstance(exc, str):
+        return is_oom_text(exc)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(exc, RuntimeError):
+            text = " ".join(str(a) for a in exc.args).lower()
+            if any(sig in text for sig in OOM_SIGNATURES):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# Every pattern is linear-time: bounded quantifiers only (no nested or unbounded repeats), and
+# _parse never hands them more than a window of _BEFORE + _AFTER characters. A number is at most 20
+# digits and may not be the tail of a longer run ((?<![\d.])), so a 100,000-digit run matches nothing.
+_NUM = r"(?<![\d.])\d{1,20}(?:\.\d{1,6})?"
+_SIZE = rf"({_NUM} {{0,3}}(?:[KMGT]i?B|bytes|B)\b)"
+
+# Each message form: (form, what it is, a regex that recognizes it). First match wins, so the more
+# specific forms come first. Figures are pulled out separately by _FIGURES (any form may carry them).
+OOM_FORMS: tuple[tuple[str, str, str], ...] = (
+    (
+        "colab_ram",
+        "Colab ran out of system RAM and restarted the runtime",
+        r"session crashed after using all available ram",
+    ),
+    ("mps", "Apple MPS allocator", r"mps backend out of memory"),
+    ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
+    ("xpu", "Intel XPU caching allocator", r"xpu out of memory|can not allocate memory block"),
+    # before the CUDA forms: an application may add "if you encounter CUDA out of memory, ..." after it
+    ("cpu", "CPU allocator (system RAM)", r"defaultcpuallocator"),
+    (
+        "cuda_legacy",
+        "CUDA caching allocator (PyTorch < 2.1 wording)",
+        r"cuda out of memory\. tried to allocate [^()]{1,40}\(gpu {1,3}\d{1,4}; [^()]{1,40}total capacity",
+    ),
+    ("cuda", "CUDA caching allocator", r"cuda out of memory|out of memory\. tried to allocate"),
+    ("bitsandbytes", "bitsandbytes kernel or paged optimizer", r"bitsandbytes|bnb|cget_managed_ptr|paged"),
+    ("nccl", "NCCL could not allocate its buffers", r"nccl warn cuda failure 'out of memory'|failed to cuda calloc"),
+    ("cublas", "cuBLAS could not allocate its workspace", r"cublas_status_alloc_failed"),
+    (
+        "cudnn",
+        "cuDNN could not allocate its workspace",
+        r"cudnn_status_alloc_failed|cudnn_status_not_supported\. this error may appear if you passed in a non-contiguous",
+    ),
+    (
+        "cuda_error",
+        "the CUDA driver itself (outside PyTorch's allocator)",
+        r"cuda error: out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory",
+    ),
+    (
+        "cpu",
+        "CPU allocator (system RAM)",
+        r"can't allocate memory|cannot allocate memory|\bmemoryerror",
+    ),
+)
+
+# Figures and the patterns that carry them, in any of the forms above. Sizes are 1024-based however
+# they are spelled: PyTorch prints GiB/MiB/KiB, and its MPS allocator prints "GB"/"MB"/"KB" for the
+# same 1024-based values (MPSAllocator's format_size divides by 1073741824).
+_FIGURES: tuple[tuple[str, str], ...] = (
+    ("requested", rf"tried to allocate {_SIZE}"),
+    ("requested", r"you tried to allocate (\d{1,20}) bytes"),
+    ("requested", r"failed to cuda calloc (\d{1,20}) bytes"),  # NCCL
+    ("device", r"\bgpu {1,3}(\d{1,4})\b"),
+    ("total", rf"total capaci?ty of {_SIZE}"),  # PyTorch 2.1-2.3 print "capacty"
+    ("total", rf"{_SIZE} total capacity"),
+    ("free", rf"of which {_SIZE} is free"),
+    ("free", rf"{_SIZE} free"),
+    ("this_process", rf"this process has {_SIZE} memory in use"),
+    ("allocated", rf"{_SIZE} is allocated by pytorch"),
+    ("allocated", rf"{_SIZE} already allocated"),
+    ("reserved_unallocated", rf"{_SIZE} is reserved by pytorch but unallocated"),
+    # PyTorch 1.0-1.3: "... W cached)" printed cached minus allocated, i.e. reserved but unallocated
+    ("reserved_unallocated", rf"free; {_SIZE} cached\)"),
+    ("reserved", rf"{_SIZE} reserved in total by pytorch"),
+    ("mps_allocated", rf"mps allocated: {_SIZE}"),
+    ("other_allocations", rf"other allocations: {_SIZE}"),
+    ("max_allowed", rf"max allowed: {_SIZE}"),
+    ("process_cap", rf"{_SIZE} allowed;"),  # set_per_process_memory_fraction's cap, when one is set
+)
+_PROCESS = re.compile(rf"process (\d{{1,10}}) has {_SIZE} memory in use", re.I)
+_FORM_RES = tuple((name, what, re.compile(pattern)) for name, what, pattern in OOM_FORMS)
+_FIGURE_RES = tuple((name, re.compile(pattern, re.I)) for name, pattern in _FIGURES)
+# The text examined around the last OOM signature of a long log: a message states its figures after
+# its signature (within ~1 KB); the part before catches a message whose own signature came earlier.
+_BEFORE, _AFTER = 2000, 4000
+_FORM_CONTEXT = 1200  # characters before the last signature that still belong to its message
+
+
+_COLAB = "session crashed after using all available ram"
+_SPACES = re.compile(r"\s+")
+
+
+def _last_signature(low: str) -> int:
+    """Where the last OOM signature of ``low`` (lower-cased text) starts, or -1: plain ``str.rfind``s."""
+    return max(low.rfind(sig) for sig in (*OOM_SIGNATURES, _COLAB))
+
+
+def _window(text: str) -> tuple[str, str]:
+    """(before, after): the text around the last OOM message, whitespace-flattened, bounded in size.
+
+    ``after`` starts at the last signature (the message that matters in a long log); ``before`` is
+    what precedes it, for figures a message states ahead of a later signature.
+    """
+    pos = _last_signature(text.lower())
+    if pos < 0:
+        pos = len(text)
+    before = text[max(0, pos - _BEFORE) : pos]
+    after = text[pos : pos + _AFTER]
+    return _SPACES.sub(" ", before), _SPACES.sub(" ", after)  # messages arrive wrapped across lines
+
+
+def _figure(regex: re.Pattern, before: str, after: str) -> str | None:
+    m = regex.search(after)
+    if m is None:
+        m = next(reversed(list(regex.finditer(before))), None)  # the nearest one before
+    return m.group(1) if m else None
+
+
+def parse_message(text: str) -> dict:
+    """The last OOM message in ``text``: its ``form`` and ``source`` (an ``OOM_FORMS`` entry, or
+    "unknown"), each figure it states (bytes; the GPU index as ``device``) and ``processes``."""
+    before, after = _window(text)
+    low = (before[-_FORM_CONTEXT:] + after).lower()
+    form, source = "unknown", "an error that does not look like an out-of-memory message"
+    for name, what, regex in _FORM_RES:
+        if regex.search(low):
+            form, source = name, what
+            break
+    if form == "bitsandbytes" and not (is_oom_text(low) or "paged" in low):
+        form, source = "unknown", "an error that does not look like an out-of-memory message"
+    figures: dict = {}
+    for name, regex in _FIGURE_RES:
+        if name in figures:
+            continue
+        value = _figure(regex, before, after)
+        if value is not None:
+            figures[name] = int(value) if name == "device" or value.isdigit() else parse_bytes(value)
+    figures["processes"] = [(int(pid), parse_bytes(size)) for pid, size in _PROCESS.findall(after)]
+    return {"form": form, "source": source, **figures}
+
+
+def is_oom_text(text: str) -> bool:
+    """True when ``text`` reads like an out-of-memory message (any form in OOM_FORMS)."""
+    low = text.lower()
+    if _last_signature(low) >= 0:
+        return True
+    # a signature wrapped across lines: flatten the whitespace (of the last 1 MB of a long log)
+    flat = " ".join(low[-(1 << 20) :].split())
+    return any(sig in flat for sig in OOM_SIGNATURES) or _COLAB in flat
