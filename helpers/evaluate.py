@@ -10,8 +10,9 @@ a rerun skips finished ids and repairs a line torn by a crash.
 
 What it stands on lives in modules of its own and is re-exported here, so ``from helpers.evaluate
 import X`` works for every name in ``__all__``: reading and checking prompts (:mod:`helpers.prompts`),
-the crash-safe results file (:mod:`helpers.results_file`), the scorers (:mod:`helpers.scoring`) and
-``EvalError`` (:mod:`helpers.errors`). ``simulated_budget`` (a test double that makes a CPU run
+the crash-safe results file (:mod:`helpers.results_file`), the scorers (:mod:`helpers.scoring`), the
+batch sizes (the token budget, the starting size and ``batch_cache_key``: :mod:`helpers.eval_batching`)
+and ``EvalError`` (:mod:`helpers.errors`). ``simulated_budget`` (a test double that makes a CPU run
 behave like a small GPU) lives in :mod:`helpers.testing`.
 """
 
@@ -21,7 +22,6 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
-import math
 import os
 import time
 import warnings
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from .batch_size import BatchSearch, remember_batch, remembered_batch
+from .batch_size import remembered_batch
 from .errors import EvalError
+from .eval_batching import TokenBudget, batch_cache_key, load_mode, remember, start_size
 from .generation import (
     Generated,
     can_stream,
@@ -65,59 +66,6 @@ __all__ = [
     "contains_reference",
     "SCORERS",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# the batch controller
-
-
-class _TokenBudget:
-    """Batch sizes from what is known about memory, in batch x sequence-length tokens.
-
-    Memory of a generate call grows with batch x (prompt + new tokens), so a failure at 8 x 300
-    tokens says little about 8 x 100. Until the first OOM the batch doubles after each success (from
-    a known-good or predicted start). Then ``ok`` is the largest product that ran, ``fail`` the
-    smallest that ran out of memory; the next batch probes between them (geometric midpoint while
-    far apart), and after ``regrow`` successes in a row a converged bound is probed upwards again.
-    """
-
-    def __init__(self, start: int, limit: int, tolerance: float = 0.8, regrow: int = 16, growth: int = 2):
-        self.start, self.limit, self.tolerance, self.regrow, self.growth = start, limit, tolerance, regrow, growth
-        self.ok = 0
-        self.fail: int | None = None
-        self.streak = 0
-        self.size = start  # used until the first OOM; doubles after each success until then
-
-    def size_for(self, seq: int) -> int:
-        if self.fail is None:
-            return max(1, min(self.size, self.limit))
-        if self.ok == 0:
-            target = self.fail // 2
-        elif self.ok >= self.tolerance * self.fail:
-            target = self.ok
-        else:
-            target = int(math.sqrt(self.ok * self.fail))
-        size = min(target // seq, (self.fail - 1) // seq)
-        return max(1, min(size, self.limit))
-
-    def after_success(self, size: int, seq: int) -> None:
-        self.ok = max(self.ok, size * seq)
-        self.streak += 1
-        if self.fail is None and size >= self.size:
-            self.size = min(self.limit, size * self.growth)  # no limit seen yet: look for it
-        if self.fail is not None and self.ok >= self.fail:  # the failure was a transient spike
-            self.fail = int(self.ok * 1.5)
-        if self.fail is not None and self.streak >= self.regrow and self.ok >= self.tolerance * self.fail:
-            # memory may have come back (another tensor freed, a random spike gone): look again
-            self.fail = int(self.fail * 1.5)
-            self.streak = 0
-
-    def after_oom(self, size: int, seq: int) -> None:
-        tokens = size * seq
-        self.fail = tokens if self.fail is None else min(self.fail, tokens)
-        if self.ok >= self.fail:  # memory got tighter than before: what ran is no longer known to run
-            self.ok = 0
-        self.streak = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,19 +222,7 @@ def _should_empty_cache(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# the starting batch size
-
-
-_FIRST_GUESS = 8  # without a cached or predicted size: start here and double while it fits
-
-
-def _load_mode(model) -> str:
-    if getattr(model, "is_loaded_in_4bit", False):
-        return "nf4"
-    if getattr(model, "is_loaded_in_8bit", False):
-        return "int8"
-    dtype = getattr(model, "dtype", torch.float16)
-    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
+# what made a result (a resume reuses only what this run would make)
 
 
 def _adapter(model) -> str | None:
@@ -311,64 +247,12 @@ def _adapter(model) -> str | None:
 def model_identity(model) -> dict:
     """What made a result, recorded in every record: the model's name or path, load mode and adapters."""
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return {"name": str(name), "load": _load_mode(model), "adapter": _adapter(model)}
+    return {"name": str(name), "load": load_mode(model), "adapter": _adapter(model)}
 
 
 def prompt_hash(prompt: str) -> str:
     """The first 16 hex digits of the prompt's SHA-256 (recorded, so a resume never reuses another text's result)."""
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
-
-
-def batch_cache_key(model, max_new_tokens: int) -> tuple:
-    """The ``find_max_batch_size`` cache key ``safe_generate(batch_size="auto")`` starts from.
-
-    Search once with ``find_max_batch_size(step, key=batch_cache_key(model, 256))`` and every later
-    ``safe_generate`` of that model and length starts at the size found (and learns from each run).
-    """
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return ("safe_generate", str(name), max_new_tokens, str(model_device(model)))
-
-
-def _start_size(
-    model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int
-) -> tuple[int, str]:
-    """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or a first guess."""
-    if isinstance(batch_size, BatchSearch):
-        return max(1, min(batch_size.batch_size, limit)), "given BatchSearch"
-    if isinstance(batch_size, int) and not isinstance(batch_size, bool):
-        if batch_size < 1:
-            raise EvalError(f"batch_size must be 'auto' or a positive int, got {batch_size}")
-        return min(batch_size, limit), "given"
-    if batch_size != "auto":
-        raise EvalError(f"batch_size must be 'auto', a positive int or a BatchSearch, got {batch_size!r}")
-    cached = remembered_batch(key)
-    if cached is not None and cached.max_ok > 0:
-        return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
-    if model_device(model).type == "cuda":
-        from .estimator import EstimateError, max_batch_that_fits
-
-        try:
-            predicted = max_batch_that_fits(
-                model,
-                device="current",
-                load=_load_mode(model),
-                limit=limit,
-                prompt_tokens=prompt_tokens,
-                max_new_tokens=max_new_tokens,
-            )
-            if predicted > 0:
-                return min(predicted, limit), "estimate"
-        except (EstimateError, ValueError, TypeError, AttributeError):
-            pass  # unknown architecture: start from the limit and let OOMs find the size
-    return min(limit, _FIRST_GUESS), "first guess, doubles while it fits"
-
-
-def _remember(key: tuple, budget: _TokenBudget, seq: int) -> None:
-    """Store what this run learned where find_max_batch_size looks, so the next run starts there."""
-    if budget.ok > 0 and seq > 0:
-        size = budget.ok // seq
-        fail = (budget.fail // seq) if budget.fail else None
-        remember_batch(key, BatchSearch(max_ok=max(1, size), batch_size=max(1, size), first_failed=fail, key=key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +397,7 @@ def _generate_pending(
     try:
         _Loop(run, pending, store, report, budget, progress, on_result).run()
     finally:
-        _remember(key, budget, run.max_new_tokens + longest)
+        remember(key, budget, run.max_new_tokens + longest)
     return report
 
 
@@ -670,17 +554,17 @@ class _Run:
 
 def _plan_batches(
     run: _Run, report: EvalReport, batch_size, max_batch_size: int, pending: int, longest: int
-) -> tuple[_TokenBudget, tuple]:
+) -> tuple[TokenBudget, tuple]:
     """The token budget the first batch starts from, and the cache key it is remembered under."""
     device = run.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     key = batch_cache_key(run.model, run.max_new_tokens)
     limit = max(1, min(max_batch_size, pending or 1))
-    start, source = _start_size(
+    start, source = start_size(
         run.model, batch_size, key=key, prompt_tokens=longest, max_new_tokens=run.max_new_tokens, limit=limit
     )
-    budget = _TokenBudget(start, limit)
+    budget = TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
     cached = remembered_batch(key) if batch_size == "auto" else None
     if cached is not None and cached.first_failed:

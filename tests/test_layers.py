@@ -20,7 +20,7 @@ LAYERS = [
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},
-    {"batch_size", "environment"},
+    {"batch_size", "eval_batching", "environment"},
     {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
     {"cli", "__main__", "__init__"},
