@@ -44,7 +44,7 @@ from .generation import (
     model_device,
     stop_token_ids,
 )
-from .memory import allocated, ram_readout, reserved
+from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from .prompts import load_prompts, prompt_id
 from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
@@ -85,7 +85,7 @@ class EvalReport:
             full_collections: OOMs after which the failed batch was still alive, so ``gc.collect()`` ran.
         batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
             memory bytes) per batch; oom_timeline: (seconds, batch size) of every batch that ran out
-            of memory; peak_memory: peak GPU allocated (CUDA) or process RSS (CPU).
+            of memory; peak_memory: peak GPU allocated (CUDA; every card added up) or process RSS (CPU).
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
@@ -206,19 +206,22 @@ class EvalReport:
 
 
 def _memory(device: torch.device) -> int:
-    """GPU bytes held by tensors on CUDA, the process's resident RAM elsewhere."""
+    """GPU bytes held by tensors on every card on CUDA (a model split over two fills both), the process's
+    resident RAM elsewhere."""
     if device.type == "cuda":
-        return allocated(device)
+        return allocated("all")
     return ram_readout().process_rss
 
 
 def _should_empty_cache(device: torch.device) -> bool:
-    """True when much memory sits reserved but unallocated (worth giving back to avoid fragmentation OOMs)."""
+    """True when much memory sits reserved but unallocated on a card (worth giving back to avoid
+    fragmentation OOMs): on any card, since a split model generates on every card it holds layers on."""
     if device.type != "cuda":
         return False
-    unused = reserved(device) - allocated(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    return unused > max(1 << 30, total // 4)
+    return any(
+        reserved(d) - allocated(d) > max(1 << 30, torch.cuda.get_device_properties(d).total_memory // 4)
+        for d in range(torch.cuda.device_count())
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,9 +559,8 @@ def _plan_batches(
     run: _Run, report: EvalReport, batch_size, max_batch_size: int, pending: int, longest: int
 ) -> tuple[TokenBudget, tuple]:
     """The token budget the first batch starts from, and the cache key it is remembered under."""
-    device = run.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if run.device.type == "cuda":
+        reset_peak_allocated("all")
     key = batch_cache_key(run.model, run.max_new_tokens)
     limit = max(1, min(max_batch_size, pending or 1))
     start, source = start_size(
@@ -738,9 +740,8 @@ def _write(store: ResultsFile, records: list[dict], report: EvalReport) -> None:
 
 def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]) -> None:
     """Peak memory, every record for these prompts (in prompt order) and the mean scores."""
-    device = run.device
-    if device.type == "cuda":
-        report.peak_memory = torch.cuda.max_memory_allocated(device)
+    if run.device.type == "cuda":
+        report.peak_memory = peak_allocated("all")  # a split model: its cards' peaks added up
     finished = store.read()
     mine = [finished[it["id"]] for it in items if it["id"] in finished]
     report.records = [r for r in mine if not r.get("error")]

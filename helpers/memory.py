@@ -23,7 +23,8 @@ from .vocab import supports_bf16
 
 __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
-    "snapshot", "gpu_readouts", "ram_readout", "disk_readouts", "allocated", "reserved",
+    "snapshot", "gpu_readouts", "ram_readout", "disk_readouts", "allocated", "reserved", "peak_allocated",
+    "reset_peak_allocated",
     "hf_cache_dir",
 ]  # fmt: skip
 
@@ -206,6 +207,15 @@ def reserved(device: int | torch.device | str | None = None) -> int:
 def peak_allocated(device: int | torch.device | str | None = None) -> int:
     """``max_memory_allocated`` of a device, or the sum of every GPU's with ``"all"`` (0 without CUDA)."""
     return _per_device(torch.cuda.max_memory_allocated, device)
+
+
+def reset_peak_allocated(device: int | torch.device | str | None = None) -> None:
+    """Start ``peak_allocated`` over on a device, or on every GPU with ``"all"`` (``reset_peak_memory_stats()``
+    alone resets the current card only); nothing without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    for d in range(torch.cuda.device_count()) if device == "all" else [device]:
+        torch.cuda.reset_peak_memory_stats(d)
 
 
 def _per_device(read, device) -> int:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
-from .memory import nvml_handle
+from .memory import nvml_handle, reset_peak_allocated
 from .units import MiB, format_bytes
 
 __all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
@@ -549,8 +549,7 @@ class _MemoryCallback:
         return sum(torch.cuda.memory_allocated(d) for d in self.devices)
 
     def _reset_peaks(self) -> None:
-        for d in self.devices:  # reset_peak_memory_stats() alone resets the current card only
-            torch.cuda.reset_peak_memory_stats(d)
+        reset_peak_allocated("all")  # every card: reset_peak_memory_stats() alone resets the current one
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cuda:

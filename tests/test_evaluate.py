@@ -504,3 +504,22 @@ def test_eval_plot_reads_whole_batches_and_marks_the_ooms(tmp_path):
     assert "22 samples in 3 batches" in title and "25 done before" in title and "1 OOM retry" in title
     (oom,) = ax.collections
     assert oom.get_offsets().tolist() == [[0.2, 12.0]]
+
+
+def test_a_split_models_second_card_is_read_and_its_cache_given_back(fake_gpus):
+    """A model split over 2×T4 generates on both cards: the memory timeline adds them up, and a cache
+    left on GPU 1 (12 GiB reserved, 2 GiB in tensors) is given back, where GPU 0 alone showed nothing."""
+    from helpers import evaluate, memory
+
+    cuda = fake_gpus(2, 15 * 2**30)
+    cuda.set(0, 3 * 2**30, 3 * 2**30)
+    cuda.set(1, 2 * 2**30, 12 * 2**30)
+    gpu = torch.device("cuda:0")  # where a split model's first weights are: safe_generate's run device
+    assert evaluate._memory(gpu) == 5 * 2**30
+    assert evaluate._should_empty_cache(gpu) is True
+    cuda.set(1, 2 * 2**30, 2 * 2**30)
+    assert evaluate._should_empty_cache(gpu) is False
+    cuda.peak = {0: 4 * 2**30, 1: 6 * 2**30}
+    assert memory.peak_allocated("all") == 10 * 2**30
+    memory.reset_peak_allocated("all")
+    assert sorted(cuda.resets) == [0, 1] and memory.peak_allocated("all") == 5 * 2**30
