@@ -410,6 +410,8 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
         checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen, chosen.spill)]
     if any(held_hint(g) for g in gpus) and chosen.verdict != DOES_NOT_FIT:
         checks[0] = _held_check(checks[0], _load_now(model, chosen, gpus, caps, max_new_tokens, half), gpus)
+    if checks[0].status == "fail" and (not gpus or (len(gpus) == 1 and "T4" in gpus[0].name)):
+        checks[0] = _two_t4_hint(checks[0], model, ests, max_new_tokens)
     params = chosen.est.params
     if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
         checks.append(
@@ -418,6 +420,19 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
                   "token would take seconds", COLAB_GPU_FIX, {"params": params})
         )  # fmt: skip
     return checks
+
+
+def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], max_new_tokens: int) -> Check:
+    """A plan that does not fit one T4 (Colab's): where Kaggle's free 2×T4 holds it split, the fix says so,
+    in the first load mode that fits there (a split keeps fp16 where one card needs a quantized load)."""
+    t4 = DEVICES["t4"]["capacity"]
+    for e in ests:
+        if _split_option(model, e, [t4, t4], max_new_tokens, "fp16").verdict != DOES_NOT_FIT:
+            hint = (f"Kaggle's free 2×T4 holds it with load={e.load!r}, split across both cards: "
+                    f"load(LoadPlan(model, load={e.load!r}, gpus=2)) (notebook 05)")  # fmt: skip
+            fix = f"{check.fix}; or {hint}" if check.fix else hint
+            return Check(check.name, check.status, check.summary, fix, {**(check.data or {}), "kaggle_2xt4": e.load})
+    return check
 
 
 def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],

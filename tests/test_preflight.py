@@ -321,7 +321,8 @@ def test_one_t4_fails_what_load_refuses_as_an_offload(tmp_path):
     reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)
     fit = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="int8").check("fit")
     assert fit.status == "fail" and "load() refuses it" in fit.summary
-    assert fit.fix == "load='nf4', or a smaller batch or max_new_tokens"  # load()'s own fix, word for word
+    assert fit.fix.startswith("load='nf4', or a smaller batch or max_new_tokens")  # load()'s own fix, word for word
+    assert "Kaggle's free 2×T4 holds it with load='int8'" in fit.fix  # then the 2-card alternative
     assert fit.data["placement_spill"] is True
     nf4 = run(machine(), model=str(tmp_path), checkpoint=(13 * GiB, 10 * GiB, "local"), load="nf4").check("fit")
     assert nf4.status == "pass"
@@ -370,3 +371,18 @@ def test_on_two_gpus_a_split_that_only_fits_after_unloading_is_not_a_pass():
     assert "load() would refuse it now" in check.summary and check.data["held"] == {0: 8 * GiB, 1: 8 * GiB}
     fresh = run(two_gpus(), **kw).check("fit")
     assert fresh.status == "pass" and "held" not in fresh.data
+
+
+def test_a_plan_too_big_for_colabs_t4_names_kaggles_2xt4_when_it_holds_it(tmp_path):
+    """Llama-2-7B fp16 with 4096 new tokens needs 15.4 GiB: not one T4, but split over Kaggle's free
+    2×T4 it fits; the fix offers that beside quantizing. A model too big for both gets no such hint."""
+    kw = dict(model="Llama-2-7b-hf", checkpoint=(13 * GiB, 10 * GiB, "hub"), load="fp16", max_new_tokens=4096)
+    check = run(machine(), **kw).check("fit")
+    assert check.status == "fail" and check.data["kaggle_2xt4"] == "fp16"
+    assert "Kaggle's free 2×T4 holds it with load='fp16'" in check.fix and "gpus=2" in check.fix
+    assert check.fix.index("load=") < check.fix.index("Kaggle")  # quantizing on this T4 comes first
+    from helpers.placement import reference_configs
+
+    reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
+    huge = run(machine(), model=str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"), load="fp16").check("fit")
+    assert huge.status == "fail" and "Kaggle" not in (huge.fix or "") and "kaggle_2xt4" not in huge.data
