@@ -168,15 +168,13 @@ class LoadPlan:
             return None
         from transformers import BitsAndBytesConfig
 
-        # fp32 CPU offload lets device_map="auto" put the modules that do not fit on the CPU instead of failing
-        # (transformers refuses a placement with CPU entries without it, for 4-bit as for int8); the checks
-        # before loading allow that only with allow_offload, and the report warns about the speed
-        offload = self.device_map == "auto" and device_kind() == "cuda"
+        # no llm_int8_enable_fp32_cpu_offload here: an offload the checks accepted loads their device map, which
+        # sets it (placement.DevicePlan.quantization_changes); under device_map="auto" the flag would keep the
+        # CPU layers quantized in RAM, where accelerate's offload hook cannot run 4-bit ones
         if self.load == "int8":
-            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
+            return BitsAndBytesConfig(load_in_8bit=True)
         return BitsAndBytesConfig(
             load_in_4bit=True,
-            llm_int8_enable_fp32_cpu_offload=offload,
             bnb_4bit_quant_type=self.load,
             bnb_4bit_use_double_quant=self.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(self.resolved_compute_dtype(device)),
@@ -370,8 +368,15 @@ def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None =
     )
 
 
-def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
-    """Refuse plans that cannot fit; return warnings for plans that only fit by offloading.
+UNPLACED_BNB_OFFLOAD = (
+    "bitsandbytes layers are offloaded only along a device map oomkit has checked, and this architecture's "
+    "placement cannot be built (transformers' own would keep 4-bit layers quantized in RAM, where they cannot run)"
+)
+
+
+def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> tuple[list[str], DevicePlan | None]:
+    """Refuse plans that cannot fit; return warnings for plans that only fit by offloading, with the checked
+    placement (GPU and CPU) such a plan loads with, so what was sized is what loads.
 
     On a GPU the estimate must fit the free GPU memory, or (with ``device_map="auto"``) what
     does not fit must fit in RAM. Without a GPU everything lives in RAM.
@@ -387,11 +392,11 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
                 f"{format_bytes(ram)} of RAM available: the process would be killed",
                 first_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
             )
-        return warnings
+        return warnings, None
     room = gpu_room(estimate, g)
     verdict = fit(estimate, device=gpu_device(g, room))
     if verdict.verdict != DOES_NOT_FIT:
-        return warnings + placement_spill(plan, estimate, g, room, snap)
+        return placement_spill(plan, estimate, g, room, snap)
     fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
     if plan.device_map != "auto":
         raise LoadRefused(
@@ -405,15 +410,18 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> list[str]:
             f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
             fix,
         )
-    return warnings + check_offload(plan, estimate, g, room, snap, fix)
+    return check_offload(plan, estimate, g, room, snap, fix)
 
 
-def check_offload(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, fix: str) -> list[str]:
+def check_offload(
+    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, fix: str
+) -> tuple[list[str], DevicePlan | None]:
     """The estimate does not fit GPU ``g``: what ``device_map="auto"`` would offload, sized as the split over
     several GPUs sizes it (transformers' placement for the card, offloaded bitsandbytes layers counted
     unquantized: a Llama-2-13B nf4 3.4 GiB over a T4's free memory puts 15.7 GiB into RAM, as
     tests/test_loading.py checks). Refused when that does not fit the RAM offload may take, or without
-    ``allow_offload``; else a warning."""
+    ``allow_offload``; else a warning, and the placement to load with: a device map naming the CPU is what
+    makes transformers keep the offloaded bitsandbytes layers unquantized, as they were sized."""
     too_big = f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
     if bnb_prequantized(estimate):
         raise LoadRefused(
@@ -425,6 +433,9 @@ def check_offload(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, 
                             offload_folder=plan.offload_folder)  # fmt: skip
         on_cpu, on_disk, reason = placed.offloaded("cpu"), placed.offloaded("disk"), next(iter(placed.reasons), None)
     except PlacementError:  # an architecture the meta device cannot build: the estimate's overflow, at RAM width
+        if estimate.load in QUANTIZED:
+            raise LoadRefused(f"{too_big}, and {UNPLACED_BNB_OFFLOAD}{held_hint(g)}", fix) from None
+        placed = None
         on_cpu = offloaded_bytes(estimate, estimate.total - room, g.supports_bf16)
         on_disk, reason = 0, None
         if on_cpu > share and plan.offload_folder:  # what RAM cannot take goes to the folder
@@ -446,10 +457,9 @@ def check_offload(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, 
             f"generated token would be much slower{held_hint(g)}",
             f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
         )
-    return [
-        f"about {format_bytes(offload)} of weights will be offloaded to {where}: generation will be much slower. "
-        f"Better: {fix}"
-    ]
+    warning = (f"about {format_bytes(offload)} of weights will be offloaded to {where}: generation will be much "
+               f"slower. Better: {fix}")  # fmt: skip
+    return [warning], placed
 
 
 def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
@@ -499,21 +509,24 @@ def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
         raise LoadRefused(check.summary, check.fix)
 
 
-def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot) -> list[str]:
+def placement_spill(
+    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
+) -> tuple[list[str], DevicePlan | None]:
     """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
     (bitsandbytes keeps 10 % of the card's ``max_memory`` for its buffers, accelerate keeps room for the
     largest layer). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
-    before loading, or warn with ``allow_offload``; never offload silently, never into too little RAM."""
+    before loading, or warn with ``allow_offload`` and load the placement that was checked; never offload
+    silently, never into too little RAM."""
     if plan.device_map != "auto" or plan.max_memory is not None:
-        return []
+        return [], None
     ram = offload_ram(snap)
     try:
         placed = split_plan(estimate, [gpu_device(g, room)], ram=ram, offload=True)
     except PlacementError:  # an architecture the meta device cannot build: the estimate decided
-        return []
+        return [], None
     spill = placed.offloaded("cpu") + placed.offloaded("disk")
     if not spill:
-        return []
+        return [], None
     fix = spill_fix(estimate)
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
            f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
@@ -522,7 +535,7 @@ def placement_spill(plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
     if not plan.allow_offload:
         raise LoadRefused(f"{why}: every generated token would be much slower",
                           f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip
-    return [f"{why}: generation will be much slower. Better: {fix}"]
+    return [f"{why}: generation will be much slower. Better: {fix}"], placed
 
 
 def check_prequantized_map(plan: LoadPlan, estimate) -> None:
@@ -570,7 +583,7 @@ class PlanCheck:
     estimate: Any = None
     warnings: list[str] = field(default_factory=list)
     max_memory: dict | None = None
-    split: DevicePlan | None = None  # the placement over several GPUs, when the load uses more than one
+    split: DevicePlan | None = None  # the checked placement loaded as is: over several GPUs, or one card + CPU
     notes: list[str] = field(default_factory=list)
 
 
@@ -600,7 +613,7 @@ def check_plan(
         checked.split, checked.warnings, checked.notes = decision.split, decision.warnings, decision.notes
         checked.max_memory = decision.max_memory if decision.max_memory is not None else plan.max_memory
         return checked
-    checked.warnings = check_fit(plan, est, snap)
+    checked.warnings, checked.split = check_fit(plan, est, snap)  # split: a one-card offload's GPU/CPU map
     checked.notes = other_gpus_note(plan, snap)
     if checked.max_memory is None and plan.device_map == "auto":
         checked.max_memory = max_memory_for(est, snap)
@@ -904,12 +917,18 @@ def _from_pretrained(model: str, kwargs: dict[str, Any], est):
     try:
         return AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except ValueError as e:
-        if not (bnb_prequantized(est) and "llm_int8_enable_fp32_cpu_offload" in str(e)):
+        if "llm_int8_enable_fp32_cpu_offload" not in str(e):
             raise
-        raise LoadRefused(
-            f"transformers' placement put part of {model} on the CPU or disk, and {PREQUANTIZED_OFFLOAD}",
-            "free GPU memory (unload an earlier model), a smaller batch or max_new_tokens; "
-            f"or {PREQUANTIZED_OFFLOAD_FIX}",
+        if bnb_prequantized(est):
+            raise LoadRefused(
+                f"transformers' placement put part of {model} on the CPU or disk, and {PREQUANTIZED_OFFLOAD}",
+                "free GPU memory (unload an earlier model), a smaller batch or max_new_tokens; "
+                f"or {PREQUANTIZED_OFFLOAD_FIX}",
+            ) from None
+        raise LoadRefused(  # the checks predicted no offload; transformers' own placement disagrees
+            f"transformers' placement would put part of {model} on the CPU or disk, which the checks did not "
+            "predict (they refuse or announce every offload)",
+            f"free GPU memory (unload an earlier model); or {spill_fix(est)}",
         ) from None
 
 

@@ -286,6 +286,9 @@ def test_one_t4_refuses_what_transformers_placement_would_offload(tiny_llama):
     assert e.value.fix.startswith("load='nf4'") and "allow_offload=True" in e.value.fix
     checked = check_plan(plan.replace(allow_offload=True), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
     assert any("much slower" in w for w in checked.warnings)
+    # it loads the placement that was checked (the offloaded layers unquantized, as sized), flag included
+    assert "cpu" in set(checked.split.device_map.values())
+    assert checked.split.quantization_changes == {"llm_int8_enable_fp32_cpu_offload": True}
     # what the placement keeps on the card is not touched
     nf4 = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
     assert check_plan(plan.replace(load="nf4"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=nf4).warnings == []

@@ -243,3 +243,15 @@ def test_the_oom_forecast_on_two_cards_uses_the_fuller_card_that_holds_the_run(f
     assert abs(det.report().predicted_oom_step - (10 + 2 * gib / (100 * mib))) <= 1  # ~20 steps, not ~113
     cuda.set(0, 0, 0)  # the run on GPU 1 alone: GPU 0's room cannot take its growth
     assert abs(det.report().predicted_oom_step - (10 + 11 * gib / (100 * mib))) <= 1
+
+
+def test_a_leak_on_the_second_card_is_seen_by_default(fake_gpus):
+    """The default measure reads every card: a split model keeping its losses (on the last card) grows GPU 1
+    while GPU 0, the current card, stays flat."""
+    cuda = fake_gpus(2, 15 * 2**30)
+    cuda.set(0, 3 * 2**30)
+    det = leaks.GrowthDetector(warmup=1, window=4)
+    for step in range(10):
+        cuda.set(1, 2**30 + step * 100 * 2**20)
+        det.record()
+    assert det.report().leaking and 0.9 * 100 * 2**20 < det.report().bytes_per_step < 1.1 * 100 * 2**20

@@ -55,15 +55,13 @@ def test_4bit_kwargs_use_quantization_config_not_deprecated_keywords(mode, quant
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4", "fp4"])
-def test_an_auto_placement_on_a_gpu_may_offload_any_bitsandbytes_mode(mode, monkeypatch):
-    """transformers refuses an 'auto' placement with CPU entries unless llm_int8_enable_fp32_cpu_offload is set,
-    for 4-bit as for int8: an nf4 plan load() allowed to offload (allow_offload=True) failed there."""
+def test_device_map_auto_never_asks_bitsandbytes_to_offload(mode, monkeypatch):
+    """Under device_map="auto" llm_int8_enable_fp32_cpu_offload would keep the layers transformers offloads
+    quantized in RAM (it keeps them unquantized only along a dict map), where accelerate's offload hook
+    cannot run 4-bit ones. An offload the checks accept loads their map instead, which sets the flag."""
     monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
-    assert LoadPlan("org/model", load=mode, compute_dtype="fp16").quantization_config().llm_int8_enable_fp32_cpu_offload
-    pinned = LoadPlan("org/model", load=mode, compute_dtype="fp16", device_map={"": 0}).quantization_config()
-    assert pinned.llm_int8_enable_fp32_cpu_offload is False  # a map of one card never offloads
-    monkeypatch.setattr(loading, "device_kind", lambda: "cpu")
-    assert LoadPlan("org/model", load=mode).quantization_config().llm_int8_enable_fp32_cpu_offload is False
+    config = LoadPlan("org/model", load=mode, compute_dtype="fp16", allow_offload=True).quantization_config()
+    assert config.llm_int8_enable_fp32_cpu_offload is False
 
 
 def test_int8_and_half_precision_kwargs():
@@ -278,7 +276,7 @@ def test_memory_held_by_an_earlier_model_is_named_instead_of_a_silent_offload(ti
 # -- what offloading puts into RAM, and checkpoints that cannot be offloaded -------------------
 
 
-def test_one_card_offload_is_sized_as_bitsandbytes_leaves_it_unquantized(tiny_llama):
+def test_one_card_offload_is_sized_as_bitsandbytes_leaves_it_unquantized(tiny_llama, monkeypatch):
     """Colab's T4 with 4 GiB free and 11 GiB of RAM. Llama-2-13B nf4 is 3.37 GiB over the card at nf4 width,
     but the layers that go to the CPU stay unquantized: 15.67 GiB, more than the 8.80 GiB offload may take
     (the kernel would die). The figure is the split's (placement per module), refused even with allow_offload."""
@@ -296,12 +294,21 @@ def test_one_card_offload_is_sized_as_bitsandbytes_leaves_it_unquantized(tiny_ll
         check_plan(plan, snapshot=snap, bnb=BNB_OK, estimate=est)
     # what fits the RAM is allowed, and the warning says what RAM will hold: Mistral-7B int8, 3.14 GiB over
     est = estimate("mistralai/Mistral-7B-v0.1", load="int8", device="t4")
-    (warning,) = check_plan(plan.replace(load="int8"), snapshot=snap, bnb=BNB_OK, estimate=est).warnings
+    checked = check_plan(plan.replace(load="int8"), snapshot=snap, bnb=BNB_OK, estimate=est)
+    (warning,) = checked.warnings
     assert warning.startswith("about 7.96 GiB of weights will be offloaded to CPU RAM"), warning
+    # ...and it loads the map that was sized: along a dict map transformers keeps those layers unquantized
+    monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    kwargs, _ = loading._run_kwargs(plan.replace(load="int8", compute_dtype="fp16"), checked)
+    assert kwargs["device_map"] == checked.split.device_map and "cpu" in set(kwargs["device_map"].values())
+    assert kwargs["quantization_config"].llm_int8_enable_fp32_cpu_offload is True
+    assert kwargs["max_memory"] == checked.split.max_memory
 
 
-def test_without_a_placement_the_offload_is_still_counted_unquantized(tiny_llama, monkeypatch):
-    """An architecture the meta device cannot build: the estimate's overflow, re-counted at the compute width."""
+def test_without_a_placement_bitsandbytes_is_not_offloaded_and_fp16_is_counted(tiny_llama, monkeypatch):
+    """An architecture the meta device cannot build: no checked map for bitsandbytes layers to be offloaded
+    along (transformers' 'auto' would keep them quantized in RAM, where 4-bit ones cannot run): refused. An
+    fp16 load offloads through transformers' own placement, its overflow compared with the RAM."""
 
     def unplaceable(*args, **kwargs):
         raise PlacementError("cannot build this architecture on the meta device")
@@ -309,11 +316,13 @@ def test_without_a_placement_the_offload_is_still_counted_unquantized(tiny_llama
     monkeypatch.setattr(loading, "split_plan", unplaceable)
     snap = machine(free=4 * GiB)
     est = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
-    overflow = est.total - gpu_split.gpu_room(est, snap.gpu)
-    real = gpu_split.offloaded_bytes(est, overflow, bf16=False)
-    assert real > 3.5 * overflow  # nf4 is ~4.5 bits a weight, fp16 16
-    with pytest.raises(LoadRefused, match=f"the {format_bytes(real)} of weights that would be offloaded"):
+    with pytest.raises(LoadRefused, match="placement cannot be built"):
         check_plan(LoadPlan(str(tiny_llama), load="nf4", allow_offload=True), snapshot=snap, bnb=BNB_OK, estimate=est)
+    est = estimate("mistralai/Mistral-7B-v0.1", load="fp16", device="t4")
+    overflow = est.total - gpu_split.gpu_room(est, machine(free=8 * GiB).gpu)
+    plan = LoadPlan(str(tiny_llama), load="fp16", allow_offload=True)
+    checked = check_plan(plan, snapshot=machine(free=8 * GiB), bnb=BNB_OK, estimate=est)
+    assert checked.split is None and checked.warnings[0].startswith(f"about {format_bytes(overflow)} of weights")
 
 
 BNB_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",

@@ -10,7 +10,7 @@
 - :func:`record_allocations` (CUDA) records allocation history for PyTorch's memory visualizer and
   summarizes the top allocation sites.
 
-Memory for the detector is ``torch.cuda.memory_allocated()`` on CUDA and, elsewhere, the bytes of
+Memory for the detector is CUDA allocated on every card (``allocated("all")``) and, elsewhere, the bytes of
 live tensors found by the census (so the detector works the same on a CPU-only machine).
 """
 

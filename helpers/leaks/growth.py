@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..html import Markup, badge
+from ..memory import allocated
 from ..session import caller_namespace
 from ..tensors import tensor_bytes
 from ..units import format_bytes
@@ -28,7 +29,7 @@ def _theil_sen(ys: list[float]) -> float:
 
 def _measure() -> int:
     if torch.cuda.is_available():
-        return torch.cuda.memory_allocated()
+        return allocated("all")  # every card: a split model's leak (losses kept on the last card) grows GPU 1
     return tensor_bytes()
 
 
@@ -121,7 +122,7 @@ class GrowthDetector:
         min_growth: smallest growth per step worth calling a leak, in bytes.
         capacity: bytes available to the measured quantity in total; default: what is measured now
             plus the free GPU memory (CUDA) or the available RAM.
-        measure: a callable returning bytes; default ``torch.cuda.memory_allocated`` on CUDA, else
+        measure: a callable returning bytes; default CUDA allocated on every card (``allocated("all")``), else
             :func:`tensor_bytes`.
     """
 
