@@ -34,6 +34,10 @@ class ResultsWriteError(OomkitError, OSError):
         super().__init__(message)
         self.unsaved = unsaved
 
+    def __reduce__(self):
+        # pickled with its records (a worker process handing the error back must not lose them)
+        return type(self), (self.args[0], self.unsaved)
+
 
 class ResultsFile:
     """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.

@@ -523,3 +523,13 @@ def test_a_split_models_second_card_is_read_and_its_cache_given_back(fake_gpus):
     assert memory.peak_allocated("all") == 10 * 2**30
     memory.reset_peak_allocated("all")
     assert sorted(cuda.resets) == [0, 1] and memory.peak_allocated("all") == 5 * 2**30
+
+
+def test_a_results_write_error_keeps_its_unsaved_records_through_pickle():
+    """A worker process handing the error back pickles it: the records that never reached the disk go
+    with it (its __init__ takes them, so the default exception pickling failed)."""
+    import pickle
+
+    err = ResultsWriteError("disk full writing results.jsonl", [{"id": "a", "output": "x"}])
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ResultsWriteError and str(back) == str(err) and back.unsaved == err.unsaved
