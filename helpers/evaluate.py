@@ -85,7 +85,8 @@ class EvalReport:
             full_collections: OOMs after which the failed batch was still alive, so ``gc.collect()`` ran.
         batch_sizes: the size of every batch that ran, in order; timeline: (seconds, batch size,
             memory bytes) per batch; oom_timeline: (seconds, batch size) of every batch that ran out
-            of memory; peak_memory: peak GPU allocated (CUDA; every card added up) or process RSS (CPU).
+            of memory; peak_memory: peak GPU allocated (CUDA; every card added up) or process RSS (CPU);
+            peak_by_gpu: each card's own peak, on a machine with more than one.
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
         scores: the mean of each score over samples with a reference.
         records: every result for these prompts (this run and earlier ones), in prompt order.
@@ -108,6 +109,7 @@ class EvalReport:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     oom_timeline: list[tuple[float, int]] = field(default_factory=list)
     peak_memory: int | None = None
+    peak_by_gpu: dict[int, int] = field(default_factory=dict)  # each card's own peak, with more than one
     memory_kind: str = "process RSS"
     repaired: bool = False
     started_from: str = ""
@@ -127,6 +129,10 @@ class EvalReport:
     def outputs(self) -> list[str]:
         return [r["output"] for r in self.records]
 
+    def _peak_text(self) -> str:
+        cards = "; ".join(f"GPU {d} {format_bytes(b)}" for d, b in self.peak_by_gpu.items())
+        return format_bytes(self.peak_memory) + (f" ({cards})" if cards else "")
+
     def _lines(self) -> list[tuple[str, str]]:
         sizes = sorted(set(self.batch_sizes))
         rows = [
@@ -143,7 +149,10 @@ class EvalReport:
                 (f"{len(self.batch_sizes)} batches, sizes {sizes[0]}..{sizes[-1]}" if sizes else "none")
                 + (f"; started at {self.started_from}" if self.started_from else ""),
             ),
-            (f"peak memory ({self.memory_kind})", format_bytes(self.peak_memory)),
+            (
+                f"peak memory ({self.memory_kind})",
+                self._peak_text(),
+            ),
             ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
         ]
         if self.failures:
@@ -742,6 +751,8 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
     """Peak memory, every record for these prompts (in prompt order) and the mean scores."""
     if run.device.type == "cuda":
         report.peak_memory = peak_allocated("all")  # a split model: its cards' peaks added up
+        if torch.cuda.device_count() > 1:  # what to hold against one card's size
+            report.peak_by_gpu = {d: peak_allocated(d) for d in range(torch.cuda.device_count())}
     finished = store.read()
     mine = [finished[it["id"]] for it in items if it["id"] in finished]
     report.records = [r for r in mine if not r.get("error")]
