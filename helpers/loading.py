@@ -168,13 +168,16 @@ class LoadPlan:
             return None
         from transformers import BitsAndBytesConfig
 
-        # no llm_int8_enable_fp32_cpu_offload here: an offload the checks accepted loads their device map, which
-        # sets it (placement.DevicePlan.quantization_changes); under device_map="auto" the flag would keep the
-        # CPU layers quantized in RAM, where accelerate's offload hook cannot run 4-bit ones
+        # llm_int8_enable_fp32_cpu_offload only along a device map that names the CPU or disk (yours, or the one
+        # an offload the checks accepted loads: placement.DevicePlan.quantization_changes): transformers then
+        # keeps those layers unquantized. Under device_map="auto" it would keep them quantized in RAM, where
+        # accelerate's offload hook cannot run 4-bit ones
+        offload = isinstance(self.device_map, dict) and bool({"cpu", "disk"} & set(map(str, self.device_map.values())))
         if self.load == "int8":
-            return BitsAndBytesConfig(load_in_8bit=True)
+            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
         return BitsAndBytesConfig(
             load_in_4bit=True,
+            llm_int8_enable_fp32_cpu_offload=offload,
             bnb_4bit_quant_type=self.load,
             bnb_4bit_use_double_quant=self.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(self.resolved_compute_dtype(device)),

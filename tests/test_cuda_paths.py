@@ -139,3 +139,24 @@ def test_precision_and_optimizer_follow_the_gpu():
     plan = TrainPlan("m")
     assert plan.resolved_precision() == auto_compute_dtype()
     assert plan.resolved_optimizer() == "paged_adamw_8bit"
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_a_bitsandbytes_layer_offloaded_along_a_device_map_stays_unquantized_and_runs(tiny_llama, mode):
+    """The path an accepted one-card offload loads (its checked device map with the CPU, and
+    llm_int8_enable_fp32_cpu_offload): the CPU layer is a plain Linear in the compute dtype, as the RAM
+    check sized it, and generation runs through accelerate's offload hook. Read from transformers'
+    and accelerate's code and tried on CPU; this is the GPU proof (issue 21)."""
+    from helpers.loading import LoadPlan, load
+
+    layout = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+              "model.layers.2": "cpu", "model.layers.3": 0, "model.norm": 0, "lm_head": 0}  # fmt: skip
+    plan = LoadPlan(str(tiny_llama), load=mode, compute_dtype="fp16", device_map=layout, allow_offload=True)
+    model, tok, report = load(plan)
+    offloaded = model.model.layers[2].self_attn.q_proj
+    assert type(offloaded) is torch.nn.Linear and offloaded.weight.dtype == torch.float16
+    assert type(model.model.layers[0].self_attn.q_proj).__module__.startswith("bitsandbytes")  # quantized on the GPU
+    assert report.placement.get("cpu", 0) > 0
+    ids = tok(["hello"], return_tensors="pt").to("cuda:0")
+    assert model.generate(**ids, max_new_tokens=4).shape[1] == ids["input_ids"].shape[1] + 4
+    del model

@@ -62,6 +62,12 @@ def test_device_map_auto_never_asks_bitsandbytes_to_offload(mode, monkeypatch):
     monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
     config = LoadPlan("org/model", load=mode, compute_dtype="fp16", allow_offload=True).quantization_config()
     assert config.llm_int8_enable_fp32_cpu_offload is False
+    # a device map of your own that names the CPU is transformers' documented offload: the flag goes with it
+    own = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": 0, "lm_head": 0}
+    mapped = LoadPlan("org/model", load=mode, compute_dtype="fp16", device_map=own).quantization_config()
+    assert mapped.llm_int8_enable_fp32_cpu_offload is True
+    one_card = LoadPlan("org/model", load=mode, compute_dtype="fp16", device_map={"": 0}).quantization_config()
+    assert one_card.llm_int8_enable_fp32_cpu_offload is False
 
 
 def test_int8_and_half_precision_kwargs():
