@@ -521,9 +521,12 @@ def test_a_split_models_second_card_is_read_and_its_cache_given_back(fake_gpus):
     assert evaluate._should_empty_cache(gpu) is False
     cuda.peak = {0: 4 * 2**30, 1: 6 * 2**30}
     assert memory.peak_allocated("all") == 10 * 2**30
-    report = evaluate.EvalReport(
-        results_path="r.jsonl", peak_memory=10 * 2**30, peak_by_gpu={0: 4 * 2**30, 1: 6 * 2**30}
-    )
+    import types
+
+    report = evaluate.EvalReport(results_path="r.jsonl")
+    run = types.SimpleNamespace(device=gpu, scorer=None)
+    evaluate._finish(report, run, types.SimpleNamespace(read=dict), [])  # what a finished run records
+    assert report.peak_memory == 10 * 2**30 and report.peak_by_gpu == {0: 4 * 2**30, 1: 6 * 2**30}
     assert "10.00 GiB (GPU 0 4.00 GiB; GPU 1 6.00 GiB)" in str(report)  # what to hold against one card
     memory.reset_peak_allocated("all")
     assert sorted(cuda.resets) == [0, 1] and memory.peak_allocated("all") == 5 * 2**30
