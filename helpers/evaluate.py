@@ -112,6 +112,7 @@ class EvalReport:
     peak_by_gpu: dict[int, int] = field(default_factory=dict)  # each card's own peak, with more than one
     memory_kind: str = "process RSS"
     repaired: bool = False
+    backup: Path | None = None  # where resume=False moved the earlier results
     started_from: str = ""
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
@@ -153,7 +154,11 @@ class EvalReport:
                 f"peak memory ({self.memory_kind})",
                 self._peak_text(),
             ),
-            ("results", f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"),
+            (
+                "results",
+                f"{self.results_path}{' (torn last line repaired)' if self.repaired else ''}"
+                + (f"; the earlier results moved to {self.backup}" if self.backup else ""),
+            ),
         ]
         if self.failures:
             shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
@@ -346,6 +351,8 @@ def safe_generate(
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
     done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
+    if store.backup is not None:
+        warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=2)
     try:
         report = _generate_pending(
             run,
@@ -402,7 +409,7 @@ def _generate_pending(
     done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
     _check_reuse(done, items, run, resume, store.path)
     pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
-    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired)
+    report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired, backup=store.backup)
     report.skipped = len(items) - len(pending)
     longest = max(len(row) for row in ids)
     budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)

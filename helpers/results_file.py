@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import time
 from pathlib import Path
 
 try:
@@ -53,6 +54,7 @@ class ResultsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.repaired = False
+        self.backup: Path | None = None  # where resume=False moved an earlier run's results
         self._fh = None
         self._lock: int | None = None
 
@@ -150,7 +152,9 @@ class ResultsFile:
     def open(self, *, fresh: bool = False) -> dict[str, dict]:
         """Lock the file, check it can be written (before any generation), return what is already finished.
 
-        ``fresh``: start the file over (only a results file: anything else is refused, never deleted).
+        ``fresh``: start the file over (only a results file: anything else is refused). The earlier
+        results are moved to ``<path>.<time>.bak`` (``self.backup``), never deleted: a notebook cell
+        re-run after a runtime reset must not wipe an evaluation.
         """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,8 +189,14 @@ class ResultsFile:
                 f"{self.path} is not a safe_generate results file (its first line is no result record), "
                 "so resume=False will not delete it: pass results= another path"
             )
-        with open(self.path, "r+b") as f:
-            f.truncate(0)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = self.path.with_name(f"{self.path.name}.{stamp}.bak")
+        n = 1
+        while backup.exists():
+            n += 1
+            backup = self.path.with_name(f"{self.path.name}.{stamp}-{n}.bak")
+        os.replace(self.path, backup)
+        self.backup = backup
 
     def append(self, record: dict, *, sync: bool = True) -> None:
         """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""

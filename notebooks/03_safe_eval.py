@@ -48,11 +48,12 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # hub id or local path
 LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
 PROMPTS_FILE = None  # None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
-RESULTS = "eval_results.jsonl"  # a name goes to Drive when it is mounted in Colab (survives a reset)
+RESULTS = "eval_results.jsonl"  # a name goes to MyDrive/oomkit/ in Colab (MOUNT_DRIVE): survives a reset
+MOUNT_DRIVE = True  # Colab: mount Google Drive so the results file outlives the runtime
 MAX_NEW_TOKENS = 64
 BATCH_SIZE = "auto"  # "auto": start where an earlier run learned, else the estimate; or a starting int
 SCORE = "contains"  # "exact_match", "contains", or a function(output, reference) -> float
-INTERRUPT_AFTER = 20  # simulate pressing Stop after this many samples (None: do not)
+INTERRUPT_AFTER = 20  # demo: start over, then simulate Stop after this many samples (None: a real run that resumes)
 SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
 
 # %% [markdown]
@@ -87,7 +88,12 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 # %load_ext helpers
 from helpers import LoadPanel, persistent_path, snapshot
 
+if MOUNT_DRIVE and "google.colab" in sys.modules:
+    from google.colab import drive
+
+    drive.mount("/content/drive")
 RESULTS = persistent_path(RESULTS)  # MyDrive/oomkit/ when Drive is mounted: results survive a runtime reset
+print(f"results go to {RESULTS}")
 
 panel = LoadPanel(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=8 if BATCH_SIZE == "auto" else BATCH_SIZE,
                   prompt_tokens=128)
@@ -122,8 +128,10 @@ prompts[0]
 # `INTERRUPT_AFTER` samples, exactly what pressing Stop does. A batch is written whole before its
 # samples are reported, so the file may hold a few more than were reported: the rest of that batch.
 # (A crashed or reset runtime is the same story: the file keeps every finished line, and a line torn
-# mid-write is repaired on resume.) `resume=False` starts the file over for this demo; the first
-# batch's first answer is printed as it is generated (`stream=True`).
+# mid-write is repaired on resume.) With `INTERRUPT_AFTER` set (this demo) the cell starts the file
+# over: the earlier results are moved to `<file>.<time>.bak` beside it, never deleted. With `None` (a
+# real run) it resumes, so re-running it after a disconnect continues where the file stopped. The
+# first batch's first answer is printed as it is generated (`stream=True`).
 
 # %%
 import contextlib
@@ -149,8 +157,8 @@ def stop_after(n):
 
 try:
     with memory_limit():
-        safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=START_BATCH,
-                      results=RESULTS, resume=False, score=SCORE, on_result=stop_after(INTERRUPT_AFTER), stream=True)
+        safe_generate(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, batch_size=START_BATCH, results=RESULTS,
+                      resume=INTERRUPT_AFTER is None, score=SCORE, on_result=stop_after(INTERRUPT_AFTER), stream=True)
 except KeyboardInterrupt as stop:
     print(f"interrupted: {stop}")
 

@@ -179,6 +179,22 @@ def test_interrupted_run_resumes_without_loss(tiny, reference, tmp_path):
     assert forced.done == 0 and forced.skipped == len(PROMPTS)
 
 
+def test_starting_over_moves_the_earlier_results_aside_instead_of_deleting_them(tiny, tmp_path):
+    """resume=False (a notebook cell re-run after a disconnect) keeps the earlier run's file as a backup."""
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:4], max_new_tokens=NEW, results=path, progress=False)
+    earlier = path.read_bytes()
+    with pytest.warns(UserWarning, match=r"resume=False: the earlier results in .*r\.jsonl were moved to .*\.bak"):
+        report = safe_generate(model, tok, PROMPTS[:2], max_new_tokens=NEW, results=path, progress=False, resume=False)
+    assert report.backup is not None and report.backup.read_bytes() == earlier
+    assert len(_lines(path)) == 2 and "the earlier results moved to" in str(report)
+    with pytest.warns(UserWarning, match="moved to"):  # a second start-over in the same second keeps both
+        second = safe_generate(model, tok, PROMPTS[:1], max_new_tokens=NEW, results=path, progress=False, resume=False)
+    assert second.backup != report.backup and report.backup.read_bytes() == earlier
+    assert len(_lines(second.backup)) == 2
+
+
 def test_torn_last_line_is_repaired_not_duplicated(tiny, reference, tmp_path):
     model, tok = tiny
     path = tmp_path / "r.jsonl"
