@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError
 from .eval_batching import TokenBudget, batch_cache_key, load_mode, remember, start_size
@@ -389,6 +390,7 @@ def _prepare(
     settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
+    keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
     return items, ids, run
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import devices, generation
+from .attention import keep_attention_fused
 from .checks import Check
 from .compat import from_pretrained_dtype
 from .devices import (  # the placement constants live with the device facts; named here as before
@@ -850,6 +851,7 @@ def load(
     started = time.perf_counter()
     model = _from_pretrained(plan.model, kwargs, est)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
+    attention = keep_attention_fused(model)
     tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
     measured = footprint(model)
     where = placement(model)
@@ -870,7 +872,7 @@ def load(
         estimate=est,
         tokenizer_note=note,
         split=checked.split,
-        notes=checked.notes,
+        notes=[*checked.notes, *([attention] if attention else [])],
     )
     return model, tokenizer, report
 

@@ -15,7 +15,7 @@ LAYERS = [
     {"units", "errors"},
     {"html", "vocab", "prompts", "results_file", "scoring", "oom_messages"},
     {"devices", "checks"},
-    {"memory", "session", "compat", "runtime"},
+    {"memory", "session", "compat", "runtime", "attention"},
     {"sources", "reclaim", "tensors"},
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
