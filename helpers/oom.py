@@ -86,13 +86,15 @@ def _handler(shell, etype, value, tb, tb_offset=None):
     if not is_oom(value):
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         return None
-    from .reclaim import cleanup, counters
+    from .reclaim import cleanup, clear_exception_frames, counters
 
     before = counters()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
     report = explain_oom(value)
-    # the traceback's frames keep every tensor the failed code created: clear them, then collect
+    # the traceback's frames keep every tensor the failed code created, and so do the frames of an
+    # earlier OOM this one was raised while handling (a retry): clear them all, then collect
     traceback.clear_frames(tb)
+    clear_exception_frames(value)
     del tb
     freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
     after = counters()

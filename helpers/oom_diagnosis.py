@@ -241,11 +241,19 @@ class OOMReport:
 
 
 def _exception_text(exc: BaseException) -> str:
-    """The messages of ``exc`` and everything it wraps, outermost first."""
+    """The message of the outermost OOM in ``exc``'s chain, alone; else every message, outermost first.
+
+    A retry that runs out of memory again raises inside the handler of the first OOM, so both are in
+    the chain: the one raised last is the one to explain, not the earlier (larger) request that the
+    parser would find last in the joined text.
+    """
     texts, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        texts.append(f"{type(exc).__name__}: {exc}")
+        own = f"{type(exc).__name__}: {exc}"
+        if is_oom_text(own):
+            return own
+        texts.append(own)
         exc = exc.__cause__ or exc.__context__
     return "\n".join(texts)
 
@@ -364,7 +372,9 @@ def _traceback_names(tb) -> dict[int, str]:
                 if isinstance(value, torch.Tensor):
                     names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
             # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
-            local.clear()
+            # (Python 3.13+ hands out a write-through proxy instead, which caches nothing and has no clear())
+            if isinstance(local, dict):
+                local.clear()
             del local
         tb = tb.tb_next
     return names

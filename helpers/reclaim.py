@@ -13,8 +13,10 @@ import gc
 import inspect
 import sys
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 import torch
@@ -31,6 +33,7 @@ __all__ = [
     "drop_exception_state",
     "drop_output_history",
     "clear_kept_exception_frames",
+    "clear_exception_frames",
     "release_after_oom",
 ]
 
@@ -104,15 +107,36 @@ def _clearable_frames(tb):
         tb = tb.tb_next
 
 
-def _frames_hold_tensors(tb) -> bool:
-    """True when a clearable frame of the traceback ``tb`` holds a tensor or a module in its locals."""
-    for frame in _clearable_frames(tb):
-        for value in frame.f_locals.values():
-            if isinstance(value, torch.Tensor | torch.nn.Module):
-                return True
-            if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value[:64]):
-                return True
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes)
+
+
+def _holds_tensors(value: Any, budget: int = 2000) -> bool:
+    """True when ``value`` is, or reaches through containers and object attributes, a tensor or a
+    module: a ``ModelOutput``, a ``BatchEncoding``, a ``DynamicCache``, a dict of logits. Bounded
+    (``budget`` objects); functions, classes and modules are not followed (their globals would reach
+    the whole notebook)."""
+    todo, seen = [value], set()
+    while todo and budget > 0:
+        v = todo.pop()
+        if id(v) in seen or isinstance(v, _OPAQUE):
+            continue
+        seen.add(id(v))
+        budget -= 1
+        if isinstance(v, torch.Tensor | torch.nn.Module):
+            return True
+        if isinstance(v, dict):
+            todo.extend(list(v.values())[:256])
+        elif isinstance(v, list | tuple | set | frozenset):
+            todo.extend(list(v)[:256])
+        elif hasattr(v, "__dict__") and not isinstance(v, BaseException):
+            todo.extend(list(vars(v).values())[:256])
     return False
+
+
+def _frames_hold_tensors(tb) -> bool:
+    """True when a clearable frame of the traceback ``tb`` holds a tensor or a module, directly or
+    inside what its locals hold."""
+    return any(_holds_tensors(value) for frame in _clearable_frames(tb) for value in frame.f_locals.values())
 
 
 def _clear_frames(tb) -> None:
@@ -127,27 +151,58 @@ def _clear_frames(tb) -> None:
         frame.f_locals  # noqa: B018 - the read is the point
 
 
+def clear_exception_frames(exc: BaseException | None, *, only_holding: bool = False) -> int:
+    """Clear the call frames of ``exc`` and of every exception in its chain (``raise ... from``, or
+    raised while handling another: a retry that ran out of memory again). The exception, its message
+    and the traceback's files and lines stay. ``only_holding``: only tracebacks whose frames hold
+    tensors or modules. Returns how many tracebacks were cleared."""
+    cleared, seen, todo = 0, set(), [exc]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        if tb is not None and (not only_holding or _frames_hold_tensors(tb)):
+            _clear_frames(tb)
+            cleared += 1
+        todo += [exc.__cause__, exc.__context__]  # both: "from None" hides the context, memory keeps it
+    return cleared
+
+
+def _kept_exceptions(namespace: dict) -> list[tuple[str, list[BaseException]]]:
+    """``(name, exceptions)`` for each name holding an exception, or a list, tuple, set or dict of
+    them (``errors.append(e)``)."""
+    kept = []
+    for name, value in list(namespace.items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(value, BaseException):
+            kept.append((name, [value]))
+        elif isinstance(value, list | tuple | set | frozenset | dict):
+            items = value.values() if isinstance(value, dict) else value
+            found = [v for v in list(items)[:1000] if isinstance(v, BaseException)]
+            if found:
+                kept.append((name, found))
+    return kept
+
+
 def clear_kept_exception_frames(namespace: dict) -> list[str]:
     """Clear the local variables of the traceback frames that exceptions kept in ``namespace`` still hold.
 
     ``except torch.OutOfMemoryError as e: err = e`` keeps ``err``, its traceback, every frame of the
-    failed call and each frame's tensors. Only exceptions (or the ones they were raised from) whose
-    frames hold tensors or modules are touched; the exception, its message and the traceback's file
-    and line numbers stay, so it still prints. Module-level frames (the notebook's variables) and the
-    frames of generators and coroutines (clearing would close them) are left alone. Returns what was
-    cleared.
+    failed call and each frame's tensors; so does ``errors.append(e)``. Only exceptions (or the ones
+    they were raised from) whose frames hold tensors or modules, directly or inside a model output,
+    a dict or a cache, are touched; the exception, its message and the traceback's file and line
+    numbers stay, so it still prints. Module-level frames (the notebook's variables) and the frames
+    of generators and coroutines (clearing would close them) are left alone. Returns what was cleared.
     """
     cleared = []
-    for name, value in list(namespace.items()):
-        if name.startswith("_") or not isinstance(value, BaseException):
-            continue
-        exc, seen = value, set()
-        while exc is not None and id(exc) not in seen:  # the chain: raise ... from / during handling
-            seen.add(id(exc))
-            if exc.__traceback__ is not None and _frames_hold_tensors(exc.__traceback__):
-                _clear_frames(exc.__traceback__)
-                cleared.append(f"frames kept by {name} ({type(exc).__name__})")
-            exc = exc.__cause__ or exc.__context__
+    for name, excs in _kept_exceptions(namespace):
+        n = sum(clear_exception_frames(e, only_holding=True) > 0 for e in excs)
+        if n:
+            what = type(excs[0]).__name__ if len(excs) == 1 else f"{n} of its {len(excs)} exceptions"
+            cleared.append(f"frames kept by {name} ({what})")
     return cleared
 
 

@@ -69,6 +69,46 @@ def test_cleanup_frees_tensors_of_an_exception_kept_in_a_variable(ipython_shell)
     assert ipython_shell.user_ns["note"] == "kept"
 
 
+def test_cleanup_frees_tensors_inside_outputs_and_exceptions_kept_in_a_list():
+    """A frame holding a model output (a dict of logits) or a cache object, an exception kept in a list
+    (``errors.append(e)``), and one raised from another (``from None`` included): all cleared. Before:
+    only frames with a bare tensor or module were, and lists were never looked at."""
+
+    class Cache:
+        def __init__(self):
+            self.layers = [{"keys": torch.ones(1 << 16)}]
+
+    refs = []
+
+    def failing(kind):
+        out = {"logits": torch.ones(1 << 16)} if kind == "output" else Cache()
+        refs.append(weakref.ref(out["logits"] if kind == "output" else out.layers[0]["keys"]))
+        raise RuntimeError("CUDA out of memory")
+
+    def wrapped():
+        try:
+            failing("output")
+        except RuntimeError:
+            raise ValueError("step failed") from None
+
+    ns = {"errors": []}
+    for kind in ("output", "cache"):
+        try:
+            failing(kind)
+        except RuntimeError as e:
+            ns["errors"].append(e)
+    try:
+        wrapped()
+    except ValueError as e:
+        ns["err"] = e
+    assert all(r() is not None for r in refs)
+    report = cleanup(namespace=ns)
+    assert [r() for r in refs] == [None, None, None]
+    assert "frames kept by errors (2 of its 2 exceptions)" in report.dropped
+    assert "frames kept by err (ValueError)" in report.dropped
+    assert str(ns["errors"][0]) == "CUDA out of memory" and ns["err"].__context__ is not None
+
+
 def test_cleanup_leaves_generators_and_module_frames_alone():
     """A generator that yields the errors it catches keeps running after cleanup() (clearing its frame
     would close it), and an error raised at module level is not 'holding tensors' just because the

@@ -149,6 +149,24 @@ def test_checks_find_each_pattern():
     assert not leaks.leak_checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
 
 
+def test_an_exception_raised_from_another_is_followed_to_the_first_ones_frames():
+    def inner():
+        big = torch.ones(1 << 20)  # noqa: F841 - pinned by this frame
+        raise RuntimeError("inner")
+
+    try:
+        try:
+            inner()
+        except RuntimeError as e:
+            raise ValueError("wrapped") from e
+    except ValueError as e:
+        ns = {"err": e}
+    check = leaks.leak_checks(ns).check("stored traceback")
+    assert check.status == "warn" and "err keeps frames alive with 4.00 MiB" in check.summary
+    held = [e for e in leaks.census(ns).entries if e.nbytes == 4 << 20]
+    assert held and "err.__cause__" in held[0].holders[0]
+
+
 def test_output_history_check_in_ipython(ipython_shell):
     ipython_shell.run_cell("import torch", store_history=True)
     ipython_shell.run_cell("torch.zeros(1000)", store_history=True)

@@ -169,6 +169,49 @@ def test_wrapped_exception():
     assert r.form == "cuda" and r.cause == "fragmentation"
 
 
+def test_a_retry_that_runs_out_again_is_explained_by_its_own_message():
+    """The OOM raised while handling an earlier one is the one explained (its figures, its cause), not
+    the earlier, larger request that comes last in the chain's text."""
+    try:
+        try:
+            raise torch.OutOfMemoryError(CUDA_TOO_LARGE)  # batch 64: bigger than the card
+        except torch.OutOfMemoryError:
+            raise torch.OutOfMemoryError(CUDA_FRAGMENTED)  # noqa: B904 - the retry, as user code writes it
+    except torch.OutOfMemoryError as e:
+        r = explain_oom(e, live=False)
+    assert abs(r.requested - 1.95 * GiB) < MiB and r.cause == "fragmentation"
+
+
+def test_traceback_names_read_frames_whose_locals_are_a_proxy():
+    """Python 3.13+ gives a function frame's f_locals as a proxy without clear(): explaining a live OOM
+    must not fail there (the notebook handler would unregister itself)."""
+    import types
+
+    from helpers.oom_diagnosis import _traceback_names
+
+    t = torch.ones(3)
+    frame = types.SimpleNamespace(
+        f_code=types.SimpleNamespace(co_name="step"), f_locals=types.MappingProxyType({"x": t})
+    )
+    tb = types.SimpleNamespace(tb_frame=frame, tb_next=None)
+    assert _traceback_names(tb) == {id(t): "step().x"}
+
+
+def test_the_notebook_handler_frees_what_an_earlier_oom_in_the_chain_pinned(ipython_shell, capsys):
+    assert install(ipython_shell)
+    try:
+        ipython_shell.run_cell(
+            "import torch, weakref\nrefs = []\n"
+            "def attempt(n):\n    x = torch.ones(1 << 22)\n    refs.append(weakref.ref(x))\n    torch.empty(n)\n"
+            "def retry():\n    try:\n        attempt(1 << 45)\n    except RuntimeError:\n        attempt(1 << 44)\n"
+        )
+        ipython_shell.run_cell("retry()")
+        assert "Released what the traceback pinned" in "".join(capsys.readouterr())
+        assert [r() for r in ipython_shell.user_ns["refs"]] == [None, None]
+    finally:
+        uninstall(ipython_shell)
+
+
 def _hold_and_fail():
     big = torch.ones(4 * MiB)  # 16 MiB, pinned by this frame when the OOM unwinds
     torch.empty(1 << 45)

@@ -73,6 +73,12 @@ def _children(obj, path: str) -> Iterator[tuple[str, object]]:
     if isinstance(obj, BaseException):
         if obj.__traceback__ is not None:
             yield f"{path}.__traceback__", obj.__traceback__
+        # raise ... from e, or raised while handling e: the earlier exception's frames live on too
+        # (also under "from None", which hides the context from the printout, not from memory)
+        if obj.__cause__ is not None:
+            yield f"{path}.__cause__", obj.__cause__
+        if obj.__context__ is not None and obj.__context__ is not obj.__cause__:
+            yield f"{path}.__context__", obj.__context__
         return
     if isinstance(obj, types.TracebackType):
         tb = obj

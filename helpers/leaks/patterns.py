@@ -134,7 +134,8 @@ def _scan(ns: dict, cache_entries: int) -> _Findings:
             and not path.startswith("Out[")
             and "__traceback__" not in path
             and " local " not in path
-        ):  # outermost holder only
+            and not path.endswith(("__cause__", "__context__"))
+        ):  # outermost holder only (its chain is counted with it)
             f.exceptions.append((path, obj))
     return f
 
