@@ -14,6 +14,7 @@ import torch
 
 from . import estimator, tensors
 from .oom_messages import is_oom_text, parse_message
+from .runtime import ALLOC_CONF, EXPANDABLE, cuda_initialized, needs_restart_for
 from .session import user_namespace
 from .units import format_bytes
 
@@ -421,12 +422,28 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
         at = causes.index("steady_state") if "steady_state" in causes else len(causes)
         causes.insert(at, "other_gpu_room")
         moved["other_gpu_room"] = _move_fixes(f, others, len(snap.gpus))
+    if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
+        moved["fragmentation"] = _fragmentation_fixes()
     report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
     report.other_gpus = others
     if snap is not None:
         report.snapshot = snap
         report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
     return report
+
+
+def _fragmentation_fixes() -> list[str]:
+    """On a live OOM: without the expandable-segments fix when this process already runs with it (every
+    notebook's first cell sets it), so nobody restarts a runtime for a setting already in force."""
+    fixes = list(CAUSES["fragmentation"][1])
+    check = needs_restart_for(EXPANDABLE)
+    if EXPANDABLE in os.environ.get(ALLOC_CONF, "") and not check.needed and cuda_initialized():
+        fixes[0] = (
+            f"{EXPANDABLE} is already in effect here, so what is left is the cache itself: call "
+            "helpers.cleanup(), then retry"
+        )
+        del fixes[1]
+    return fixes
 
 
 # the allocator messages that name the card that ran out (a cuBLAS or driver error names none)

@@ -128,6 +128,7 @@ _FIGURE_RES = tuple((name, re.compile(pattern, re.I)) for name, pattern in _FIGU
 # its signature (within ~1 KB); the part before catches a message whose own signature came earlier.
 _BEFORE, _AFTER = 2000, 4000
 _FORM_CONTEXT = 1200  # characters before the last signature that still belong to its message
+_LEAD_IN = 40  # of a whole message (it states its own request): the words before its signature
 
 
 _COLAB = "session crashed after using all available ram"
@@ -160,16 +161,28 @@ def _figure(regex: re.Pattern, before: str, after: str) -> str | None:
     return m.group(1) if m else None
 
 
+_REQUESTED = next(regex for name, regex in _FIGURE_RES if name == "requested")
+
+
+def _form_of(low: str) -> tuple[str, str]:
+    for name, what, regex in _FORM_RES:
+        if regex.search(low):
+            return name, what
+    return "unknown", "an error that does not look like an out-of-memory message"
+
+
 def parse_message(text: str) -> dict:
     """The last OOM message in ``text``: its ``form`` and ``source`` (an ``OOM_FORMS`` entry, or
     "unknown"), each figure it states (bytes; the GPU index as ``device``) and ``processes``."""
     before, after = _window(text)
+    # A message that states its own request after its signature is whole: an earlier message in the
+    # same log (a CPU OOM, a run with a memory cap) must not lend it a form or figures. Otherwise the
+    # last signature may sit in a hint after the real message ("if you encounter CUDA out of memory"),
+    # or inside it ("... (Cannot allocate memory)"): the text before it is read too.
+    if _REQUESTED.search(after) and _form_of((before[-_LEAD_IN:] + after).lower())[0] != "unknown":
+        before = before[-_LEAD_IN:]  # its own first words only: "torch.OutOfMemoryError: CUDA "
     low = (before[-_FORM_CONTEXT:] + after).lower()
-    form, source = "unknown", "an error that does not look like an out-of-memory message"
-    for name, what, regex in _FORM_RES:
-        if regex.search(low):
-            form, source = name, what
-            break
+    form, source = _form_of(low)
     if form == "bitsandbytes" and not (is_oom_text(low) or "paged" in low):
         form, source = "unknown", "an error that does not look like an out-of-memory message"
     figures: dict = {}

@@ -182,6 +182,31 @@ def test_a_retry_that_runs_out_again_is_explained_by_its_own_message():
     assert abs(r.requested - 1.95 * GiB) < MiB and r.cause == "fragmentation"
 
 
+def test_a_whole_message_in_a_log_borrows_nothing_from_an_earlier_one():
+    """A CUDA OOM after a CPU one is a CUDA OOM; an earlier message's cap is not the last one's."""
+    cpu_then_cuda = CPU + "\n...\n" + CUDA_FRAGMENTED
+    r = explain_oom(cpu_then_cuda)
+    assert r.form == "cuda" and r.cause == "fragmentation"
+    capped = CUDA_FRAGMENTED.replace("memory in use.", "memory in use. 7.00 GiB allowed;", 1)
+    r = explain_oom(capped + "\n(cap removed, retried)\n" + CUDA_FRAGMENTED)
+    assert r.process_cap is None and "process_cap" not in r.causes
+    assert explain_oom(capped).process_cap == 7 * GiB
+
+
+def test_a_live_fragmentation_oom_does_not_send_you_to_restart_for_a_setting_already_in_force(monkeypatch):
+    from helpers import oom_diagnosis
+    from helpers.runtime import RestartCheck
+
+    assert explain_oom(CUDA_FRAGMENTED, live=True).fixes[0].startswith("Set PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(oom_diagnosis, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(oom_diagnosis, "needs_restart_for", lambda s: RestartCheck(s, False, "in effect"))
+    r = explain_oom(CUDA_FRAGMENTED, live=True)
+    assert r.cause == "fragmentation" and r.fixes[0].startswith("expandable_segments:True is already in effect")
+    assert not any("restart" in fix for fix in r.fixes)
+    assert explain_oom(CUDA_FRAGMENTED).fixes[0].startswith("Set PYTORCH")  # a pasted message: another machine's
+
+
 def test_traceback_names_read_frames_whose_locals_are_a_proxy():
     """Python 3.13+ gives a function frame's f_locals as a proxy without clear(): explaining a live OOM
     must not fail there (the notebook handler would unregister itself)."""
