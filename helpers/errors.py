@@ -7,7 +7,7 @@ fits), so ``except OomkitError`` catches oomkit's refusals and ``except ValueErr
 
 from __future__ import annotations
 
-__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused", "EvalError"]
+__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused", "EvalError", "ModelUnloadedError"]
 
 
 class OomkitError(Exception):
@@ -35,3 +35,7 @@ class EvalError(OomkitError, ValueError):
 
     Here, not in ``evaluate``, because the prompt loader, the results file and the scorers raise it too.
     """
+
+
+class ModelUnloadedError(OomkitError, RuntimeError):
+    """A model that ``unload()`` emptied was called: its weights are gone, so it must be loaded again."""

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import torch
 
+from .errors import ModelUnloadedError
 from .memory import allocated, reserved
 from .session import caller_namespace, ipython
 from .units import format_bytes
@@ -322,14 +323,50 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
     return _report(before, started, report.objects_collected, [f"del {n}" for n in names] + report.dropped)
 
 
+def _refuse_unloaded(module: torch.nn.Module, args: Any) -> None:
+    raise ModelUnloadedError(
+        f"this {type(module).__name__} was unloaded (helpers.unload emptied its weights to give the memory "
+        "back), so it cannot run: load it again, e.g. model, tokenizer, report = load(plan) or panel.load(), "
+        "and use the new model"
+    )
+
+
+def _optimizers(ns: dict) -> list[tuple[str, torch.optim.Optimizer]]:
+    """Optimizers in the namespace or one attribute deep (``trainer.optimizer``; accelerate's
+    ``AcceleratedOptimizer`` is one, its ``state`` the wrapped optimizer's)."""
+    found: list[tuple[str, torch.optim.Optimizer]] = []
+    for name, value in list(ns.items()):
+        if name.startswith("_") or isinstance(value, type | types.ModuleType):
+            continue
+        for label, opt in ((name, value), (f"{name}.optimizer", getattr(value, "optimizer", None))):
+            if isinstance(opt, torch.optim.Optimizer) and all(opt is not o for _, o in found):
+                found.append((label, opt))
+    return found
+
+
+def _drop_optimizer_state(model: torch.nn.Module, ns: dict) -> list[str]:
+    """Forget the optimizer state (AdamW's two moments: twice the trained parameters in fp32) that
+    optimizers in the namespace keep for ``model``'s parameters; the optimizers stay usable."""
+    params = {id(p) for p in model.parameters()}
+    dropped = []
+    for label, opt in _optimizers(ns):
+        mine = [p for p in list(opt.state) if id(p) in params]
+        for p in mine:
+            del opt.state[p]
+        if mine:
+            dropped.append(f"{label} state of {len(mine)} parameters")
+    return dropped
+
+
 def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_weights: bool = True) -> CleanupReport:
     """Take a model out of memory for good and report what came back.
 
     Removes accelerate's dispatch hooks (they hold references to offloaded weights), deletes
     every name in the caller's namespace bound to ``model``, and with ``release_weights``
     swaps each parameter and buffer for an empty tensor on the same device, so memory comes
-    back even when something else (a Trainer, a pipeline, ``Out``) still holds the module.
-    Nothing is copied back to the CPU first. The model object is unusable afterwards.
+    back even when something else (a Trainer, a pipeline, ``Out``) still holds the module. The
+    state that optimizers in the namespace (or a ``trainer.optimizer``) keep for its parameters is
+    dropped too. Nothing is copied back to the CPU first. The model object is unusable afterwards.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -364,7 +401,9 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
                 if hasattr(module, "state") and hasattr(module.state, "reset_grads"):
                     module.state.CB = module.state.SCB = None
         dropped.append("weights")
+        model.register_forward_pre_hook(_refuse_unloaded)  # a name still bound to it gets a clear error
     ns = caller_namespace(namespace)
+    dropped += _drop_optimizer_state(model, ns)
     for name in [k for k, v in ns.items() if v is model and not k.startswith("__")]:
         del ns[name]
         dropped.append(f"del {name}")

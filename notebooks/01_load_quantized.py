@@ -142,12 +142,13 @@ report.estimate
 # %% [markdown]
 # ## 5. A short batched generation
 # With the panel's current `max_new_tokens` and batch size: move the sliders and re-run this cell (a
-# new generation budget needs no reload; a new load mode reloads, freeing the old model first). The
+# new generation budget needs no reload; a new load mode reloads here, freeing the old model first). The
 # first prompt's answer is printed as it is generated (`stream=True`); the rest come with their batch.
 
 # %%
 from helpers import generate_batched
 
+model, tokenizer, report = panel.load()  # the sliders' plan: reloads only when the load mode changed
 plan = panel.plan  # the sliders' values now, not the parameters cell's
 outputs = generate_batched(model, tokenizer, PROMPTS, max_new_tokens=plan.max_new_tokens, batch_size=plan.batch_size,
                            stream=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import cleanup, free, unload
+from helpers.errors import ModelUnloadedError
 from helpers.reclaim import CleanupReport
 
 
@@ -167,6 +168,31 @@ def test_unload_releases_weights_still_referenced_elsewhere(tiny_llama):
     assert sum(p.numel() for p in holder[0].parameters()) == 0
     assert "weights" in report.dropped and "del model" in report.dropped
     assert isinstance(report, CleanupReport) and "cleanup:" in str(report)
+    with pytest.raises(ModelUnloadedError, match="was unloaded .* load it again"):  # not "'weight' must be 2-D"
+        holder[0](torch.tensor([[1, 2, 3]]))
+
+
+def test_unload_drops_the_optimizer_state_a_trainer_keeps(tiny_llama):
+    """AdamW's moments (twice the trained parameters, fp32) held through ``trainer.optimizer`` come back too."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.tensors import tensor_bytes
+
+    start = tensor_bytes()  # what other tests' fixtures keep alive
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    state = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    assert state > 2 * sum(p.nbytes for p in model.parameters()) - 1024
+    ns = {"model": model, "trainer": SimpleNamespace(model=model, optimizer=opt)}
+    del model
+    report = unload(ns["model"], namespace=ns)
+    assert not opt.state and any(d.startswith("trainer.optimizer state of") for d in report.dropped)
+    assert tensor_bytes() - start < 1024
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])

@@ -96,3 +96,29 @@ def test_panel_choices_drive_the_cells_after_it(stem, tiny_models, tmp_path):
     )  # fmt: skip
     printed = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells for o in c.get("outputs", []))
     assert f"SEEN {expected}" in printed
+
+
+def test_a_load_mode_moved_after_loading_is_what_notebook_01_generates_with(tiny_models, tmp_path):
+    """Notebook 01, section 5: "move the sliders and re-run this cell". A new load mode chosen after the
+    model was loaded reloads there; before, the cell ran the old model (or, once unloaded, crashed)."""
+    import papermill
+
+    run = next(r for r in run_notebooks.planned_runs(["01_load_quantized"]) if r.parameters["LOAD"] == "nf4")
+    nb = nbformat.read(run.notebook, as_version=4)
+    loaded = next(i for i, c in enumerate(nb.cells) if c.source.startswith("model, tokenizer, report = panel.load()"))
+    generates = next(i for i, c in enumerate(nb.cells) if "outputs = generate_batched(" in c.source)
+    assert loaded < generates
+    nb.cells = [
+        *nb.cells[: loaded + 1],
+        nbformat.v4.new_code_cell("old = model\npanel.set(load='int8', max_new_tokens=4)"),
+        nb.cells[generates],
+        nbformat.v4.new_code_cell("print('SEEN', repr((model.is_loaded_in_8bit, report.plan.load, old is model)))"),
+    ]
+    source, out = tmp_path / "01.ipynb", tmp_path / "01.out.ipynb"
+    nbformat.write(nb, source)
+    papermill.execute_notebook(
+        str(source), str(out), parameters=run.parameters, kernel_name="python3", cwd=str(tmp_path),
+        progress_bar=False, execution_timeout=300,
+    )  # fmt: skip
+    printed = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells for o in c.get("outputs", []))
+    assert "SEEN (True, 'int8', False)" in printed
