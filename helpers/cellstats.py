@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .memory import allocated, peak_allocated
+from .memory import allocated, peak_allocated, peak_resets
 from .units import MiB, format_bytes
 
 __all__ = ["CellRecord", "CellStats"]
@@ -36,13 +36,19 @@ class CellRecord:
     growth_per_run: int = 0
     tensor_change: int | None = None  # without CUDA: change in live tensor bytes
     peak_new: bool = True  # False: the cell stayed below an earlier cell's peak (gpu_peak is that bound)
+    peak_reset: bool = False  # the peak counters were reset during the cell: gpu_peak is a lower bound
 
     @property
     def growing(self) -> bool:
         return self.growing_runs >= CellStats.flag_after
 
     def __str__(self) -> str:
-        peak = f"peak {format_bytes(self.gpu_peak)}" if self.peak_new else f"peak under {format_bytes(self.gpu_peak)}"
+        if self.peak_reset:  # a monitor or an evaluation restarted the counters mid-cell
+            peak = f"peak at least {format_bytes(self.gpu_peak)}"
+        else:
+            peak = (
+                f"peak {format_bytes(self.gpu_peak)}" if self.peak_new else f"peak under {format_bytes(self.gpu_peak)}"
+            )
         gpu = (
             f"GPU {_signed(self.gpu_change)} ({peak})"
             if self.gpu_change is not None
@@ -67,6 +73,7 @@ class CellStats:
     records: list[CellRecord] = field(default_factory=list)
     _start: tuple | None = None
     _peak_before: int | None = None
+    _resets_before: int = 0
     _history: dict = field(default_factory=dict)  # cell source hash -> consecutive growing runs
 
     flag_after = 3
@@ -93,6 +100,7 @@ class CellStats:
             return
         src = getattr(info, "raw_cell", "") or ""
         gpu0, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
+        self._resets_before = peak_resets()
         self._start = (
             time.perf_counter(),
             gpu0,
@@ -121,6 +129,7 @@ class CellStats:
         cell = getattr(result, "execution_count", None)
         # below an earlier cell's peak, this cell's own peak is only known to be under it
         peak_new = peak is None or peak > (self._peak_before or 0)
+        reset = peak_resets() != self._resets_before
         rec = CellRecord(
             cell,
             gpu_change,
@@ -131,6 +140,7 @@ class CellStats:
             total // runs if runs else 0,
             tensor_change,
             peak_new,
+            reset and peak is not None,
         )
         self.records.append(rec)
         print(rec)

@@ -25,6 +25,7 @@ __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
     "snapshot", "gpu_readouts", "ram_readout", "disk_readouts", "allocated", "reserved", "peak_allocated",
     "reset_peak_allocated",
+    "peak_resets",
     "hf_cache_dir",
 ]  # fmt: skip
 
@@ -212,10 +213,21 @@ def peak_allocated(device: int | torch.device | str | None = None) -> int:
 def reset_peak_allocated(device: int | torch.device | str | None = None) -> None:
     """Start ``peak_allocated`` over on a device, or on every GPU with ``"all"`` (``reset_peak_memory_stats()``
     alone resets the current card only); nothing without CUDA."""
+    global _peak_resets
     if not torch.cuda.is_available():
         return
+    _peak_resets += 1
     for d in range(torch.cuda.device_count()) if device == "all" else [device]:
         torch.cuda.reset_peak_memory_stats(d)
+
+
+_peak_resets = 0
+
+
+def peak_resets() -> int:
+    """How many times :func:`reset_peak_allocated` ran in this process: a reader of ``peak_allocated``
+    that sees it change knows the peak it reads covers only the time since then."""
+    return _peak_resets
 
 
 def _per_device(read, device) -> int:

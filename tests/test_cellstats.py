@@ -83,6 +83,31 @@ def test_in_a_real_kernel(tmp_path):
     assert "[oomkit]" not in text(8)
 
 
+def test_a_peak_reset_during_the_cell_makes_the_peak_a_lower_bound(fake_gpus):
+    """A MemoryCallback or safe_generate restarting the peak counters mid-cell: the line says "at least",
+    not "under" a figure the cell went far past (13 GiB read as "peak under 4 GiB" before)."""
+    import types
+
+    from helpers.memory import reset_peak_allocated
+
+    gib = 2**30
+    cuda = fake_gpus(1)
+    cuda.set(0, 6 * gib)
+    cuda.set(0, 2 * gib)
+    stats = cellstats.CellStats()
+    stats.pre_run_cell(types.SimpleNamespace(raw_cell="trainer.train()"))
+    cuda.set(0, 13 * gib)
+    cuda.set(0, 3 * gib)
+    reset_peak_allocated("all")
+    cuda.set(0, 4 * gib)
+    cuda.set(0, 2 * gib)
+    stats.post_run_cell(types.SimpleNamespace(execution_count=5))
+    assert "peak at least 4.00 GiB" in str(stats.records[-1])
+    stats.pre_run_cell(types.SimpleNamespace(raw_cell="x = 1"))  # no reset in this one: as before
+    stats.post_run_cell(types.SimpleNamespace(execution_count=6))
+    assert "peak under 4.00 GiB" in str(stats.records[-1])
+
+
 def test_gpu_line_reads_change_and_peak():
     rec = cellstats.CellRecord(3, gpu_change=-2 * 2**20, gpu_peak=3 * 2**30, ram_change=0, seconds=1.5)
     assert "GPU -2.00 MiB (peak 3.00 GiB)" in str(rec)
