@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["keep_gqa_off_math_kernel", "keep_attention_fused", "gqa_kernel_fixed", "pre_ampere"]
+__all__ = ["keep_gqa_off_math_kernel", "keep_attention_fused", "gqa_kernel_fixed", "pre_ampere", "no_fused_gqa_kernel"]
 
 _MARK = "_oomkit_pre_ampere_wrapper"
 
@@ -34,10 +34,17 @@ def pre_ampere(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] < 8
 
 
+def no_fused_gqa_kernel(index: int) -> bool:
+    """True where no fused SDPA kernel takes ``enable_gqa`` on CUDA device ``index``: before sm80, or
+    with flash attention switched off (``torch.backends.cuda.enable_flash_sdp(False)``, as
+    ``make gpu-check`` does to act as a T4 on a bigger card)."""
+    return pre_ampere(index) or not torch.backends.cuda.flash_sdp_enabled()
+
+
 def _on_pre_ampere(t: torch.Tensor) -> bool:
     if not t.is_cuda or torch.compiler.is_compiling():  # a compiled graph keeps transformers' own choice
         return False
-    return pre_ampere(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return no_fused_gqa_kernel(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def _sdpa_module():
@@ -86,7 +93,9 @@ def keep_attention_fused(model: torch.nn.Module) -> str | None:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     param = next(model.parameters(), None)
-    if not heads or kv_heads >= heads or param is None or not param.is_cuda or not pre_ampere(param.device.index):
+    if not heads or kv_heads >= heads or param is None or not param.is_cuda:
+        return None
+    if not no_fused_gqa_kernel(param.device.index or 0):
         return None
     if not keep_gqa_off_math_kernel():
         return None

@@ -157,6 +157,11 @@ def act_as_t4(run: Run) -> None:
     run.cap = {"t4_capacity": t4, "context": context, "context_source": source}
     if run.dry or not run.capped:
         return
+    # a T4 (sm75) has neither flash nor cuDNN attention: without them a bigger card picks the T4's
+    # kernels (memory-efficient or math), so prefill memory and helpers.attention's fix are the T4's
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    run.cap["attention"] = "flash and cuDNN SDPA off (as on a T4)"
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = min(1.0, (t4 - context) / total)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)

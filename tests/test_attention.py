@@ -47,6 +47,18 @@ def test_the_wrapper_answers_false_only_for_a_pre_ampere_gpu(restore_transformer
     assert asked == [torch.device("cuda", 1)]
 
 
+def test_a_newer_gpu_with_flash_attention_switched_off_counts_as_one_without(restore_transformers, monkeypatch):
+    """What `make gpu-check` does to act as a T4 on an H100 (flash off) makes the fix apply there too."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    assert not attention.no_fused_gqa_kernel(0)
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        assert attention.no_fused_gqa_kernel(0)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
+
+
 def test_a_gqa_model_runs_sdpa_with_equal_heads_when_the_fix_applies(restore_transformers, monkeypatch, tiny_qwen2):
     """Through transformers' real attention code: with the fix in force the unpadded prompt reaches SDPA with
     as many key/value heads as query heads and no enable_gqa (what the memory-efficient kernel needs), and the
