@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
+from huggingface_hub import constants as hub_constants
 from transformers.modeling_utils import _get_resolved_checkpoint_files
 
+from helpers.estimator import estimate
 from helpers.loading import check_ram_for_loading
 from helpers.memory import DiskReadout, MemorySnapshot, RAMReadout
-from helpers.sources import SourceError, checkpoint_size, hub_weight_files, weight_files
+from helpers.sources import (
+    SourceError,
+    checkpoint_size,
+    hub_weight_files,
+    shipped_config,
+    shipped_configs,
+    weight_files,
+)
 from helpers.units import GiB, MiB
 
 GB = 10**9  # hub sizes are in decimal units
+REPO = Path(__file__).resolve().parents[1]
 
 COLAB_RAM = RAMReadout(int(12.7 * GiB), 11 * GiB, 1 * GiB, 500 * MiB)  # a fresh free Colab runtime
 
@@ -193,3 +204,37 @@ def test_a_hub_repo_transformers_cannot_load_gives_no_size(monkeypatch):
     assert total is None and "no shards named like" in source and "local folder" in source
     fake_hub(monkeypatch, {"model.safetensors": None})
     assert checkpoint_size("someone/no-sizes") == (None, None, "the hub gives no size for model.safetensors")
+
+
+# -- shipped configs: every notebook's default model works offline ----------------------------
+
+NOTEBOOK_DEFAULTS = sorted(
+    {
+        m
+        for nb in sorted((REPO / "notebooks").glob("*.py"))
+        for m in re.findall(r'^MODEL = "([^"]+)"', nb.read_text(), re.M)
+    }
+)
+# Instruct variants shipped as their base's config: the same weights' shapes, fine-tuned. Only the fields
+# listed differ (from the hub's config.json); none of them changes a tensor's shape.
+DERIVED = {
+    "codellama/CodeLlama-7b-Instruct-hf": ("codellama/CodeLlama-7b-hf", {}),
+    "Qwen/Qwen2.5-1.5B-Instruct": ("Qwen/Qwen2.5-1.5B", {"eos_token_id": 151645, "max_window_layers": 21}),
+}
+
+
+def test_every_notebook_default_model_ships_its_config_and_estimates_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    assert "codellama/CodeLlama-7b-Instruct-hf" in NOTEBOOK_DEFAULTS and len(NOTEBOOK_DEFAULTS) >= 3
+    for model in NOTEBOOK_DEFAULTS:
+        assert shipped_config(model) == shipped_configs().get(model) is not None, f"ship {model}'s config.json"
+        assert estimate(model, load="nf4").params > 0
+
+
+@pytest.mark.parametrize("model", DERIVED)
+def test_a_derived_config_differs_from_its_base_only_in_what_the_hub_config_says(model):
+    base, changes = DERIVED[model]
+    expected = {**json.loads(shipped_configs()[base].read_text()), "_name_or_path": model, **changes}
+    assert json.loads(shipped_configs()[model].read_text()) == expected
+    assert estimate(model, load="fp16").params == estimate(base, load="fp16").params
