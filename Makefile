@@ -71,9 +71,11 @@ test-browser: setup $(TINY) $(BROWSER_STAMP) $(IPYWIDGETS7)/.installed $(LAB3)/.
 bench: setup $(TINY)
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b; done
 
-# docs/benchmarks.md and the README's results table, rendered from bench/results/*.json.
+# docs/benchmarks.md and the README's results table, rendered from bench/results/*.json; the guides'
+# example outputs, rendered by running their commands.
 docs: setup
 	$(BIN)/python scripts/render_benchmarks.py
+	$(BIN)/python scripts/render_guides.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from importlib import resources
 from pathlib import Path
@@ -20,6 +21,7 @@ from .session import in_colab
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
     "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
+    "weight_files", "hub_weight_files",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -126,13 +128,94 @@ def hub_offline_reason() -> str | None:
     return None
 
 
+# The names transformers' from_pretrained looks for at a checkpoint's root, in the order it tries them
+# (modeling_utils._get_resolved_checkpoint_files, no variant, no subfolder). Any other weight file in the
+# folder (Mistral's consolidated.safetensors, an original/ folder of Meta weights) is never read, so it
+# must not count towards the RAM and disk a load needs.
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+WEIGHT_NAMES = (SAFE_WEIGHTS, SAFE_INDEX, BIN_WEIGHTS, BIN_INDEX)
+# What save_pretrained names the shards an index lists (model-00001-of-00004.safetensors)
+_SHARD = {
+    SAFE_INDEX: re.compile(r"model-\d+-of-\d+\.safetensors"),
+    BIN_INDEX: re.compile(r"pytorch_model-\d+-of-\d+\.bin"),
+}
+
+
+def _explicit_weights(folder: Path) -> str | None:
+    """The file a config's ``transformers_weights`` names: transformers loads that one instead of the usual names."""
+    try:
+        name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):  # no or unreadable config: the model check says so
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` maps weights to (each once, sorted)."""
+    data = read_json(index, "weight index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SourceError(f"{index} has no weight_map of tensor names to shard files; download the checkpoint again")
+    return sorted(set(weight_map.values()))
+
+
+def _ignored(folder: Path) -> str:
+    """`` (it holds a.safetensors, b.bin, which transformers does not load)`` for the weight files it skips."""
+    names = sorted(f.name for pat in ("*.safetensors", "*.bin") for f in folder.glob(pat))
+    return f" (it holds {', '.join(names[:4])}, which transformers does not load)" if names else ""
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The weight files ``from_pretrained`` reads from a local checkpoint folder, chosen by transformers' rules:
+    the file ``config.json``'s ``transformers_weights`` names, else the first of ``model.safetensors``,
+    ``model.safetensors.index.json``, ``pytorch_model.bin``, ``pytorch_model.bin.index.json`` that exists;
+    an index stands for the shards its ``weight_map`` lists. Other weight files are ignored, as transformers
+    ignores them. Raises :class:`SourceError` when transformers would find no weights or a listed shard is missing.
+    """
+    folder = Path(folder).expanduser()
+    names = [explicit] if (explicit := _explicit_weights(folder)) else WEIGHT_NAMES
+    chosen = next((folder / n for n in names if (folder / n).is_file()), None)
+    if chosen is None:
+        raise SourceError(f"none of {', '.join(names)} is in {folder}{_ignored(folder)}: transformers would not "
+                          "find the weights; pass the folder save_pretrained wrote")  # fmt: skip
+    if not chosen.name.endswith(".index.json"):
+        return [chosen]
+    shards = [folder / s for s in _index_shards(chosen)]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise SourceError(f"{chosen.name} lists {', '.join(missing[:3])}, missing from {folder}: the download is "
+                          "incomplete; download the checkpoint again")  # fmt: skip
+    return shards
+
+
 def _local_sizes(path: Path) -> tuple[int | None, int | None, str]:
-    files = [f for pat in ("*.safetensors", "*.bin") for f in path.glob(pat)] if path.is_dir() else [path]
-    if not files:
-        return None, None, f"no *.safetensors or *.bin files in {path}"
-    safetensors = [f.stat().st_size for f in files if f.suffix == ".safetensors"]
-    sizes = safetensors or [f.stat().st_size for f in files]
-    return sum(sizes), max(sizes), f"local {'safetensors' if safetensors else '.bin'} files"
+    try:
+        files = weight_files(path) if path.is_dir() else [path]
+    except SourceError as e:
+        return None, None, str(e)
+    sizes = [f.stat().st_size for f in files]
+    kind = "safetensors" if all(f.suffix == ".safetensors" for f in files) else ".bin"
+    return sum(sizes), max(sizes), f"local {kind} files"
+
+
+def hub_weight_files(names: list[str]) -> list[str]:
+    """Of a hub repo's file names, the weight files ``from_pretrained`` downloads, by the same rules as
+    :func:`weight_files`: without downloading the index, the shards are the root-level files named as
+    save_pretrained names them (``model-00001-of-00003.safetensors``). Files in subfolders and other
+    names (``consolidated.safetensors``) are ignored. Raises :class:`SourceError` when none would be loaded."""
+    root = {n for n in names if "/" not in n}
+    chosen = next((n for n in WEIGHT_NAMES if n in root), None)
+    if chosen is None:
+        raise SourceError(f"the hub lists none of {', '.join(WEIGHT_NAMES)} at the repo's root: transformers "
+                          "would not find the weights")  # fmt: skip
+    if chosen not in _SHARD:
+        return [chosen]
+    shards = sorted(n for n in root if _SHARD[chosen].fullmatch(n))
+    if not shards:
+        raise SourceError(f"the hub lists {chosen} but no shards named like {_SHARD[chosen].pattern}; "
+                          "download the checkpoint and pass its local folder to measure it")  # fmt: skip
+    return shards
 
 
 def memory_mapped(source: str) -> bool:
@@ -156,11 +239,19 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
         from huggingface_hub import HfApi
 
         info = HfApi().model_info(model, files_metadata=True, timeout=10)
-        safetensors = [s for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]
-        weights = safetensors or [s for s in info.siblings or [] if s.rfilename.endswith(".bin")]
-        sizes = [s.size for s in weights if s.size]
-        if not sizes:
-            return None, None, "the hub lists no weight files for this model"
-        return sum(sizes), max(sizes), f"hub {'safetensors' if safetensors else '.bin'} files"
     except Exception as e:
         return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"
+    return _hub_sizes({s.rfilename: s.size for s in info.siblings or []})
+
+
+def _hub_sizes(listing: dict[str, int | None]) -> tuple[int | None, int | None, str]:
+    """Sizes of the files :func:`hub_weight_files` picks from a hub listing (file name -> bytes)."""
+    try:
+        files = hub_weight_files(list(listing))
+    except SourceError as e:
+        return None, None, str(e)
+    sizes = [listing[f] for f in files]
+    if None in sizes:
+        return None, None, f"the hub gives no size for {', '.join(f for f in files if listing[f] is None)}"
+    kind = "safetensors" if files[0].endswith(".safetensors") else ".bin"
+    return sum(sizes), max(sizes), f"hub {kind} files"

@@ -86,11 +86,20 @@ snap
 # Each row says whether it is exact, a formula or a rule of thumb; the fixes are re-estimates.
 
 # %%
-from helpers import estimate, fit
+from helpers import estimate, fit, shipped_configs
 
-est = estimate(MODEL, load=report.check("fit").data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
-display(est)
-fit(est, "current" if snap.gpu else "t4")  # no GPU here: judged against a Colab T4
+fit_line = next((c for c in report.checks if c.name == "fit"), None)
+if fit_line is None:  # offline, and this hub id's config.json does not ship with oomkit: nothing to estimate from
+    print(
+        f"No estimate for {MODEL!r}: its config.json cannot be read here (the 'model' line above says why).\n"
+        "Set MODEL to a local folder holding config.json (or the config.json file itself), run this notebook "
+        "online once, or pick a model whose config ships with oomkit and works offline:\n  "
+        + "\n  ".join(shipped_configs())
+    )
+else:
+    est = estimate(MODEL, load=fit_line.data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
+    display(est)
+    display(fit(est, "current" if snap.gpu else "t4"))  # no GPU here: judged against a Colab T4
 
 # %% [markdown]
 # The same report as text, to paste into a bug report or a forum question:

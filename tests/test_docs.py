@@ -1,4 +1,5 @@
-"""The docs stay true: the benchmarks page is what its renderer makes of the JSON, links resolve."""
+"""The docs stay true: the benchmarks page is what its renderer makes of the JSON, the guides' example outputs are
+what their commands print, links resolve."""
 
 from __future__ import annotations
 
@@ -72,3 +73,29 @@ def test_the_readme_fits_table_is_what_fits_table_computes():
     assert table.strip() == fits_table().markdown().strip(), (
         "README's GPU table is stale: paste fits_table().markdown()"
     )
+
+
+def _guides_renderer():
+    spec = importlib.util.spec_from_file_location("render_guides", REPO / "scripts" / "render_guides.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_guide_example_outputs_are_what_their_commands_print():
+    render = _guides_renderer()
+    marked = {md: md.read_text(encoding="utf-8") for md in render.docs() if render.MARKER in md.read_text()}
+    assert REPO / "docs" / "guides" / "00_preflight.md" in marked
+    for md, text in marked.items():
+        assert render.render(text) == text, (
+            f"{md.relative_to(REPO)}: an example output differs from what its command prints now: run "
+            "`python scripts/render_guides.py` (or `make docs`) and review the diff"
+        )
+
+
+def test_a_rendered_block_keeps_its_command_and_replaces_the_output():
+    render = _guides_renderer()
+    doc = f'Text.\n\n{render.MARKER}\n```text\n$ python -c "print(6 * 7)"\nstale\n```\n\n{render.MARKER}\n```\n>>> x = 6\n>>> print(x * 7)\n```\n'
+    rendered = render.render(doc)
+    assert rendered == doc.replace("stale\n", "42\n").replace("print(x * 7)\n", "print(x * 7)\n42\n")
+    assert render.render(rendered) == rendered
