@@ -12,7 +12,7 @@ from ..html import badge, bar, table
 from ..sources import shipped_configs
 from ..units import format_bytes
 from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
-from .core import MemoryEstimate, estimate
+from .core import MemoryEstimate, cublas_workspace, estimate
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
@@ -113,14 +113,24 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     label, dev = resolve_device(device)
     if dev is None:
         raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
-    if dev.get("bf16") != (resolve_device(est.inputs.get("device"))[1] or {}).get("bf16") and est.source is not None:
-        est = est.replace(device=device)  # compute dtype follows the device
+    if _device_changes_rows(est, device, dev) and est.source is not None:
+        est = est.replace(device=device)  # compute dtype, attention kernel and cuBLAS workspace follow the device
     cap = dev["capacity"]
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label, est)
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
     return out
+
+
+def _device_changes_rows(est: MemoryEstimate, device, dev: dict) -> bool:
+    """Whether the estimate's rows would differ on ``dev``: bf16 support (compute dtype, GQA without
+    flash attention, bitsandbytes' 4-bit rule) or the cuBLAS workspace."""
+    own_device = est.inputs.get("device")
+    _, own = resolve_device(own_device)
+    if (own or {}).get("bf16") != dev.get("bf16") or (own or {}).get("capability") != dev.get("capability"):
+        return True
+    return cublas_workspace(own_device, own) != cublas_workspace(device, dev)
 
 
 def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tuple[str, dict]]:
