@@ -463,3 +463,17 @@ def test_sizes_past_any_machine_get_a_clear_error(capsys):
 def test_an_unquantized_load_is_counted_in_its_own_dtype_whatever_the_compute_dtype():
     fp16 = estimate("Llama-2-7b-hf", load="fp16").weights
     assert estimate("Llama-2-7b-hf", load="fp16", compute_dtype="fp32").weights == fp16  # was counted at 4 bytes
+
+
+def test_new_tokens_and_smaller_models_stay_within_the_context():
+    # GPT-2's context is 1024 tokens: with a 512-token prompt, 512 new ones at most whatever the memory
+    assert max_new_tokens_that_fit("openai-community/gpt2", load="fp16", device="t4") == 512
+    assert max_new_tokens_that_fit("openai-community/gpt2", load="fp16", prompt_tokens=2000, device="t4") == -1
+    # 16 x (512 + 8192) tokens on 2 GiB: memory alone would allow 1160 new tokens, the context 512
+    est = estimate("openai-community/gpt2", load="fp16", batch_size=16, prompt_tokens=512, max_new_tokens=8192)
+    fixes = fit(est, 2 * GiB).suggestions
+    assert [s.kwargs for s in fixes if "max_new_tokens" in s.kwargs] == [{"max_new_tokens": 512}]
+    # 3000 + 1000 tokens: Phi-2, TinyLlama and OPT (2048) would be smaller, but cannot hold them
+    verdict = fit(estimate("Llama-2-7b-hf", load="fp16", prompt_tokens=3000, max_new_tokens=1000), "t4")
+    (smaller,) = [s for s in verdict.suggestions if "model" in s.kwargs]
+    assert smaller.estimate.context >= 4000 and smaller.kwargs["model"] == "google/gemma-2-2b"

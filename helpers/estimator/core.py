@@ -46,6 +46,7 @@ class MemoryEstimate:
     inputs: dict = field(default_factory=dict, repr=False)
     source: Any = field(default=None, repr=False)
     quantized_by: str | None = None  # the checkpoint's own quantization ("bitsandbytes", "gptq", "awq")
+    context: int | None = None  # the model's max_position_embeddings (None: the config does not say)
 
     @property
     def weights(self) -> int:
@@ -185,6 +186,7 @@ def estimate(
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
+        context=_context(config),
     )
 
 

@@ -248,14 +248,22 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
     return out
 
 
+def _tokens(est: MemoryEstimate) -> int:
+    tr = est.inputs.get("training")
+    return tr.seq_len if tr is not None else est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]
+
+
 def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
-    """The largest shipped model smaller than this one that fits with the same settings."""
+    """The largest shipped model smaller than this one that fits with the same settings and whose
+    context holds the prompt and the new tokens (or the training sequence)."""
     best = None
     for hub_id in shipped_configs():
         try:
             kw = {k: v for k, v in est.inputs.items()}
             new = estimate(hub_id, **kw)
         except Exception:
+            continue
+        if new.context is not None and new.context < _tokens(est):
             continue
         if new.params < est.params and new.total <= cap * TIGHT_FRACTION and (best is None or new.params > best.params):
             best = new
@@ -297,8 +305,14 @@ def _capacity(device) -> int:
 
 
 def max_new_tokens_that_fit(model_or_estimate, *, device: Any = DEFAULT_DEVICE, limit: int = 1 << 20, **kwargs) -> int:
-    """The largest ``max_new_tokens`` that fits ``device`` (0 if even the prompt alone does not fit: -1)."""
+    """The largest ``max_new_tokens`` that fits ``device`` and the model's context (prompt + new tokens
+    <= ``max_position_embeddings`` where the config has it); -1 when no length fits: the prompt alone
+    does not fit the device, or is past the context."""
     est = _as_estimate(model_or_estimate, kwargs)
+    if est.context is not None:
+        limit = min(limit, est.context - est.inputs["prompt_tokens"])
+        if limit < 0:
+            return -1
     return _search(est, "max_new_tokens", _capacity(device), 0, limit)
 
 
