@@ -10,13 +10,31 @@ from typing import Any
 from ..devices import DEFAULT_DEVICE, resolve_device
 from ..html import badge, bar, table
 from ..sources import shipped_configs
-from ..units import format_bytes
+from ..units import MiB, format_bytes
 from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
 from .core import MemoryEstimate, cublas_workspace, estimate
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
-__all__ = ["Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits"]
+__all__ = [
+    "Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
+    "fix_margin",
+]  # fmt: skip
+
+# A fix ranks as one that fits only with this much to spare below the "tight" line: 2 % of the
+# capacity, at most 256 MiB (a prompt cut to 256 tokens that fits a T4 with 7 MiB to spare is no
+# better than the estimate's own error). A fix that fits with less ranks after those that have it.
+FIX_MARGIN_SHARE = 0.02
+FIX_MARGIN_MAX = 256 * MiB
+
+
+def fix_margin(capacity: int) -> int:
+    """Bytes a fix must leave below ``TIGHT_FRACTION`` of ``capacity`` to rank as one that fits."""
+    return min(int(capacity * FIX_MARGIN_SHARE), FIX_MARGIN_MAX)
+
+
+def _comfortable(capacity: int) -> int:
+    return int(capacity * TIGHT_FRACTION) - fix_margin(capacity)
 
 
 @dataclass
@@ -60,8 +78,7 @@ class FitVerdict:
         )
         lines = [head]
         for i, s in enumerate(self.suggestions, 1):
-            after = verdict(s.estimate.total, self.capacity)
-            lines.append(f"  fix {i}. {s}" + ("" if after == FITS else f": still {after}, not enough alone"))
+            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -77,12 +94,23 @@ class FitVerdict:
                     s.change,
                     format_bytes(s.saving),
                     format_bytes(s.estimate.total),
-                    verdict(s.estimate.total, self.capacity),
+                    verdict(s.estimate.total, self.capacity) + _fit_remark(s, self.capacity, short=True),
                 ]
                 for i, s in enumerate(self.suggestions, 1)
             ]
             html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
         return html
+
+
+def _fit_remark(s: Suggestion, capacity: int, short: bool = False) -> str:
+    """What a fix leaves: nothing to say when it fits with the margin, else how little or that it falls short."""
+    after = verdict(s.estimate.total, capacity)
+    if after != FITS:
+        return "" if short else f": still {after}, not enough alone"
+    spare = int(capacity * TIGHT_FRACTION) - s.estimate.total
+    if spare >= fix_margin(capacity):
+        return ""
+    return f", {format_bytes(spare)} to spare" if short else f": fits with only {format_bytes(spare)} to spare"
 
 
 def format_params(n: int) -> str:
@@ -153,7 +181,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
             cands.append((f"load={load}", {"load": load}))
     if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
-    room = int(cap * TIGHT_FRACTION)  # a fix leaves the margin a "fits" verdict needs, not 20 MiB
+    room = _comfortable(cap)  # a fix leaves the margin a "fits" verdict needs and a little more, not 7 MiB
     if tr is None:
         n = max_new_tokens_that_fit(est, device=room)
         if 0 < n < inp["max_new_tokens"]:
@@ -212,20 +240,23 @@ def _single_changes(est: MemoryEstimate, device, cap, bf16: bool) -> list[Sugges
 
 def _combined(est: MemoryEstimate, singles: list[Suggestion], device, cap, bf16: bool, steps: int = 3):
     """When no one change fits: the largest saving, then the largest on what is left, and so on (at
-    most ``steps`` changes), as one suggestion; None when even that does not fit with the margin."""
-    current, changes, kwargs = est, [], {}
+    most ``steps`` changes), as one suggestion; None when even that does not fit with the margin. A
+    combination that fits with less than :func:`fix_margin` to spare takes one more step if it has one."""
+    current, changes, kwargs, fitting = est, [], {}, None
     options = singles
     for _ in range(steps):
         if not options:
-            return None
+            break
         best = max(options, key=lambda s: s.saving)
         setting = best.change.split("=", 1)[0]  # a later step on the same setting replaces the earlier one
         changes = [c for c in changes if c.split("=", 1)[0] != setting] + [best.change]
         current, kwargs = best.estimate, {**kwargs, **best.kwargs}
         if verdict(current.total, cap) == FITS:
-            return Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
+            fitting = Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
+            if current.total <= _comfortable(cap):
+                break
         options = _single_changes(current, device, cap, bf16)
-    return None
+    return fitting
 
 
 def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Suggestion]:
@@ -237,15 +268,29 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
     smaller = _smaller_model(est, cap)
     if smaller is not None:
         out.append(smaller)
-
-    # Ranked: changes that make it fit with the margin first (keeping the user's model before another
-    # model, then the least drastic: smallest saving), then the rest by saving.
-    def rank(s: Suggestion) -> tuple[bool, bool, int]:
-        fits = verdict(s.estimate.total, cap) == FITS
-        return not fits, "model" in s.kwargs, s.saving if fits else -s.saving
-
-    out.sort(key=rank)
+    out.sort(key=lambda s: _rank(s, est, cap))
     return out
+
+
+def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, int]:
+    """Changes that fit with the margin and a little more first, then those that fit with less, then
+    the rest by saving. Among those that fit: the user's model before another, changes that keep the
+    user's inputs (batch size, load mode, most of the new tokens) before truncating them, then the
+    least drastic (smallest saving)."""
+    total = s.estimate.total
+    tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
+    return tier, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), s.saving if tier < 2 else -s.saving
+
+
+def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
+    """Whether a fix drops part of what the user asked for: a truncated prompt or training sequence, or
+    fewer than half the new tokens."""
+    if "prompt_tokens" in kwargs:
+        return True
+    if "max_new_tokens" in kwargs and 2 * kwargs["max_new_tokens"] < est.inputs.get("max_new_tokens", 0):
+        return True
+    before, after = est.inputs.get("training"), kwargs.get("training")
+    return before is not None and after is not None and after.seq_len < before.seq_len
 
 
 def _tokens(est: MemoryEstimate) -> int:
