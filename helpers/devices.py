@@ -12,24 +12,25 @@ from typing import Any
 import torch
 
 from .errors import OomkitError
-from .units import MAX_BYTES, GiB, MiB, format_bytes, parse_bytes
+from .units import MAX_BYTES, GiB, KiB, MiB, format_bytes, parse_bytes
 from .vocab import supports_bf16
 
 __all__ = [
-    "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "DeviceError", "resolve_device",
+    "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_HOPPER",
+    "CUBLAS_WORKSPACE_HOPPER_MAJORS", "DeviceError", "resolve_device",
     "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype", "DEVICE_SETS", "resolve_devices",
 ]  # fmt: skip
 
 DEVICES: dict[str, dict[str, Any]] = {
-    "t4": {"name": "Tesla T4 (Colab free)", "capacity": 15_828_320_256, "bf16": False},
-    "l4": {"name": "NVIDIA L4", "capacity": 23_580_639_232, "bf16": True},
-    "v100": {"name": "Tesla V100 16 GB", "capacity": 16_935_682_048, "bf16": False},
-    "v100-32": {"name": "Tesla V100 32 GB", "capacity": 34_089_730_048, "bf16": False},
-    "a100-40": {"name": "NVIDIA A100 40 GB", "capacity": 42_481_811_456, "bf16": True},
-    "a100-80": {"name": "NVIDIA A100 80 GB", "capacity": 85_051_572_224, "bf16": True},
-    "rtx3090": {"name": "NVIDIA GeForce RTX 3090", "capacity": 25_438_126_080, "bf16": True},
-    "rtx4090": {"name": "NVIDIA GeForce RTX 4090", "capacity": 25_386_352_640, "bf16": True},
-    "h100": {"name": "NVIDIA H100 80GB HBM3", "capacity": 85_045_477_376, "bf16": True},
+    "t4": {"name": "Tesla T4 (Colab free)", "capacity": 15_828_320_256, "bf16": False, "capability": (7, 5)},
+    "l4": {"name": "NVIDIA L4", "capacity": 23_580_639_232, "bf16": True, "capability": (8, 9)},
+    "v100": {"name": "Tesla V100 16 GB", "capacity": 16_935_682_048, "bf16": False, "capability": (7, 0)},
+    "v100-32": {"name": "Tesla V100 32 GB", "capacity": 34_089_730_048, "bf16": False, "capability": (7, 0)},
+    "a100-40": {"name": "NVIDIA A100 40 GB", "capacity": 42_481_811_456, "bf16": True, "capability": (8, 0)},
+    "a100-80": {"name": "NVIDIA A100 80 GB", "capacity": 85_051_572_224, "bf16": True, "capability": (8, 0)},
+    "rtx3090": {"name": "NVIDIA GeForce RTX 3090", "capacity": 25_438_126_080, "bf16": True, "capability": (8, 6)},
+    "rtx4090": {"name": "NVIDIA GeForce RTX 4090", "capacity": 25_386_352_640, "bf16": True, "capability": (8, 9)},
+    "h100": {"name": "NVIDIA H100 80GB HBM3", "capacity": 85_045_477_376, "bf16": True, "capability": (9, 0)},
 }
 # Machines with more than one GPU, as the presets above: what `plan_devices(devices=...)` takes by name
 DEVICE_SETS: dict[str, tuple[str, ...]] = {
@@ -41,11 +42,18 @@ DEVICE_SETS: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_DEVICE = "t4"  # oomkit plans for the free Colab GPU unless told otherwise
 
-# What lives on the GPU besides tensors (not counted by memory_allocated()); rules of thumb until
-# `make gpu-check` measures them: the driver context and torch's kernels take 300-500 MiB depending
-# on GPU and version, cuBLAS keeps one :4096:8 workspace per stream.
+# What lives on the GPU outside PyTorch's allocator (not counted by memory_allocated()), a rule of
+# thumb until `make gpu-check` measures it: the driver context and torch's kernels take 300-500 MiB
+# depending on GPU and version.
 CUDA_CONTEXT = 400 * MiB
-CUBLAS_WORKSPACE = 32 * MiB
+# torch's default cuBLAS workspace, one per (device, stream) and shared with cuBLASLt, allocated
+# through the caching allocator on the first matmul (so inside memory_reserved(), not outside it).
+# aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize(): CUBLAS_WORKSPACE_CONFIG
+# ":4096:2:16:8" (4096 KiB x 2 + 16 KiB x 8 = 8,519,680 bytes) below Hopper, ":4096:8" (32 MiB) on
+# compute capability 9.x, 10.x and 12.x (Hopper, Blackwell).
+CUBLAS_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8
+CUBLAS_WORKSPACE_HOPPER = 4096 * KiB * 8
+CUBLAS_WORKSPACE_HOPPER_MAJORS = (9, 10, 12)
 # Leave this much of the GPU free beyond the estimate when capping device_map's GPU share: the
 # allocator's rounding and the first kernels' workspaces are not in the weights.
 GPU_MARGIN = 256 * MiB

@@ -463,3 +463,44 @@ def test_sizes_past_any_machine_get_a_clear_error(capsys):
 def test_an_unquantized_load_is_counted_in_its_own_dtype_whatever_the_compute_dtype():
     fp16 = estimate("Llama-2-7b-hf", load="fp16").weights
     assert estimate("Llama-2-7b-hf", load="fp16", compute_dtype="fp32").weights == fp16  # was counted at 4 bytes
+
+
+def test_fixes_that_keep_the_inputs_and_a_margin_rank_before_truncating_the_prompt():
+    """Llama-2-7B fp16 on a T4 is tight; halving the prompt leaves 35 MiB below the tight line, int8
+    leaves 6 GiB: the load mode ranks first, the truncation last and says how little it leaves."""
+    from helpers.estimator.fitting import fix_margin
+    from helpers.vocab import TIGHT_FRACTION
+
+    cap = DEVICES["t4"]["capacity"]
+    verdict = fit(estimate("Llama-2-7b-hf", load="fp16"), "t4")
+    changes = [s.change for s in verdict.suggestions]
+    assert changes[:2] == ["load=int8", "load=nf4"] and changes[-1] == "prompt_tokens=256 (truncate inputs)"
+    truncated = verdict.suggestions[-1]
+    assert cap * TIGHT_FRACTION - fix_margin(cap) < truncated.estimate.total <= cap * TIGHT_FRACTION
+    assert str(verdict).splitlines()[-1].endswith("to spare") and "fits with only" in str(verdict)
+    assert fix_margin(cap) == 256 * MiB and fix_margin(4 * GiB) == int(4 * GiB * 0.02)
+
+
+def test_fewer_new_tokens_and_a_smaller_batch_rank_before_a_truncated_prompt():
+    """Llama-3.1-8B nf4, 2 x (8192 + 16384) tokens on a T4: a prompt cut in half saves less than batch 1,
+    but drops half of each input; fewer new tokens (most of them kept) and batch 1 come first."""
+    est = estimate("Llama-3.1-8B", load="nf4", batch_size=2, prompt_tokens=8192, max_new_tokens=16384)
+    verdict = fit(est, "t4")
+    keys = [next(iter(s.kwargs)) for s in verdict.suggestions]
+    assert keys[:3] == ["max_new_tokens", "batch_size", "prompt_tokens"], [s.change for s in verdict.suggestions]
+    assert verdict.suggestions[2].saving < verdict.suggestions[1].saving  # not by saving alone
+    assert 8192 <= verdict.suggestions[0].kwargs["max_new_tokens"] < 16384  # keeps at least half of them
+
+
+def test_new_tokens_and_smaller_models_stay_within_the_context():
+    # GPT-2's context is 1024 tokens: with a 512-token prompt, 512 new ones at most whatever the memory
+    assert max_new_tokens_that_fit("openai-community/gpt2", load="fp16", device="t4") == 512
+    assert max_new_tokens_that_fit("openai-community/gpt2", load="fp16", prompt_tokens=2000, device="t4") == -1
+    # 16 x (512 + 8192) tokens on 2 GiB: memory alone would allow 1160 new tokens, the context 512
+    est = estimate("openai-community/gpt2", load="fp16", batch_size=16, prompt_tokens=512, max_new_tokens=8192)
+    fixes = fit(est, 2 * GiB).suggestions
+    assert [s.kwargs for s in fixes if "max_new_tokens" in s.kwargs] == [{"max_new_tokens": 512}]
+    # 3000 + 1000 tokens: Phi-2, TinyLlama and OPT (2048) would be smaller, but cannot hold them
+    verdict = fit(estimate("Llama-2-7b-hf", load="fp16", prompt_tokens=3000, max_new_tokens=1000), "t4")
+    (smaller,) = [s for s in verdict.suggestions if "model" in s.kwargs]
+    assert smaller.estimate.context >= 4000 and smaller.kwargs["model"] == "google/gemma-2-2b"

@@ -10,8 +10,9 @@ row of the breakdown says which.
     >>> fit(est, "t4")                                            # doctest: +SKIP
 
 Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
-``layout`` (weights per module on the meta device), ``training`` (training-step rows), ``core``
-(``estimate``), ``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model).
+``layout`` (weights per module on the meta device), ``inference`` (generation rows: KV cache,
+prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
+``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model).
 """
 
 from __future__ import annotations

@@ -7,17 +7,26 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, auto_compute_dtype, resolve_device
+from ..devices import (
+    CUBLAS_WORKSPACE,
+    CUBLAS_WORKSPACE_HOPPER,
+    CUBLAS_WORKSPACE_HOPPER_MAJORS,
+    CUDA_CONTEXT,
+    auto_compute_dtype,
+    cuda_capability,
+    resolve_device,
+)
 from ..html import Markup, bar, table
 from ..units import format_bytes
 from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, auto_load_order, dtype_name
 from .configs import resolve_config
-from .layout import dims, kv_cache_bytes, layout, prefill_bytes, weight_rows
+from .inference import Generation, generation_rows
+from .layout import layout, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
 from .rows import EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining, training_rows
 
-__all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION"]
+__all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION", "cublas_workspace"]
 
 FRAGMENTATION = 0.05  # of the transient (KV cache, activations) memory: a rule of thumb until measured on a GPU
 
@@ -37,6 +46,7 @@ class MemoryEstimate:
     inputs: dict = field(default_factory=dict, repr=False)
     source: Any = field(default=None, repr=False)
     quantized_by: str | None = None  # the checkpoint's own quantization ("bitsandbytes", "gptq", "awq")
+    context: int | None = None  # the model's max_position_embeddings (None: the config does not say)
 
     @property
     def weights(self) -> int:
@@ -118,6 +128,7 @@ def estimate(
     training: LoraTraining | FullTraining | None = None,
     device: Any = None,
     skip_modules: list[str] | None = None,
+    sampling: bool = False,
 ) -> MemoryEstimate:
     """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
 
@@ -133,10 +144,12 @@ def estimate(
         training: :class:`LoraTraining` or :class:`FullTraining` for one training step instead.
         device: preset name (see ``DEVICES``), capacity in bytes, "current" or "cpu" (default T4).
         skip_modules: like ``llm_int8_skip_modules``: module names kept unquantized.
+        sampling: generate() samples (``do_sample=True`` with top-k / top-p) instead of picking the
+            likeliest token: its logits processors take about 34 bytes per batch x vocab entry more.
     """
     inputs = dict(load=load, double_quant=double_quant, compute_dtype=compute_dtype, batch_size=batch_size,
                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, training=training, device=device,
-                  skip_modules=skip_modules)  # fmt: skip
+                  skip_modules=skip_modules, sampling=sampling)  # fmt: skip
     _check_inputs(inputs)
     label, dev = resolve_device(device)
     config, name, loaded = resolve_config(model)
@@ -155,10 +168,12 @@ def estimate(
     else:
         rows = weight_rows(lay, load, b, double_quant, skip_modules)
     if training is None:
-        rows += _generation_rows(config, b, batch_size, prompt_tokens, max_new_tokens)
+        shape = Generation(batch_size, prompt_tokens, max_new_tokens, b, cdtype, dev, load, double_quant,
+                           skip_modules, sampling)  # fmt: skip
+        rows += generation_rows(config, lay, shape)
     else:
         rows += training_rows(lay, config, load, b, training)[0]
-    rows += _overhead_rows(rows, len(lay.entries), cuda=dev is not None)
+    rows += _overhead_rows(rows, len(lay.entries), workspace=cublas_workspace(device, dev))
     return MemoryEstimate(
         model=str(name),
         load=load,
@@ -171,7 +186,14 @@ def estimate(
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
+        context=_context(config),
     )
+
+
+def _context(config) -> int | None:
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(c, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
 
 
 def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dict) -> list[str]:
@@ -180,7 +202,7 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
     out = [f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else []
     if dev is not None and not dev.get("bf16") and "bf16" in (load, cdtype):
         out.append(f"{dev.get('name', 'this GPU')} has no bf16 (compute capability < 8.0): use fp16 there")
-    context = getattr(config, "max_position_embeddings", None)
+    context = _context(config)
     tokens = inputs["prompt_tokens"] + inputs["max_new_tokens"] if inputs["training"] is None else None
     if tokens is None and inputs["training"] is not None:
         tokens = inputs["training"].seq_len
@@ -217,6 +239,10 @@ def _check_inputs(inputs: dict) -> None:
         v = inputs[k]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k == "batch_size" and v < 1):
             raise EstimateError(f"{k} must be an integer >= {1 if k == 'batch_size' else 0}, got {v!r}")
+    if not isinstance(inputs["sampling"], bool):
+        raise EstimateError(
+            f"sampling must be True or False (do_sample with top-k / top-p), got {inputs['sampling']!r}"
+        )
     training = inputs["training"]
     if training is None:
         return
@@ -229,20 +255,24 @@ def _check_inputs(inputs: dict) -> None:
         raise EstimateError(f"unknown optimizer {training.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
-def _generation_rows(config, b: int, batch_size: int, prompt_tokens: int, max_new_tokens: int) -> list[EstimateRow]:
-    d = dims(config)
-    tokens = prompt_tokens + max_new_tokens
-    kv_note = f"{d['layers']} layers x 2 x {batch_size} x {tokens} tokens x {d['kv']} kv heads x {d['hd']} x {b} B"
-    return [
-        EstimateRow("kv_cache", "KV cache", kv_cache_bytes(config, batch_size, tokens, b), "formula", kv_note),
-        EstimateRow("activations.prefill", "prefill activations", prefill_bytes(d, batch_size, prompt_tokens, b),
-                    "formula", "widest layer of the prompt's forward pass"),
-        EstimateRow("activations.logits", "logits (last position, fp32 copy)", batch_size * d["vocab"] * (b + 4) * 2,
-                    "formula", "generate() keeps logits of the last token only"),
-    ]  # fmt: skip
+_WORKSPACE_CONFIG = {CUBLAS_WORKSPACE: ":4096:2:16:8", CUBLAS_WORKSPACE_HOPPER: ":4096:8"}
 
 
-def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, cuda: bool) -> list[EstimateRow]:
+def cublas_workspace(device: Any, dev: dict | None) -> int:
+    """Bytes of torch's default cuBLAS workspace on ``dev`` (0 on CPU): 32 MiB on Hopper and Blackwell,
+    8,519,680 bytes before (a device of unknown compute capability counts as the latter)."""
+    if dev is None:
+        return 0
+    capability = dev.get("capability")
+    if capability is None and isinstance(device, str) and device.strip().lower() == "current":
+        capability = cuda_capability()
+    return (
+        CUBLAS_WORKSPACE_HOPPER if capability and capability[0] in CUBLAS_WORKSPACE_HOPPER_MAJORS else CUBLAS_WORKSPACE
+    )
+
+
+def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, workspace: int) -> list[EstimateRow]:
+    """``workspace`` is the cuBLAS workspace's bytes, 0 on CPU (no CUDA context either)."""
     transient = sum(r.bytes for r in rows if r.group != "weights")
     out = [
         EstimateRow("overhead.rounding", "allocator rounding", n_tensors * 256, "formula",
@@ -250,11 +280,14 @@ def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, cuda: bool) -> li
         EstimateRow("overhead.fragmentation", "fragmentation margin", int(transient * FRAGMENTATION), "rule of thumb",
                     f"{FRAGMENTATION:.0%} of the transient memory"),
     ]  # fmt: skip
-    if cuda:
-        out.append(
-            EstimateRow("overhead.cuda_context", "CUDA context + cuBLAS workspace", CUDA_CONTEXT + CUBLAS_WORKSPACE,
-                        "rule of thumb", "outside PyTorch; 300-500 MiB")
-        )  # fmt: skip
+    if workspace:
+        out += [
+            EstimateRow("overhead.cuda_context", "CUDA context", CUDA_CONTEXT, "rule of thumb",
+                        "outside PyTorch's allocator: driver context and kernels, 300-500 MiB"),
+            EstimateRow("overhead.cublas_workspace", "cuBLAS workspace", workspace, "formula",
+                        f"torch's default CUBLAS_WORKSPACE_CONFIG {_WORKSPACE_CONFIG.get(workspace, '')} on this "
+                        "GPU, one per stream; allocated by PyTorch, so inside memory_reserved()"),
+        ]  # fmt: skip
     return out
 
 

@@ -10,13 +10,31 @@ from typing import Any
 from ..devices import DEFAULT_DEVICE, resolve_device
 from ..html import badge, bar, table
 from ..sources import shipped_configs
-from ..units import format_bytes
+from ..units import MiB, format_bytes
 from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
-from .core import MemoryEstimate, estimate
+from .core import MemoryEstimate, cublas_workspace, estimate
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
-__all__ = ["Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits"]
+__all__ = [
+    "Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
+    "fix_margin",
+]  # fmt: skip
+
+# A fix ranks as one that fits only with this much to spare below the "tight" line: 2 % of the
+# capacity, at most 256 MiB (a prompt cut to 256 tokens that fits a T4 with 7 MiB to spare is no
+# better than the estimate's own error). A fix that fits with less ranks after those that have it.
+FIX_MARGIN_SHARE = 0.02
+FIX_MARGIN_MAX = 256 * MiB
+
+
+def fix_margin(capacity: int) -> int:
+    """Bytes a fix must leave below ``TIGHT_FRACTION`` of ``capacity`` to rank as one that fits."""
+    return min(int(capacity * FIX_MARGIN_SHARE), FIX_MARGIN_MAX)
+
+
+def _comfortable(capacity: int) -> int:
+    return int(capacity * TIGHT_FRACTION) - fix_margin(capacity)
 
 
 @dataclass
@@ -60,8 +78,7 @@ class FitVerdict:
         )
         lines = [head]
         for i, s in enumerate(self.suggestions, 1):
-            after = verdict(s.estimate.total, self.capacity)
-            lines.append(f"  fix {i}. {s}" + ("" if after == FITS else f": still {after}, not enough alone"))
+            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -77,12 +94,23 @@ class FitVerdict:
                     s.change,
                     format_bytes(s.saving),
                     format_bytes(s.estimate.total),
-                    verdict(s.estimate.total, self.capacity),
+                    verdict(s.estimate.total, self.capacity) + _fit_remark(s, self.capacity, short=True),
                 ]
                 for i, s in enumerate(self.suggestions, 1)
             ]
             html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
         return html
+
+
+def _fit_remark(s: Suggestion, capacity: int, short: bool = False) -> str:
+    """What a fix leaves: nothing to say when it fits with the margin, else how little or that it falls short."""
+    after = verdict(s.estimate.total, capacity)
+    if after != FITS:
+        return "" if short else f": still {after}, not enough alone"
+    spare = int(capacity * TIGHT_FRACTION) - s.estimate.total
+    if spare >= fix_margin(capacity):
+        return ""
+    return f", {format_bytes(spare)} to spare" if short else f": fits with only {format_bytes(spare)} to spare"
 
 
 def format_params(n: int) -> str:
@@ -113,14 +141,24 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     label, dev = resolve_device(device)
     if dev is None:
         raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
-    if dev.get("bf16") != (resolve_device(est.inputs.get("device"))[1] or {}).get("bf16") and est.source is not None:
-        est = est.replace(device=device)  # compute dtype follows the device
+    if _device_changes_rows(est, device, dev) and est.source is not None:
+        est = est.replace(device=device)  # compute dtype, attention kernel and cuBLAS workspace follow the device
     cap = dev["capacity"]
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label, est)
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
     return out
+
+
+def _device_changes_rows(est: MemoryEstimate, device, dev: dict) -> bool:
+    """Whether the estimate's rows would differ on ``dev``: bf16 support (compute dtype, GQA without
+    flash attention, bitsandbytes' 4-bit rule) or the cuBLAS workspace."""
+    own_device = est.inputs.get("device")
+    _, own = resolve_device(own_device)
+    if (own or {}).get("bf16") != dev.get("bf16") or (own or {}).get("capability") != dev.get("capability"):
+        return True
+    return cublas_workspace(own_device, own) != cublas_workspace(device, dev)
 
 
 def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tuple[str, dict]]:
@@ -143,7 +181,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
             cands.append((f"load={load}", {"load": load}))
     if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
-    room = int(cap * TIGHT_FRACTION)  # a fix leaves the margin a "fits" verdict needs, not 20 MiB
+    room = _comfortable(cap)  # a fix leaves the margin a "fits" verdict needs and a little more, not 7 MiB
     if tr is None:
         n = max_new_tokens_that_fit(est, device=room)
         if 0 < n < inp["max_new_tokens"]:
@@ -202,20 +240,23 @@ def _single_changes(est: MemoryEstimate, device, cap, bf16: bool) -> list[Sugges
 
 def _combined(est: MemoryEstimate, singles: list[Suggestion], device, cap, bf16: bool, steps: int = 3):
     """When no one change fits: the largest saving, then the largest on what is left, and so on (at
-    most ``steps`` changes), as one suggestion; None when even that does not fit with the margin."""
-    current, changes, kwargs = est, [], {}
+    most ``steps`` changes), as one suggestion; None when even that does not fit with the margin. A
+    combination that fits with less than :func:`fix_margin` to spare takes one more step if it has one."""
+    current, changes, kwargs, fitting = est, [], {}, None
     options = singles
     for _ in range(steps):
         if not options:
-            return None
+            break
         best = max(options, key=lambda s: s.saving)
         setting = best.change.split("=", 1)[0]  # a later step on the same setting replaces the earlier one
         changes = [c for c in changes if c.split("=", 1)[0] != setting] + [best.change]
         current, kwargs = best.estimate, {**kwargs, **best.kwargs}
         if verdict(current.total, cap) == FITS:
-            return Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
+            fitting = Suggestion(" + ".join(changes), kwargs, est.total - current.total, current)
+            if current.total <= _comfortable(cap):
+                break
         options = _single_changes(current, device, cap, bf16)
-    return None
+    return fitting
 
 
 def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Suggestion]:
@@ -227,25 +268,47 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
     smaller = _smaller_model(est, cap)
     if smaller is not None:
         out.append(smaller)
-
-    # Ranked: changes that make it fit with the margin first (keeping the user's model before another
-    # model, then the least drastic: smallest saving), then the rest by saving.
-    def rank(s: Suggestion) -> tuple[bool, bool, int]:
-        fits = verdict(s.estimate.total, cap) == FITS
-        return not fits, "model" in s.kwargs, s.saving if fits else -s.saving
-
-    out.sort(key=rank)
+    out.sort(key=lambda s: _rank(s, est, cap))
     return out
 
 
+def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, int]:
+    """Changes that fit with the margin and a little more first, then those that fit with less, then
+    the rest by saving. Among those that fit: the user's model before another, changes that keep the
+    user's inputs (batch size, load mode, most of the new tokens) before truncating them, then the
+    least drastic (smallest saving)."""
+    total = s.estimate.total
+    tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
+    return tier, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), s.saving if tier < 2 else -s.saving
+
+
+def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
+    """Whether a fix drops part of what the user asked for: a truncated prompt or training sequence, or
+    fewer than half the new tokens."""
+    if "prompt_tokens" in kwargs:
+        return True
+    if "max_new_tokens" in kwargs and 2 * kwargs["max_new_tokens"] < est.inputs.get("max_new_tokens", 0):
+        return True
+    before, after = est.inputs.get("training"), kwargs.get("training")
+    return before is not None and after is not None and after.seq_len < before.seq_len
+
+
+def _tokens(est: MemoryEstimate) -> int:
+    tr = est.inputs.get("training")
+    return tr.seq_len if tr is not None else est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]
+
+
 def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
-    """The largest shipped model smaller than this one that fits with the same settings."""
+    """The largest shipped model smaller than this one that fits with the same settings and whose
+    context holds the prompt and the new tokens (or the training sequence)."""
     best = None
     for hub_id in shipped_configs():
         try:
             kw = {k: v for k, v in est.inputs.items()}
             new = estimate(hub_id, **kw)
         except Exception:
+            continue
+        if new.context is not None and new.context < _tokens(est):
             continue
         if new.params < est.params and new.total <= cap * TIGHT_FRACTION and (best is None or new.params > best.params):
             best = new
@@ -287,8 +350,14 @@ def _capacity(device) -> int:
 
 
 def max_new_tokens_that_fit(model_or_estimate, *, device: Any = DEFAULT_DEVICE, limit: int = 1 << 20, **kwargs) -> int:
-    """The largest ``max_new_tokens`` that fits ``device`` (0 if even the prompt alone does not fit: -1)."""
+    """The largest ``max_new_tokens`` that fits ``device`` and the model's context (prompt + new tokens
+    <= ``max_position_embeddings`` where the config has it); -1 when no length fits: the prompt alone
+    does not fit the device, or is past the context."""
     est = _as_estimate(model_or_estimate, kwargs)
+    if est.context is not None:
+        limit = min(limit, est.context - est.inputs["prompt_tokens"])
+        if limit < 0:
+            return -1
     return _search(est, "max_new_tokens", _capacity(device), 0, limit)
 
 

@@ -20,6 +20,8 @@ __all__ = [
     "prefill_bytes",
     "should_convert",
     "clear_layout_cache",
+    "tied_note",
+    "largest_quantized_linear",
 ]
 
 
@@ -41,6 +43,10 @@ class Layout:
     n_layers: int
     approximate: bool = False
     missing: list[str] = field(default_factory=list)
+    # "sdpa", "eager", ...: what transformers runs the attention with (a loaded model's own choice;
+    # else "eager" for an architecture whose class says _supports_sdpa = False, as Gemma-2's does)
+    attention: str = "sdpa"
+    tied: bool | None = None  # the config's tie_word_embeddings (None: the config does not say)
 
 
 def _config_key(config) -> str:
@@ -64,10 +70,11 @@ def layout(config, loaded: torch.nn.Module | None = None) -> Layout:
     if loaded is None and key in _LAYOUTS:
         return _LAYOUTS[key]
     if loaded is not None:
-        lay = _layout_of(loaded, config)
+        lay = _layout_of(loaded, config, getattr(config, "_attn_implementation", None) or "sdpa")
     else:
         try:
-            lay = _layout_of(_meta_model(config), config)
+            model = _meta_model(config)
+            lay = _layout_of(model, config, _default_attention(type(model)))
         except EstimateError:
             raise
         except Exception as e:
@@ -90,7 +97,19 @@ def _meta_model(config):
             return transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
 
 
-def _layout_of(model: torch.nn.Module, config) -> Layout:
+def _default_attention(cls) -> str:
+    # what load() ends up with: it asks for SDPA where the class supports it and otherwise lets
+    # transformers pick, which is eager attention without flash-attn installed (Colab has none)
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
+def _tied(config) -> bool | None:
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(c, "tie_word_embeddings", None)
+    return None if tied is None else bool(tied)
+
+
+def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layout:
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import HfQuantizer
 
@@ -122,7 +141,7 @@ def _layout_of(model: torch.nn.Module, config) -> Layout:
         follows = b.is_floating_point() and b.dtype == torch.bfloat16
         entries.append(Param(name, b.numel(), None if follows else b.element_size(), None, "buffer"))
     n_layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
-    return Layout(total, entries, not_convert, keep_fp32, n_layers)
+    return Layout(total, entries, not_convert, keep_fp32, n_layers, attention=attention, tied=_tied(config))
 
 
 def _is_bnb_linear(mod) -> bool:
@@ -163,9 +182,10 @@ def _dimension_layout(config, why: str) -> Layout:
             entries.append(Param(f"{pre}.{nm}.weight", o * k, None, (o, k), f"{pre}.{nm}"))
         entries.append(Param(f"{pre}.norms", 2 * h, None, None, pre))
     entries.append(Param("norm", h, None, None, "norm"))
-    if not d.get("tie_word_embeddings", True):
+    tied = bool(d.get("tie_word_embeddings", True))
+    if not tied:
         entries.append(Param("lm_head.weight", v * h, None, None, "lm_head"))
-    lay = Layout(sum(e.numel for e in entries), entries, ["lm_head"], [], n, approximate=True)
+    lay = Layout(sum(e.numel for e in entries), entries, ["lm_head"], [], n, approximate=True, tied=tied)
     lay.missing = [why]
     return lay
 
@@ -174,6 +194,24 @@ def should_convert(module: str, not_convert: list[str]) -> bool:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     return should_convert_module(module, not_convert)
+
+
+def tied_note(lay: Layout) -> str:
+    """What the unquantized weights row says about the embeddings, from the config's tie_word_embeddings."""
+    if lay.tied is None:
+        return "embeddings and lm_head as the model defines them (the config does not say whether they are tied)"
+    return "tied embeddings counted once" if lay.tied else "embeddings and lm_head are separate matrices (untied)"
+
+
+def _not_convert(lay: Layout, skip_modules: list[str] | None) -> list[str]:
+    return lay.not_convert if skip_modules is None else list(set(skip_modules) | set(lay.keep_fp32))
+
+
+def largest_quantized_linear(lay: Layout, skip_modules: list[str] | None = None) -> tuple[int, int] | None:
+    """``(out, in)`` of the biggest linear bitsandbytes would quantize (``None`` if there is none)."""
+    not_convert = _not_convert(lay, skip_modules)
+    shapes = [e.linear for e in lay.entries if e.linear is not None and should_convert(e.module, not_convert)]
+    return max(shapes, key=lambda s: s[0] * s[1], default=None)
 
 
 def _quantized_bytes(e: Param, load: str, double_quant: bool, blocksize: int) -> tuple[int, int]:
@@ -206,7 +244,7 @@ def weight_rows(
     blocksize: int = 64,
 ) -> list[EstimateRow]:
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
-    not_convert = lay.not_convert if skip_modules is None else list(set(skip_modules) | set(lay.keep_fp32))
+    not_convert = _not_convert(lay, skip_modules)
     q_bytes = state_bytes = plain = buffers = experts = n_q = 0
     half = 4 if load == "fp32" else dtype_bytes
     for e in lay.entries:
@@ -236,7 +274,7 @@ def weight_rows(
             "weights: unquantized (embeddings, norms, lm_head)" if label else f"weights: {load}",
             plain,
             "exact",
-            "tied embeddings counted once",
+            tied_note(lay),
         )
     )
     rows.append(EstimateRow("weights.buffers", "weights: buffers", buffers, "exact", "rotary tables, masks"))
@@ -282,12 +320,20 @@ def dims(config) -> dict:
     )
 
 
-def kv_cache_bytes(config, batch: int, tokens: int, dtype_bytes: int = 2) -> int:
-    """Keys and values of every layer: 2 x batch x cached tokens x kv_heads x head_dim x bytes."""
+def kv_cache_bytes(config, batch: int, tokens: int, dtype_bytes: int = 2, prompt_tokens: int = 0) -> int:
+    """Keys and values of every layer: 2 x batch x cached tokens x kv_heads x head_dim x bytes.
+
+    A sliding-window layer caches ``min(tokens, window)``, but after the prompt's forward pass it
+    holds ``prompt_tokens``: transformers' DynamicSlidingWindowLayer keeps a view of the last
+    window - 1 positions of the whole prompt it concatenated, so the storage of every position stays
+    alive until the first decoding step re-concatenates it (cache_utils.py).
+    """
     d = dims(config)
     total = 0
     for t in d["types"][: d["layers"]]:
-        cached = min(tokens, d["window"]) if (t == "sliding_attention" and d["window"]) else tokens
+        cached = tokens
+        if t == "sliding_attention" and d["window"]:
+            cached = max(min(tokens, d["window"]), min(prompt_tokens, tokens))
         total += 2 * batch * cached * d["kv"] * d["hd"] * dtype_bytes
     return total
 

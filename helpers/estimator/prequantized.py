@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .layout import Layout, should_convert
+from .layout import Layout, should_convert, tied_note
 from .rows import EstimateError, EstimateRow
 
 __all__ = ["RepoQuantization", "repo_quantization", "packed_rows", "PACKED_METHODS"]
@@ -79,6 +79,6 @@ def packed_rows(lay: Layout, rq: RepoQuantization, dtype_bytes: int) -> list[Est
         EstimateRow("weights.quant_state", "weights: zeros, scales" + (", g_idx" if rq.method == "gptq" else ""),
                     state, "formula", "int32 zeros, fp16 scales per group"),
         EstimateRow("weights.unquantized", "weights: unquantized (embeddings, norms, lm_head)", plain, "exact",
-                    "tied embeddings counted once"),
+                    tied_note(lay)),
         EstimateRow("weights.buffers", "weights: buffers", buffers, "exact", "rotary tables, masks"),
     ]  # fmt: skip
