@@ -34,7 +34,7 @@ from .devices import (  # the placement constants live with the device facts; na
 )
 from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
 from .estimator import estimate as estimate_memory
-from .estimator import fit, footprint
+from .estimator import fit, footprint, footprint_by_device
 from .gpu_split import (
     SPILL_WHY,
     decide_gpus,
@@ -636,24 +636,18 @@ def _find_token() -> str | None:
 # ----------------------------------------------------------------------------- the report
 
 
-def _module_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
 def placement(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of parameters and buffers per device (``"cuda:0"``, ``"cpu"``, ``"disk"``, ``"meta"``)."""
+    """Bytes of parameters, buffers and quantization state per device (``"cuda:0"``, ``"cpu"``,
+    ``"disk"``, ``"meta"``): the same count as ``footprint(model)``, split by where it lives."""
     device_map = getattr(model, "hf_device_map", None) or {}
     out: dict[str, int] = {}
     if len(set(map(str, device_map.values()))) > 1:
         for name, dev in device_map.items():
             sub = model.get_submodule(name) if name else model
             key = f"cuda:{dev}" if isinstance(dev, int) else str(dev)
-            out[key] = out.get(key, 0) + _module_bytes(sub)
+            out[key] = out.get(key, 0) + sum(footprint_by_device(sub).values())
         return out
-    for t in [*model.parameters(), *model.buffers()]:
-        key = str(t.device)
-        out[key] = out.get(key, 0) + t.numel() * t.element_size()
-    return out
+    return footprint_by_device(model)
 
 
 def _offload_warnings(where: dict[str, int]) -> list[str]:

@@ -562,3 +562,16 @@ def test_loading_a_safetensors_shard_holds_less_process_memory_than_the_shard(tm
     assert out.returncode == 0, out.stderr[-2000:]
     shard = max(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     assert int(out.stdout.split()[-1]) < shard, (int(out.stdout.split()[-1]), shard)
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_placement_and_footprint_count_the_quantization_state_before_and_after_a_generation(tiny_llama, mode):
+    """The report's per-device placement sums to the measured weights (the scales and absmax were left
+    out), and footprint() still counts int8's SCB after the first forward moves it to the layer's state."""
+    from helpers import footprint, generate_batched
+    from helpers.loading import placement
+
+    model, tok, report = load(LoadPlan(str(tiny_llama), load=mode))
+    assert sum(placement(model).values()) == report.measured_weights == footprint(model)
+    generate_batched(model, tok, ["memory"], max_new_tokens=2, progress=False)
+    assert footprint(model) == report.measured_weights

@@ -6,7 +6,7 @@ import torch
 
 from .rows import EstimateError
 
-__all__ = ["footprint"]
+__all__ = ["footprint", "footprint_by_device"]
 
 
 def footprint(model: torch.nn.Module) -> int:
@@ -20,28 +20,39 @@ def footprint(model: torch.nn.Module) -> int:
             f"footprint() measures a loaded model (torch.nn.Module), got {type(model).__name__}; "
             "for a hub id or path before loading, use estimate(model, load=...)"
         )
-    seen: set[tuple] = set()
-    total = 0
+    return sum(n for device, n in footprint_by_device(model).items() if device != "meta")
 
-    def add(t):
-        nonlocal total
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        key = (t.device, t.data_ptr(), t.numel(), t.dtype)
-        if key in seen:
-            return
-        seen.add(key)
-        total += t.numel() * t.element_size()
 
+def _held_tensors(model: torch.nn.Module):
+    """Every tensor the model holds: parameters, buffers, int8 ``CB``/``SCB`` (on the weight, or on the
+    layer's ``state`` where bitsandbytes moves ``SCB`` at the first forward) and 4-bit quant states."""
     for p in model.parameters():
-        add(p)
+        yield p
         for attr in ("SCB", "CB"):
-            add(getattr(p, attr, None))
+            yield getattr(p, attr, None)
         qs = getattr(p, "quant_state", None)
         while qs is not None:
             for attr in ("absmax", "code", "offset"):
-                add(getattr(qs, attr, None))
+                yield getattr(qs, attr, None)
             qs = getattr(qs, "state2", None)
-    for b in model.buffers():
-        add(b)
-    return total
+    for module in model.modules():
+        state = getattr(module, "state", None)
+        for attr in ("SCB", "CB"):
+            yield getattr(state, attr, None)
+    yield from model.buffers()
+
+
+def footprint_by_device(model: torch.nn.Module) -> dict[str, int]:
+    """:func:`footprint` per device (``"cuda:0"``, ``"cpu"``, ``"meta"`` for weights an offload hook
+    keeps elsewhere), quantization state included; shared storage counted once."""
+    seen: set = set()
+    out: dict[str, int] = {}
+    for t in _held_tensors(model):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = id(t) if t.device.type == "meta" else (t.device, t.data_ptr(), t.numel(), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+    return out
