@@ -115,6 +115,16 @@ plan_devices(big, load="fp16", devices=DEVICES)
 plan_devices(big, load="nf4", devices=DEVICES)
 
 # %% [markdown]
+# The other `device_map` strings place differently, and `load()` checks the placement each one asks
+# for. A 4-bit 13B fits one T4, so `"sequential"` (fill GPU 0, then GPU 1) keeps it all on GPU 0, and
+# `"balanced_low_0"` (GPU 0 gets only what GPU 1 cannot hold) all on GPU 1, GPU 0 staying free for
+# `generate`'s work. `"balanced"` is `"auto"`.
+
+# %%
+for strategy in ("sequential", "balanced_low_0"):
+    print(plan_devices(big, load="nf4", devices=DEVICES, strategy=strategy).summary)
+
+# %% [markdown]
 # And on **one** T4 in fp16 with CPU offload: it fits, at the price stated (every token copies the
 # offloaded layers over PCIe). int8 and 4-bit offload need `llm_int8_enable_fp32_cpu_offload`, and
 # 4-bit layers cannot go to disk: the plan refuses what transformers or bitsandbytes would refuse.
