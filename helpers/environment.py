@@ -22,7 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import SPILL_WHY, held_hint, placement_keeps, spill_fix, stays_on_first
+from .gpu_split import held_hint, placement_keeps, spill_fix, spill_why, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -468,7 +468,7 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
         also = f"; split across {len(gpus)} GPUs: {split.verdict}" if split is not None else ""
         fix = f"load with {est.load} ({ests[0].load} needs {format_bytes(ests[0].total)}{also})"
     if spill:  # load() refuses it: say why, and what does fit
-        summary += f", but {SPILL_WHY} would offload part of it to the CPU: load() refuses it"
+        summary += f", but {spill_why(est)} would offload part of it to the CPU: load() refuses it"
         return Check(
             "fit",
             "fail",

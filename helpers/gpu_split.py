@@ -35,7 +35,7 @@ from .vocab import FITS, QUANTIZED, SMALLER_LOAD
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
     "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
-    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
+    "other_gpus_note", "held_hint", "first_fix", "spill_why", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
     "map_strategy", "check_strategy",
 ]  # fmt: skip
 
@@ -217,9 +217,14 @@ HELD_HINT = 512 * MiB  # holding this much GPU memory before a load usually mean
 NO_FIX = "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
 
 
-# why an estimate that fits one card can still be offloaded in part: said alike by load(), preflight and the panel
-SPILL_WHY = ("transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest layer "
-             "needs room)")  # fmt: skip
+def spill_why(est) -> str:
+    """Why an estimate that fits one card can still be offloaded in part, said alike by load(), preflight and the
+    panel. transformers applies bitsandbytes' 10 % margin only with a quantizer (an int8/4-bit load: its
+    ``adjust_max_memory``, also on the explicit ``max_memory`` load() passes); accelerate's reserve for the
+    largest layer and the room load() keeps for the KV cache apply to every load."""
+    bnb = ", bitsandbytes 10 % of the card for its buffers" if est.load in QUANTIZED else ""
+    return (f"transformers' placement for it (max_memory keeps room for the KV cache and activations, accelerate for "
+            f"the largest layer{bnb})")  # fmt: skip
 
 
 def smaller_load_fix(load: str) -> str:

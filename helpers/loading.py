@@ -35,7 +35,6 @@ from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there 
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint
 from .gpu_split import (
-    SPILL_WHY,
     decide_gpus,
     first_fix,
     gpu_device,
@@ -47,6 +46,7 @@ from .gpu_split import (
     offloaded_bytes,
     other_gpus_note,
     spill_fix,
+    spill_why,
     split_plan,
     unquantized_note,
 )
@@ -518,8 +518,8 @@ def placement_spill(
     plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
 ) -> tuple[list[str], DevicePlan | None]:
     """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
-    (bitsandbytes keeps 10 % of the card's ``max_memory`` for its buffers, accelerate keeps room for the
-    largest layer). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
+    (``spill_why``: accelerate keeps room for the largest layer; for int8/4-bit bitsandbytes keeps 10 % of the
+    card's ``max_memory`` for its buffers). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
     before loading, or warn with ``allow_offload`` and load the placement that was checked; never offload
     silently, never into too little RAM."""
     if map_strategy(plan.device_map) is None or plan.max_memory is not None:
@@ -534,7 +534,7 @@ def placement_spill(
         return [], None
     fix = spill_fix(estimate)
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
-           f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+           f"{spill_why(estimate)} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
     if not placed.fits:
         raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
     if not plan.allow_offload:

@@ -283,6 +283,7 @@ def test_one_t4_refuses_what_transformers_placement_would_offload(tiny_llama):
     plan = LoadPlan(str(tiny_llama), load="int8")
     with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
         check_plan(plan, snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert "bitsandbytes 10 % of the card for its buffers" in str(e.value)
     assert e.value.fix.startswith("load='nf4'") and "allow_offload=True" in e.value.fix
     checked = check_plan(plan.replace(allow_offload=True), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
     assert any("much slower" in w for w in checked.warnings)
@@ -375,3 +376,15 @@ def test_a_device_map_string_that_is_no_strategy_nor_device_is_refused(tiny_llam
     assert "'sequential'" in e.value.fix and "'balanced_low_0'" in e.value.fix
     assert check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map="cuda:1"), snapshot=kaggle(), bnb=BNB_OK,
                       estimate=llama8b("nf4")).split is None  # a device is a one-card map  # fmt: skip
+
+
+def test_an_unquantized_spill_is_not_blamed_on_bitsandbytes(tiny_llama):
+    """CodeLlama-7B fp16 at batch 4 fits a T4 by the estimate, and the placement still leaves a layer for the CPU:
+    the reason given is the room kept for the KV cache and the largest layer; bitsandbytes' 10 % margin applies
+    only to an int8/4-bit load (transformers' bitsandbytes quantizer), and is not named for fp16."""
+    est = estimate("codellama/CodeLlama-7b-hf", load="fp16", device="t4", batch_size=4, max_new_tokens=256)
+    with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
+        check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert "bitsandbytes" not in str(e.value) and "accelerate for the largest layer" in str(e.value)
+    assert "bitsandbytes" not in gpu_split.spill_why(est)
+    assert "bitsandbytes 10 %" in gpu_split.spill_why(est.replace(load="nf4"))

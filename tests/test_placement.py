@@ -83,6 +83,32 @@ def test_plan_is_the_map_from_pretrained_computes(model, load, strategy):
     assert plan.device_map == _transformers_map(model, load, strategy, plan.max_memory)
 
 
+@pytest.mark.parametrize("load, margin", [("fp16", 1.0), ("int8", 0.9), ("nf4", 0.9)])
+def test_bitsandbytes_margin_comes_with_a_quantizer_also_on_explicit_max_memory(load, margin, monkeypatch):
+    """What infer_auto_device_map gets inside transformers' _get_device_map, given the explicit one-card
+    max_memory load() passes: bitsandbytes' quantizer (adjust_max_memory) takes 10 % of every cap for int8 and
+    4-bit, explicit or not; fp16 has no quantizer and no margin (get_balanced_memory's own 90 % is only for a
+    max_memory left unset). The plan places with the very caps transformers ends up with."""
+    pytest.importorskip("transformers.integrations.accelerate")
+    import transformers.integrations.accelerate as tia
+
+    seen: dict = {}
+    real = tia.infer_auto_device_map
+
+    def spy(model, max_memory=None, **kwargs):
+        seen.update(max_memory)
+        return real(model, max_memory=max_memory, **kwargs)
+
+    monkeypatch.setattr(tia, "infer_auto_device_map", spy)
+    model = "Qwen/Qwen2.5-0.5B"
+    plan = plan_devices(model, load=load, devices=[GiB], compute_dtype="fp16", headroom=0, cpu_offload=True,
+                        cpu_memory=4 * GiB)  # fmt: skip
+    assert plan.max_memory == {0: GiB, "cpu": 4 * GiB}
+    _transformers_map(model, load, "auto", plan.max_memory)
+    assert seen == {0: GiB * margin, "cpu": 4 * GiB * margin}
+    assert plan.placed_max_memory == seen
+
+
 def test_sequential_lowers_the_card_it_fills_until_its_kv_cache_fits():
     """The automatic caps keep each card half the KV cache free; "sequential" stacks 3/4 of the layers on
     GPU 0, whose cache then overflows it: its cap is lowered until it fits, and the map is still
