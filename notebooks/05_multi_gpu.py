@@ -204,8 +204,10 @@ free("model")  # the training below loads its own copy in every process
 # Each process loads the 4-bit model on its own GPU, trains the LoRA adapters on its shard of the
 # data, and DDP averages the gradients, so the adapters stay identical on every rank. From a
 # notebook, accelerate's `notebook_launcher` forks one process per GPU, which works only before
-# this kernel touches CUDA; after sections 1-6 `launch` runs `torchrun` instead. Without a GPU the
-# processes are joined by gloo on the CPU: the same DDP path, at CPU speed.
+# this kernel touches CUDA; after sections 1-6 `launch` runs `torchrun` instead, whose processes
+# import the function they run by name: it must live in a module (as `ddp_qlora_worker` does), not
+# in a notebook cell. Without a GPU the processes are joined by gloo on the CPU: the same DDP path,
+# at CPU speed.
 
 # %%
 import torch
