@@ -58,13 +58,18 @@ def preflight_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="hub id or local path of the model you plan to load")
     parser.add_argument("--load", default="auto", help=f"load mode: auto, {', '.join(LOAD_MODES)}")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1, help="sequences generated at once (sizes the KV cache)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error("--max-new-tokens must be >= 0")
+    if args.batch < 1 or args.prompt_tokens < 1:
+        parser.error("--batch and --prompt-tokens must be >= 1")
     if args.load not in ("auto", *LOAD_MODES):
         parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
-    report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens)
+    report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                       prompt_tokens=args.prompt_tokens)  # fmt: skip
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 

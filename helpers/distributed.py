@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -46,7 +47,7 @@ from .units import format_bytes
 
 __all__ = [
     "STRATEGIES", "TrainingMemory", "training_memory", "DistributedError", "launch", "ddp_qlora_worker",
-    "RankReport", "DDPRun", "run_ddp_qlora", "largest_layer_params",
+    "RankReport", "DDPRun", "run_ddp_qlora", "largest_layer_params", "choose_launcher", "other_threads",
 ]  # fmt: skip
 
 # which of (parameters, gradients, optimizer states) each strategy shards over the GPUs
@@ -223,42 +224,145 @@ def _lora_params(est) -> int:
 # ----------------------------------------------------------------------------- launching
 
 
+# Threads a notebook kernel runs for itself (ipykernel's IOPub, heartbeat, control and shell channels, its
+# output-pipe watchers and parent poller; IPython's history saver; Colab's kernel; a debugger): every Jupyter
+# kernel has about nine, and accelerate's notebook_launcher forks beside them, as it is meant to
+KERNEL_THREAD_MODULES = ("ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "google.colab", "debugpy",
+                         "pydevd", "_pydevd_bundle")  # fmt: skip
+STDERR_TAIL = 8  # lines of the processes' stderr a failed torchrun launch quotes
+
+
+def other_threads() -> list[str]:
+    """Names of the threads running beside this one that a notebook kernel did not start for itself (a memory
+    sampler, tqdm's monitor): a fork can copy a lock one of them holds, and leave a child deadlocked."""
+    out = []
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t is threading.current_thread():
+            continue
+        target = getattr(t, "_target", None)
+        origin = getattr(target, "__module__", None) or type(t).__module__ or ""
+        if not any(origin == m or origin.startswith(m + ".") for m in KERNEL_THREAD_MODULES):
+            out.append(t.name)
+    return out
+
+
+def choose_launcher() -> tuple[str, str]:
+    """``(via, why)``: what ``launch(via="auto")`` runs here. Both of accelerate's launchers fork this process:
+    ``notebook`` needs CUDA untouched, bitsandbytes not imported and no Accelerator made; ``debug`` (no GPU) and
+    ``notebook`` alike need no thread of ours running. Otherwise ``subprocess`` (torchrun)."""
+    others = other_threads()
+    reasons = [f"threads {', '.join(others)} are running (a fork could deadlock)"] if others else []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        reasons.append("CUDA is initialized in this process (a forked child cannot use it)")
+    if "bitsandbytes" in sys.modules:
+        reasons.append("bitsandbytes is imported (it initializes CUDA)")
+    if _accelerator_made():
+        reasons.append("an Accelerator was made in this process (notebook_launcher refuses that)")
+    if reasons:
+        return "subprocess", "; ".join(reasons)
+    return ("notebook" if torch.cuda.is_available() else "debug"), "nothing in this process makes a fork unsafe"
+
+
+def _accelerator_made() -> bool:
+    state = getattr(sys.modules.get("accelerate.state"), "AcceleratorState", None)
+    return bool(getattr(state, "_shared_state", None))
+
+
 def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "auto") -> None:
     """Run ``function(*args)`` on ``num_processes`` processes, one per GPU (or gloo on CPU).
 
     ``via``: ``"notebook"`` is accelerate's ``notebook_launcher`` (GPUs; it forks, so nothing in this
     kernel may have touched CUDA yet), ``"debug"`` its ``debug_launcher`` (CPU processes joined by
     gloo: the DDP code path at CPU speed), ``"subprocess"`` runs ``torchrun`` on
-    ``python -m helpers.distributed`` (any state of this kernel; ``function`` must be importable and
-    ``args`` JSON). ``"auto"``: debug without a GPU, notebook on fresh GPUs, subprocess once CUDA, bitsandbytes
-    or other threads make a fork unsafe.
+    ``python -m helpers.distributed`` (any state of this kernel; ``function`` must be importable from a module,
+    not defined in the notebook, and ``args`` JSON). ``"auto"``: :func:`choose_launcher` (a forking launcher
+    where this process allows a fork, a notebook kernel's own threads included; torchrun otherwise).
+
+    Raises :class:`DistributedError` before starting anything when torchrun could not import ``function``,
+    and with the failing rank's error when torchrun fails.
     """
     from accelerate import debug_launcher, notebook_launcher
 
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
+    if via not in ("auto", "notebook", "debug", "subprocess"):
+        raise DistributedError(f"unknown launcher {via!r}; use auto, notebook, debug or subprocess")
+    why = f"via={via!r}"
     if via == "auto":
-        # both launchers fork: a fork of a process with other threads running (a sampler, tqdm's
-        # monitor, a kernel's heartbeat) can leave a child dead or deadlocked, so then use torchrun
-        quiet = threading.active_count() == 1
-        fresh = not torch.cuda.is_initialized() and "bitsandbytes" not in sys.modules
-        if not torch.cuda.is_available():
-            via = "debug" if quiet else "subprocess"
-        else:
-            via = "notebook" if fresh and quiet else "subprocess"
+        via, why = choose_launcher()
     if torch.cuda.is_available() and num_processes > torch.cuda.device_count():
         raise DistributedError(f"{num_processes} processes but {torch.cuda.device_count()} GPU(s); one process per GPU")
     if via == "debug":
         debug_launcher(function, args, num_processes=num_processes)
     elif via == "notebook":
         notebook_launcher(function, args, num_processes=num_processes)
-    elif via == "subprocess":
-        target = f"{function.__module__}:{function.__qualname__}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-               "-m", "helpers.distributed", target, json.dumps(list(args))]  # fmt: skip
-        subprocess.run(cmd, check=True)
     else:
-        raise DistributedError(f"unknown launcher {via!r}; use auto, notebook, debug or subprocess")
+        _torchrun(_importable(function, why), _json_args(args), num_processes)
+
+
+def _importable(function, why: str) -> str:
+    """``module:qualname`` of ``function`` for torchrun's processes, which import it by name; refused (before a
+    process starts) for a function they cannot import: one defined in the notebook, inside a function, a lambda."""
+    module, name = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    if module and module != "__main__" and name and "<" not in name and "." not in name:
+        return f"{module}:{name}"
+    if module == "__main__":
+        where = "in __main__ (the notebook, or the script run)"
+    else:
+        where = "inside another function" if "<locals>" in str(name) else "as a lambda or a method"
+    short = str(name).rsplit(".", 1)[-1]
+    short = short if short.isidentifier() else "my_step"
+    raise DistributedError(
+        f"{name or repr(function)} is defined {where}, and the torchrun launch ({why}) starts fresh processes that "
+        "import the function by name: they cannot import this one. Fix: move it into a module (a .py file: "
+        f"%%writefile my_steps.py in a cell, then from my_steps import {short}) and launch that; or "
+        "restart the kernel and call launch() before anything touches CUDA or imports bitsandbytes, so "
+        "accelerate's notebook_launcher can fork this kernel (a forked process has the notebook's functions)"
+    )
+
+
+def _json_args(args: tuple) -> str:
+    try:
+        return json.dumps(list(args))
+    except (TypeError, ValueError) as e:
+        raise DistributedError(f"the torchrun launch passes args as JSON and {e}: pass strings, numbers, lists "
+                               "or dicts (a path as str(path)), and load models or data inside the function") from None  # fmt: skip
+
+
+def _torchrun(target: str, args_json: str, num_processes: int) -> None:
+    """``torchrun`` on ``python -m helpers.distributed target args``; its stderr goes on to this process's as it
+    comes (a notebook shows it) and its last lines make the :class:`DistributedError` of a failed run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+           "-m", "helpers.distributed", target, args_json]  # fmt: skip
+    tail: deque[str] = deque(maxlen=400)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            tail.append(line.rstrip("\n"))
+        code = proc.wait()
+    except BaseException:  # an interrupted cell must not leave torchrun and its ranks running
+        proc.terminate()
+        proc.wait()
+        raise
+    if code != 0:
+        raise DistributedError(_failure(target, code, list(tail)))
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def _failure(target: str, code: int, lines: list[str]) -> str:
+    """What a failed torchrun run says: the ranks' exceptions (deduplicated), then the last lines the ranks wrote
+    (torchrun's own summary after them, its ChildFailedError traceback and failure table, is left out)."""
+    agent = next((i for i, line in enumerate(lines) if "torch/distributed/elastic" in line
+                  or "torch.distributed.elastic" in line), len(lines))  # fmt: skip
+    ranks = lines[:agent] or lines
+    errors = list(dict.fromkeys(m.group(1) for m in map(_ERROR_LINE.match, ranks) if m))
+    head = f"torchrun running {target} on each process exited with status {code}"
+    said = f": {'; '.join(errors[-3:])}" if errors else ""
+    last = "\n".join(f"  {line}" for line in ranks[-STDERR_TAIL:])
+    return f"{head}{said}\nthe processes' last lines:\n{last}" if last else head + said
 
 
 @dataclass

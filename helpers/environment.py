@@ -22,7 +22,7 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import SPILL_WHY, held_hint, placement_keeps, spill_fix, stays_on_first
+from .gpu_split import held_hint, placement_keeps, spill_fix, spill_why, stays_on_first
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
@@ -53,6 +53,9 @@ CPU_PARAMS_LIMIT = 1_000_000_000
 # A fresh CUDA context plus cuBLAS workspace takes a few hundred MiB; more than this outside
 # PyTorch means another process (often a previous kernel) holds the card.
 FOREIGN_GPU_WARN = 1 * GiB
+# held by other processes (or PyTorch's cache) past this, the fit line says how the card's own verdict differs
+# (more than a CUDA context, which a simulated readout shows as used before CUDA starts)
+HELD_NOTE = 512 * MiB
 
 
 class PreflightFailed(OomkitError, RuntimeError):
@@ -337,7 +340,7 @@ def _compute(load: str, half: str) -> str:
     return half if load in QUANTIZED else "auto"
 
 
-def _split_option(model: Any, est: MemoryEstimate, caps: list[int], max_new_tokens: int, half: str) -> _Option:
+def _split_option(model: Any, est: MemoryEstimate, caps: list[int], budget: dict, half: str) -> _Option:
     """``est``'s model split across GPUs of ``caps`` bytes, placed as ``from_pretrained(device_map="auto")``
     places it (:func:`helpers.placement.plan_devices`)."""
     if est.weights > sum(caps):  # no placement can help: skip building the model on the meta device
@@ -347,7 +350,7 @@ def _split_option(model: Any, est: MemoryEstimate, caps: list[int], max_new_toke
         # shares keep their GPU's index
         devices = [max(c, MiB) for c in caps]
         plan = plan_devices(model, load=est.load, devices=devices, compute_dtype=_compute(est.load, half),
-                            double_quant=est.inputs.get("double_quant", True), max_new_tokens=max_new_tokens)  # fmt: skip
+                            double_quant=est.inputs.get("double_quant", True), **budget)  # fmt: skip
     except (OomkitError, ValueError, ImportError) as e:  # an architecture transformers cannot build on meta
         return _Option(est, DOES_NOT_FIT, split=True, error=str(e).splitlines()[0][:200])
     if not plan.fits:
@@ -356,7 +359,7 @@ def _split_option(model: Any, est: MemoryEstimate, caps: list[int], max_new_toke
     return _Option(est, verdict(fullest.total, fullest.capacity), True, plan)
 
 
-def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], max_new_tokens: int, half: str):
+def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], budget: dict, half: str):
     """Ways to run the model, in the order load="auto" prefers them: each load mode on GPU 0 alone, then
     (with more GPUs, when it does not stay on GPU 0, the rule load() follows) split across all of them. A generator: a split is
     planned only when the options before it did not fit."""
@@ -373,7 +376,7 @@ def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], max_new_to
             alone.verdict = DOES_NOT_FIT  # transformers' placement on GPU 0 alone would spill to the CPU
         yield alone
         if not stays:  # as load() decides: a plan that is not a clean fit on GPU 0 is split
-            yield _split_option(model, e, caps, max_new_tokens, half)
+            yield _split_option(model, e, caps, budget, half)
 
 
 def _choose(options) -> tuple[_Option, list[_Option]]:
@@ -388,9 +391,12 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
     return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
 
 
-def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None) -> list[Check]:
+def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None, batch_size: int = 1,
+               prompt_tokens: int = 512) -> list[Check]:  # fmt: skip
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
-    (as ``device_map="auto"`` splits it), or (without a GPU) a T4?"""
+    (as ``device_map="auto"`` splits it), or (without a GPU) a T4? Generating ``batch_size`` sequences of
+    ``prompt_tokens`` + ``max_new_tokens`` tokens (a :class:`helpers.LoadPlan`'s budget, which sizes the KV cache)."""
+    budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
     gpus = list(snapshot.gpus) if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else []
     # What this process can use on each GPU; without one, Colab's T4
     caps = [_usable_memory(g) for g in gpus] or [DEVICES[DEFAULT_DEVICE]["capacity"]]
@@ -399,19 +405,18 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
     dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
     try:
-        ests = [estimate(model, load=m, max_new_tokens=max_new_tokens, device=dev_arg, compute_dtype=_compute(m, half))
-                for m in loads]  # fmt: skip
-        chosen, seen = _choose(_options(model, ests, caps, max_new_tokens, half))
+        ests = [estimate(model, load=m, **budget, device=dev_arg, compute_dtype=_compute(m, half)) for m in loads]
+        chosen, seen = _choose(_options(model, ests, caps, budget, half))
     except EstimateError as e:
         return [_unreadable_model(model, e)]
     if chosen.split:
-        checks = _split_check(model, chosen, ests, gpus, caps, load, max_new_tokens, half)
+        checks = _split_check(model, chosen, ests, gpus, caps, load, budget, half)
     else:
-        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, max_new_tokens, seen, chosen.spill)]
+        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, budget, seen, chosen.spill)]
     if any(held_hint(g) for g in gpus) and chosen.verdict != DOES_NOT_FIT:
-        checks[0] = _held_check(checks[0], _load_now(model, chosen, gpus, caps, max_new_tokens, half), gpus)
+        checks[0] = _held_check(checks[0], _load_now(model, chosen, gpus, caps, budget, half), gpus)
     if checks[0].status == "fail" and (not gpus or (len(gpus) == 1 and "T4" in gpus[0].name)):
-        checks[0] = _two_t4_hint(checks[0], model, ests, max_new_tokens)
+        checks[0] = _two_t4_hint(checks[0], model, ests, budget)
     params = chosen.est.params
     if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
         checks.append(
@@ -422,12 +427,12 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, sna
     return checks
 
 
-def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], max_new_tokens: int) -> Check:
+def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], budget: dict) -> Check:
     """A plan that does not fit one T4 (Colab's): where Kaggle's free 2×T4 holds it split, the fix says so,
     in the first load mode that fits there (a split keeps fp16 where one card needs a quantized load)."""
     t4 = DEVICES["t4"]["capacity"]
     for e in ests:
-        if _split_option(model, e, [t4, t4], max_new_tokens, "fp16").verdict != DOES_NOT_FIT:
+        if _split_option(model, e, [t4, t4], budget, "fp16").verdict != DOES_NOT_FIT:
             hint = (f"Kaggle's free 2×T4 holds it with load={e.load!r}, split across both cards: "
                     f"load(LoadPlan(model, load={e.load!r}, gpus=2)) (notebook 05)")  # fmt: skip
             fix = f"{check.fix}; or {hint}" if check.fix else hint
@@ -436,7 +441,7 @@ def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], max_new_t
 
 
 def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
-                   load: str, max_new_tokens: int, seen: list[_Option], spill: bool = False) -> Check:  # fmt: skip
+                   load: str, budget: dict, seen: list[_Option], spill: bool = False) -> Check:  # fmt: skip
     """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU."""
     cap = caps[0]
     if not gpus:
@@ -447,10 +452,11 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
     data = {"load": est.load, "total": est.total, "weights": est.weights, "params": est.params,
             "capacity": cap, "verdict": v.verdict, "headroom": v.headroom,
             "all": {e.load: e.total for e in ests}}  # fmt: skip
+    card, card_data = _card_note(est, gpus[0], cap, v.verdict) if gpus else ("", {})
+    data.update(card_data)
     summary = (
-        f"{est.model} ({format_params(est.params)} params) with load={est.load} and "
-        f"max_new_tokens={max_new_tokens}: {format_bytes(est.total)} predicted "
-        f"(weights {format_bytes(est.weights)}) on {where}: {v.verdict}"
+        f"{est.model} ({format_params(est.params)} params) with {_budget_text(est.load, budget)}: "
+        f"{format_bytes(est.total)} predicted (weights {format_bytes(est.weights)}) on {where}: {v.verdict}{card}"
     )
     if len(gpus) > 1 and v.verdict == FITS:
         rest = [f"GPU {g.index}" for g in gpus[1:]]
@@ -463,12 +469,14 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
     fix = None
     if v.suggestions:
         fix = f"{v.suggestions[0]}"
+        if card_data:  # the card itself would hold it: freeing it is the first fix
+            fix = f"{card_data['free_fix']}; or {fix}"
     elif load == "auto" and est.load != ests[0].load:
         split = next((o for o in seen if o.split and o.est is ests[0]), None)
         also = f"; split across {len(gpus)} GPUs: {split.verdict}" if split is not None else ""
         fix = f"load with {est.load} ({ests[0].load} needs {format_bytes(ests[0].total)}{also})"
     if spill:  # load() refuses it: say why, and what does fit
-        summary += f", but {SPILL_WHY} would offload part of it to the CPU: load() refuses it"
+        summary += f", but {spill_why(est)} would offload part of it to the CPU: load() refuses it"
         return Check(
             "fit",
             "fail",
@@ -479,12 +487,47 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
 
 
-def _load_now(model: Any, chosen: _Option, gpus: list[GPUReadout], caps: list[int], max_new_tokens: int,
+def _budget_text(load: str, budget: dict) -> str:
+    """``load=fp16 and max_new_tokens=256``, with the batch and prompt length where they are not the default."""
+    extra = "" if (budget["batch_size"], budget["prompt_tokens"]) == (1, 512) else (
+        f", batch_size={budget['batch_size']}, prompt_tokens={budget['prompt_tokens']}")  # fmt: skip
+    return f"load={load}{extra} and max_new_tokens={budget['max_new_tokens']}"
+
+
+def _plan_args(budget: dict) -> str:
+    """The budget as LoadPlan keyword arguments (batch and prompt length only where not the default)."""
+    extra = {k: v for k, v in budget.items() if (k, v) not in (("batch_size", 1), ("prompt_tokens", 512))}
+    return "".join(f", {k}={v}" for k, v in extra.items())
+
+
+def _card_note(est: MemoryEstimate, g: GPUReadout, cap: int, now: str) -> tuple[str, dict]:
+    """Both verdicts where the card's whole memory (what ``fit(est, "current")`` measures against) gives another
+    than the memory usable now, and what holds the difference, so this line and a ``fit()`` in the next cell
+    differ in the open. ``("", {})`` where they agree."""
+    card = verdict(est.total, g.total)
+    # what separates the usable figure from the card's: PyTorch's cache, and the rest outside this process's
+    # tensors and its CUDA context (counted usable once paid): other processes. The three add up to the card
+    cache = g.reserved_unallocated
+    others = max(0, g.total - cap - cache)
+    if card == now or others + cache < HELD_NOTE:
+        return "", {}
+    parts = [f"{format_bytes(others)} held by other processes"] if others else []
+    if cache:
+        parts.append(f"{format_bytes(cache)} in PyTorch's cache (cleanup() returns it)")
+    held = " and ".join(parts)
+    note = (f" now ({card} on the card's {format_bytes(g.total)}, which fit(est, 'current') measures against; "
+            f"{held} leave {format_bytes(cap)} usable)")  # fmt: skip
+    free_fix = ("free what other processes hold on the GPU (an earlier runtime still running? restart it, or kill "
+                "the process)" if others >= HELD_NOTE else "cleanup() (gives PyTorch's cache back)")  # fmt: skip
+    return note, {"card_verdict": card, "card_capacity": g.total, "held_elsewhere": others, "free_fix": free_fix}
+
+
+def _load_now(model: Any, chosen: _Option, gpus: list[GPUReadout], caps: list[int], budget: dict,
               half: str) -> _Option:  # fmt: skip
     """What load() decides for ``chosen``'s load mode now: the usable caps count this process's own tensors
     as free (what unloading gives back), while load() reads the memory free now."""
     now = [cap - g.allocated for cap, g in zip(caps, gpus)]
-    return _choose(_options(model, [chosen.est], now, max_new_tokens, half))[0]
+    return _choose(_options(model, [chosen.est], now, budget, half))[0]
 
 
 def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
@@ -507,7 +550,7 @@ def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
 
 
 def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
-                 load: str, max_new_tokens: int, half: str) -> list[Check]:  # fmt: skip
+                 load: str, budget: dict, half: str) -> list[Check]:  # fmt: skip
     """The fit check for a model split across every GPU (each GPU's share, or why no split fits and the
     fix), and the placement's note on what a split costs."""
     est, plan, n = chosen.est, chosen.plan, len(gpus)
@@ -521,11 +564,11 @@ def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: 
     data = {"load": est.load, "total": total, "weights": est.weights, "params": est.params, "capacity": sum(caps),
             "verdict": chosen.verdict, "headroom": room, "all": {e.load: e.total for e in ests}, "split": True,
             "gpus": shares, "max_memory": dict(plan.max_memory) if plan is not None else {}}  # fmt: skip
-    head = f"{est.model} ({format_params(est.params)} params) with load={est.load} and max_new_tokens={max_new_tokens}"
+    head = f"{est.model} ({format_params(est.params)} params) with {_budget_text(est.load, budget)}"
     alone = f"on GPU 0 alone {format_bytes(est.total)}: {verdict(est.total, caps[0])}"
     listing = " [one GPU: " + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
     listing = listing if load == "auto" and len(ests) > 1 else ""
-    smaller = _smaller_load(model, est, caps, max_new_tokens, half, ests) if chosen.verdict != FITS else None
+    smaller = _smaller_load(model, est, caps, budget, half, ests) if chosen.verdict != FITS else None
     if chosen.verdict == DOES_NOT_FIT:
         weights = f"the weights alone ({format_bytes(est.weights)}) exceed the {n} GPUs together"
         why = plan.reasons[0] if plan else weights
@@ -534,7 +577,7 @@ def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: 
     each = ", ".join(f"GPU {s['index']} {format_bytes(s['total'])} of {format_bytes(s['capacity'])}" for s in shares)
     summary = (f"{head}: {format_bytes(total)} predicted (weights {format_bytes(est.weights)}): {chosen.verdict} "
                f"across {n} GPUs ({each}; {alone}){listing}")  # fmt: skip
-    how = (f"load(LoadPlan({est.model!r}, load={est.load!r}, max_new_tokens={max_new_tokens})) splits it so, "
+    how = (f"load(LoadPlan({est.model!r}, load={est.load!r}{_plan_args(budget)})) splits it so, "
            "each card checked; "
            f"plan_devices({est.model!r}, load={est.load!r}, devices='current') shows the device map")  # fmt: skip
     checks = [Check("fit", VERDICT_STATUS[chosen.verdict], summary, f"{smaller}, or {how}" if smaller else how, data)]
@@ -543,7 +586,7 @@ def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: 
     return checks
 
 
-def _smaller_load(model: Any, est: MemoryEstimate, caps: list[int], max_new_tokens: int, half: str,
+def _smaller_load(model: Any, est: MemoryEstimate, caps: list[int], budget: dict, half: str,
                   tried: list[MemoryEstimate]) -> str | None:  # fmt: skip
     """``"load=nf4: fits GPU 0 alone"`` (or across the GPUs) for the first load mode that load="auto" would
     try, has smaller weights than ``est`` and fits; None when none does."""
@@ -552,7 +595,7 @@ def _smaller_load(model: Any, est: MemoryEstimate, caps: list[int], max_new_toke
     smaller = [e for e in others if e.weights < est.weights]
     if not smaller:
         return None
-    alt, _ = _choose(_options(model, smaller, caps, max_new_tokens, half))
+    alt, _ = _choose(_options(model, smaller, caps, budget, half))
     if alt.verdict != FITS:
         return None
     return f"load={alt.est.load}: fits " + (f"across {len(caps)} GPUs" if alt.split else "GPU 0 alone")
@@ -579,6 +622,8 @@ def preflight(
     load: str = "auto",
     max_new_tokens: int = 256,
     *,
+    batch_size: int = 1,
+    prompt_tokens: int = 512,
     snapshot: MemorySnapshot | None = None,
     package_versions: dict[str, str | None] | None = None,
     bnb: tuple[bool, str] | None = None,
@@ -587,12 +632,16 @@ def preflight(
 ) -> PreflightReport:
     """Check this machine before loading ``model`` (a hub id or a local path; optional).
 
-    Keyword-only arguments replace what would be read from the machine, so any device can be
+    ``load``, ``max_new_tokens``, ``batch_size`` and ``prompt_tokens`` are the plan the fit line checks (pass
+    the :class:`helpers.LoadPlan`'s, so the next cell's load and panel judge the same budget). The other
+    keyword-only arguments replace what would be read from the machine, so any device can be
     simulated: ``snapshot`` (memory readout), ``package_versions``, ``bnb`` (``(usable, why)``),
     ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("batch_size", batch_size, 1),
+                               ("prompt_tokens", prompt_tokens, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
@@ -614,5 +663,6 @@ def preflight(
     if disk is not None:
         checks.append(disk)
     if model is not None:
-        checks += fit_checks(model, load=load, max_new_tokens=max_new_tokens, snapshot=snap)
+        checks += fit_checks(model, load=load, max_new_tokens=max_new_tokens, snapshot=snap, batch_size=batch_size,
+                             prompt_tokens=prompt_tokens)  # fmt: skip
     return PreflightReport(checks=checks, snapshot=snap, versions=vers, model=model, colab=colab)

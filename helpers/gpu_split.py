@@ -13,11 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .devices import GPU_MARGIN, OFFLOAD_RAM_SHARE
 from .errors import LoadRefused
 from .estimator import fit
 from .memory import GPUReadout, MemorySnapshot
 from .placement import (
+    DEVICE_MAP_STRATEGIES,
     PREQUANTIZED_OFFLOAD,
     PREQUANTIZED_OFFLOAD_FIX,
     DeviceMapError,
@@ -32,7 +35,8 @@ from .vocab import FITS, QUANTIZED, SMALLER_LOAD
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
     "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
-    "other_gpus_note", "held_hint", "first_fix", "SPILL_WHY", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
+    "other_gpus_note", "held_hint", "first_fix", "spill_why", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
+    "map_strategy", "check_strategy",
 ]  # fmt: skip
 
 
@@ -85,9 +89,11 @@ def free_devices(estimate, gpus: list[GPUReadout], margin: int = 0) -> list[dict
 def split_plan(
     estimate, devices: list[dict], *, ram: int = 0, offload: bool = False, disk: bool = False,
     device_map: dict | None = None, max_memory: dict | None = None, offload_folder: str | None = None,
+    strategy: str = "auto",
 ) -> DevicePlan:  # fmt: skip
     """The placement of ``estimate``'s model over ``devices`` (:func:`gpu_device` dicts): ``plan_devices``
-    with the estimate's own inputs, or the check of a hand-made ``device_map`` or ``max_memory``.
+    with the estimate's own inputs (placed as the ``device_map`` string ``strategy`` places it), or the check
+    of a hand-made ``device_map`` or ``max_memory``.
 
     Raises :class:`PlacementError` when the architecture cannot be planned (the caller falls back
     to transformers' own placement), :class:`DeviceMapError` when the map or caps are wrong."""
@@ -100,7 +106,7 @@ def split_plan(
         double_quant=inputs.get("double_quant", True),
         batch_size=inputs.get("batch_size", 1), prompt_tokens=inputs.get("prompt_tokens", 512),
         max_new_tokens=inputs.get("max_new_tokens", 256), device_map=device_map, max_memory=max_memory,
-        offload_folder=offload_folder or "offload",
+        offload_folder=offload_folder or "offload", strategy=strategy,
     )  # fmt: skip
 
 
@@ -156,12 +162,33 @@ def placement_keeps(estimate, device: dict, place=None) -> bool:
 
 def map_gpu(device_map: Any) -> int | None:
     """The one GPU a ``device_map`` names (``0``, ``"cuda:1"``, ``torch.device("cuda", 1)``, ``{"": 1}``);
-    None when it names none or several."""
+    None when it names none or several (a strategy such as ``"auto"`` names none)."""
     if isinstance(device_map, dict):
         gpus = map_gpus(device_map)
         return next(iter(gpus)) if len(gpus) == 1 else None
-    found = _gpu_indices([device_map]) if device_map not in (None, "auto") else set()
+    found = _gpu_indices([device_map]) if map_strategy(device_map) is None and device_map is not None else set()
     return next(iter(found)) if found else None
+
+
+def map_strategy(device_map: Any) -> str | None:
+    """The placement strategy a ``device_map`` string asks transformers for (``"auto"``, ``"balanced"``,
+    ``"balanced_low_0"``, ``"sequential"``); None for a map, a device, or nothing."""
+    return device_map if isinstance(device_map, str) and device_map in DEVICE_MAP_STRATEGIES else None
+
+
+def check_strategy(device_map: Any) -> None:
+    """Refuse a ``device_map`` string that is neither a strategy nor a device (``"balance"``, ``"gpu"``), before
+    transformers does with a traceback."""
+    if not isinstance(device_map, str) or map_strategy(device_map) is not None:
+        return
+    try:
+        torch.device(device_map)
+    except RuntimeError:
+        raise LoadRefused(
+            f"device_map={device_map!r} is neither a placement strategy nor a device",
+            f"one of {', '.join(map(repr, DEVICE_MAP_STRATEGIES))} (oomkit checks each card of the placement), "
+            "a device such as 'cuda:0' or 'cpu', or a dict of module names to devices",
+        ) from None
 
 
 def offload_ram(snap: MemorySnapshot) -> int:
@@ -190,9 +217,14 @@ HELD_HINT = 512 * MiB  # holding this much GPU memory before a load usually mean
 NO_FIX = "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
 
 
-# why an estimate that fits one card can still be offloaded in part: said alike by load(), preflight and the panel
-SPILL_WHY = ("transformers' placement for it (bitsandbytes keeps 10 % of the card for its buffers; the largest layer "
-             "needs room)")  # fmt: skip
+def spill_why(est) -> str:
+    """Why an estimate that fits one card can still be offloaded in part, said alike by load(), preflight and the
+    panel. transformers applies bitsandbytes' 10 % margin only with a quantizer (an int8/4-bit load: its
+    ``adjust_max_memory``, also on the explicit ``max_memory`` load() passes); accelerate's reserve for the
+    largest layer and the room load() keeps for the KV cache apply to every load."""
+    bnb = ", bitsandbytes 10 % of the card for its buffers" if est.load in QUANTIZED else ""
+    return (f"transformers' placement for it (max_memory keeps room for the KV cache and activations, accelerate for "
+            f"the largest layer{bnb})")  # fmt: skip
 
 
 def smaller_load_fix(load: str) -> str:
@@ -238,7 +270,12 @@ class GpuDecision:
 
 def decide_gpus(plan, est, snap: MemorySnapshot) -> GpuDecision | None:
     """The multi-GPU part of the pre-load checks of ``plan`` (a :class:`helpers.LoadPlan`); ``None`` when
-    one GPU decides (one card, GPU 0 alone, or none). Raises :class:`LoadRefused` with the fix."""
+    one GPU decides (one card, GPU 0 alone, or none). Raises :class:`LoadRefused` with the fix.
+
+    ``device_map="auto"`` keeps a model that fits GPU 0 there; ``"balanced"``, ``"balanced_low_0"`` and
+    ``"sequential"`` are placed over every usable GPU as transformers places them (the strategy was asked for),
+    and the same map is checked card by card and loaded."""
+    check_strategy(plan.device_map)
     if not snap.gpus:
         return None  # a CPU machine (a rehearsal): nothing here to place on
     if plan.gpus is not None and plan.gpus > len(snap.gpus):
@@ -248,12 +285,13 @@ def decide_gpus(plan, est, snap: MemorySnapshot) -> GpuDecision | None:
         )
     if len(map_gpus(plan.device_map)) > 1:
         return check_given_split(plan, est, snap)
-    if plan.device_map == "auto" and len(max_memory_gpus(plan.max_memory)) > 1:
+    strategy = map_strategy(plan.device_map)
+    if strategy is not None and len(max_memory_gpus(plan.max_memory)) > 1:
         return check_given_max_memory(plan, est, snap)
     gpus = usable_gpus(snap, plan.gpus)
-    if plan.device_map != "auto" or plan.max_memory is not None or len(gpus) < 2:
-        return None
-    if plan.gpus is None and stays_on_first(est, free_devices(est, gpus[:1])[0]):
+    if strategy is None or plan.max_memory is not None or len(gpus) < 2:
+        return None  # on one card every strategy places alike (transformers balances nothing there)
+    if strategy == "auto" and plan.gpus is None and stays_on_first(est, free_devices(est, gpus[:1])[0]):
         return None
     return check_split(plan, est, snap, gpus)
 
@@ -283,19 +321,18 @@ def _fix_across(est, gpus: list[GPUReadout]) -> str:
 def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuDecision:
     """The split of ``plan`` over ``gpus``' free memory, checked card by card; refuses what does not fit."""
     ram = offload_ram(snap)
-    folder = plan.offload_folder
+    folder, strategy = plan.offload_folder, map_strategy(plan.device_map) or "auto"
     try:
-        split = split_plan(est, free_devices(est, gpus), ram=ram, offload_folder=folder)
+        split = split_plan(est, free_devices(est, gpus), ram=ram, offload_folder=folder, strategy=strategy)
         offloaded = None
         if not split.fits and plan.allow_offload:
             offloaded = split_plan(est, free_devices(est, gpus), ram=ram, offload=True, disk=bool(folder),
-                                   offload_folder=folder)  # fmt: skip
+                                   offload_folder=folder, strategy=strategy)  # fmt: skip
     except PlacementError as e:
         return _transformers_places(plan, est, snap, gpus, e)
     if split.fits:
-        return _with_split(
-            split, [f"split because it does not fit GPU 0 alone{held_hint(gpus[0])}"] if held_hint(gpus[0]) else []
-        )
+        held = held_hint(gpus[0]) if strategy == "auto" else ""  # another strategy splits because it was asked to
+        return _with_split(split, [f"split because it does not fit GPU 0 alone{held}"] if held else [])
     if offloaded is not None and offloaded.fits:
         return _with_split(offloaded, [f"the model does not fit the {len(gpus)} GPUs: {offloaded.slowdown}"])
     fix = _fix_across(est, gpus)
@@ -306,9 +343,28 @@ def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuD
         fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
     reason = (offloaded or split).reasons[0]
     free = " + ".join(format_bytes(g.free) for g in gpus)
-    raise LoadRefused(
-        f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs ({free} free): {reason}", fix
-    )
+    asked = f" with device_map={strategy!r}" if strategy != "auto" else ""
+    raise LoadRefused(f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs{asked} ({free} free): "
+                      f"{reason}", _auto_fix(est, gpus, ram, strategy, fix))  # fmt: skip
+
+
+# why a strategy can spill what device_map="auto" keeps on the same cards
+STRATEGY_SPILLS = {
+    "balanced_low_0": "'balanced_low_0' gives GPU 0 only what the other cards cannot hold, and accelerate keeps room "
+                      "for the largest layer there, so a model the other cards cannot hold alone spills",
+    "sequential": "'sequential' fills each card up to its cap in turn, so the last one gets whatever is left",
+}  # fmt: skip
+
+
+def _auto_fix(est, gpus: list[GPUReadout], ram: int, strategy: str, fix: str) -> str:
+    """``fix``, led by ``device_map='auto'`` where another strategy was refused and the balanced split fits."""
+    if strategy == "auto":
+        return fix
+    auto = split_plan(est, free_devices(est, gpus), ram=ram)
+    if not auto.fits:
+        return fix
+    why = f" ({STRATEGY_SPILLS[strategy]})" if strategy in STRATEGY_SPILLS else ""
+    return f"device_map='auto' fits these cards: {describe_split(auto)}{why}; or {fix}"
 
 
 def _transformers_places(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout], error: Exception) -> GpuDecision:
@@ -347,7 +403,8 @@ def check_given_max_memory(plan, est, snap: MemorySnapshot) -> GpuDecision:
     gpus = snap.gpus[: named[-1] + 1]
     try:
         split = split_plan(est, free_devices(est, gpus), ram=offload_ram(snap), max_memory=plan.max_memory,
-                           disk=bool(plan.offload_folder), offload_folder=plan.offload_folder)  # fmt: skip
+                           disk=bool(plan.offload_folder), offload_folder=plan.offload_folder,
+                           strategy=map_strategy(plan.device_map) or "auto")  # fmt: skip
     except DeviceMapError as e:
         raise LoadRefused(str(e), "write max_memory as {0: '13GiB', 1: '13GiB', 'cpu': '20GiB'}") from None
     except PlacementError as e:

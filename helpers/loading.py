@@ -36,17 +36,18 @@ from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there 
 from .estimator import estimate as estimate_memory
 from .estimator import fit, footprint, footprint_by_device
 from .gpu_split import (
-    SPILL_WHY,
     decide_gpus,
     first_fix,
     gpu_device,
     gpu_room,
     held_hint,
     map_gpu,
+    map_strategy,
     offload_ram,
     offloaded_bytes,
     other_gpus_note,
     spill_fix,
+    spill_why,
     split_plan,
     unquantized_note,
 )
@@ -87,7 +88,8 @@ class LoadPlan:
         double_quant: 4-bit only: quantize the per-block scales too (saves ~0.4 bit/parameter).
         compute_dtype: ``"auto"`` (fp16 on T4/V100, bf16 on Ampere+, fp32 on CPU) or a dtype name.
         max_new_tokens, batch_size, prompt_tokens: the generation budget the KV cache is sized for.
-        device_map: ``"auto"`` lets accelerate place modules (GPU first, then CPU, then disk).
+        device_map: ``"auto"`` lets accelerate place modules (GPU first, then CPU, then disk); ``"balanced"``,
+            ``"balanced_low_0"`` and ``"sequential"`` place as transformers does, over every usable GPU.
         max_memory: per-device caps for ``device_map``; ``None`` = computed at load time from the
             estimate so the KV cache and activations keep their room on the GPU.
         offload_folder: where modules go when even CPU RAM is full (slow; see the report).
@@ -402,7 +404,7 @@ def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> tuple[list[str]
     if verdict.verdict != DOES_NOT_FIT:
         return placement_spill(plan, estimate, g, room, snap)
     fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
-    if plan.device_map != "auto":
+    if map_strategy(plan.device_map) is None:
         raise LoadRefused(
             f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}",
             fix,
@@ -517,11 +519,11 @@ def placement_spill(
     plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
 ) -> tuple[list[str], DevicePlan | None]:
     """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
-    (bitsandbytes keeps 10 % of the card's ``max_memory`` for its buffers, accelerate keeps room for the
-    largest layer). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
+    (``spill_why``: accelerate keeps room for the largest layer; for int8/4-bit bitsandbytes keeps 10 % of the
+    card's ``max_memory`` for its buffers). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
     before loading, or warn with ``allow_offload`` and load the placement that was checked; never offload
     silently, never into too little RAM."""
-    if plan.device_map != "auto" or plan.max_memory is not None:
+    if map_strategy(plan.device_map) is None or plan.max_memory is not None:
         return [], None
     ram = offload_ram(snap)
     try:
@@ -533,7 +535,7 @@ def placement_spill(
         return [], None
     fix = spill_fix(estimate)
     why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
-           f"{SPILL_WHY} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+           f"{spill_why(estimate)} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
     if not placed.fits:
         raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
     if not plan.allow_offload:
@@ -619,7 +621,7 @@ def check_plan(
         return checked
     checked.warnings, checked.split = check_fit(plan, est, snap)  # split: a one-card offload's GPU/CPU map
     checked.notes = other_gpus_note(plan, snap)
-    if checked.max_memory is None and plan.device_map == "auto":
+    if checked.max_memory is None and map_strategy(plan.device_map) is not None:
         checked.max_memory = max_memory_for(est, snap)
     return checked
 
@@ -900,7 +902,7 @@ def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str
         # nor is llm_int8_enable_fp32_cpu_offload passed another way: the checks refused any offload of a
         # bitsandbytes checkpoint, which transformers cannot load (placement.PREQUANTIZED_OFFLOAD)
         kwargs.pop("quantization_config", None)
-    if device_kind() != "cuda" and (kwargs.get("device_map") == "auto" or checked.split is not None):
+    if device_kind() != "cuda" and (map_strategy(kwargs.get("device_map")) or checked.split is not None):
         # nothing to place on a CPU-only machine (a split here was planned for a simulated one)
         kwargs["device_map"] = None
         kwargs.pop("max_memory", None)

@@ -49,10 +49,16 @@ from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
     "reference_configs", "FitsTable", "fits_table", "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
-    "PREQUANTIZED_OFFLOAD_FIX",
+    "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES",
 ]  # fmt: skip
 
 BNB_MARGIN = 0.90  # bitsandbytes' quantizers keep 10 % of every device's max_memory for their buffers
+# the device_map strings from_pretrained places by itself (transformers' _get_device_map): "auto" and "balanced"
+# balance the weights over the GPUs, "balanced_low_0" leaves GPU 0 as little as the others cannot hold (room for
+# generate's work there), "sequential" fills GPU 0, then GPU 1, ... each up to its max_memory
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# the strategies that put more than an even share of the layers on one card, and so of the KV cache
+UNEVEN_STRATEGIES = ("balanced_low_0", "sequential")
 
 # transformers (5.1 to 5.23) loads a saved bitsandbytes checkpoint with its own quantization_config and ignores one
 # passed to from_pretrained (it warns; BitsAndBytesConfig is not among the configs whose loading attributes it merges),
@@ -292,35 +298,52 @@ def _quiet_fake_devices():
             lg.setLevel(lv)
 
 
-def device_map_for(model, load: str, quantized: set[int], max_memory: dict) -> tuple[dict, dict]:
-    """``(device_map, placed_max_memory)`` as ``from_pretrained(device_map="auto", max_memory=...)`` computes them."""
+def device_map_for(
+    model, load: str, quantized: set[int], max_memory: dict, strategy: str = "auto"
+) -> tuple[dict, dict]:
+    """``(device_map, placed_max_memory)`` as ``from_pretrained(device_map=strategy, max_memory=...)`` computes
+    them: transformers' ``_get_device_map`` step by step (balanced caps unless ``"sequential"``, which takes the
+    caps as they are; then bitsandbytes' margin; then ``infer_auto_device_map``)."""
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     with _quiet_fake_devices():
         try:  # transformers >= 5 places with its own copy of accelerate's functions
-            from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
+            from transformers.integrations.accelerate import (
+                get_balanced_memory,
+                get_max_memory,
+                infer_auto_device_map,
+            )
         except ImportError:
-            return _accelerate_map(model, load, quantized, max_memory, no_split)
+            return _accelerate_map(model, load, quantized, max_memory, no_split, strategy)
         sizes = element_sizes(load, quantized)
-        balanced = get_balanced_memory(model, dict(max_memory), no_split, hf_quantizer=sizes)
+        if strategy == "sequential":
+            placed = get_max_memory(dict(max_memory))
+        else:
+            placed = get_balanced_memory(model, dict(max_memory), no_split, hf_quantizer=sizes,
+                                         low_zero=strategy == "balanced_low_0")  # fmt: skip
         if sizes is not None:
-            balanced = sizes.adjust_max_memory(balanced)
+            placed = sizes.adjust_max_memory(placed)
         extra = supported_kwargs(
             infer_auto_device_map, no_placement_params=getattr(model, "_no_placement_params", None)
         )
-        dm = infer_auto_device_map(model, max_memory=dict(balanced), no_split_module_classes=no_split,
+        dm = infer_auto_device_map(model, max_memory=dict(placed), no_split_module_classes=no_split,
                                    hf_quantizer=sizes, **extra)  # fmt: skip
-    return dict(dm), balanced
+    return dict(dm), placed
 
 
-def _accelerate_map(model, load, quantized, max_memory, no_split) -> tuple[dict, dict]:
-    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+def _accelerate_map(model, load, quantized, max_memory, no_split, strategy: str = "auto") -> tuple[dict, dict]:
+    """transformers 4's placement (accelerate's functions, quantized sizes as ``special_dtypes``)."""
+    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
 
     sd = _special_dtypes(model, load, quantized)
-    balanced = get_balanced_memory(model, dict(max_memory), no_split, special_dtypes=sd)
+    if strategy == "sequential":
+        placed = get_max_memory(dict(max_memory))
+    else:
+        placed = get_balanced_memory(model, dict(max_memory), no_split, special_dtypes=sd,
+                                     low_zero=strategy == "balanced_low_0")  # fmt: skip
     if load in QUANTIZED:
-        balanced = {k: v * BNB_MARGIN for k, v in balanced.items()}
-    dm = infer_auto_device_map(model, max_memory=dict(balanced), no_split_module_classes=no_split, special_dtypes=sd)
-    return dict(dm), balanced
+        placed = {k: v * BNB_MARGIN for k, v in placed.items()}
+    dm = infer_auto_device_map(model, max_memory=dict(placed), no_split_module_classes=no_split, special_dtypes=sd)
+    return dict(dm), placed
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -407,8 +430,9 @@ def plan_devices(
     offload_folder: str = "offload",
     device_map: dict | None = None,
     max_memory: dict | None = None,
+    strategy: str = "auto",
 ) -> DevicePlan:
-    """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map="auto")`` places it.
+    """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map=strategy)`` places it.
 
     Args:
         model: what :func:`helpers.estimate` takes (hub id, shipped config name, folder, config).
@@ -423,9 +447,14 @@ def plan_devices(
             computing accelerate's; its ``"cpu"`` and ``"disk"`` entries count as asked-for offload.
         max_memory: caps of your own for the placement (``{0: "13GiB", 1: "13GiB", "cpu": "20GiB"}``), as
             ``from_pretrained`` takes them; each card is still checked against ``devices``' capacity.
+        strategy: the ``device_map`` string to place as: ``"auto"`` (= ``"balanced"``), ``"balanced_low_0"``
+            or ``"sequential"``. With the automatic headroom and no ``max_memory`` of yours, a strategy that
+            stacks layers on one card (the last two) gets that card's cap lowered until its KV cache fits.
     """
     if load not in LOAD_MODES:
         raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
+    if strategy not in DEVICE_MAP_STRATEGIES:
+        raise PlacementError(f"unknown strategy {strategy!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)}")
     config, name, _ = resolve_config(model)
     gpus = resolve_devices(devices)
     cd = _compute_dtype(load, compute_dtype, gpus)
@@ -443,20 +472,46 @@ def plan_devices(
     if cpu_offload or not gpus:
         max_memory["cpu"] = ram
     meta, quantized = placement_model(config, load, torch_dtype(cd))
-    if device_map is not None:
-        device_map, placed = _given_map(device_map, meta, len(gpus)), dict(max_memory)
+    given = device_map is not None
+    if given:
+        device_map = _given_map(device_map, meta, len(gpus))
         cpu_offload = cpu_offload or "cpu" in device_map.values()
         disk_offload = disk_offload or "disk" in device_map.values()
         if cpu_offload and "cpu" not in max_memory:
             max_memory["cpu"] = ram
-    elif gpus:
-        device_map, placed = device_map_for(meta, load, quantized, max_memory)
-    else:
-        device_map, placed = {"": "cpu"}, dict(max_memory)
-    plan = DevicePlan(str(name), load, cd, [], device_map, max_memory, placed, est.weights,
-                      offload_folder=offload_folder if disk_offload else None)  # fmt: skip
-    _fill_shares(plan, meta, config, est, gpus, rt, b, double_quant, ram, cpu_offload or disk_offload)
+
+    def place(mm: dict) -> DevicePlan:
+        if given:
+            dm, placed = device_map, dict(mm)
+        elif gpus:
+            dm, placed = device_map_for(meta, load, quantized, mm, strategy)
+        else:
+            dm, placed = {"": "cpu"}, dict(mm)
+        out = DevicePlan(str(name), load, cd, [], dm, mm, placed, est.weights,
+                         offload_folder=offload_folder if disk_offload else None)  # fmt: skip
+        _fill_shares(out, meta, config, est, gpus, rt, b, double_quant, ram, cpu_offload or disk_offload)
+        return out
+
+    plan = place(max_memory)
+    if strategy in UNEVEN_STRATEGIES and not given and caps is None and headroom in (None, "auto"):
+        plan = _settle_uneven(plan, place)
     _check_rules(plan, gpus, cpu_offload, disk_offload, bnb_prequantized(est))
+    return plan
+
+
+def _settle_uneven(plan: DevicePlan, place) -> DevicePlan:
+    """The automatic caps keep every GPU an even share of the KV cache free; "sequential" and "balanced_low_0"
+    give one card more layers than that, and so more cache. Lower each overflowing card's cap by what it
+    overflows and place again (what you would do by hand: a lower ``max_memory`` for the card that ran out),
+    until every card holds its share or the caps stop changing; ``place(max_memory)`` re-plans."""
+    for _ in range(8):  # a card's overflow shrinks every round (a layer moves off it); a few rounds settle it
+        over = {s.device: s.total - s.capacity for s in plan.gpus if not s.fits}
+        if not over:
+            break
+        caps = {k: max(0, v - over.get(k, 0)) if isinstance(k, int) else v for k, v in plan.max_memory.items()}
+        if caps == plan.max_memory:
+            break
+        plan = place(caps)
     return plan
 
 

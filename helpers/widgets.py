@@ -35,7 +35,7 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
-from .gpu_split import SPILL_WHY, spill_fix, stays_on_first  # load()'s rule for GPU 0 alone
+from .gpu_split import spill_fix, spill_why, stays_on_first  # load()'s rule for GPU 0 alone
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom_messages import is_oom
@@ -363,6 +363,9 @@ class Panel:
             display(self)
 
 
+SPILL_DEFAULT = "transformers' placement for it"
+
+
 @dataclass
 class PlacementSpill:
     """The estimate fits one card, but transformers' placement would offload ``spill`` bytes to the CPU."""
@@ -370,11 +373,12 @@ class PlacementSpill:
     spill: int
     fix: str
     can_offload: bool = True  # False for a checkpoint saved quantized by bitsandbytes: it cannot be offloaded
+    why: str = SPILL_DEFAULT  # gpu_split.spill_why of the estimate (bitsandbytes' margin only for int8/4-bit)
 
     def __str__(self) -> str:
         offload = ", or allow_offload=True (every token slower)" if self.can_offload else ""
         return (
-            f"The estimate fits, but {SPILL_WHY} leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
+            f"The estimate fits, but {self.why} leaves {format_bytes(self.spill)}+ of weights for CPU RAM: "
             f"load() refuses it. Fix: {self.fix}{offload}"
         )
 
@@ -515,9 +519,9 @@ class LoadPanel(Panel):
         )  # fmt: skip
 
     def _mark_spill(self, state: PanelState, plan: LoadPlan, device: Any) -> None:
-        """Where the estimate fits the card but transformers' placement for it (bitsandbytes keeps 10 % for its
-        buffers, the largest layer needs room) leaves weights for the CPU, ``load()`` refuses: so does the panel,
-        saying why."""
+        """Where the estimate fits the card but transformers' placement for it (``spill_why``: the largest layer
+        needs room; bitsandbytes keeps 10 % for its buffers in int8/4-bit) leaves weights for the CPU, ``load()``
+        refuses: so does the panel, saying why."""
         try:
             placed = self.placement_for(plan, [device])
         except (OomkitError, ValueError):  # an architecture the meta device cannot build: the estimate decides
@@ -526,7 +530,7 @@ class LoadPanel(Panel):
         if spill:
             est = state.estimate
             state.verdict = DOES_NOT_FIT
-            state.alternative = PlacementSpill(spill, spill_fix(est), can_offload=not bnb_prequantized(est))
+            state.alternative = PlacementSpill(spill, spill_fix(est), not bnb_prequantized(est), spill_why(est))
 
     def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
         label0, gpu0 = self._gpus[0]

@@ -115,6 +115,16 @@ plan_devices(big, load="fp16", devices=DEVICES)
 plan_devices(big, load="nf4", devices=DEVICES)
 
 # %% [markdown]
+# The other `device_map` strings place differently, and `load()` checks the placement each one asks
+# for. A 4-bit 13B fits one T4, so `"sequential"` (fill GPU 0, then GPU 1) keeps it all on GPU 0, and
+# `"balanced_low_0"` (GPU 0 gets only what GPU 1 cannot hold) all on GPU 1, GPU 0 staying free for
+# `generate`'s work. `"balanced"` is `"auto"`.
+
+# %%
+for strategy in ("sequential", "balanced_low_0"):
+    print(plan_devices(big, load="nf4", devices=DEVICES, strategy=strategy).summary)
+
+# %% [markdown]
 # And on **one** T4 in fp16 with CPU offload: it fits, at the price stated (every token copies the
 # offloaded layers over PCIe). int8 and 4-bit offload need `llm_int8_enable_fp32_cpu_offload`, and
 # 4-bit layers cannot go to disk: the plan refuses what transformers or bitsandbytes would refuse.
@@ -194,8 +204,10 @@ free("model")  # the training below loads its own copy in every process
 # Each process loads the 4-bit model on its own GPU, trains the LoRA adapters on its shard of the
 # data, and DDP averages the gradients, so the adapters stay identical on every rank. From a
 # notebook, accelerate's `notebook_launcher` forks one process per GPU, which works only before
-# this kernel touches CUDA; after sections 1-6 `launch` runs `torchrun` instead. Without a GPU the
-# processes are joined by gloo on the CPU: the same DDP path, at CPU speed.
+# this kernel touches CUDA; after sections 1-6 `launch` runs `torchrun` instead, whose processes
+# import the function they run by name: it must live in a module (as `ddp_qlora_worker` does), not
+# in a notebook cell. Without a GPU the processes are joined by gloo on the CPU: the same DDP path,
+# at CPU speed.
 
 # %%
 import torch

@@ -283,6 +283,7 @@ def test_one_t4_refuses_what_transformers_placement_would_offload(tiny_llama):
     plan = LoadPlan(str(tiny_llama), load="int8")
     with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
         check_plan(plan, snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert "bitsandbytes 10 % of the card for its buffers" in str(e.value)
     assert e.value.fix.startswith("load='nf4'") and "allow_offload=True" in e.value.fix
     checked = check_plan(plan.replace(allow_offload=True), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
     assert any("much slower" in w for w in checked.warnings)
@@ -323,3 +324,67 @@ def test_a_checkpoint_saved_quantized_is_never_told_to_offload_or_change_its_loa
     assert "load the original (unquantized) checkpoint" in spill_fix(saved) and "load='fp4'" not in spill_fix(saved)
     assert "allow_offload=True" in str(PlacementSpill(GiB, spill_fix(fresh)))
     assert "allow_offload" not in str(PlacementSpill(GiB, spill_fix(saved), can_offload=False))
+
+
+def test_each_device_map_strategy_is_split_as_transformers_places_it(tiny_llama, monkeypatch):
+    """device_map="sequential" / "balanced" / "balanced_low_0" on a 2×T4: placed with that strategy over both
+    cards (not checked against GPU 0 alone and refused), and the checked map is what from_pretrained gets."""
+    est = llama8b("fp16")  # 16 GB: more than one T4
+    plan = LoadPlan(str(tiny_llama), load="fp16")
+    auto = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est).split
+    balanced = check_plan(plan.replace(device_map="balanced"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert balanced.split.device_map == auto.device_map  # transformers places "auto" as "balanced"
+    seq = check_plan(plan.replace(device_map="sequential"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    layers = [s.layers for s in seq.split.gpus]
+    assert seq.split.fits and layers[0] > layers[1] > 0 and sum(layers) == 32  # GPU 0 filled first
+    monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    kwargs, _ = loading._run_kwargs(seq.plan, seq)
+    assert kwargs["device_map"] == seq.split.device_map and kwargs["max_memory"] == seq.split.max_memory
+    # within caps of the user's, as the repro of the review had it
+    capped = check_plan(plan.replace(device_map="sequential", max_memory={0: "13GiB", 1: "13GiB"}),
+                        snapshot=kaggle(), bnb=BNB_OK, estimate=est)  # fmt: skip
+    assert capped.split.fits and capped.max_memory == {0: 13 * GiB, 1: 13 * GiB}
+    # balanced_low_0 leaves GPU 0 only what GPU 1 cannot hold, less the largest layer's reserve: it spills
+    with pytest.raises(LoadRefused, match="with device_map='balanced_low_0'") as e:
+        check_plan(plan.replace(device_map="balanced_low_0"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
+    assert e.value.fix.startswith("device_map='auto' fits these cards: GPU 0 (Tesla T4): layers 0-15")
+    # a model that fits GPU 1 alone: balanced_low_0 keeps GPU 0 (nearly) free, as asked
+    low = check_plan(plan.replace(load="nf4", device_map="balanced_low_0"), snapshot=kaggle(), bnb=BNB_OK,
+                     estimate=llama8b("nf4")).split  # fmt: skip
+    assert low.fits and [s.layers for s in low.gpus] == [0, 32]
+
+
+def test_a_strategy_on_one_card_is_checked_as_auto(tiny_llama):
+    """On one GPU every strategy places alike: the same caps, spill check and offload rules as "auto"."""
+    for strategy in ("sequential", "balanced", "balanced_low_0"):
+        plan = LoadPlan(str(tiny_llama), load="int8", device_map=strategy)
+        checked = check_plan(plan, snapshot=kaggle(n=1), bnb=BNB_OK, estimate=llama8b("int8"))
+        assert set(checked.max_memory) == {0, "cpu"}  # room kept for the KV cache, as for "auto"
+        offload = plan.replace(load="fp16", allow_offload=True)
+        checked = check_plan(offload, snapshot=kaggle(n=1), bnb=BNB_OK, estimate=llama8b("fp16"))
+        assert checked.split.offloaded("cpu") > 0 and any("offloaded to CPU RAM" in w for w in checked.warnings)
+    # gpus=1 on two cards: GPU 0 alone, whatever the strategy
+    one = check_plan(LoadPlan(str(tiny_llama), load="int8", device_map="sequential", gpus=1), snapshot=kaggle(),
+                     bnb=BNB_OK, estimate=llama8b("int8"))  # fmt: skip
+    assert one.split is None and set(one.max_memory) == {0, "cpu"}
+
+
+def test_a_device_map_string_that_is_no_strategy_nor_device_is_refused(tiny_llama):
+    with pytest.raises(LoadRefused, match="device_map='balance' is neither a placement strategy nor a device") as e:
+        check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map="balance"), snapshot=kaggle(), bnb=BNB_OK,
+                   estimate=llama8b("nf4"))  # fmt: skip
+    assert "'sequential'" in e.value.fix and "'balanced_low_0'" in e.value.fix
+    assert check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map="cuda:1"), snapshot=kaggle(), bnb=BNB_OK,
+                      estimate=llama8b("nf4")).split is None  # a device is a one-card map  # fmt: skip
+
+
+def test_an_unquantized_spill_is_not_blamed_on_bitsandbytes(tiny_llama):
+    """CodeLlama-7B fp16 at batch 4 fits a T4 by the estimate, and the placement still leaves a layer for the CPU:
+    the reason given is the room kept for the KV cache and the largest layer; bitsandbytes' 10 % margin applies
+    only to an int8/4-bit load (transformers' bitsandbytes quantizer), and is not named for fp16."""
+    est = estimate("codellama/CodeLlama-7b-hf", load="fp16", device="t4", batch_size=4, max_new_tokens=256)
+    with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
+        check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
+    assert "bitsandbytes" not in str(e.value) and "accelerate for the largest layer" in str(e.value)
+    assert "bitsandbytes" not in gpu_split.spill_why(est)
+    assert "bitsandbytes 10 %" in gpu_split.spill_why(est.replace(load="nf4"))

@@ -53,17 +53,12 @@ def test_plan_matches_accelerate_and_sums_to_the_estimate(model, load):
     assert {0, 1} <= set(plan.device_map.values()), "fake capacities this small must split the model"
 
 
-@pytest.mark.parametrize("load", ["fp16", "int8", "nf4"])
-@pytest.mark.parametrize("model", ["meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-0.5B"])
-def test_plan_is_the_map_from_pretrained_computes(model, load):
+def _transformers_map(model: str, load: str, strategy: str, max_memory: dict) -> dict:
     """transformers' own path: its quantizer swaps the linears on the meta model, then _get_device_map."""
-    pytest.importorskip("transformers.integrations.accelerate")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.integrations.accelerate import _get_device_map
     from transformers.quantizers.auto import get_hf_quantizer
 
-    cap = _split_capacity(model, load)
-    plan = plan_devices(model, load=load, devices=[cap, cap], compute_dtype="fp16", headroom=HEADROOM)
     qc = {"int8": BitsAndBytesConfig(load_in_8bit=True), "nf4": BitsAndBytesConfig(load_in_4bit=True)}.get(load)
     config, _, _ = resolve_config(model)
     hq, config, _ = get_hf_quantizer(copy.deepcopy(config), qc, "auto", True, {})
@@ -73,7 +68,65 @@ def test_plan_is_the_map_from_pretrained_computes(model, load):
         hq.preprocess_model(
             model=meta, dtype=torch.float16, device_map="auto", checkpoint_files=None, use_kernels=False
         )
-    assert plan.device_map == dict(_get_device_map(meta, "auto", dict(plan.max_memory), hq))
+        hq.validate_environment = lambda **kw: None  # the map is compared even where bitsandbytes would refuse it
+    return dict(_get_device_map(meta, strategy, dict(max_memory), hq))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "balanced", "balanced_low_0", "sequential"])
+@pytest.mark.parametrize("load", ["fp16", "int8", "nf4"])
+@pytest.mark.parametrize("model", ["meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-0.5B"])
+def test_plan_is_the_map_from_pretrained_computes(model, load, strategy):
+    pytest.importorskip("transformers.integrations.accelerate")
+    cap = _split_capacity(model, load)
+    plan = plan_devices(model, load=load, devices=[cap, cap], compute_dtype="fp16", headroom=HEADROOM,
+                        strategy=strategy)  # fmt: skip
+    assert plan.device_map == _transformers_map(model, load, strategy, plan.max_memory)
+
+
+@pytest.mark.parametrize("load, margin", [("fp16", 1.0), ("int8", 0.9), ("nf4", 0.9)])
+def test_bitsandbytes_margin_comes_with_a_quantizer_also_on_explicit_max_memory(load, margin, monkeypatch):
+    """What infer_auto_device_map gets inside transformers' _get_device_map, given the explicit one-card
+    max_memory load() passes: bitsandbytes' quantizer (adjust_max_memory) takes 10 % of every cap for int8 and
+    4-bit, explicit or not; fp16 has no quantizer and no margin (get_balanced_memory's own 90 % is only for a
+    max_memory left unset). The plan places with the very caps transformers ends up with."""
+    pytest.importorskip("transformers.integrations.accelerate")
+    import transformers.integrations.accelerate as tia
+
+    seen: dict = {}
+    real = tia.infer_auto_device_map
+
+    def spy(model, max_memory=None, **kwargs):
+        seen.update(max_memory)
+        return real(model, max_memory=max_memory, **kwargs)
+
+    monkeypatch.setattr(tia, "infer_auto_device_map", spy)
+    model = "Qwen/Qwen2.5-0.5B"
+    plan = plan_devices(model, load=load, devices=[GiB], compute_dtype="fp16", headroom=0, cpu_offload=True,
+                        cpu_memory=4 * GiB)  # fmt: skip
+    assert plan.max_memory == {0: GiB, "cpu": 4 * GiB}
+    _transformers_map(model, load, "auto", plan.max_memory)
+    assert seen == {0: GiB * margin, "cpu": 4 * GiB * margin}
+    assert plan.placed_max_memory == seen
+
+
+def test_sequential_lowers_the_card_it_fills_until_its_kv_cache_fits():
+    """The automatic caps keep each card half the KV cache free; "sequential" stacks 3/4 of the layers on
+    GPU 0, whose cache then overflows it: its cap is lowered until it fits, and the map is still
+    transformers' own for the caps from_pretrained gets."""
+    pytest.importorskip("transformers.integrations.accelerate")
+    model = "meta-llama/Llama-2-7b-hf"
+    kw = dict(load="fp16", devices="kaggle-2xt4", batch_size=4, prompt_tokens=2048, max_new_tokens=512)
+    plan = plan_devices(model, strategy="sequential", **kw)
+    assert plan.fits, plan.reasons
+    assert plan.max_memory[0] < plan.max_memory[1] == plan_devices(model, **kw).max_memory[1]
+    assert plan.gpus[0].layers > plan.gpus[1].layers  # still GPU 0 first
+    assert plan.device_map == _transformers_map(model, "fp16", "sequential", plan.max_memory)
+    # caps of your own are left as they are: the card is refused, not re-capped
+    mm = {0: plan_devices(model, **kw).max_memory[0], 1: plan.max_memory[1]}
+    mine = plan_devices(model, strategy="sequential", max_memory=mm, **kw)
+    assert not mine.fits and mine.reasons[0].startswith("GPU 0 needs")
+    with pytest.raises(PlacementError, match="unknown strategy 'balance'; use one of auto, balanced"):
+        plan_devices(model, strategy="balance", **kw)
 
 
 def test_kv_cache_follows_the_layers_and_sums_to_the_estimate():

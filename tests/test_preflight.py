@@ -386,3 +386,60 @@ def test_a_plan_too_big_for_colabs_t4_names_kaggles_2xt4_when_it_holds_it(tmp_pa
     reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
     huge = run(machine(), model=str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"), load="fp16").check("fit")
     assert huge.status == "fail" and "Kaggle" not in (huge.fix or "") and "kaggle_2xt4" not in huge.data
+
+
+CODELLAMA = "codellama/CodeLlama-7b-hf"
+
+
+def test_the_fit_line_takes_the_batch_and_prompt_the_panel_and_load_use(monkeypatch, capsys):
+    """CodeLlama-7B fp16 at batch 4 × (512 + 256) tokens is 14.72 GiB: the fit line says so (preflight could only
+    check batch 1, 13.41 GiB tight, while the panel after it said DOES NOT FIT); the CLI takes the same."""
+    from helpers import estimate
+
+    ckpt = (13 * GiB, 10 * GiB, "hub")
+    one = run(machine(), CODELLAMA, checkpoint=ckpt, load="fp16").check("fit")
+    four = run(machine(), CODELLAMA, checkpoint=ckpt, load="fp16", batch_size=4).check("fit")
+    assert one.data["total"] < four.data["total"] == estimate(CODELLAMA, load="fp16", batch_size=4).total
+    assert four.status == "fail" and "with load=fp16, batch_size=4, prompt_tokens=512 and max_new_tokens=256" in (
+        four.summary
+    )
+    longer = run(machine(), CODELLAMA, checkpoint=ckpt, load="nf4", prompt_tokens=4096).check("fit")
+    assert longer.data["total"] == estimate(CODELLAMA, load="nf4", prompt_tokens=4096, compute_dtype="fp16").total
+    for bad in ({"batch_size": 0}, {"prompt_tokens": "512"}, {"batch_size": True}):
+        with pytest.raises(ValueError, match="must be a whole number >= 1"):
+            run(machine(), **bad)
+    import helpers.environment as environment
+    from helpers.cli import preflight_main
+
+    seen = {}
+    monkeypatch.setattr(environment, "fit_checks", lambda model, **kw: seen.update(kw) or [])
+    monkeypatch.setattr(environment, "checkpoint_size", lambda model: ckpt)
+    preflight_main(["--model", CODELLAMA, "--batch", "4", "--prompt-tokens", "768"])
+    assert seen["batch_size"] == 4 and seen["prompt_tokens"] == 768
+    with pytest.raises(SystemExit):
+        preflight_main(["--batch", "0"])
+    assert "--batch and --prompt-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_the_fit_line_and_fit_current_say_the_same_of_the_card(fake_gpus):
+    """Another process holds 3.1 GiB of the T4: preflight judges what is usable now (does not fit), fit(est,
+    "current") the card's whole memory (tight). The fit line says both, and what holds the difference."""
+    from helpers import estimate, fit
+    from helpers.memory import snapshot
+
+    cuda = fake_gpus(1, T4_TOTAL)
+    cuda.others[0] = int(3.1 * GiB)
+    est = estimate(CODELLAMA, load="fp16", device="current")
+    assert fit(est, "current").verdict == "tight"
+    report = run(snapshot(processes=False), CODELLAMA, checkpoint=(13 * GiB, 10 * GiB, "hub"), load="fp16")
+    line = report.check("fit")
+    assert line.data["verdict"] == "does not fit" and line.data["card_verdict"] == fit(est, "current").verdict
+    assert ": does not fit now (tight on the card's 14.74 GiB, which fit(est, 'current') measures against; " in (
+        line.summary
+    )
+    assert "3.10 GiB held by other processes leave 11.64 GiB usable)" in line.summary
+    assert line.fix.startswith("free what other processes hold on the GPU")
+    # nothing held elsewhere: one verdict, no note
+    cuda.others[0] = 0
+    line = run(snapshot(processes=False), CODELLAMA, checkpoint=(13 * GiB, 10 * GiB, "hub"), load="fp16").check("fit")
+    assert "card_verdict" not in line.data and "fit(est, 'current')" not in line.summary
