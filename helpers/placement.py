@@ -405,8 +405,9 @@ def _weights_by_device(
 def _runtime(est, n_gpus: int) -> dict[str, int]:
     """What a GPU needs besides weights while generating: its KV share, activations, context, margins."""
     kv = est.group_bytes("kv_cache")
-    act = est.row("activations.prefill").bytes
     logits = est.row("activations.logits").bytes
+    # prefill and what kernels add to it (a 4-bit layer's dequantized copy, int8's product, eager scores)
+    act = est.group_bytes("activations") - logits
     context = CUDA_CONTEXT + CUBLAS_WORKSPACE
     return {"kv": kv, "act": act, "logits": logits, "context": context,
             "headroom": context + act + logits + kv // max(1, n_gpus) + int((kv / max(1, n_gpus) + act) * FRAGMENTATION)

@@ -69,7 +69,7 @@ from IPython.display import display
 from helpers import preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS)
 display(report)
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 

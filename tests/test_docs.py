@@ -73,6 +73,8 @@ def test_the_readme_fits_table_is_what_fits_table_computes():
     assert table.strip() == fits_table().markdown().strip(), (
         "README's GPU table is stale: paste fits_table().markdown()"
     )
+    guide = (REPO / "docs" / "guides" / "05_multi_gpu.md").read_text(encoding="utf-8")
+    assert fits_table().markdown().strip() in guide, "guide 05's table is stale: paste fits_table().markdown()"
 
 
 def _guides_renderer():
