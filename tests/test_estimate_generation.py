@@ -169,3 +169,38 @@ def test_the_embeddings_note_follows_tie_word_embeddings():
                        vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
     gptq.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     assert estimate(gptq, device="t4").row("weights.unquantized").note == "tied embeddings counted once"
+
+
+def test_qlora_rows_follow_what_the_upcast_model_keeps_under_fp16_autocast(tiny_llama, tmp_path):
+    """prepare_qlora's fp32 upcast, run for real under fp16 autocast (what a T4 trains in): every decoder
+    layer takes an fp32 input (so checkpointing keeps fp32 hidden states) and backward keeps an fp16 copy of
+    the fp32 output layer. The estimate counts both, as 4-byte hidden states and a vocab x hidden x 2 row."""
+    import warnings
+
+    from helpers.finetune import TrainPlan, prepare_qlora
+    from helpers.loading import load
+
+    plan = TrainPlan(str(tiny_llama), precision="fp16", seq_len=32, batch_size=2, micro_batch=2,
+                     output_dir=str(tmp_path / "o"))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, _ = load(plan.load_plan())
+        model, _ = prepare_qlora(model, plan)
+    head = model.get_output_embeddings().weight
+    inputs, saved = [], []
+    for layer in model.base_model.model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, a, kw: inputs.append((a[0] if a else kw["hidden_states"]).dtype), with_kwargs=True
+        )
+    model.train()
+    ids = torch.randint(0, head.shape[0], (2, 32))
+    pack = lambda t: saved.append((tuple(t.shape), t.dtype)) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.float16):
+        model(input_ids=ids, labels=ids)
+    assert head.dtype == torch.float32 and set(inputs) == {torch.float32}
+    assert (tuple(head.T.shape), torch.float16) in saved  # autocast's copy of the output layer, kept for backward
+    est = plan.estimate("t4", model=str(tiny_llama))
+    cfg = model.config
+    assert est.row("activations.lm_head_copy").bytes == cfg.vocab_size * cfg.hidden_size * 2
+    layers = cfg.num_hidden_layers
+    assert est.row("activations.saved").bytes == layers * 2 * 32 * cfg.hidden_size * 4

@@ -150,17 +150,26 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
             default=0,
         )
         dequant = 2 * biggest * b
+    # QLoRA (prepare_model_for_kbit_training) upcasts the embeddings, norms and output layer to fp32:
+    # the residual stream every layer takes as input is fp32, and under 16-bit autocast the output
+    # layer's matmul keeps a 16-bit copy of its fp32 weight until its backward (at the loss's peak).
+    upcast = load in QUANTIZED and b < 4
+    if upcast:
+        rows.append(
+            EstimateRow("activations.lm_head_copy", "16-bit copy of the fp32 output layer (autocast)",
+                        d["vocab"] * h * b, "formula", "vocab x hidden, kept from its forward to its backward")
+        )  # fmt: skip
     if tr.gradient_checkpointing:
         # Only each layer's input is kept; one layer's activations are recomputed at a time during
         # backward, after the loss's buffers are freed, so the peak is the larger of the two.
-        saved = d["layers"] * mb * seq * h * b
+        saved = d["layers"] * mb * seq * h * (4 if upcast else b)
         rows.append(
             EstimateRow(
                 "activations.saved",
                 "activations (gradient checkpointing)",
                 saved,
                 "formula",
-                "one hidden state per layer",
+                "one hidden state per layer" + (" (fp32: the upcast residual stream)" if upcast else ""),
             )
         )
         layer = mb * seq * per_tok + dequant
