@@ -558,10 +558,22 @@ class MicroBatch:
     batch_size: int
     search: Any
 
+    @property
+    def why(self) -> str:
+        """How the micro-batch follows from the search, in a few words."""
+        s = self.search
+        if s.limit and s.max_ok >= s.limit:
+            how, usable = f"the cap {s.limit} ran: no margin, that is for after an out-of-memory try", s.max_ok
+        else:
+            how, usable = f"{s.margin:.0%} of the largest that ran, {s.max_ok}: {s.batch_size}", s.batch_size
+        if self.micro_batch == usable:
+            return how
+        return f"{how}; the largest divisor of {self.batch_size} up to {usable} is {self.micro_batch}"
+
     def __str__(self) -> str:
         return (
             f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
-            f"effective batch {self.batch_size}\n{self.search}"
+            f"effective batch {self.batch_size} ({self.why})\n{self.search}"
         )
 
     def _repr_html_(self) -> str:
@@ -572,11 +584,11 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     """Measure the largest micro-batch a real training step (forward + backward at ``seq_len``) fits.
 
     The search is capped at ``plan.micro_batch`` when the plan has one (a choice made in
-    :class:`~helpers.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``; the
-    micro-batch is the largest divisor of the effective batch within the margin, so micro-batch x
-    accumulation is exactly the batch asked for. A chosen micro-batch that runs is kept whole (the
-    margin guards the edge a search found, and there was none below the choice). Set it on the plan
-    with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
+    :class:`~helpers.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``. When
+    that cap runs it is kept whole; after an out-of-memory try, ``margin`` of the largest size that
+    ran (the margin guards the edge a search found; a cap that ran found none). Either is rounded
+    down to a divisor of the effective batch, so micro-batch x accumulation is exactly the batch
+    asked for. Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
 
     vocab = model.get_input_embeddings().num_embeddings
@@ -602,31 +614,24 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
         finally:
             model.zero_grad(set_to_none=True)
 
+    limit = plan.micro_batch or plan.batch_size
     try:
-        search = find_max_batch_size(
-            step,
-            limit=plan.micro_batch or plan.batch_size,
-            margin=margin,
-            # everything that changes a step's memory, and the limit: a search stopped by a smaller limit
-            # must not cap a later one with a larger limit
-            key=(
-                "qlora",
-                plan.model,
-                plan.load,
-                plan.double_quant,
-                plan.r,
-                plan.seq_len,
-                plan.gradient_checkpointing,
-                plan.micro_batch or plan.batch_size,
-                str(device),
-            ),  # fmt: skip
-        )
+        search = find_max_batch_size(step, limit=limit, margin=margin, key=_micro_batch_key(plan, precision, device))
     finally:
         model.train(was_training)
-    chosen_ran = plan.micro_batch is not None and search.max_ok >= plan.micro_batch
-    usable = search.max_ok if chosen_ran else search.batch_size
+    # the margin is headroom below a size that ran out of memory; when the limit itself ran there was none
+    usable = search.max_ok if search.max_ok >= limit else search.batch_size
     micro = max(d for d in range(1, usable + 1) if plan.batch_size % d == 0)
     return MicroBatch(micro, plan.batch_size // micro, plan.batch_size, search)
+
+
+def _micro_batch_key(plan: TrainPlan, precision: str, device: torch.device) -> tuple:
+    """The search cache key: everything that changes a training step's memory (LoRA targets and
+    dropout change what is adapted and saved for backward; precision the activations' size), and the
+    limit, so a search stopped by a smaller one is not taken for the answer to a larger one."""
+    targets = plan.targets if isinstance(plan.targets, str) else tuple(plan.targets)
+    return ("qlora", plan.model, plan.load, plan.double_quant, plan.r, targets, plan.dropout, precision,
+            plan.seq_len, plan.gradient_checkpointing, plan.micro_batch or plan.batch_size, str(device))  # fmt: skip
 
 
 # -- training ------------------------------------------------------------------------------------

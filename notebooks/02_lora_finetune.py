@@ -156,9 +156,9 @@ print(trainable)
 # %% [markdown]
 # ## 6. Find the micro-batch
 # A real forward + backward at the plan's sequence length, growing the batch until it runs out of
-# memory (caught, the memory given back) or reaches the panel's micro-batch; after an OOM, 90 % of
-# the largest that ran, rounded down to a divisor of the effective batch. Gradient accumulation
-# makes up the rest.
+# memory (caught, the memory given back) or reaches the panel's micro-batch (the effective batch
+# when "auto"). That cap, when it runs, is used whole; after an OOM, 90 % of the largest that ran.
+# Either is rounded down to a divisor of the effective batch; gradient accumulation makes up the rest.
 
 # %%
 from helpers import find_micro_batch
