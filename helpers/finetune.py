@@ -540,6 +540,10 @@ def answer(
     """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS).
 
     ``stream=True`` prints the first answer token by token while its batch runs."""
+    if isinstance(instructions, str):  # else one prompt per character: as generate_batched refuses it
+        raise TypeError(
+            f"instructions must be a list of strings, got one string ({instructions[:40]!r}): pass [instruction]"
+        )
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             progress=False, add_special_tokens=False, do_sample=False, use_cache=True,

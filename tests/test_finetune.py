@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 from helpers.finetune import (
     TrainPlan,
+    answer,
     build_dataset,
     collate,
     find_micro_batch,
@@ -125,6 +126,18 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
         make_trainer(model, tok, plan, [])
     with pytest.raises(ValueError, match=r"raw rows.*build_dataset\(tokenizer, rows, plan.seq_len\)"):
         make_trainer(model, tok, plan, ROWS[:2])
+
+
+def test_answer_refuses_a_bare_string_as_generate_batched_does(tiny_llama, monkeypatch):
+    """A string is a sequence of characters: answer() ran one prompt per character and returned that many."""
+    import helpers.finetune as finetune
+
+    calls = []
+    monkeypatch.setattr(finetune, "generate_batched", lambda model, tok, prompts, **kw: calls.append(prompts))
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with pytest.raises(TypeError, match=r"got one string \('What is 2\+2\?'\): pass \[instruction\]"):
+        answer(None, tok, "What is 2+2?")
+    assert calls == []
 
 
 def test_prompt_is_masked_and_answer_trains(tiny_llama):
