@@ -333,7 +333,8 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
     kinds = (torch.nn.Linear, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, Conv1D)
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {
-        name.rsplit(".", 1)[-1]
+        # a model with LoRA attached holds each adapted layer as <name>.base_layer: the target is <name>
+        name.removesuffix(".base_layer").rsplit(".", 1)[-1]
         for name, mod in model.named_modules()
         if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name
     }
@@ -361,12 +362,14 @@ class TrainableParams:
     total: int
     targets: list[str]
     gradient_checkpointing: bool
+    note: str = ""  # e.g. that the adapters were already attached and the model came back as is
 
     def __str__(self) -> str:
         return (
             f"trainable parameters: {self.trainable:,} of {self.total:,} ({100 * self.trainable / self.total:.3f} %)"
             f" in LoRA adapters on {', '.join(self.targets)}; gradient checkpointing "
             f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}"
+            + (f"; {self.note}" if self.note else "")
         )
 
 
@@ -376,11 +379,18 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     ``prepare_model_for_kbit_training`` (norms in fp32, input gradients on), gradient checkpointing
     with the non-reentrant variant, then ``get_peft_model`` (adapters initialised from ``plan.seed``).
 
+    A model that already has the plan's LoRA adapters (the cell run again) comes back as is, its
+    adapter weights kept; :class:`FinetuneError` when its adapters differ from the plan's or are frozen.
+
     Returns:
         ``(peft_model, TrainableParams)``.
     """
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    if hasattr(model, "peft_config"):
+        # before anything changes it: a second prepare_model_for_kbit_training would freeze the adapters
+        # and get_peft_model would then wrap their base_layer, leaving nothing to train
+        return _already_prepared(model, plan)
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
     keep_4bit_layout(model)  # a model loaded elsewhere and generated with may have been repacked
     ckpt_kwargs = {"use_reentrant": False}
@@ -401,6 +411,38 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
         peft_model = get_peft_model(model, config)
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, TrainableParams(trainable, total, sorted(config.target_modules), plan.gradient_checkpointing)
+
+
+def _already_prepared(model, plan: TrainPlan) -> tuple[Any, TrainableParams]:
+    """``model`` as is when its LoRA adapters are the plan's and train, else a :class:`FinetuneError`."""
+    keep_4bit_layout(model)
+    reload = "load the base model again (rerun the load cell) and call prepare_qlora on it"
+    trainable, total = model.get_nb_trainable_parameters()
+    if trainable == 0:
+        raise FinetuneError(
+            "this model already has LoRA adapters, but none of their weights trains (loaded for inference, "
+            f"e.g. load(LoadPlan(..., adapter=...))): to train, {reload} (without adapter=)"
+        )
+    config = model.peft_config[model.active_adapter]
+    have_targets = [config.target_modules] if isinstance(config.target_modules, str) else config.target_modules
+    want = plan.lora_config(model)
+    # what transformers' is_gradient_checkpointing reads (renamed is_activation_checkpointing in 5.x)
+    checkpointing = any(getattr(m, "gradient_checkpointing", None) is True for m in model.modules())
+    pairs = [
+        ("r", getattr(config, "r", None), want.r),
+        ("alpha", getattr(config, "lora_alpha", None), want.lora_alpha),
+        ("dropout", getattr(config, "lora_dropout", None), want.lora_dropout),
+        ("targets", sorted(have_targets or []), sorted(want.target_modules)),
+        ("gradient_checkpointing", checkpointing, plan.gradient_checkpointing),
+    ]
+    differ = [f"{name} {have!r} (the plan: {wanted!r})" for name, have, wanted in pairs if have != wanted]
+    if differ:
+        raise FinetuneError(
+            f"this model already has LoRA adapters ({type(config).__name__}) with other settings: "
+            f"{'; '.join(differ)}. Adapters cannot be changed in place: {reload}, or set the plan back"
+        )
+    note = "the model already had these LoRA adapters (prepare_qlora ran on it before): returned as is, weights kept"
+    return model, TrainableParams(trainable, total, sorted(have_targets), checkpointing, note)
 
 
 # -- data ----------------------------------------------------------------------------------------

@@ -145,7 +145,9 @@ before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS, stream
 # %% [markdown]
 # ## 5. Prepare QLoRA
 # `prepare_model_for_kbit_training` (norms in fp32, input gradients), non-reentrant gradient
-# checkpointing, LoRA on every linear layer but the output layer.
+# checkpointing, LoRA on every linear layer but the output layer. Run again, this cell returns the
+# prepared model as is (adapters and their weights kept); other LoRA settings need the base loaded
+# again (step 3), and it says so.
 
 # %%
 from helpers import prepare_qlora

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,36 @@ def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_ll
         # Without the fix these gradients are lost entirely (relative error 1.0).
         error = ((g - reference[name]).norm() / reference[name].norm()).item()
         assert error < 0.02, (name, error)
+
+
+def test_preparing_a_prepared_model_again_returns_it_with_its_adapters(tiny_llama, tmp_path):
+    """The prepare cell run twice: the second kbit preparation froze the adapters and get_peft_model failed
+    on {'base_layer'}, leaving 0 trainable parameters. Now the model comes back as is, adapters kept."""
+    from helpers.finetune import FinetuneError
+
+    plan = _plan(tiny_llama, tmp_path)
+    model, tok, _ = load(plan.load_plan())
+    model, first = prepare_qlora(model, plan)
+    with torch.no_grad():  # as if it had trained: a re-run must keep these weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    again, second = prepare_qlora(model, plan)
+    assert again is model and (second.trainable, second.targets) == (first.trainable, first.targets)
+    assert "already had these LoRA adapters" in str(second) and "returned as is" in str(second)
+    assert all((p == 0.01).all() for n, p in again.named_parameters() if "lora_B" in n)
+    assert _lora_b_grads(again, tok)  # still trains
+
+    for change, says in [({"r": 4}, "r 8 (the plan: 4)"), ({"targets": ["q_proj"]}, "targets [")]:
+        with pytest.raises(FinetuneError, match=r"already has LoRA adapters .*" + re.escape(says)) as e:
+            prepare_qlora(model, plan.replace(**change))
+        assert "load the base model again" in str(e.value)
+    assert model.get_nb_trainable_parameters()[0] == first.trainable  # nothing changed by the refusals
+
+    save_adapter(model, tmp_path / "adapter")
+    frozen, _, _ = load(plan.load_plan(adapter=str(tmp_path / "adapter")))  # loaded for inference
+    with pytest.raises(FinetuneError, match="none of their weights trains"):
+        prepare_qlora(frozen, plan)
 
 
 def test_target_modules_skip_output_layer(tiny_llama, tiny_qwen2):
