@@ -203,7 +203,9 @@ def find_resume(output_dir: str | Path) -> ResumePoint:
 
     A folder without the :data:`COMPLETE` marker that is newer than the oldest marked one is
     incomplete; older unmarked ones (saved before the marker existed) count when their files validate.
-    Raises :class:`CheckpointError` when there are checkpoints but none is complete.
+    A lone checkpoint that is not complete (the run was stopped while saving its first one) is
+    skipped, and training starts from scratch: resuming could not save any step of it.
+    Raises :class:`CheckpointError` when there are several checkpoints and none is complete.
     """
     folders = checkpoint_folders(output_dir)
     marked = [_step(f) for f in folders if (f / COMPLETE).exists()]
@@ -214,6 +216,10 @@ def find_resume(output_dir: str | Path) -> ResumePoint:
             step = json.loads((folder / STATE).read_text(encoding="utf-8"))["global_step"]
             return ResumePoint(folder, step, skipped)
         skipped.append(Skipped(folder, found))
+    if len(skipped) == 1:
+        # the first save was cut short: no step can be recovered, so starting over loses nothing (the
+        # caller sets the folder aside). Several broken ones are a bad sync or a changed folder: look first
+        return ResumePoint(None, None, skipped)
     if skipped:
         newest = skipped[0]
         more = f" (and the {len(skipped) - 1} older ones are not complete either)" if len(skipped) > 1 else ""

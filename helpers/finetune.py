@@ -765,7 +765,8 @@ def train(
     disconnect continues at the step where it saved, with the same data order. A newer checkpoint
     that a kill left half written, or that is corrupted, is skipped with a :class:`CheckpointWarning`
     naming the file, and renamed ``incomplete-checkpoint-N`` (kept, not deleted); the skips are in
-    ``TrainResult.skipped``. When no checkpoint is complete, :class:`CheckpointError` says what to do.
+    ``TrainResult.skipped``. A lone checkpoint cut short is set aside the same way and training starts over;
+    when several are there and none is complete, :class:`CheckpointError` says what to do.
     """
     keep_4bit_layout(model)
     trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
@@ -774,8 +775,9 @@ def train(
     for skip in point.skipped:
         set_aside(skip)
         kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
+        instead = f"resuming from {point.checkpoint.name}" if point.checkpoint else "starting from scratch"
         warnings.warn(
-            f"skipped {skip.path.name} in {out}: {skip.problem}; resuming from {point.checkpoint.name} instead{kept}",
+            f"skipped {skip.path.name} in {out}: {skip.problem}; {instead} instead{kept}",
             CheckpointWarning,
             stacklevel=2,
         )

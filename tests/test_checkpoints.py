@@ -227,6 +227,21 @@ def test_saving_over_an_old_checkpoint_drops_its_marker_first(reference, tiny_ll
     assert point.checkpoint.name == "checkpoint-2" and f"no {COMPLETE} marker" in point.skipped[0].problem
 
 
+def test_a_cut_short_first_checkpoint_is_set_aside_and_training_starts_over(reference, tiny_llama, tmp_path):
+    """The runtime died while Drive was writing the first checkpoint: no step can be resumed, so starting
+    over loses nothing (it raised CheckpointError, asking the user to pass resume=False or delete it)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0] / "checkpoint-1", out / "checkpoint-1")
+    (out / "checkpoint-1" / "optimizer.pt").unlink()
+    point = find_resume(out)
+    assert point.checkpoint is None and [s.path.name for s in point.skipped] == ["checkpoint-1"]
+    with pytest.warns(CheckpointWarning, match="skipped checkpoint-1 .*optimizer.pt is missing.*starting from scratch"):
+        result = _run(_plan(tiny_llama, out, max_steps=2))
+    assert result.resumed_from is None and result.global_step == 2
+    assert (out / "incomplete-checkpoint-1" / "adapter_model.safetensors").exists()  # kept, not deleted
+    assert problem(out / "checkpoint-1") is None  # written afresh by the new run
+
+
 def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_path):
     out = _cut_at_3(reference, tmp_path)
     (out / "checkpoint-3" / "optimizer.pt").unlink()
