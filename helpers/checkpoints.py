@@ -25,7 +25,7 @@ from .errors import OomkitError
 
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
-    "problem", "find_resume", "newest_complete", "set_aside", "mark_complete", "complete_marker",
+    "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
@@ -238,22 +238,42 @@ def newest_complete(output_dir: str | Path) -> Path | None:
         return None
 
 
-def set_aside(skipped: Skipped) -> Skipped:
-    """Rename a skipped folder to ``incomplete-checkpoint-N`` so Trainer neither rotates nor reuses it.
+def set_aside(skipped: Skipped, prefix: str = "incomplete") -> Skipped:
+    """Rename a skipped folder to ``<prefix>-checkpoint-N`` so Trainer neither rotates nor reuses it.
 
     Training writes ``checkpoint-N`` afresh when it gets there; the old files are kept, never deleted.
+    A name already taken gets ``-2``, ``-3``... appended.
     """
-    target = skipped.path.with_name(f"incomplete-{skipped.path.name}")
+    target = skipped.path.with_name(f"{prefix}-{skipped.path.name}")
     n = 1
     while target.exists():
         n += 1
-        target = skipped.path.with_name(f"incomplete-{skipped.path.name}-{n}")
+        target = skipped.path.with_name(f"{prefix}-{skipped.path.name}-{n}")
     try:
         skipped.path.rename(target)
     except OSError:  # a read-only or odd file system: leave it; its missing marker keeps it skipped
         return skipped
     skipped.moved_to = target
     return skipped
+
+
+def set_aside_all(output_dir: str | Path, reason: str, prefix: str = "previous") -> list[Skipped]:
+    """Rename every ``checkpoint-N`` in ``output_dir`` to ``<prefix>-checkpoint-N`` (kept, never deleted).
+
+    For a run that starts over in a folder an earlier run used: Trainer rotates checkpoints by
+    modification time, so an old high-numbered one would survive the new run's saves and a later
+    resume would continue the old run. Raises :class:`CheckpointError` when one cannot be moved.
+    """
+    moved = []
+    for folder in checkpoint_folders(output_dir):
+        done = set_aside(Skipped(folder, reason), prefix)
+        if done.moved_to is None:
+            raise CheckpointError(
+                f"cannot move {folder} out of the way before starting over (the file system refused the "
+                "rename); move or delete it yourself, or train into another output_dir"
+            )
+        moved.append(done)
+    return moved
 
 
 def _fsync(path: Path) -> None:

@@ -35,6 +35,7 @@ from .checkpoints import (
     find_resume,
     newest_complete,
     set_aside,
+    set_aside_all,
 )
 from .devices import cuda_capability
 from .errors import OomkitError
@@ -732,6 +733,7 @@ class TrainResult:
     seconds: float = 0.0
     log_history: list[dict] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)  # newer checkpoints passed over, and why
+    set_aside: list[Skipped] = field(default_factory=list)  # an earlier run's checkpoints, moved (resume=False)
 
     @property
     def first_loss(self) -> float | None:
@@ -750,6 +752,9 @@ class TrainResult:
             else ""
         )
         skipped = "".join(f"; skipped {s}" for s in self.skipped)
+        if self.set_aside:
+            n, names = len(self.set_aside), ", ".join(s.moved_to.name for s in self.set_aside if s.moved_to)
+            skipped += f"; set aside the {n} checkpoint{'s' if n > 1 else ''} of an earlier run (kept as {names})"
         return (
             f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
             f"checkpoints in {self.output_dir}{skipped}"
@@ -767,11 +772,17 @@ def train(
     naming the file, and renamed ``incomplete-checkpoint-N`` (kept, not deleted); the skips are in
     ``TrainResult.skipped``. A lone checkpoint cut short is set aside the same way and training starts over;
     when several are there and none is complete, :class:`CheckpointError` says what to do.
+
+    ``resume=False`` starts over: the folder's ``checkpoint-N`` are renamed ``previous-checkpoint-N``
+    first (kept; listed in ``TrainResult.set_aside``), so a later resume continues this run, not theirs.
     """
     keep_4bit_layout(model)
     trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
     out = Path(trainer.args.output_dir)
     point = find_resume(out) if resume else ResumePoint(None, None)
+    # starting over: the earlier run's checkpoints must go out of Trainer's way (renamed, kept), or its
+    # rotation by age keeps an old high-numbered one and the next resume continues the old run
+    aside = [] if resume else set_aside_all(out, "an earlier run's checkpoint (resume=False starts over)")
     for skip in point.skipped:
         set_aside(skip)
         kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
@@ -786,7 +797,7 @@ def train(
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
-                       time.perf_counter() - started, history, point.skipped)  # fmt: skip
+                       time.perf_counter() - started, history, point.skipped, aside)  # fmt: skip
 
 
 # -- adapter -------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ LEARNING_RATE = 2e-4
 DATA = None  # None: the shipped GIS instructions (shipped in the package), or your own JSONL path
 OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
 MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
-FRESH = False  # True: delete old checkpoints and start over instead of resuming
+FRESH = False  # True: start over instead of resuming (old checkpoints are renamed previous-checkpoint-N, kept)
 DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40"), or "current"
 MAX_NEW_TOKENS = 64
 MERGE = False  # also fold the adapter into the base weights at the end
@@ -114,11 +114,7 @@ panel
 # The estimator's budget for the panel's choice, row by row:
 
 # %%
-import shutil
-
 plan = panel.plan  # the controls' values now, not the parameters cell's
-if FRESH:
-    shutil.rmtree(plan.resolved_output_dir(), ignore_errors=True)
 print(plan)
 panel.state.estimate
 
@@ -176,7 +172,8 @@ micro
 # allocated, reserved, peak since the last log and RAM to every log line and says so if memory
 # keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this
-# cell continues from the last checkpoint at the right step.
+# cell continues from the last checkpoint at the right step. With `FRESH = True` it starts over and
+# moves the old checkpoints aside (renamed `previous-checkpoint-N`, never deleted).
 
 # %%
 from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
@@ -184,7 +181,7 @@ from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
 data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len, packing=plan.packing)
 with MemoryMonitor(interval=0.5) as monitor:
     callback = MemoryCallback(monitor)
-    result = train(model, tokenizer, plan, data, callbacks=[callback])
+    result = train(model, tokenizer, plan, data, callbacks=[callback], resume=not FRESH)
 print(result)
 print(callback.leaks or "no steady memory growth between log steps")
 

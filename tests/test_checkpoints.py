@@ -22,7 +22,15 @@ from helpers.checkpoints import (
     find_resume,
     problem,
 )
-from helpers.finetune import TrainPlan, build_dataset, last_checkpoint, load_instructions, prepare_qlora, train
+from helpers.finetune import (
+    TrainPlan,
+    build_dataset,
+    last_checkpoint,
+    load_instructions,
+    make_trainer,
+    prepare_qlora,
+    train,
+)  # fmt: skip
 from helpers.loading import load
 
 ROWS = load_instructions()[:24]
@@ -216,12 +224,16 @@ def test_a_kill_during_the_save_resumes_from_the_checkpoint_before(tiny_llama, t
 
 
 def test_saving_over_an_old_checkpoint_drops_its_marker_first(reference, tiny_llama, tmp_path, monkeypatch):
-    """A new run (resume=False) in an old run's folder, killed while overwriting checkpoint-3: the old
-    marker must not make the mix of new adapter and old optimizer look whole."""
+    """A new run in an old run's folder through a bare Trainer (train(resume=False) moves the old ones aside
+    first), killed while overwriting checkpoint-3: the old marker must not make the mix of new adapter and
+    old optimizer look whole."""
     out = _cut_at_3(reference, tmp_path)
     _kill_while_saving(monkeypatch, 3)
+    plan = _plan(tiny_llama, out, learning_rate=5e-4)
+    model, tok, _ = load(plan.load_plan())
+    model, _ = prepare_qlora(model, plan)
     with pytest.raises(Killed):
-        _run(_plan(tiny_llama, out, learning_rate=5e-4), resume=False)
+        make_trainer(model, tok, plan, build_dataset(tok, ROWS, plan.seq_len)).train()
     assert not (out / "checkpoint-3" / COMPLETE).exists()
     point = find_resume(out)
     assert point.checkpoint.name == "checkpoint-2" and f"no {COMPLETE} marker" in point.skipped[0].problem
@@ -240,6 +252,24 @@ def test_a_cut_short_first_checkpoint_is_set_aside_and_training_starts_over(refe
     assert result.resumed_from is None and result.global_step == 2
     assert (out / "incomplete-checkpoint-1" / "adapter_model.safetensors").exists()  # kept, not deleted
     assert problem(out / "checkpoint-1") is None  # written afresh by the new run
+
+
+def test_starting_over_sets_the_earlier_runs_checkpoints_aside(reference, tiny_llama, tmp_path):
+    """resume=False in a folder an earlier run used: its checkpoints are renamed, not left for Trainer's
+    rotation (by age, so an old high-numbered one survived) and the next resume (it continued the old run
+    at step 5 instead of the new one at step 2)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)  # the earlier run: checkpoint-1 .. checkpoint-5
+    result = _run(_plan(tiny_llama, out, max_steps=2, learning_rate=5e-4), resume=False)
+    assert result.global_step == 2 and result.resumed_from is None
+    assert [f.name for f in checkpoint_folders(out)] == ["checkpoint-2", "checkpoint-1"]  # the new run's only
+    assert find_resume(out).step == 2
+    moved = [f"previous-checkpoint-{n}" for n in (5, 4, 3, 2, 1)]
+    assert [s.moved_to.name for s in result.set_aside] == moved
+    assert all(problem(out / name) is None for name in moved)  # kept whole, never deleted
+    assert "set aside the 5 checkpoints of an earlier run (kept as previous-checkpoint-5, " in str(result)
+    again = _run(_plan(tiny_llama, out, max_steps=2, learning_rate=5e-4), resume=False)  # and once more
+    assert [s.moved_to.name for s in again.set_aside] == ["previous-checkpoint-2-2", "previous-checkpoint-1-2"]
 
 
 def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_path):
