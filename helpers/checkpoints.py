@@ -7,7 +7,9 @@ half written. :func:`complete_marker` (a ``TrainerCallback``) fsyncs every file 
 checkpoint, then writes :data:`COMPLETE` last, listing each file's size: a folder without it was
 not finished. :func:`find_resume` walks the folders newest first and returns the first complete one
 with the newer ones it skipped and why; :func:`problem` says what is wrong with one folder.
-Checkpoints written before the marker existed are accepted when every file validates.
+Checkpoints written before the marker existed are accepted when every file validates. Given a
+stamp (what the run trains on), the marker callback also writes it as :data:`RUN` in each
+checkpoint, before the marker: :func:`read_stamp` gives it back to a run about to resume.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from .errors import OomkitError
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
     "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
+    "RUN", "read_stamp",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
+RUN = "oomkit_run.json"  # the settings and data a checkpoint was trained with (see complete_marker)
 STATE = "trainer_state.json"
 TORCH_FILES = ("optimizer.pt", "scheduler.pt")  # a missing one would resume with a fresh state
 FOLDER = re.compile(r"^checkpoint-(\d+)$")
@@ -39,7 +43,8 @@ class CheckpointError(OomkitError, ValueError):
 
 
 class CheckpointWarning(UserWarning):
-    """A newer checkpoint was incomplete or corrupted and an earlier one is used instead."""
+    """A newer checkpoint was incomplete or corrupted and an earlier one is used instead, or the one
+    resumed from was written with other settings or data than the run resuming from it."""
 
 
 @dataclass
@@ -292,20 +297,39 @@ def mark_complete(folder: str | Path, step: int) -> Path:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE}
     for name in files:
         _fsync(folder / name)
-    tmp = folder / f".{COMPLETE}.tmp"
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump({"global_step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / COMPLETE)
+    _write_json(folder / COMPLETE, {"global_step": step, "files": files})
     _fsync(folder)
     return folder / COMPLETE
 
 
-def complete_marker():
+def read_stamp(folder: str | Path) -> dict | None:
+    """The stamp :func:`complete_marker` wrote into a checkpoint (None: none, or not readable)."""
+    try:
+        data = json.loads((Path(folder) / RUN).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically and durably (a kill leaves the old file or the new one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def complete_marker(stamp: dict | None = None):
     """A ``TrainerCallback`` that writes :data:`COMPLETE` after Trainer saved a checkpoint, and removes a
-    stale marker before a checkpoint is saved over an old folder of the same step."""
-    return _marker_class()()
+    stale marker before a checkpoint is saved over an old folder of the same step.
+
+    Args:
+        stamp: JSON-able facts about the run (settings, a hash of the data), written into each
+            checkpoint as :data:`RUN` before the marker, so the marker vouches for it too.
+    """
+    return _marker_class()(stamp)
 
 
 @functools.cache
@@ -313,6 +337,9 @@ def _marker_class():
     from transformers import TrainerCallback  # here, so importing oomkit does not import transformers
 
     class CompleteMarker(TrainerCallback):
+        def __init__(self, stamp: dict | None = None):
+            self.stamp = stamp
+
         def on_step_end(self, args, state, control, **kwargs):
             if control.should_save and args.should_save:  # about to write checkpoint-<step>, maybe over an old one
                 stale = Path(args.output_dir) / f"checkpoint-{state.global_step}" / COMPLETE
@@ -323,6 +350,8 @@ def _marker_class():
         def on_save(self, args, state, control, **kwargs):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if args.should_save and folder.is_dir():
+                if self.stamp is not None:
+                    _write_json(folder / RUN, self.stamp)
                 mark_complete(folder, state.global_step)
 
     return CompleteMarker

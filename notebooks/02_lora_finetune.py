@@ -172,8 +172,9 @@ micro
 # allocated, reserved, peak since the last log and RAM to every log line and says so if memory
 # keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this
-# cell continues from the last checkpoint at the right step. With `FRESH = True` it starts over and
-# moves the old checkpoints aside (renamed `previous-checkpoint-N`, never deleted).
+# cell continues from the last checkpoint at the right step (a finished run is not trained again:
+# its adapter is loaded; other data or settings than the checkpoint's are named in a warning). With
+# `FRESH = True` it starts over and moves the old checkpoints aside (`previous-checkpoint-N`, kept).
 
 # %%
 from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
