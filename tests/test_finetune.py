@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -315,6 +316,20 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
     assert state["global_step"] == 6
     for name in ("optimizer.pt", "scheduler.pt", "adapter_model.safetensors"):
         assert (last_checkpoint(plan.output_dir) / name).exists()
+
+
+def test_two_real_steps_train_save_and_rerun_as_finished(tiny_llama, tmp_path):
+    """The compat matrix runs this at the lowest versions pyproject claims: transformers 5.1's Trainer calls
+    accelerate's unwrap_model(model, keep_torch_compile=False), which accelerate 1.2 lacked (a TypeError
+    at the first step), and nothing else there ran Trainer."""
+    plan = _plan(tiny_llama, tmp_path / "run", micro_batch=2, max_steps=2, save_steps=2)
+    model, tok, _ = _prepared(plan)
+    ds = build_dataset(tok, ROWS[:8], plan.seq_len)
+    result = train(model, tok, plan, ds)
+    assert result.global_step == 2 and len(result.losses) == 2 and all(math.isfinite(x) for _, x in result.losses)
+    assert last_checkpoint(plan.output_dir).name == "checkpoint-2"
+    again = train(model, tok, plan, ds)  # the cell run again: finished, nothing trains
+    assert again.global_step == 2 and again.finished_before
 
 
 @pytest.mark.cuda
