@@ -226,11 +226,13 @@ def find_resume(output_dir: str | Path) -> ResumePoint:
         # caller sets the folder aside). Several broken ones are a bad sync or a changed folder: look first
         return ResumePoint(None, None, skipped)
     if skipped:
-        newest = skipped[0]
-        more = f" (and the {len(skipped) - 1} older ones are not complete either)" if len(skipped) > 1 else ""
+        newest, older = skipped[0], len(skipped) - 1
+        more = " (and the older one is not complete either)" if older == 1 else ""
+        more = more or f" (and the {older} older ones are not complete either)"
         raise CheckpointError(
             f"cannot resume from {Path(output_dir)}: {newest.path.name}: {newest.problem}{more}, and there is "
-            f"no earlier complete checkpoint; pass resume=False to start over, or delete {newest.path}"
+            f"no earlier complete checkpoint; look at {newest.path}, or pass resume=False to start over (the "
+            "checkpoints are kept, renamed previous-checkpoint-N)"
         )
     return ResumePoint(None, None, [])
 

@@ -337,10 +337,11 @@ def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_pa
     msg = str(e.value)
     assert "\n" not in msg and "checkpoint-3: optimizer.pt is missing" in msg
     assert "the 2 older ones are not complete either" in msg
-    assert "pass resume=False to start over, or delete" in msg and str(out / "checkpoint-3") in msg
+    assert "pass resume=False to start over (the checkpoints are kept" in msg and str(out / "checkpoint-3") in msg
     assert (out / "checkpoint-3").is_dir()  # nothing moved or deleted when nothing can be resumed
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         fresh = _run(_plan(tiny_llama, out, max_steps=1), resume=False)
     assert fresh.resumed_from is None and fresh.global_step == 1
+    assert (out / "previous-checkpoint-3" / "scheduler.pt").exists()  # started over; the broken ones are kept
     assert problem(out / "checkpoint-1") is None
