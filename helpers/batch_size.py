@@ -80,6 +80,8 @@ class BatchSearch:
         trials: every size tried, in order, and whether it ran.
         first_failed: the smallest size that ran out of memory (None when none did, or ``limit + 1``
             when only the limit bounded the search).
+        limit_bound: True when ``first_failed`` is that ``limit + 1``, not a size that ran out of
+            memory: a later search with a larger limit must not stop there.
         limit, margin, key, cached: the search's settings; ``cached`` is True when it started from
             a previous result for ``key``.
     """
@@ -94,6 +96,7 @@ class BatchSearch:
     cached: bool = False
     seconds: float = 0.0
     note: str | None = None
+    limit_bound: bool = False
 
     @property
     def oom_trials(self) -> int:
@@ -226,7 +229,7 @@ def find_max_batch_size(
     started = time.perf_counter()
     cached = _CACHE.get(key) if key is not None else None
     ceiling = limit if limit is not None else DEFAULT_LIMIT
-    lo, hi, trials = _search(step, _first_size(start, ceiling, cached), limit, cached, growth, tolerance)
+    lo, hi, trials, ran_out = _search(step, _first_size(start, ceiling, cached), limit, cached, growth, tolerance)
     note = None
     if limit is None and lo >= DEFAULT_LIMIT:
         note = (
@@ -246,6 +249,7 @@ def find_max_batch_size(
         cached=cached is not None,
         seconds=time.perf_counter() - started,
         note=note,
+        limit_bound=hi is not None and not ran_out,
     )
     if key is not None:
         _CACHE[key] = result
@@ -309,9 +313,11 @@ def _search(
     cached: BatchSearch | None,
     growth: int,
     tolerance: float,
-) -> tuple[int, int | None, list[Trial]]:
-    """Grow, then bisect: (largest size that ran, smallest that failed or limit + 1 or None, trials)."""
+) -> tuple[int, int | None, list[Trial], bool]:
+    """Grow, then bisect: (largest size that ran, smallest that failed or limit + 1 or None, trials,
+    whether that bound ran out of memory: False when it is only the limit + 1)."""
     lo, hi = 0, (limit + 1 if limit is not None else None)
+    ran_out = False  # hi is a size that ran out of memory, here or in the cached search
     trials: list[Trial] = []
     # the worst case allowed: what a plain bisection of the first bracket needs, plus one try
     budget = _bisections(limit) + 2 if limit is not None else None
@@ -320,16 +326,18 @@ def _search(
         trials.append(trial)
         if trial.ok:
             lo = size
-            if cached is not None and size == cached.max_ok and cached.first_failed:
-                # the cached bound still holds unless memory got tighter: trust it
-                hi = min(hi, cached.first_failed) if hi is not None else cached.first_failed
+            if cached is not None and size == cached.max_ok and cached.first_failed and not cached.limit_bound:
+                # the cached bound still holds unless memory got tighter: trust it. Only a real OOM: an
+                # earlier search's limit + 1 would cap this one, whose limit may be larger
+                if hi is None or cached.first_failed <= hi:
+                    hi, ran_out = cached.first_failed, True
             if hi is None:
                 if size >= DEFAULT_LIMIT:  # never ran out of memory: stop at the default limit
-                    return lo, None, trials
+                    return lo, None, trials, False
                 size = min(size * growth, DEFAULT_LIMIT)
                 continue
         else:
-            hi = size
+            hi, ran_out = size, True
             if size == 1:
                 raise BatchSizeError(
                     "even batch size 1 runs out of memory: free memory (helpers.cleanup()), shorten the "
@@ -340,7 +348,7 @@ def _search(
                 size = max(1, size // growth)
                 continue
         if hi is None or _done(lo, hi, tolerance):
-            return lo, hi, trials
+            return lo, hi, trials, ran_out
         if budget is None:  # no limit: the first failure set the bracket
             budget = len(trials) + _bisections(hi - lo) + 1
         size = _next_size(lo, hi, budget - len(trials) - 1)

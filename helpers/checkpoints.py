@@ -7,7 +7,9 @@ half written. :func:`complete_marker` (a ``TrainerCallback``) fsyncs every file 
 checkpoint, then writes :data:`COMPLETE` last, listing each file's size: a folder without it was
 not finished. :func:`find_resume` walks the folders newest first and returns the first complete one
 with the newer ones it skipped and why; :func:`problem` says what is wrong with one folder.
-Checkpoints written before the marker existed are accepted when every file validates.
+Checkpoints written before the marker existed are accepted when every file validates. Given a
+stamp (what the run trains on), the marker callback also writes it as :data:`RUN` in each
+checkpoint, before the marker: :func:`read_stamp` gives it back to a run about to resume.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from .errors import OomkitError
 
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
-    "problem", "find_resume", "newest_complete", "set_aside", "mark_complete", "complete_marker",
+    "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
+    "RUN", "read_stamp",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
+RUN = "oomkit_run.json"  # the settings and data a checkpoint was trained with (see complete_marker)
 STATE = "trainer_state.json"
 TORCH_FILES = ("optimizer.pt", "scheduler.pt")  # a missing one would resume with a fresh state
 FOLDER = re.compile(r"^checkpoint-(\d+)$")
@@ -39,7 +43,8 @@ class CheckpointError(OomkitError, ValueError):
 
 
 class CheckpointWarning(UserWarning):
-    """A newer checkpoint was incomplete or corrupted and an earlier one is used instead."""
+    """A newer checkpoint was incomplete or corrupted and an earlier one is used instead, or the one
+    resumed from was written with other settings or data than the run resuming from it."""
 
 
 @dataclass
@@ -203,7 +208,9 @@ def find_resume(output_dir: str | Path) -> ResumePoint:
 
     A folder without the :data:`COMPLETE` marker that is newer than the oldest marked one is
     incomplete; older unmarked ones (saved before the marker existed) count when their files validate.
-    Raises :class:`CheckpointError` when there are checkpoints but none is complete.
+    A lone checkpoint that is not complete (the run was stopped while saving its first one) is
+    skipped, and training starts from scratch: resuming could not save any step of it.
+    Raises :class:`CheckpointError` when there are several checkpoints and none is complete.
     """
     folders = checkpoint_folders(output_dir)
     marked = [_step(f) for f in folders if (f / COMPLETE).exists()]
@@ -214,12 +221,18 @@ def find_resume(output_dir: str | Path) -> ResumePoint:
             step = json.loads((folder / STATE).read_text(encoding="utf-8"))["global_step"]
             return ResumePoint(folder, step, skipped)
         skipped.append(Skipped(folder, found))
+    if len(skipped) == 1:
+        # the first save was cut short: no step can be recovered, so starting over loses nothing (the
+        # caller sets the folder aside). Several broken ones are a bad sync or a changed folder: look first
+        return ResumePoint(None, None, skipped)
     if skipped:
-        newest = skipped[0]
-        more = f" (and the {len(skipped) - 1} older ones are not complete either)" if len(skipped) > 1 else ""
+        newest, older = skipped[0], len(skipped) - 1
+        more = " (and the older one is not complete either)" if older == 1 else ""
+        more = more or f" (and the {older} older ones are not complete either)"
         raise CheckpointError(
             f"cannot resume from {Path(output_dir)}: {newest.path.name}: {newest.problem}{more}, and there is "
-            f"no earlier complete checkpoint; pass resume=False to start over, or delete {newest.path}"
+            f"no earlier complete checkpoint; look at {newest.path}, or pass resume=False to start over (the "
+            "checkpoints are kept, renamed previous-checkpoint-N)"
         )
     return ResumePoint(None, None, [])
 
@@ -232,22 +245,42 @@ def newest_complete(output_dir: str | Path) -> Path | None:
         return None
 
 
-def set_aside(skipped: Skipped) -> Skipped:
-    """Rename a skipped folder to ``incomplete-checkpoint-N`` so Trainer neither rotates nor reuses it.
+def set_aside(skipped: Skipped, prefix: str = "incomplete") -> Skipped:
+    """Rename a skipped folder to ``<prefix>-checkpoint-N`` so Trainer neither rotates nor reuses it.
 
     Training writes ``checkpoint-N`` afresh when it gets there; the old files are kept, never deleted.
+    A name already taken gets ``-2``, ``-3``... appended.
     """
-    target = skipped.path.with_name(f"incomplete-{skipped.path.name}")
+    target = skipped.path.with_name(f"{prefix}-{skipped.path.name}")
     n = 1
     while target.exists():
         n += 1
-        target = skipped.path.with_name(f"incomplete-{skipped.path.name}-{n}")
+        target = skipped.path.with_name(f"{prefix}-{skipped.path.name}-{n}")
     try:
         skipped.path.rename(target)
     except OSError:  # a read-only or odd file system: leave it; its missing marker keeps it skipped
         return skipped
     skipped.moved_to = target
     return skipped
+
+
+def set_aside_all(output_dir: str | Path, reason: str, prefix: str = "previous") -> list[Skipped]:
+    """Rename every ``checkpoint-N`` in ``output_dir`` to ``<prefix>-checkpoint-N`` (kept, never deleted).
+
+    For a run that starts over in a folder an earlier run used: Trainer rotates checkpoints by
+    modification time, so an old high-numbered one would survive the new run's saves and a later
+    resume would continue the old run. Raises :class:`CheckpointError` when one cannot be moved.
+    """
+    moved = []
+    for folder in checkpoint_folders(output_dir):
+        done = set_aside(Skipped(folder, reason), prefix)
+        if done.moved_to is None:
+            raise CheckpointError(
+                f"cannot move {folder} out of the way before starting over (the file system refused the "
+                "rename); move or delete it yourself, or train into another output_dir"
+            )
+        moved.append(done)
+    return moved
 
 
 def _fsync(path: Path) -> None:
@@ -266,20 +299,39 @@ def mark_complete(folder: str | Path, step: int) -> Path:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE}
     for name in files:
         _fsync(folder / name)
-    tmp = folder / f".{COMPLETE}.tmp"
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump({"global_step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / COMPLETE)
+    _write_json(folder / COMPLETE, {"global_step": step, "files": files})
     _fsync(folder)
     return folder / COMPLETE
 
 
-def complete_marker():
+def read_stamp(folder: str | Path) -> dict | None:
+    """The stamp :func:`complete_marker` wrote into a checkpoint (None: none, or not readable)."""
+    try:
+        data = json.loads((Path(folder) / RUN).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically and durably (a kill leaves the old file or the new one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def complete_marker(stamp: dict | None = None):
     """A ``TrainerCallback`` that writes :data:`COMPLETE` after Trainer saved a checkpoint, and removes a
-    stale marker before a checkpoint is saved over an old folder of the same step."""
-    return _marker_class()()
+    stale marker before a checkpoint is saved over an old folder of the same step.
+
+    Args:
+        stamp: JSON-able facts about the run (settings, a hash of the data), written into each
+            checkpoint as :data:`RUN` before the marker, so the marker vouches for it too.
+    """
+    return _marker_class()(stamp)
 
 
 @functools.cache
@@ -287,6 +339,9 @@ def _marker_class():
     from transformers import TrainerCallback  # here, so importing oomkit does not import transformers
 
     class CompleteMarker(TrainerCallback):
+        def __init__(self, stamp: dict | None = None):
+            self.stamp = stamp
+
         def on_step_end(self, args, state, control, **kwargs):
             if control.should_save and args.should_save:  # about to write checkpoint-<step>, maybe over an old one
                 stale = Path(args.output_dir) / f"checkpoint-{state.global_step}" / COMPLETE
@@ -297,6 +352,8 @@ def _marker_class():
         def on_save(self, args, state, control, **kwargs):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if args.should_save and folder.is_dir():
+                if self.stamp is not None:
+                    _write_json(folder / RUN, self.stamp)
                 mark_complete(folder, state.global_step)
 
     return CompleteMarker

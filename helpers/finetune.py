@@ -12,9 +12,11 @@ complete checkpoint in ``plan.output_dir`` when there is one (a Colab disconnect
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import time
@@ -34,7 +36,9 @@ from .checkpoints import (
     complete_marker,
     find_resume,
     newest_complete,
+    read_stamp,
     set_aside,
+    set_aside_all,
 )
 from .devices import cuda_capability
 from .errors import OomkitError
@@ -49,7 +53,7 @@ __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
     "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
-    "CheckpointWarning", "FinetuneError",
+    "CheckpointWarning", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash",
 ]  # fmt: skip
 
 IGNORE = -100  # label value the loss skips
@@ -333,7 +337,8 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
     kinds = (torch.nn.Linear, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, Conv1D)
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {
-        name.rsplit(".", 1)[-1]
+        # a model with LoRA attached holds each adapted layer as <name>.base_layer: the target is <name>
+        name.removesuffix(".base_layer").rsplit(".", 1)[-1]
         for name, mod in model.named_modules()
         if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name
     }
@@ -361,12 +366,14 @@ class TrainableParams:
     total: int
     targets: list[str]
     gradient_checkpointing: bool
+    note: str = ""  # e.g. that the adapters were already attached and the model came back as is
 
     def __str__(self) -> str:
         return (
             f"trainable parameters: {self.trainable:,} of {self.total:,} ({100 * self.trainable / self.total:.3f} %)"
             f" in LoRA adapters on {', '.join(self.targets)}; gradient checkpointing "
             f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}"
+            + (f"; {self.note}" if self.note else "")
         )
 
 
@@ -376,11 +383,18 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     ``prepare_model_for_kbit_training`` (norms in fp32, input gradients on), gradient checkpointing
     with the non-reentrant variant, then ``get_peft_model`` (adapters initialised from ``plan.seed``).
 
+    A model that already has the plan's LoRA adapters (the cell run again) comes back as is, its
+    adapter weights kept; :class:`FinetuneError` when its adapters differ from the plan's or are frozen.
+
     Returns:
         ``(peft_model, TrainableParams)``.
     """
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    if hasattr(model, "peft_config"):
+        # before anything changes it: a second prepare_model_for_kbit_training would freeze the adapters
+        # and get_peft_model would then wrap their base_layer, leaving nothing to train
+        return _already_prepared(model, plan)
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
     keep_4bit_layout(model)  # a model loaded elsewhere and generated with may have been repacked
     ckpt_kwargs = {"use_reentrant": False}
@@ -401,6 +415,38 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
         peft_model = get_peft_model(model, config)
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, TrainableParams(trainable, total, sorted(config.target_modules), plan.gradient_checkpointing)
+
+
+def _already_prepared(model, plan: TrainPlan) -> tuple[Any, TrainableParams]:
+    """``model`` as is when its LoRA adapters are the plan's and train, else a :class:`FinetuneError`."""
+    keep_4bit_layout(model)
+    reload = "load the base model again (rerun the load cell) and call prepare_qlora on it"
+    trainable, total = model.get_nb_trainable_parameters()
+    if trainable == 0:
+        raise FinetuneError(
+            "this model already has LoRA adapters, but none of their weights trains (loaded for inference, "
+            f"e.g. load(LoadPlan(..., adapter=...))): to train, {reload} (without adapter=)"
+        )
+    config = model.peft_config[model.active_adapter]
+    have_targets = [config.target_modules] if isinstance(config.target_modules, str) else config.target_modules
+    want = plan.lora_config(model)
+    # what transformers' is_gradient_checkpointing reads (renamed is_activation_checkpointing in 5.x)
+    checkpointing = any(getattr(m, "gradient_checkpointing", None) is True for m in model.modules())
+    pairs = [
+        ("r", getattr(config, "r", None), want.r),
+        ("alpha", getattr(config, "lora_alpha", None), want.lora_alpha),
+        ("dropout", getattr(config, "lora_dropout", None), want.lora_dropout),
+        ("targets", sorted(have_targets or []), sorted(want.target_modules)),
+        ("gradient_checkpointing", checkpointing, plan.gradient_checkpointing),
+    ]
+    differ = [f"{name} {have!r} (the plan: {wanted!r})" for name, have, wanted in pairs if have != wanted]
+    if differ:
+        raise FinetuneError(
+            f"this model already has LoRA adapters ({type(config).__name__}) with other settings: "
+            f"{'; '.join(differ)}. Adapters cannot be changed in place: {reload}, or set the plan back"
+        )
+    note = "the model already had these LoRA adapters (prepare_qlora ran on it before): returned as is, weights kept"
+    return model, TrainableParams(trainable, total, sorted(have_targets), checkpointing, note)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -540,6 +586,10 @@ def answer(
     """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS).
 
     ``stream=True`` prints the first answer token by token while its batch runs."""
+    if isinstance(instructions, str):  # else one prompt per character: as generate_batched refuses it
+        raise TypeError(
+            f"instructions must be a list of strings, got one string ({instructions[:40]!r}): pass [instruction]"
+        )
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             progress=False, add_special_tokens=False, do_sample=False, use_cache=True,
@@ -558,10 +608,22 @@ class MicroBatch:
     batch_size: int
     search: Any
 
+    @property
+    def why(self) -> str:
+        """How the micro-batch follows from the search, in a few words."""
+        s = self.search
+        if s.limit and s.max_ok >= s.limit:
+            how, usable = f"the cap {s.limit} ran: no margin, that is for after an out-of-memory try", s.max_ok
+        else:
+            how, usable = f"{s.margin:.0%} of the largest that ran, {s.max_ok}: {s.batch_size}", s.batch_size
+        if self.micro_batch == usable:
+            return how
+        return f"{how}; the largest divisor of {self.batch_size} up to {usable} is {self.micro_batch}"
+
     def __str__(self) -> str:
         return (
             f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
-            f"effective batch {self.batch_size}\n{self.search}"
+            f"effective batch {self.batch_size} ({self.why})\n{self.search}"
         )
 
     def _repr_html_(self) -> str:
@@ -572,11 +634,11 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     """Measure the largest micro-batch a real training step (forward + backward at ``seq_len``) fits.
 
     The search is capped at ``plan.micro_batch`` when the plan has one (a choice made in
-    :class:`~helpers.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``; the
-    micro-batch is the largest divisor of the effective batch within the margin, so micro-batch x
-    accumulation is exactly the batch asked for. A chosen micro-batch that runs is kept whole (the
-    margin guards the edge a search found, and there was none below the choice). Set it on the plan
-    with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
+    :class:`~helpers.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``. When
+    that cap runs it is kept whole; after an out-of-memory try, ``margin`` of the largest size that
+    ran (the margin guards the edge a search found; a cap that ran found none). Either is rounded
+    down to a divisor of the effective batch, so micro-batch x accumulation is exactly the batch
+    asked for. Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
 
     vocab = model.get_input_embeddings().num_embeddings
@@ -602,31 +664,24 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
         finally:
             model.zero_grad(set_to_none=True)
 
+    limit = plan.micro_batch or plan.batch_size
     try:
-        search = find_max_batch_size(
-            step,
-            limit=plan.micro_batch or plan.batch_size,
-            margin=margin,
-            # everything that changes a step's memory, and the limit: a search stopped by a smaller limit
-            # must not cap a later one with a larger limit
-            key=(
-                "qlora",
-                plan.model,
-                plan.load,
-                plan.double_quant,
-                plan.r,
-                plan.seq_len,
-                plan.gradient_checkpointing,
-                plan.micro_batch or plan.batch_size,
-                str(device),
-            ),  # fmt: skip
-        )
+        search = find_max_batch_size(step, limit=limit, margin=margin, key=_micro_batch_key(plan, precision, device))
     finally:
         model.train(was_training)
-    chosen_ran = plan.micro_batch is not None and search.max_ok >= plan.micro_batch
-    usable = search.max_ok if chosen_ran else search.batch_size
+    # the margin is headroom below a size that ran out of memory; when the limit itself ran there was none
+    usable = search.max_ok if search.max_ok >= limit else search.batch_size
     micro = max(d for d in range(1, usable + 1) if plan.batch_size % d == 0)
     return MicroBatch(micro, plan.batch_size // micro, plan.batch_size, search)
+
+
+def _micro_batch_key(plan: TrainPlan, precision: str, device: torch.device) -> tuple:
+    """The search cache key: everything that changes a training step's memory (LoRA targets and
+    dropout change what is adapted and saved for backward; precision the activations' size), and the
+    limit, so a search stopped by a smaller one is not taken for the answer to a larger one."""
+    targets = plan.targets if isinstance(plan.targets, str) else tuple(plan.targets)
+    return ("qlora", plan.model, plan.load, plan.double_quant, plan.r, targets, plan.dropout, precision,
+            plan.seq_len, plan.gradient_checkpointing, plan.micro_batch or plan.batch_size, str(device))  # fmt: skip
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -641,7 +696,15 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), **argument_overrides):
-    """A ``Trainer`` for ``plan`` (needs ``plan.micro_batch``; see :func:`find_micro_batch`)."""
+    """A ``Trainer`` for ``plan`` (needs ``plan.micro_batch``; see :func:`find_micro_batch`).
+
+    Each checkpoint it saves is marked complete and stamped with the run's settings and a hash of
+    ``dataset`` (see :func:`run_stamp`), which :func:`train` compares when it resumes.
+    """
+    return _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)[0]
+
+
+def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, overrides: dict) -> tuple[Any, dict]:
     from transformers import Trainer
 
     if plan.micro_batch is None:
@@ -660,13 +723,66 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
             "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return Trainer(
+    args = plan.training_arguments(**overrides)
+    stamp = run_stamp(plan, args, dataset)
+    trainer = Trainer(
         model=model,
-        args=plan.training_arguments(**argument_overrides),
+        args=args,
         train_dataset=dataset,
         data_collator=lambda ex: collate(ex, pad),
-        callbacks=[*callbacks, complete_marker()],  # the COMPLETE marker goes last, after everything is saved
+        callbacks=[*callbacks, complete_marker(stamp)],  # the COMPLETE marker goes last, after everything is saved
     )
+    return trainer, stamp
+
+
+def dataset_hash(dataset) -> str:
+    """sha256 of every example's token ids and labels, in order: what training sees of the data."""
+    h = hashlib.sha256()
+    for example in dataset:
+        for key in ("input_ids", "labels"):
+            values = list(example[key])
+            h.update(len(values).to_bytes(8, "little"))  # so [1, 2] + [3] differs from [1] + [2, 3]
+            try:
+                h.update(array.array("q", values).tobytes())
+            except (TypeError, OverflowError):  # tensors, numpy ints: their text is still the same each time
+                h.update(repr([int(v) for v in values]).encode())
+    return h.hexdigest()
+
+
+# what decides the adapter a run trains: a checkpoint written with other values is another run's
+_STAMPED_PLAN = ("model", "load", "double_quant", "r", "alpha", "dropout", "targets", "seq_len", "packing")
+
+
+def run_stamp(plan: TrainPlan, args, dataset) -> dict:
+    """The settings and data a run trains with, as stored in each of its checkpoints (JSON-able).
+
+    The micro-batch (measured; the effective batch is stamped), the output folder, save and log
+    intervals and gradient checkpointing are left out: they change memory or bookkeeping, not the result.
+    """
+    stamped = {name: getattr(plan, name) for name in _STAMPED_PLAN}
+    stamped["targets"] = stamped["targets"] if isinstance(stamped["targets"], str) else list(stamped["targets"])
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    steps = {"max_steps": args.max_steps} if args.max_steps > 0 else {"epochs": args.num_train_epochs}
+    stamped.update(batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                   optimizer=str(getattr(args.optim, "value", args.optim)), precision=precision,
+                   learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed, **steps)  # fmt: skip
+    return {"plan": stamped, "dataset": {"examples": len(dataset), "sha256": dataset_hash(dataset)}}
+
+
+def stamp_changes(old: dict | None, new: dict) -> list[str]:
+    """What differs between the stamp a checkpoint holds and this run's, one phrase each ([] when none
+    differs, or the checkpoint has no stamp: written before stamps existed)."""
+    if not old:
+        return []
+    before, now = old.get("plan", {}), new["plan"]
+    changes = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items() if k in before and before[k] != v]
+    was, data = old.get("dataset", {}), new["dataset"]
+    if was.get("sha256") not in (None, data["sha256"]):
+        changes.append(
+            f"the data ({was.get('examples')} examples, sha256 {str(was['sha256'])[:12]}) -> "
+            f"({data['examples']} examples, sha256 {data['sha256'][:12]})"
+        )
+    return changes
 
 
 @dataclass
@@ -681,6 +797,9 @@ class TrainResult:
     seconds: float = 0.0
     log_history: list[dict] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)  # newer checkpoints passed over, and why
+    set_aside: list[Skipped] = field(default_factory=list)  # an earlier run's checkpoints, moved (resume=False)
+    changed: list[str] = field(default_factory=list)  # how the resumed checkpoint's settings or data differ
+    finished_before: bool = False  # the checkpoint had reached max_steps: its adapter loaded, nothing trained
 
     @property
     def first_loss(self) -> float | None:
@@ -692,6 +811,13 @@ class TrainResult:
 
     def __str__(self) -> str:
         start = f"resumed at step {self.resumed_from}" if self.resumed_from else "started from scratch"
+        done = f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s"
+        if self.finished_before:
+            done = (
+                f"already finished: the checkpoint of step {self.resumed_from} is the run's last (of {self.max_steps}), "
+                "so its adapter is loaded into the model and nothing trained (raise max_steps or epochs to train "
+                "on, or pass resume=False to start over)"
+            )
         loss = (
             f"; loss {self.first_loss:.3f} (step {self.losses[0][0]}) -> {self.last_loss:.3f} "
             f"(step {self.losses[-1][0]})"
@@ -699,10 +825,12 @@ class TrainResult:
             else ""
         )
         skipped = "".join(f"; skipped {s}" for s in self.skipped)
-        return (
-            f"trained to step {self.global_step} of {self.max_steps} ({start}) in {self.seconds:.1f} s{loss}; "
-            f"checkpoints in {self.output_dir}{skipped}"
-        )
+        if self.set_aside:
+            n, names = len(self.set_aside), ", ".join(s.moved_to.name for s in self.set_aside if s.moved_to)
+            skipped += f"; set aside the {n} checkpoint{'s' if n > 1 else ''} of an earlier run (kept as {names})"
+        if self.changed:
+            skipped += f"; the checkpoint was written with other settings or data: {', '.join(self.changed)}"
+        return f"{done}{loss}; checkpoints in {self.output_dir}{skipped}"
 
 
 def train(
@@ -714,26 +842,101 @@ def train(
     disconnect continues at the step where it saved, with the same data order. A newer checkpoint
     that a kill left half written, or that is corrupted, is skipped with a :class:`CheckpointWarning`
     naming the file, and renamed ``incomplete-checkpoint-N`` (kept, not deleted); the skips are in
-    ``TrainResult.skipped``. When no checkpoint is complete, :class:`CheckpointError` says what to do.
+    ``TrainResult.skipped``. A lone checkpoint cut short is set aside the same way and training starts over;
+    when several are there and none is complete, :class:`CheckpointError` says what to do.
+
+    A checkpoint that already reached ``max_steps`` (the run finished; the cell run again) is not
+    trained further: its adapter is loaded into ``model`` and ``TrainResult.finished_before`` is set.
+    Each checkpoint holds the run's settings and a hash of its data (:func:`run_stamp`); resuming
+    from one written with others warns (:class:`CheckpointWarning`) and lists them in ``TrainResult.changed``.
+
+    ``resume=False`` starts over: the folder's ``checkpoint-N`` are renamed ``previous-checkpoint-N``
+    first (kept; listed in ``TrainResult.set_aside``), so a later resume continues this run, not theirs.
     """
     keep_4bit_layout(model)
-    trainer = make_trainer(model, tokenizer, plan, dataset, callbacks=callbacks, **argument_overrides)
+    trainer, stamp = _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)
     out = Path(trainer.args.output_dir)
     point = find_resume(out) if resume else ResumePoint(None, None)
-    for skip in point.skipped:
-        set_aside(skip)
-        kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
+    # starting over: the earlier run's checkpoints must go out of Trainer's way (renamed, kept), or its
+    # rotation by age keeps an old high-numbered one and the next resume continues the old run
+    aside = [] if resume else set_aside_all(out, "an earlier run's checkpoint (resume=False starts over)")
+    _set_aside_skipped(point, out)
+    total = _total_steps(trainer.args, len(dataset))
+    finished = point.checkpoint is not None and point.step >= total
+    changed = stamp_changes(read_stamp(point.checkpoint), stamp) if point.checkpoint else []
+    if changed:
+        then = (
+            "it had finished, so nothing trains on the new ones: its adapter is loaded as it is"
+            if finished
+            else "training continues from it with the new ones"
+        )
         warnings.warn(
-            f"skipped {skip.path.name} in {out}: {skip.problem}; resuming from {point.checkpoint.name} instead{kept}",
+            f"{point.checkpoint.name} in {out} was written with other settings or data: {'; '.join(changed)}. "
+            f"{then.capitalize()}; pass resume=False to train from scratch (the old checkpoints are kept, renamed)",
             CheckpointWarning,
             stacklevel=2,
         )
+    if finished:  # Trainer would run one step past max_steps and rotate an older checkpoint out
+        _load_checkpoint_weights(trainer, point.checkpoint)
+        history = json.loads((point.checkpoint / "trainer_state.json").read_text(encoding="utf-8")).get(
+            "log_history", []
+        )
+        losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+        return TrainResult(out, point.step, point.step, total, losses, 0.0, history, point.skipped, aside, changed,
+                           finished_before=True)  # fmt: skip
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
-                       time.perf_counter() - started, history, point.skipped)  # fmt: skip
+                       time.perf_counter() - started, history, point.skipped, aside, changed)  # fmt: skip
+
+
+def _set_aside_skipped(point: ResumePoint, out: Path) -> None:
+    """Rename the checkpoints :func:`find_resume` passed over (kept) and warn about each."""
+    for skip in point.skipped:
+        set_aside(skip)
+        kept = f" (the folder is kept as {skip.moved_to.name})" if skip.moved_to else ""
+        instead = f"resuming from {point.checkpoint.name}" if point.checkpoint else "starting from scratch"
+        warnings.warn(
+            f"skipped {skip.path.name} in {out}: {skip.problem}; {instead} instead{kept}",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+
+
+def _total_steps(args, examples: int) -> int:
+    """The optimizer steps the run makes in all, as Trainer counts them (one process)."""
+    if args.max_steps > 0:
+        return args.max_steps
+    per = args.per_device_train_batch_size
+    batches = examples // per if args.dataloader_drop_last else math.ceil(examples / per)
+    accumulation = args.gradient_accumulation_steps
+    per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
+
+
+def _load_checkpoint_weights(trainer, folder: Path) -> None:
+    """Put the trained weights of ``folder`` into the trainer's model (the adapter for a PEFT model)."""
+    model = trainer.model
+    if not hasattr(model, "peft_config"):
+        trainer._load_from_checkpoint(str(folder))  # what Trainer runs on resume, for any other model
+        return
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    try:
+        loaded = set_peft_model_state_dict(model, load_peft_weights(str(folder)), adapter_name=model.active_adapter)
+    except RuntimeError as e:  # a size mismatch: another rank
+        raise FinetuneError(
+            f"the adapter in {folder} does not fit this model's LoRA adapters ({str(e).splitlines()[-1].strip()}); "
+            "its LoRA settings differ from the plan's: pass resume=False to start over (it is kept)"
+        ) from None
+    unexpected = list(getattr(loaded, "unexpected_keys", None) or [])
+    if unexpected:
+        raise FinetuneError(
+            f"the adapter in {folder} has {len(unexpected)} weights this model has no place for (e.g. "
+            f"{unexpected[0]}): its LoRA targets differ from the plan's; pass resume=False to start over (it is kept)"
+        )
 
 
 # -- adapter -------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ LEARNING_RATE = 2e-4
 DATA = None  # None: the shipped GIS instructions (shipped in the package), or your own JSONL path
 OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
 MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
-FRESH = False  # True: delete old checkpoints and start over instead of resuming
+FRESH = False  # True: start over instead of resuming (old checkpoints are renamed previous-checkpoint-N, kept)
 DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40"), or "current"
 MAX_NEW_TOKENS = 64
 MERGE = False  # also fold the adapter into the base weights at the end
@@ -114,11 +114,7 @@ panel
 # The estimator's budget for the panel's choice, row by row:
 
 # %%
-import shutil
-
 plan = panel.plan  # the controls' values now, not the parameters cell's
-if FRESH:
-    shutil.rmtree(plan.resolved_output_dir(), ignore_errors=True)
 print(plan)
 panel.state.estimate
 
@@ -145,7 +141,9 @@ before = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS, stream
 # %% [markdown]
 # ## 5. Prepare QLoRA
 # `prepare_model_for_kbit_training` (norms in fp32, input gradients), non-reentrant gradient
-# checkpointing, LoRA on every linear layer but the output layer.
+# checkpointing, LoRA on every linear layer but the output layer. Run again, this cell returns the
+# prepared model as is (adapters and their weights kept); other LoRA settings need the base loaded
+# again (step 3), and it says so.
 
 # %%
 from helpers import prepare_qlora
@@ -156,9 +154,9 @@ print(trainable)
 # %% [markdown]
 # ## 6. Find the micro-batch
 # A real forward + backward at the plan's sequence length, growing the batch until it runs out of
-# memory (caught, the memory given back) or reaches the panel's micro-batch; after an OOM, 90 % of
-# the largest that ran, rounded down to a divisor of the effective batch. Gradient accumulation
-# makes up the rest.
+# memory (caught, the memory given back) or reaches the panel's micro-batch (the effective batch
+# when "auto"). That cap, when it runs, is used whole; after an OOM, 90 % of the largest that ran.
+# Either is rounded down to a divisor of the effective batch; gradient accumulation makes up the rest.
 
 # %%
 from helpers import find_micro_batch
@@ -174,7 +172,9 @@ micro
 # allocated, reserved, peak since the last log and RAM to every log line and says so if memory
 # keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this
-# cell continues from the last checkpoint at the right step.
+# cell continues from the last checkpoint at the right step (a finished run is not trained again:
+# its adapter is loaded; other data or settings than the checkpoint's are named in a warning). With
+# `FRESH = True` it starts over and moves the old checkpoints aside (`previous-checkpoint-N`, kept).
 
 # %%
 from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
@@ -182,7 +182,7 @@ from helpers import MemoryCallback, MemoryMonitor, build_dataset, train
 data = build_dataset(tokenizer, load_instructions(DATA), plan.seq_len, packing=plan.packing)
 with MemoryMonitor(interval=0.5) as monitor:
     callback = MemoryCallback(monitor)
-    result = train(model, tokenizer, plan, data, callbacks=[callback])
+    result = train(model, tokenizer, plan, data, callbacks=[callback], resume=not FRESH)
 print(result)
 print(callback.leaks or "no steady memory growth between log steps")
 

@@ -38,12 +38,14 @@ PACKAGES = ["transformers", "accelerate", "peft", "bitsandbytes", "ipywidgets"]
 # The lowest releases that pass; pyproject.toml's lower bounds are these (test_install checks they agree).
 # transformers < 5.0 lacks quantizers_utils.should_convert_module (the estimator's layout), and 5.0.0
 # counts tied embeddings differently (estimates off by the embedding); 5.1.0 passes. accelerate < 1.2
-# lacks utils.modeling.get_module_size_with_ties, which transformers 5 imports. peft 0.18 is the
+# lacks utils.modeling.get_module_size_with_ties, which transformers 5 imports, and 1.2 lacks
+# unwrap_model(keep_torch_compile=), which transformers 5.1's Trainer passes (a TypeError at the first
+# training step; 1.3.0 added it, and the training test below runs Trainer). peft 0.18 is the
 # oldest transformers 5 accepts. bitsandbytes 0.45 has no CPU kernels (the int8/nf4 tests fail); 0.48 passes
 # (0.46 and 0.47 were not tried).
 LOW = {
     "transformers": "5.1.0",
-    "accelerate": "1.2.0",
+    "accelerate": "1.3.0",
     "peft": "0.18.0",
     "bitsandbytes": "0.48.0",
     "ipywidgets": "7.7.1",  # what Colab preinstalls; the panel and tqdm's bars must work with it
@@ -56,6 +58,8 @@ TESTS = [
     "tests/test_preflight.py",
     "tests/test_install.py",
     "tests/test_widgets.py",
+    # two real Trainer steps, a checkpoint and a rerun: the only Trainer run in the subset
+    "tests/test_finetune.py::test_two_real_steps_train_save_and_rerun_as_finished",
 ]
 DESELECT = "not test_cli_json_on_this_machine and not test_cli_unknown_command and not test_importing_helpers_quiets"
 NOTEBOOK = "03_safe_eval"  # loads with load(), generates in batches, survives OOMs, resumes

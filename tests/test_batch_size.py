@@ -75,6 +75,24 @@ def test_cache_per_key_starts_there():
     clear_cache()
 
 
+def test_a_cached_limit_does_not_cap_a_later_search_with_a_larger_limit():
+    """A search stopped by its limit (8) records 9 as its bound; only a size that ran out of memory may
+    cap a later search with the same key (it did: limit 64 gave 8 after trying only [8])."""
+    clear_cache()
+    small = find_max_batch_size(budget_step(1000), limit=8, key="limit-then-larger")
+    assert small.max_ok == 8 and small.first_failed == 9
+    large = find_max_batch_size(budget_step(1000), limit=64, key="limit-then-larger")
+    assert large.cached and large.max_ok == 64 and large.first_failed == 65 and "the limit 64 fits" in str(large)
+    assert small.limit_bound and large.limit_bound  # both bounds are limits, neither ran out of memory
+    # a real out-of-memory bound is still trusted: one try
+    real = find_max_batch_size(budget_step(20), limit=64, key="real-bound")
+    assert real.first_failed == 21 and not real.limit_bound
+    calls: list[int] = []
+    again = find_max_batch_size(budget_step(20, calls), limit=64, key="real-bound")
+    assert again.max_ok == 20 and calls == [20] and not again.limit_bound
+    clear_cache()
+
+
 def test_runtime_error_ooms_and_real_cpu_oom_are_caught():
     for error in (
         lambda m: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),

@@ -12,17 +12,28 @@ import shutil
 import warnings
 
 import pytest
+import torch
 import transformers
+from peft import get_peft_model_state_dict, load_peft_weights
 
 from helpers.checkpoints import (
     COMPLETE,
+    RUN,
     CheckpointError,
     CheckpointWarning,
     checkpoint_folders,
     find_resume,
     problem,
 )
-from helpers.finetune import TrainPlan, build_dataset, last_checkpoint, load_instructions, prepare_qlora, train
+from helpers.finetune import (
+    TrainPlan,
+    build_dataset,
+    last_checkpoint,
+    load_instructions,
+    make_trainer,
+    prepare_qlora,
+    train,
+)  # fmt: skip
 from helpers.loading import load
 
 ROWS = load_instructions()[:24]
@@ -115,6 +126,9 @@ def test_every_saved_checkpoint_is_marked_complete(reference):
         marker = json.loads((folder / COMPLETE).read_text())
         assert marker["global_step"] == int(folder.name.split("-")[1])
         assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "adapter_model.safetensors"} <= set(marker["files"])
+        assert RUN in marker["files"]  # the run's stamp is written before the marker, which vouches for it
+        stamp = json.loads((folder / RUN).read_text())
+        assert stamp["plan"]["learning_rate"] == 1e-3 and stamp["dataset"]["examples"] == len(ROWS)
         assert problem(folder) is None
     assert last_checkpoint(out).name == "checkpoint-5"
 
@@ -216,15 +230,101 @@ def test_a_kill_during_the_save_resumes_from_the_checkpoint_before(tiny_llama, t
 
 
 def test_saving_over_an_old_checkpoint_drops_its_marker_first(reference, tiny_llama, tmp_path, monkeypatch):
-    """A new run (resume=False) in an old run's folder, killed while overwriting checkpoint-3: the old
-    marker must not make the mix of new adapter and old optimizer look whole."""
+    """A new run in an old run's folder through a bare Trainer (train(resume=False) moves the old ones aside
+    first), killed while overwriting checkpoint-3: the old marker must not make the mix of new adapter and
+    old optimizer look whole."""
     out = _cut_at_3(reference, tmp_path)
     _kill_while_saving(monkeypatch, 3)
+    plan = _plan(tiny_llama, out, learning_rate=5e-4)
+    model, tok, _ = load(plan.load_plan())
+    model, _ = prepare_qlora(model, plan)
     with pytest.raises(Killed):
-        _run(_plan(tiny_llama, out, learning_rate=5e-4), resume=False)
+        make_trainer(model, tok, plan, build_dataset(tok, ROWS, plan.seq_len)).train()
     assert not (out / "checkpoint-3" / COMPLETE).exists()
     point = find_resume(out)
     assert point.checkpoint.name == "checkpoint-2" and f"no {COMPLETE} marker" in point.skipped[0].problem
+
+
+def test_a_cut_short_first_checkpoint_is_set_aside_and_training_starts_over(reference, tiny_llama, tmp_path):
+    """The runtime died while Drive was writing the first checkpoint: no step can be resumed, so starting
+    over loses nothing (it raised CheckpointError, asking the user to pass resume=False or delete it)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0] / "checkpoint-1", out / "checkpoint-1")
+    (out / "checkpoint-1" / "optimizer.pt").unlink()
+    point = find_resume(out)
+    assert point.checkpoint is None and [s.path.name for s in point.skipped] == ["checkpoint-1"]
+    with pytest.warns(CheckpointWarning, match="skipped checkpoint-1 .*optimizer.pt is missing.*starting from scratch"):
+        result = _run(_plan(tiny_llama, out, max_steps=2))
+    assert result.resumed_from is None and result.global_step == 2
+    assert (out / "incomplete-checkpoint-1" / "adapter_model.safetensors").exists()  # kept, not deleted
+    assert problem(out / "checkpoint-1") is None  # written afresh by the new run
+
+
+def test_starting_over_sets_the_earlier_runs_checkpoints_aside(reference, tiny_llama, tmp_path):
+    """resume=False in a folder an earlier run used: its checkpoints are renamed, not left for Trainer's
+    rotation (by age, so an old high-numbered one survived) and the next resume (it continued the old run
+    at step 5 instead of the new one at step 2)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)  # the earlier run: checkpoint-1 .. checkpoint-5
+    result = _run(_plan(tiny_llama, out, max_steps=2, learning_rate=5e-4), resume=False)
+    assert result.global_step == 2 and result.resumed_from is None
+    assert [f.name for f in checkpoint_folders(out)] == ["checkpoint-2", "checkpoint-1"]  # the new run's only
+    assert find_resume(out).step == 2
+    moved = [f"previous-checkpoint-{n}" for n in (5, 4, 3, 2, 1)]
+    assert [s.moved_to.name for s in result.set_aside] == moved
+    assert all(problem(out / name) is None for name in moved)  # kept whole, never deleted
+    assert "set aside the 5 checkpoints of an earlier run (kept as previous-checkpoint-5, " in str(result)
+    again = _run(_plan(tiny_llama, out, max_steps=2, learning_rate=5e-4), resume=False)  # and once more
+    assert [s.moved_to.name for s in again.set_aside] == ["previous-checkpoint-2-2", "previous-checkpoint-1-2"]
+
+
+def _adapter(model) -> dict:
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def test_a_finished_run_run_again_loads_its_adapter_and_trains_nothing(reference, tiny_llama, tmp_path):
+    """Resuming from checkpoint-5 of a 5-step run ran a sixth step (and could rotate an older checkpoint
+    out); now the trained adapter is loaded into the model and nothing trains."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    plan = _plan(tiny_llama, out)
+    model, tok, _ = load(plan.load_plan())
+    model, _ = prepare_qlora(model, plan)
+    untrained = _adapter(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)  # same settings and data: nothing to warn about
+        result = train(model, tok, plan, build_dataset(tok, ROWS, plan.seq_len))
+    assert (result.resumed_from, result.global_step, result.max_steps) == (5, 5, 5) and result.finished_before
+    assert "already finished" in str(result) and "nothing trained" in str(result)
+    assert dict(result.losses) == reference[1]  # the finished run's curve, from its checkpoint
+    assert [f.name for f in checkpoint_folders(out)] == [f"checkpoint-{n}" for n in (5, 4, 3, 2, 1)]
+    saved = load_peft_weights(str(out / "checkpoint-5"), device="cpu")
+    loaded = _adapter(model)
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert any(not torch.equal(loaded[k], untrained[k]) for k in saved)
+
+
+def test_an_epoch_based_run_run_again_is_finished_too(tiny_llama, tmp_path):
+    plan = _plan(tiny_llama, tmp_path / "run", max_steps=0, epochs=0.25, save_steps=2)  # 12 batches: 3 steps
+    first = _run(plan)
+    assert first.global_step == 3
+    again = _run(plan)
+    assert again.global_step == 3 and again.max_steps == 3 and again.finished_before
+
+
+def test_resuming_with_other_settings_or_data_says_what_changed(reference, tiny_llama, tmp_path):
+    """A checkpoint holds the settings and a hash of the data it was trained on; resuming with others
+    continued silently (and a finished run ignored new data without a word)."""
+    out = _cut_at_3(reference, tmp_path)
+    plan = _plan(tiny_llama, out, learning_rate=5e-4)
+    model, tok, _ = load(plan.load_plan())
+    model, _ = prepare_qlora(model, plan)
+    data = build_dataset(tok, load_instructions()[24:48], plan.seq_len)
+    with pytest.warns(CheckpointWarning, match=r"checkpoint-3 .*learning_rate 0\.001 -> 0\.0005; the data \(24 ex"):
+        result = train(model, tok, plan, data)
+    assert result.resumed_from == 3 and result.global_step == 5 and not result.finished_before
+    assert result.changed[0] == "learning_rate 0.001 -> 0.0005" and result.changed[1].startswith("the data (24")
+    assert "written with other settings or data: learning_rate 0.001 -> 0.0005" in str(result)
 
 
 def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_path):
@@ -237,10 +337,11 @@ def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_pa
     msg = str(e.value)
     assert "\n" not in msg and "checkpoint-3: optimizer.pt is missing" in msg
     assert "the 2 older ones are not complete either" in msg
-    assert "pass resume=False to start over, or delete" in msg and str(out / "checkpoint-3") in msg
+    assert "pass resume=False to start over (the checkpoints are kept" in msg and str(out / "checkpoint-3") in msg
     assert (out / "checkpoint-3").is_dir()  # nothing moved or deleted when nothing can be resumed
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         fresh = _run(_plan(tiny_llama, out, max_steps=1), resume=False)
     assert fresh.resumed_from is None and fresh.global_step == 1
+    assert (out / "previous-checkpoint-3" / "scheduler.pt").exists()  # started over; the broken ones are kept
     assert problem(out / "checkpoint-1") is None

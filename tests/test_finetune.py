@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 from helpers.finetune import (
     TrainPlan,
+    answer,
     build_dataset,
     collate,
     find_micro_batch,
@@ -127,6 +130,18 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
         make_trainer(model, tok, plan, ROWS[:2])
 
 
+def test_answer_refuses_a_bare_string_as_generate_batched_does(tiny_llama, monkeypatch):
+    """A string is a sequence of characters: answer() ran one prompt per character and returned that many."""
+    import helpers.finetune as finetune
+
+    calls = []
+    monkeypatch.setattr(finetune, "generate_batched", lambda model, tok, prompts, **kw: calls.append(prompts))
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with pytest.raises(TypeError, match=r"got one string \('What is 2\+2\?'\): pass \[instruction\]"):
+        answer(None, tok, "What is 2+2?")
+    assert calls == []
+
+
 def test_prompt_is_masked_and_answer_trains(tiny_llama):
     from transformers import AutoTokenizer
 
@@ -196,6 +211,36 @@ def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_ll
         # Without the fix these gradients are lost entirely (relative error 1.0).
         error = ((g - reference[name]).norm() / reference[name].norm()).item()
         assert error < 0.02, (name, error)
+
+
+def test_preparing_a_prepared_model_again_returns_it_with_its_adapters(tiny_llama, tmp_path):
+    """The prepare cell run twice: the second kbit preparation froze the adapters and get_peft_model failed
+    on {'base_layer'}, leaving 0 trainable parameters. Now the model comes back as is, adapters kept."""
+    from helpers.finetune import FinetuneError
+
+    plan = _plan(tiny_llama, tmp_path)
+    model, tok, _ = load(plan.load_plan())
+    model, first = prepare_qlora(model, plan)
+    with torch.no_grad():  # as if it had trained: a re-run must keep these weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    again, second = prepare_qlora(model, plan)
+    assert again is model and (second.trainable, second.targets) == (first.trainable, first.targets)
+    assert "already had these LoRA adapters" in str(second) and "returned as is" in str(second)
+    assert all((p == 0.01).all() for n, p in again.named_parameters() if "lora_B" in n)
+    assert _lora_b_grads(again, tok)  # still trains
+
+    for change, says in [({"r": 4}, "r 8 (the plan: 4)"), ({"targets": ["q_proj"]}, "targets [")]:
+        with pytest.raises(FinetuneError, match=r"already has LoRA adapters .*" + re.escape(says)) as e:
+            prepare_qlora(model, plan.replace(**change))
+        assert "load the base model again" in str(e.value)
+    assert model.get_nb_trainable_parameters()[0] == first.trainable  # nothing changed by the refusals
+
+    save_adapter(model, tmp_path / "adapter")
+    frozen, _, _ = load(plan.load_plan(adapter=str(tmp_path / "adapter")))  # loaded for inference
+    with pytest.raises(FinetuneError, match="none of their weights trains"):
+        prepare_qlora(frozen, plan)
 
 
 def test_target_modules_skip_output_layer(tiny_llama, tiny_qwen2):
@@ -271,6 +316,20 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
     assert state["global_step"] == 6
     for name in ("optimizer.pt", "scheduler.pt", "adapter_model.safetensors"):
         assert (last_checkpoint(plan.output_dir) / name).exists()
+
+
+def test_two_real_steps_train_save_and_rerun_as_finished(tiny_llama, tmp_path):
+    """The compat matrix runs this at the lowest versions pyproject claims: transformers 5.1's Trainer calls
+    accelerate's unwrap_model(model, keep_torch_compile=False), which accelerate 1.2 lacked (a TypeError
+    at the first step), and nothing else there ran Trainer."""
+    plan = _plan(tiny_llama, tmp_path / "run", micro_batch=2, max_steps=2, save_steps=2)
+    model, tok, _ = _prepared(plan)
+    ds = build_dataset(tok, ROWS[:8], plan.seq_len)
+    result = train(model, tok, plan, ds)
+    assert result.global_step == 2 and len(result.losses) == 2 and all(math.isfinite(x) for _, x in result.losses)
+    assert last_checkpoint(plan.output_dir).name == "checkpoint-2"
+    again = train(model, tok, plan, ds)  # the cell run again: finished, nothing trains
+    assert again.global_step == 2 and again.finished_before
 
 
 @pytest.mark.cuda

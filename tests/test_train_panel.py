@@ -95,7 +95,8 @@ class BudgetedModel(torch.nn.Module):
     ("budget", "chosen", "expected"),
     [
         (16, 4, 4),  # the choice runs: kept whole, nothing larger tried
-        (16, None, 8),  # no choice: up to the effective batch, then the margin (16 -> 14 -> divisor 8)
+        (16, None, 16),  # no choice: the effective batch runs, kept whole (it was 8: the margin with no OOM)
+        (12, None, 8),  # no choice, 13 runs out of memory: the margin (12 -> 10 -> divisor 8)
         (2, 8, 1),  # the choice does not run: 2 did, and the margin leaves floor(2 x 0.9) = 1
     ],
 )
@@ -107,6 +108,7 @@ def test_find_micro_batch_tries_at_most_the_chosen_micro_batch(tmp_path, budget,
     mb = find_micro_batch(model, plan)
     assert mb.micro_batch == expected and mb.micro_batch * mb.gradient_accumulation == 16
     assert max(model.sizes) <= (chosen or 16)
+    assert ("no margin" in str(mb)) == (budget >= (chosen or 16))  # the report says why
 
 
 def test_a_larger_choice_after_a_smaller_one_is_searched_again(tmp_path):
@@ -117,6 +119,23 @@ def test_a_larger_choice_after_a_smaller_one_is_searched_again(tmp_path):
     assert find_micro_batch(model, plan).micro_batch == 4
     model.sizes.clear()
     assert find_micro_batch(model, plan.replace(micro_batch=16)).micro_batch == 16 and max(model.sizes) == 16
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"targets": ["q_proj"]}, {"targets": "all-linear"}),
+        ({"dropout": 0.0}, {"dropout": 0.1}),
+        ({"precision": "fp32"}, {"precision": "fp16"}),
+    ],
+)
+def test_targets_dropout_and_precision_have_their_own_micro_batch_search(tmp_path, first, second):
+    """Each changes a step's memory: a search for one setting must not answer for another (they shared
+    the cache key, so a second search started at the first's 4, trusted its OOM at 5 and gave 2)."""
+    plan = TrainPlan("budget-key", seq_len=8, batch_size=16, output_dir=str(tmp_path))
+    assert find_micro_batch(BudgetedModel(4), plan.replace(**first)).micro_batch == 2
+    model = BudgetedModel(16)
+    assert find_micro_batch(model, plan.replace(**second)).micro_batch == 16 and max(model.sizes) == 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this runtime may train as the target does")
