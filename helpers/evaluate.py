@@ -587,7 +587,7 @@ def _plan_batches(
     budget = TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
     cached = remembered_batch(key) if batch_size == "auto" else None
-    if cached is not None and cached.first_failed:
+    if cached is not None and cached.first_failed and not cached.limit_bound:  # a real OOM, not a search's limit
         # the bound a previous search (or run) found still holds unless memory got tighter
         seq0 = longest + run.max_new_tokens
         budget.ok, budget.fail = start * seq0, max(cached.first_failed, start + 1) * seq0

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .attention import keep_attention_fused
 from .batch_size import find_max_batch_size
 from .checkpoints import (
     CheckpointError,
@@ -397,6 +398,7 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
         return _already_prepared(model, plan)
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
     keep_4bit_layout(model)  # a model loaded elsewhere and generated with may have been repacked
+    keep_attention_fused(model)  # packed (unmasked) GQA batches on a T4 would save seq x seq fp32 scores
     ckpt_kwargs = {"use_reentrant": False}
     with warnings.catch_warnings():
         # peft still calls transformers' old name for it (gradient_checkpointing_enable): same feature

@@ -378,6 +378,17 @@ def test_auto_batch_starts_from_a_search_the_user_ran(tiny, tmp_path):
     assert report.batch_sizes[0] == 5 and report.oom_retries == 0 and report.done == len(PROMPTS)
 
 
+def test_a_search_stopped_by_its_limit_does_not_cap_the_evaluation(tiny, tmp_path):
+    """A search whose every size ran (limit 3) says nothing about 4: the evaluation starts at 3 and grows."""
+    model, tok = tiny
+    bs.clear_cache()
+    search = bs.find_max_batch_size(lambda b: None, key=batch_cache_key(model, NEW), limit=3)
+    assert search.max_ok == 3 and search.limit_bound
+    same = [{"id": str(i), "prompt": "memory item"} for i in range(12)]  # one length: the token budget is the batch
+    report = safe_generate(model, tok, same, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
+    assert report.batch_sizes[0] == 3 and max(report.batch_sizes) > 3 and report.oom_retries == 0
+
+
 @pytest.mark.cuda
 def test_runs_on_cuda_and_reports_gpu_memory(tmp_path, tiny_llama):  # pragma: no cover - needs a GPU
     from helpers.loading import load
