@@ -254,7 +254,7 @@ def choose_launcher() -> tuple[str, str]:
     reasons = [f"threads {', '.join(others)} are running (a fork could deadlock)"] if others else []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         reasons.append("CUDA is initialized in this process (a forked child cannot use it)")
-    if "bitsandbytes" in sys.modules:
+    if "bitsandbytes" in sys.modules and torch.cuda.is_available():  # without a GPU it initializes nothing
         reasons.append("bitsandbytes is imported (it initializes CUDA)")
     if _accelerator_made():
         reasons.append("an Accelerator was made in this process (notebook_launcher refuses that)")

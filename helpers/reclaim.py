@@ -108,7 +108,8 @@ def _clearable_frames(tb):
         tb = tb.tb_next
 
 
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes)
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes,
+           *weakref.ProxyTypes)  # fmt: skip
 
 
 def _holds_tensors(value: Any, budget: int = 2000) -> bool:
@@ -119,18 +120,21 @@ def _holds_tensors(value: Any, budget: int = 2000) -> bool:
     todo, seen = [value], set()
     while todo and budget > 0:
         v = todo.pop()
-        if id(v) in seen or isinstance(v, _OPAQUE):
+        try:  # a user's object may raise on any look (a dead weakref proxy, a lazy attribute)
+            if id(v) in seen or isinstance(v, _OPAQUE):
+                continue
+            seen.add(id(v))
+            budget -= 1
+            if isinstance(v, torch.Tensor | torch.nn.Module):
+                return True
+            if isinstance(v, dict):
+                todo.extend(list(v.values())[:256])
+            elif isinstance(v, list | tuple | set | frozenset):
+                todo.extend(list(v)[:256])
+            elif hasattr(v, "__dict__") and not isinstance(v, BaseException):
+                todo.extend(list(vars(v).values())[:256])
+        except Exception:
             continue
-        seen.add(id(v))
-        budget -= 1
-        if isinstance(v, torch.Tensor | torch.nn.Module):
-            return True
-        if isinstance(v, dict):
-            todo.extend(list(v.values())[:256])
-        elif isinstance(v, list | tuple | set | frozenset):
-            todo.extend(list(v)[:256])
-        elif hasattr(v, "__dict__") and not isinstance(v, BaseException):
-            todo.extend(list(vars(v).values())[:256])
     return False
 
 
@@ -401,9 +405,14 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
                 if hasattr(module, "state") and hasattr(module.state, "reset_grads"):
                     module.state.CB = module.state.SCB = None
         dropped.append("weights")
-        model.register_forward_pre_hook(_refuse_unloaded)  # a name still bound to it gets a clear error
+        # a name still bound to it gets a clear error, whichever module is called (PeftModel.generate
+        # calls its inner model directly)
+        for module in model.modules():
+            if module is model or hasattr(module, "generate") or module is getattr(model, "model", None):
+                module.register_forward_pre_hook(_refuse_unloaded)
     ns = caller_namespace(namespace)
-    dropped += _drop_optimizer_state(model, ns)
+    if release_weights:  # kept weights may still be trained: their optimizer state stays too
+        dropped += _drop_optimizer_state(model, ns)
     for name in [k for k, v in ns.items() if v is model and not k.startswith("__")]:
         del ns[name]
         dropped.append(f"del {name}")

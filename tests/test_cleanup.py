@@ -292,3 +292,41 @@ def test_release_after_oom_collects_when_the_failed_call_is_still_alive():
         assert release_after_oom() is True, "with nothing to go by it always collects"
     finally:
         gc.enable()
+
+
+def test_unload_guards_a_peft_models_inner_model_and_keeps_what_it_keeps(tiny_llama):
+    """PeftModel.generate calls the inner model directly: it says "unloaded" too. With release_weights=False the
+    weights may still train, so their optimizer state stays. A dead weakref proxy in a kept frame is no crash."""
+    import weakref as wr
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    unload(peft_model, namespace={})
+    with pytest.raises(ModelUnloadedError):
+        peft_model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+    kept = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(kept.parameters())
+    kept(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    unload(kept, namespace={"opt": opt}, release_weights=False)
+    assert len(opt.state) == 2
+
+    class Node:
+        pass
+
+    def fail():
+        node, parent = Node(), Node()
+        node.parent = wr.proxy(parent)
+        del parent  # node.parent is now a dead proxy
+        raise RuntimeError("boom")
+
+    try:
+        fail()
+    except RuntimeError as e:
+        ns = {"err": e}
+    assert isinstance(cleanup(namespace=ns), CleanupReport)
