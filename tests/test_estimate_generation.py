@@ -5,6 +5,8 @@ helpers/estimator/inference.py) and, where a CPU can show it, against transforme
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -196,11 +198,15 @@ def test_qlora_rows_follow_what_the_upcast_model_keeps_under_fp16_autocast(tiny_
     ids = torch.randint(0, head.shape[0], (2, 32))
     pack = lambda t: saved.append((tuple(t.shape), t.dtype)) or t  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.float16):
-        model(input_ids=ids, labels=ids)
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # a forward kept without its backward pins the checkpointed layers (in C++, past gc)
+    cfg = model.config
+    del loss
+    del model  # a QLoRA model holds reference cycles: collect it here, not in a later test's census
+    gc.collect()
     assert head.dtype == torch.float32 and set(inputs) == {torch.float32}
     assert (tuple(head.T.shape), torch.float16) in saved  # autocast's copy of the output layer, kept for backward
     est = plan.estimate("t4", model=str(tiny_llama))
-    cfg = model.config
     assert est.row("activations.lm_head_copy").bytes == cfg.vocab_size * cfg.hidden_size * 2
     layers = cfg.num_hidden_layers
     assert est.row("activations.saved").bytes == layers * 2 * 32 * cfg.hidden_size * 4
