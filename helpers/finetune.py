@@ -16,9 +16,11 @@ import array
 import contextlib
 import dataclasses
 import difflib
+import filecmp
 import hashlib
 import json
 import math
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -948,6 +950,7 @@ def _load_checkpoint_weights(trainer, folder: Path) -> None:
 class AdapterReport:
     path: Path
     files: dict[str, int]
+    previous: Path | None = None  # where a different adapter that was at ``path`` was moved
 
     @property
     def bytes(self) -> int:
@@ -958,7 +961,7 @@ class AdapterReport:
             f"adapter saved to {self.path}: {format_bytes(self.bytes)} in {', '.join(sorted(self.files))} "
             "(LoRA weights and config only; load it on the base model with "
             f"helpers.loading.load(LoadPlan(<base>, load=..., adapter='{self.path}')))"
-        )
+        ) + (f"; the different adapter that was there is kept in {self.previous}" if self.previous else "")
 
 
 def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
@@ -966,11 +969,31 @@ def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
     if not hasattr(model, "peft_config"):
         raise TypeError("save_adapter needs the PEFT model returned by prepare_qlora (it has the adapter)")
     path = Path(path)
-    model.save_pretrained(path)
+    # written beside, then swapped in: a crash mid-save leaves the old adapter whole, and a different
+    # one (another run's, FRESH=True) is moved aside instead of overwritten
+    staging = path.with_name(path.name + ".saving")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
     if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        tokenizer.save_pretrained(staging)
+    previous = None
+    if path.exists():
+        if _same_files(path, staging):
+            shutil.rmtree(path)
+        else:
+            previous = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.previous")
+            path.rename(previous)
+    staging.rename(path)
     files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
-    return AdapterReport(path, files)
+    return AdapterReport(path, files, previous)
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    """Whether two folders hold the same files with the same bytes (a re-save of the same adapter)."""
+    names = sorted(p.name for p in a.iterdir() if p.is_file())
+    if names != sorted(p.name for p in b.iterdir() if p.is_file()):
+        return False
+    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
 
 
 def merge_adapter(model):

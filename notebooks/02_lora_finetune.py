@@ -174,7 +174,8 @@ micro
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this
 # cell continues from the last checkpoint at the right step (a finished run is not trained again:
 # its adapter is loaded; other data or settings than the checkpoint's are named in a warning). With
-# `FRESH = True` it starts over and moves the old checkpoints aside (`previous-checkpoint-N`, kept).
+# `FRESH = True` it starts over and moves the old checkpoints aside (`previous-checkpoint-N`, kept);
+# saving the new adapter keeps a different earlier one as `adapter.<time>.previous`.
 
 # %%
 from helpers import MemoryCallback, MemoryMonitor, build_dataset, train

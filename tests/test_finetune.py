@@ -272,6 +272,13 @@ def test_qlora_lowers_loss_and_adapter_reloads(tiny_llama, tmp_path):
     report = save_adapter(model, tmp_path / "adapter")
     assert "adapter_model.safetensors" in report.files and "model.safetensors" not in report.files
     assert report.bytes < 2 * 4 * trainable.trainable + 64 * 1024  # LoRA weights only
+    assert save_adapter(model, tmp_path / "adapter").previous is None  # the same adapter again: replaced
+    first = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    with torch.no_grad():  # another run's adapter (notebook 02 with FRESH=True): the earlier one is kept
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(0.01)
+    again = save_adapter(model, tmp_path / "adapter")
+    assert again.previous is not None and (again.previous / "adapter_model.safetensors").read_bytes() == first
+    assert "is kept in" in str(again) and not (tmp_path / "adapter.saving").exists()
     model.eval()
     ids = tok(
         prompt_text(tok, "Count the features in wells.csv."), return_tensors="pt", add_special_tokens=False
