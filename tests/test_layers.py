@@ -16,7 +16,7 @@ LAYERS = [
     {"html", "vocab", "prompts", "results_file", "scoring", "oom_messages"},
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime", "attention"},
-    {"sources", "reclaim", "tensors"},
+    {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},

@@ -10,10 +10,10 @@ import torch
 
 from ..checks import Check
 from ..html import badge, table
+from ..object_walk import walk
 from ..session import caller_namespace, ipython
 from ..tensors import graph_tensors, storage_key
 from ..units import format_bytes
-from .namespace import walk
 
 __all__ = ["LeakChecks", "leak_checks"]
 

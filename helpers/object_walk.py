@@ -1,4 +1,7 @@
-"""Who holds what: walk a notebook's namespace to name the variable behind each object."""
+"""Who holds what: walk a namespace breadth first, naming the path to each object.
+
+Shared by the leak census and the leak checks.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..session import ipython
+from .session import ipython
 
 __all__ = ["walk", "ATOMS", "MAX_OBJECTS"]
 
