@@ -1,12 +1,13 @@
 """Who holds what: walk a namespace breadth first, naming the path to each object.
 
-Shared by the leak census and the leak checks.
+Shared by the leak census, the leak checks and ``cleanup()``.
 """
 
 from __future__ import annotations
 
 import sys
 import types
+import weakref
 from collections import deque
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, sl
 _OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.CodeType, types.GeneratorType, property, classmethod, staticmethod)  # fmt: skip
 _MODULE_INTERNALS = {"training"}
+_PROXIES = weakref.ProxyTypes
 
 
 def _sub(path: str, key) -> str:
@@ -101,12 +103,14 @@ def _children(obj, path: str) -> Iterator[tuple[str, object]]:
                 yield f"{path}.{name}", v
 
 
-def _roots(namespace: dict) -> list[tuple[str, object]]:
+def _roots(namespace: dict, system_roots: bool = True) -> list[tuple[str, object]]:
     roots = [
         (k, v)
         for k, v in namespace.items()
         if not k.startswith("_") and k not in _SKIP_NAMES and not isinstance(v, _OPAQUE)
     ]
+    if not system_roots:
+        return roots
     out = namespace.get("Out")
     ip = ipython()
     if not isinstance(out, dict) and ip is not None and namespace is ip.user_ns:
@@ -123,11 +127,14 @@ def _roots(namespace: dict) -> list[tuple[str, object]]:
 MAX_OBJECTS = 200_000  # a namespace walk stops here: holder names past it are not found
 
 
-def walk(namespace: dict, max_objects: int = MAX_OBJECTS, stats: dict | None = None) -> Iterator[tuple[str, object]]:
+def walk(
+    namespace: dict, max_objects: int = MAX_OBJECTS, stats: dict | None = None, *, system_roots: bool = True
+) -> Iterator[tuple[str, object]]:
     """Breadth first from the namespace's names, so each object gets its shortest path first.
-    ``stats`` (a dict) gets ``truncated=True`` when ``max_objects`` stopped the walk early."""
+    ``stats`` (a dict) gets ``truncated=True`` when ``max_objects`` stopped the walk early.
+    ``system_roots``: also start from IPython's ``Out`` and ``sys.last_*`` (False: the namespace only)."""
     seen: set[int] = set()
-    queue = deque(_roots(namespace))
+    queue = deque(_roots(namespace, system_roots))
     visited = 0
     if stats is not None:
         stats["truncated"] = False
@@ -137,7 +144,7 @@ def walk(namespace: dict, max_objects: int = MAX_OBJECTS, stats: dict | None = N
                 stats["truncated"] = True
             return
         path, obj = queue.popleft()
-        if isinstance(obj, ATOMS):
+        if type(obj) in _PROXIES or isinstance(obj, ATOMS):  # a dead weakref proxy raises on isinstance
             continue
         if not isinstance(obj, torch.Tensor):  # tensors: every path is a holder name; others: once
             if id(obj) in seen:

@@ -23,6 +23,7 @@ import torch
 
 from .errors import ModelUnloadedError
 from .memory import allocated, reserved
+from .object_walk import walk
 from .session import caller_namespace, ipython
 from .units import format_bytes
 
@@ -108,34 +109,10 @@ def _clearable_frames(tb):
         tb = tb.tb_next
 
 
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes,
-           *weakref.ProxyTypes)  # fmt: skip
-
-
 def _holds_tensors(value: Any, budget: int = 2000) -> bool:
-    """True when ``value`` is, or reaches through containers and object attributes, a tensor or a
-    module: a ``ModelOutput``, a ``BatchEncoding``, a ``DynamicCache``, a dict of logits. Bounded
-    (``budget`` objects); functions, classes and modules are not followed (their globals would reach
-    the whole notebook)."""
-    todo, seen = [value], set()
-    while todo and budget > 0:
-        v = todo.pop()
-        try:  # a user's object may raise on any look (a dead weakref proxy, a lazy attribute)
-            if id(v) in seen or isinstance(v, _OPAQUE):
-                continue
-            seen.add(id(v))
-            budget -= 1
-            if isinstance(v, torch.Tensor | torch.nn.Module):
-                return True
-            if isinstance(v, dict):
-                todo.extend(list(v.values())[:256])
-            elif isinstance(v, list | tuple | set | frozenset):
-                todo.extend(list(v)[:256])
-            elif hasattr(v, "__dict__") and not isinstance(v, BaseException):
-                todo.extend(list(vars(v).values())[:256])
-        except Exception:
-            continue
-    return False
+    """True when ``value`` is, or reaches (through containers, attributes, model outputs, caches), a
+    tensor or a module; the leak census's walk, bounded to ``budget`` objects."""
+    return any(isinstance(o, torch.Tensor | torch.nn.Module) for _, o in walk({"x": value}, budget, system_roots=False))
 
 
 def _frames_hold_tensors(tb) -> bool:

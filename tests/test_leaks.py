@@ -273,3 +273,19 @@ def test_a_leak_on_the_second_card_is_seen_by_default(fake_gpus):
         cuda.set(1, 2**30 + step * 100 * 2**20)
         det.record()
     assert det.report().leaking and 0.9 * 100 * 2**20 < det.report().bytes_per_step < 1.1 * 100 * 2**20
+
+
+def test_a_dead_weakref_proxy_in_the_namespace_is_walked_past():
+    """isinstance() on a dead proxy raises ReferenceError: the census and the checks must not."""
+    import weakref
+
+    class Node:
+        pass
+
+    parent, node = Node(), Node()
+    node.parent = weakref.proxy(parent)
+    node.data = torch.ones(1024)
+    del parent
+    ns = {"node": node}
+    assert any("node.data" in h for e in leaks.census(ns).entries for h in e.holders)
+    leaks.leak_checks(ns)
