@@ -42,6 +42,16 @@ def shipped_configs() -> dict[str, Path]:
     return {p.stem.replace("--", "/", 1): p for p in sorted(data_path("configs").glob("*.json"))}
 
 
+def no_config_help(model: str) -> str:
+    """What to do when ``model``'s config.json cannot be read here (offline, and it does not ship)."""
+    return (
+        f"No estimate for {model!r}: its config.json cannot be read here (the 'model' line above says why).\n"
+        "Set MODEL to a local folder holding config.json (or the config.json file itself), run this notebook "
+        "online once, or pick a model whose config ships with oomkit and works offline:\n  "
+        + "\n  ".join(shipped_configs())
+    )
+
+
 def shipped_config(name: str) -> Path | None:
     """The shipped config for a hub id or its short name (case-insensitive), or ``None``."""
     configs = shipped_configs()

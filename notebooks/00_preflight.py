@@ -86,16 +86,11 @@ snap
 # Each row says whether it is exact, a formula or a rule of thumb; the fixes are re-estimates.
 
 # %%
-from helpers import estimate, fit, shipped_configs
+from helpers import estimate, fit, no_config_help
 
 fit_line = next((c for c in report.checks if c.name == "fit"), None)
 if fit_line is None:  # offline, and this hub id's config.json does not ship with oomkit: nothing to estimate from
-    print(
-        f"No estimate for {MODEL!r}: its config.json cannot be read here (the 'model' line above says why).\n"
-        "Set MODEL to a local folder holding config.json (or the config.json file itself), run this notebook "
-        "online once, or pick a model whose config ships with oomkit and works offline:\n  "
-        + "\n  ".join(shipped_configs())
-    )
+    print(no_config_help(MODEL))
 else:
     est = estimate(MODEL, load=fit_line.data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
     display(est)

@@ -238,3 +238,11 @@ def test_a_derived_config_differs_from_its_base_only_in_what_the_hub_config_says
     expected = {**json.loads(shipped_configs()[base].read_text()), "_name_or_path": model, **changes}
     assert json.loads(shipped_configs()[model].read_text()) == expected
     assert estimate(model, load="fp16").params == estimate(base, load="fp16").params
+
+
+def test_the_no_config_help_names_the_model_and_every_shipped_config():
+    from helpers import no_config_help, shipped_configs
+
+    text = no_config_help("someone/Unshipped-7B")
+    assert text.startswith("No estimate for 'someone/Unshipped-7B'") and "local folder holding config.json" in text
+    assert all(hub_id in text for hub_id in shipped_configs())
