@@ -760,6 +760,7 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
     """Peak memory, every record for these prompts (in prompt order) and the mean scores."""
     if run.device.type == "cuda":
         report.peak_memory = peak_allocated("all")  # a split model: its cards' peaks added up
+        report.memory_kind = "GPU allocated"  # the report and its plot name the figure they show
         if torch.cuda.device_count() > 1:  # what to hold against one card's size
             report.peak_by_gpu = {d: peak_allocated(d) for d in range(torch.cuda.device_count())}
     finished = store.read()
