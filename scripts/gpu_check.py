@@ -41,10 +41,13 @@ import gpu_stages  # noqa: E402
 import torch  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu"
-STAGES = ("env", "weights", "generate", "qlora", "context", "recovery", "pytest_cuda", "notebooks")
-# a lent machine runs one command for at most 10 minutes; `timeout -s INT 540` around the call, and
-# stages stop starting new rows after this many seconds from process start (imports included)
-STAGE_BUDGET_S = float(os.environ.get("OOMKIT_GPU_BUDGET_S", 420))
+# most valuable first (issue 29): one lent call of at most 9 minutes measures them in this order and
+# writes each row as it is measured, so a call cut off keeps what it got
+STAGES = ("env", "context", "generate", "qlora", "recovery", "attention", "weights", "pytest_cuda", "notebooks")
+# a lent machine gives 15 minutes in all and 10 a command: `timeout -s INT 540` around the one call,
+# and stages stop starting new rows after this many seconds from process start (imports included)
+STAGE_BUDGET_S = float(os.environ.get("OOMKIT_GPU_BUDGET_S", 480))
+LAYERS = 8  # the 7B is built with its first 8 of 32 decoder layers: build + 3 loads fit the call
 
 
 def _process_start() -> float:
@@ -71,7 +74,9 @@ class Run:
     export: Path | None = None
     models: tuple[str, ...] = gpu_stages.DEFAULT_MODELS
     models_dir: Path | None = None
-    prompts: int = 200
+    prompts: int = 48
+    layers: int | None = LAYERS
+    full: bool = False
     started: float = field(default_factory=_process_start)
     budget_s: float = STAGE_BUDGET_S
     cap: dict = field(default_factory=dict)
@@ -206,6 +211,10 @@ def run_stage(run: Run, stage: str, fresh: bool) -> dict | None:
         print(f"  FAILED: {error['error'][:300]}\n  (traceback in {failed.name}; the next stages go on)")
         return None
     result.update(stage=stage, machine=_machine(run), seconds=round(time.perf_counter() - started, 1))
+    if stage == "context" and not result.get("incomplete"):
+        _write(target, result)
+        act_as_t4(run)  # the cap from the context just measured, for every stage after it
+        result["machine"] = _machine(run)
     if not result.get("incomplete"):
         _write(target, result)
         run.partial(stage).unlink(missing_ok=True)
@@ -221,6 +230,10 @@ def write_summary(run: Run) -> str:
     results = {s: json.loads(p.read_text()) for s in STAGES if (p := run.out / f"{s}.json").exists()}
     errors = {s: json.loads(p.read_text()) for s in STAGES if (p := run.out / f"{s}.error.json").exists()}
     summary = gpu_stages.summarize(results, dry=run.dry, errors=errors)
+    if not run.dry and results:
+        import render_gpu
+
+        summary += "\n\n" + render_gpu.machine_line(results)
     (run.out / "summary.md").write_text(summary + "\n")
     run.flush()
     return summary
@@ -241,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="copy the small result files here after every row (default: $OUT/gpu when $OUT is set)")  # fmt: skip
     parser.add_argument("--models", default=",".join(gpu_stages.DEFAULT_MODELS),
                         help=f"models of the weights stage, from {', '.join(gpu_stages.GPU_MODELS)}")  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=200, help="prompts of the recovery stage's safe_generate check")
+    parser.add_argument("--prompts", type=int, default=48, help="prompts of the recovery stage's safe_generate check")
+    parser.add_argument("--layers", type=int, default=LAYERS,
+                        help="decoder layers of the 7B built for generate/qlora/recovery (0: all 32)")  # fmt: skip
+    parser.add_argument("--full", action="store_true",
+                        help="the full grids (batch 1/4/8 x prompt x new 256/1024; QLoRA mb 1/2/4 x checkpointing x "
+                             "optimizer) instead of issue 29's cells: several lent sessions' worth")  # fmt: skip
     args = parser.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -258,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     export = args.out or (Path(os.environ["OUT"]) / "gpu" if os.environ.get("OUT") else None)
     models_dir = Path(os.environ.get("OOMKIT_GPU_MODELS") or "/tmp/oomkit-gpu-models")
     run = Run(dry=args.dry_run, state=state, out=out, capped=not args.uncapped, export=export, models=("tiny",) if args.dry_run else models,
-              models_dir=args.state / "dry" / "models" if args.dry_run else models_dir, prompts=args.prompts)  # fmt: skip
+              models_dir=args.state / "dry" / "models" if args.dry_run else models_dir, prompts=args.prompts,
+              layers=args.layers or None, full=args.full)  # fmt: skip
     for folder in (run.state, run.out):
         folder.mkdir(parents=True, exist_ok=True)
     act_as_t4(run)

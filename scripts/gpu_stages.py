@@ -39,13 +39,14 @@ GPU_MODELS = {  # --models names: the weights stage builds these, one at a time,
 DEFAULT_MODELS = ("tinyllama", "codellama")  # session 1; mistral and qwen when time allows
 BIG = "codellama"  # the model of the generation, QLoRA and recovery stages: kept between stages
 BUILT = ".oomkit-built"  # written last: a folder without it is an interrupted build, never reused
+BUILD_INFO = "oomkit-build.json"  # layers kept and build seconds, beside the weights
 MODES = (("fp16", True), ("int8", True), ("nf4", True), ("nf4", False))  # (load, double_quant)
 TARGETS = {  # issue 21: what a run must show, or state the gap
     "weights": ("weights: max abs error", 0.5),
     "generate": ("generation peak: max abs error", 10.0),
     "qlora": ("QLoRA step peak: max abs error", 15.0),
 }
-STAMP = ("gpu", "cap_bytes")  # on every row, not printed
+STAMP = ("gpu", "cap_bytes", "explanation", "figures", "message", "saved_census")  # in the JSON, not printed
 
 
 def error_pct(estimated: int | None, measured: int | None) -> float | None:
@@ -136,15 +137,23 @@ def build_once(final: Path, save: Callable[[Path], None]) -> Path:
     return final
 
 
-def build_random_model(hub_id: str, root: Path) -> Path:
-    """A full-size random-weight model from a shipped config (random weights change no byte count),
-    saved as safetensors under ``root``, built on the GPU without the cap."""
+def build_random_model(hub_id: str, root: Path, layers: int | None = None) -> Path:
+    """A random-weight model from a shipped config (random weights change no byte count), saved as
+    safetensors under ``root``, built on the GPU without the cap. ``layers`` cuts it to its first N
+    decoder layers (the same layer shapes): a 7B's 13.5 GB build and three loads do not fit a lent
+    GPU's 15 minutes, and the estimate of the cut config is what its rows compare with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from helpers.estimator.configs import config_from_dict
 
     def save(folder: Path) -> None:
+        started = time.perf_counter()
         config = config_from_dict(read_json(shipped_config(hub_id)), hub_id)
+        full = config.num_hidden_layers
+        if layers:
+            config.num_hidden_layers = min(layers, full)
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[: config.num_hidden_layers]
         with uncapped(), torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
         try:
@@ -154,13 +163,25 @@ def build_random_model(hub_id: str, root: Path) -> Path:
         finally:
             del model
             _sync_peak_reset()
+        info = {"hub_id": hub_id, "layers": config.num_hidden_layers, "of_layers": full,
+                "build_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+        (folder / BUILD_INFO).write_text(json.dumps(info) + "\n")
 
-    print(f"  building {hub_id} (random weights) in {root}")
-    return build_once(root / hub_id.replace("/", "--"), save)
+    cut = f"-L{layers}" if layers else ""
+    print(f"  building {hub_id}{cut} (random weights) in {root}")
+    return build_once(root / (hub_id.replace("/", "--") + cut), save)
+
+
+def build_info(path: Path) -> dict:
+    """How a built model was made (layers kept of how many, seconds to build); {} for the tiny model."""
+    info = path / BUILD_INFO
+    return json.loads(info.read_text()) if info.exists() else {}
 
 
 def model_path(name: str, run) -> Path:
-    return TINY if run.dry else build_random_model(GPU_MODELS[name], run.models_dir)
+    if run.dry:
+        return TINY
+    return build_random_model(GPU_MODELS[name], run.models_dir, run.layers if name == BIG else None)
 
 
 def drop_model(name: str, run) -> None:
@@ -170,8 +191,20 @@ def drop_model(name: str, run) -> None:
 
 
 def big_model(run) -> Path:
-    """The model of the generation, QLoRA and recovery stages: a 7B on a GPU, the tiny one in the dry run."""
+    """The model of the generation, QLoRA and recovery stages: a 7B on a GPU (cut to ``run.layers``
+    decoder layers), the tiny one in the dry run."""
     return model_path(BIG, run)
+
+
+def model_note(path: Path) -> list[str]:
+    """The note every row set of the big model carries: which cut was measured, and its build time."""
+    info = build_info(path)
+    if not info:
+        return []
+    cut = (f"the first {info['layers']} of its {info['of_layers']} decoder layers (same layer shapes; the "
+           f"estimate is of that same cut config, so the error compares like with like)"
+           if info["layers"] < info["of_layers"] else f"all {info['layers']} layers")  # fmt: skip
+    return [f"model: {info['hub_id']} with random weights, {cut}; built and saved in {info['build_seconds']} s"]
 
 
 def _plan(path: Path, load_mode: str, run, double_quant: bool = True) -> LoadPlan:
@@ -218,9 +251,10 @@ def _order(cells: list, estimates: dict) -> tuple[list, list]:
     return fit + over[:1], over[1:]
 
 
-def _incomplete(rows: list[dict], wanted: int) -> dict:
+def _incomplete(rows: list[dict], wanted: int, notes: list[str] | None = None) -> dict:
     incomplete = len(rows) < wanted
-    return {"rows": rows, "incomplete": incomplete, "notes": ["time ran out: run again"] if incomplete else []}
+    return {"rows": rows, "incomplete": incomplete,
+            "notes": [*(notes or []), *(["time ran out: run again"] if incomplete else [])]}  # fmt: skip
 
 
 # -- stages ----------------------------------------------------------------------------------------
@@ -280,17 +314,53 @@ def _weights_row(path: Path, mode: str, dq: bool, label: str, run) -> dict:
     grown = None if before is None else _allocated() - before
     row.update(footprint=footprint(model), allocated=grown, measured=grown if grown is not None else footprint(model))
     row["error_pct"] = error_pct(est.weights, row["measured"])
+    if grown is not None and grown - row["footprint"] > 1 << 20:  # allocated beyond the weights: name it
+        row["unaccounted"] = _unaccounted(model)
     unload(model)
     return row
+
+
+def _model_storages(model) -> set[int]:
+    """Data pointers of everything the model owns: parameters, buffers, and bitsandbytes' quant states."""
+    ptrs = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        ptrs.add(t.data_ptr())
+        state = getattr(t, "quant_state", None) or getattr(t, "SCB", None)
+        stack = [state]
+        while stack:
+            obj = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                ptrs.add(obj.data_ptr())
+            elif obj is not None and hasattr(obj, "__dict__"):
+                stack.extend(v for v in vars(obj).values() if isinstance(v, torch.Tensor) or hasattr(v, "absmax"))
+    return ptrs
+
+
+def _unaccounted(model, top: int = 6) -> list[str]:
+    """The largest CUDA tensors alive after a load that the model does not own (what the loader kept)."""
+    owned, seen, found = _model_storages(model), set(), []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.data_ptr() not in owned | seen:
+                seen.add(obj.data_ptr())
+                found.append((obj.untyped_storage().nbytes(), f"{tuple(obj.shape)} {obj.dtype}"))
+        except Exception:  # a half-built or dead object: skip it
+            continue
+    found.sort(reverse=True)
+    total = sum(b for b, _ in found)
+    return [f"{len(found)} tensors, {format_bytes(total)}"] + [f"{format_bytes(b)} {what}" for b, what in found[:top]]
 
 
 def stage_generate(run) -> dict:
     """Peak memory of generate() over batch x prompt x new tokens vs the estimate's total."""
     if skipped := _bnb_skipped(run, "the generate stage (7B in nf4)"):
         return skipped
-    grid = [(1, 16, 8), (2, 16, 8)] if run.dry else [
-        (b, p, n) for b in (1, 4, 8) for p in (512, 2048) for n in (256, 1024)
-    ]  # fmt: skip
+    if run.dry:
+        grid = [(1, 16, 8), (2, 16, 8)]
+    elif run.full:
+        grid = [(b, p, n) for b in (1, 4, 8) for p in (512, 2048) for n in (256, 1024)]
+    else:  # issue 29's cells: what one lent call can measure
+        grid = [(b, p, 256) for b in (1, 4) for p in (512, 2048)]
     rows = _partial(run, "generate")
     done = {(r["batch"], r["prompt"], r["new"]) for r in rows}
     path = big_model(run)
@@ -311,7 +381,7 @@ def stage_generate(run) -> dict:
         _save_partial(run, "generate", rows)
     if model is not None:
         unload(model)
-    return _incomplete(rows, len(grid))
+    return _incomplete(rows, len(grid), model_note(path))
 
 
 def _generate_estimate(path: Path, b: int, p: int, n: int, run):
@@ -342,9 +412,14 @@ def stage_qlora(run) -> dict:
 
     if skipped := _bnb_skipped(run, "the qlora stage (7B in nf4)"):
         return skipped
-    cells = [(1, True, "adamw_torch"), (2, True, "adamw_torch")] if run.dry else [
-        (mb, gc, opt) for gc in (True, False) for opt in ("paged_adamw_8bit", "adamw_torch") for mb in (1, 2, 4)
-    ]  # fmt: skip
+    if run.dry:
+        cells = [(1, True, "adamw_torch"), (2, True, "adamw_torch")]
+    elif run.full:
+        cells = [
+            (mb, gc, opt) for gc in (True, False) for opt in ("paged_adamw_8bit", "adamw_torch") for mb in (1, 2, 4)
+        ]
+    else:  # issue 29's cells, with the optimizer TrainPlan picks on CUDA
+        cells = [(1, True, "paged_adamw_8bit"), (2, True, "paged_adamw_8bit")]
     rows = _partial(run, "qlora")
     done = {(r["micro_batch"], r["checkpointing"], r["optimizer"]) for r in rows}
     path = big_model(run)
@@ -370,7 +445,7 @@ def stage_qlora(run) -> dict:
         _save_partial(run, "qlora", rows)
     if base is not None:
         unload(base)
-    return _incomplete(rows, len(cells))
+    return _incomplete(rows, len(cells), model_note(path))
 
 
 def _qlora_row(plan, est, base, tokenizer, run):
@@ -392,6 +467,8 @@ def _qlora_row(plan, est, base, tokenizer, run):
     except torch.OutOfMemoryError:
         row.update(measured=None, error_pct=None, note="OOM under the T4 cap")
     del trainer, data
+    if not plan.gradient_checkpointing and plan.micro_batch == 1 and row.get("measured"):
+        row["saved_census"] = _saved_census(model, plan, est, run)
     try:
         base = model.unload()  # the LoRA layers out, the 4-bit base as it was
         if getattr(base, "is_gradient_checkpointing", False):
@@ -407,6 +484,40 @@ def _qlora_row(plan, est, base, tokenizer, run):
     gc.collect()
     _sync_peak_reset()
     return row, base
+
+
+def _saved_census(model, plan, est, run) -> dict:
+    """What autograd saves for backward in one forward without checkpointing, by dtype, against the
+    estimate's ``activations.saved`` row: the per-tensor truth the per-token formula (derived on a
+    CPU in fp32) is held against on CUDA under fp16 autocast. Model-owned storages are left out."""
+    owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    seen: dict[int, tuple[int, str]] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if t.device == model.device and ptr not in owned:
+            seen.setdefault(ptr, (t.untyped_storage().nbytes(), str(t.dtype).replace("torch.", "")))
+        return t
+
+    ids = torch.randint(3, 1000, (plan.micro_batch, plan.seq_len), device=model.device)
+    dtype = torch.float16 if not run.dry else torch.bfloat16
+    model.train()
+    _sync_peak_reset()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(model.device.type, dtype):
+            out = model(input_ids=ids, labels=ids)
+        del out
+    except torch.OutOfMemoryError:
+        return {"note": "OOM during the census"}
+    by_dtype: dict[str, int] = {}
+    for size, name in seen.values():
+        by_dtype[name] = by_dtype.get(name, 0) + size
+    total = sum(by_dtype.values())
+    layers = getattr(model.config, "num_hidden_layers", 1)
+    estimated = sum(r.bytes for r in est.rows if r.key == "activations.saved")
+    return {"saved": total, "by_dtype": by_dtype, "tensors": len(seen), "estimate_saved": estimated,
+            "per_token_per_layer": total // (plan.micro_batch * plan.seq_len * layers),
+            "estimate_per_token_per_layer": estimated // (plan.micro_batch * plan.seq_len * layers)}  # fmt: skip
 
 
 def stage_context(run) -> dict:
@@ -434,7 +545,55 @@ def stage_context(run) -> dict:
                       "not NVML per process. Later calls cap at the T4's capacity minus this figure"]}  # fmt: skip
 
 
-RECOVERY_CHECKS = ("batch_search", "no_result_lost", "live_explanation", "cleanup_after_oom", "monitor_vs_allocator")
+def stage_attention(run) -> dict:
+    """helpers.attention's grouped-query fix on TinyLlama (32 query heads, 4 key/value heads): the
+    prefill peak of a 2048-token prompt without and with it, flash and cuDNN attention off as on a
+    T4, against the estimate (which prices the fixed path), and the two runs' last logits compared."""
+    from transformers.integrations import sdpa_attention
+
+    from helpers.attention import keep_gqa_off_math_kernel
+
+    prompt, mode = (64, "fp32") if run.dry else (2048, "fp16")
+    path = model_path("tinyllama", run) if not run.dry else TINY
+    est = estimate(str(path), load=mode, batch_size=1, prompt_tokens=prompt, max_new_tokens=1,
+                   compute_dtype=mode, device="cpu" if run.dry else "current")  # fmt: skip
+    model, tokenizer, _ = load(_plan(path, mode, run), check=False)
+    keep_gqa_off_math_kernel()  # load() applies it where no fused GQA kernel exists; the dry run too
+    fixed = sdpa_attention.use_gqa_in_sdpa
+    shipped = getattr(fixed, "__wrapped__", fixed)
+    rows, logits = [], {}
+    try:
+        for label, chosen in (("transformers as shipped (enable_gqa)", shipped), ("with the fix", fixed)):
+            sdpa_attention.use_gqa_in_sdpa = chosen
+            row = _generate_row(model, tokenizer, est, 1, prompt, 1)
+            logits[label] = _last_logits(model, prompt)
+            rows.append({"attention": label, **row, **run.stamp()})
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = fixed
+        unload(model)
+    a, b = logits.values()
+    same = None if a is None or b is None else round(float((a - b).abs().max()), 4)
+    saved = [r["measured"] for r in rows]
+    notes = [f"last-token logits, largest difference between the two: {same}",
+             "the estimate prices the fixed path (one layer's expanded K/V); the unfixed row shows what a T4 "
+             "pays without helpers.attention"]  # fmt: skip
+    if None not in saved:
+        notes.insert(0, f"the fix saves {format_bytes(saved[0] - saved[1])} of prefill peak at {prompt} tokens")
+    return {"rows": rows, "notes": notes, "logits_max_diff": same}
+
+
+def _last_logits(model, prompt: int):
+    ids = torch.arange(3, 3 + prompt, device=model.device).remainder(1000).unsqueeze(0)
+    try:
+        with torch.inference_mode():
+            return model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().cpu()
+    except torch.OutOfMemoryError:
+        _sync_peak_reset()
+        return None
+
+
+# the real OOM -> explain_oom -> cleanup() checks first: they need no model and are issue 29's must-have
+RECOVERY_CHECKS = ("live_explanation", "cleanup_after_oom", "batch_search", "no_result_lost", "monitor_vs_allocator")
 NEEDS_MODEL = ("batch_search", "no_result_lost")
 
 
@@ -491,7 +650,8 @@ def stage_pytest_cuda(run) -> dict:
            "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     if run.cap.get("fraction"):
         env["OOMKIT_GPU_CAP_FRACTION"] = str(run.cap["fraction"])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-p", "gpu_stages", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-p", "gpu_stages",
+           "--disable-warnings", "--tb=short", "-rfE", *files]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env,
                          timeout=max(60, run.time_left() - 30))  # fmt: skip
     last = (out.stdout.strip().splitlines() or [""])[-1]
@@ -535,6 +695,12 @@ def summarize(results: dict[str, dict], *, dry: bool, errors: dict[str, dict] | 
     for row in results.get("recovery", {}).get("rows", []):
         verdict = "dry" if dry else ("skipped" if row.get("met") is None else ("PASS" if row.get("met") else "MISS"))
         lines.append(f"| {row['check']} | {row['goal']} | {row['result']} | {verdict} |")
+    for row in results.get("attention", {}).get("rows", []):
+        shown = (
+            "-" if row.get("measured") is None else f"{format_bytes(row['measured'])} ({row.get('error_pct')} % off)"
+        )
+        lines.append(f"| GQA prefill peak, {row['prompt']} tokens: {row['attention']} | estimate "
+                     f"{format_bytes(row['estimate'])} | {shown} | {'dry' if dry else 'measured'} |")  # fmt: skip
     for stage in ("context", "pytest_cuda", "notebooks"):
         for row in results.get(stage, {}).get("rows", []):
             if stage == "context" and row.get("measured") is not None:

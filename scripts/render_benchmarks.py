@@ -19,6 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import render_gpu  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 BENCHMARKS_MD = REPO / "docs" / "benchmarks.md"
 README = REPO / "README.md"
@@ -573,8 +577,9 @@ def render_benchmarks(results: dict[str, dict] | None = None) -> str:
         "Every figure on this page is read from `bench/results/*.json`. Timings are ratios measured side by\n"
         "side in one run. Reproduce with `make bench`, then regenerate this page with `make docs`.\n\n"
         + "".join(f"- [{SECTIONS.get(n, (n,))[0]}](#{slug(SECTIONS.get(n, (n,))[0])})\n" for n in results)
+        + f"- [{render_gpu.HEADING}](#{slug(render_gpu.HEADING)})\n"
     )
-    return head + "".join("\n" + section(n, d) for n, d in results.items())
+    return head + "".join("\n" + section(n, d) for n, d in results.items()) + "\n" + render_gpu.gpu_section()
 
 
 def slug(heading: str) -> str:
@@ -703,6 +708,8 @@ def render_readme_table(results: dict[str, dict] | None = None) -> str:
                 link("hot_spots"),
             ]
         )
+    gpu_link = f"[GPU check](docs/benchmarks.md#{slug(render_gpu.HEADING)})"
+    rows += render_gpu.gpu_readme_rows(link=gpu_link)
     return table(["measured", "result", "details"], rows)
 
 

@@ -134,3 +134,21 @@ def test_an_interrupted_model_build_is_never_reused(tmp_path, monkeypatch):
     gpu_stages.drop_model("mistral", run)
     gpu_stages.drop_model("codellama", run)  # the 7B later stages load again stays
     assert [p.name for p in (tmp_path / "m").iterdir()] == ["codellama--CodeLlama-7b-hf"]
+
+
+def test_the_gpu_pages_show_only_real_runs(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import render_gpu
+
+    assert "No GPU figure yet" in render_gpu.gpu_section({}) and render_gpu.gpu_readme_rows({}) == []
+    dry = {"rows": [{"batch": 1, "prompt": 16, "new": 8, "estimate": 9, "measured": None, "error_pct": None}],
+           "machine": {"dry_run": True}}  # fmt: skip
+    (tmp_path / "generate.json").write_text(json.dumps(dry))
+    assert render_gpu.load_gpu(tmp_path) == {}  # a rehearsal never reaches the published pages
+    real = {"rows": [{"batch": 1, "prompt": 512, "new": 256, "estimate": 110, "measured": 100, "error_pct": 10.0},
+                     {"batch": 8, "prompt": 2048, "new": 1024, "estimate": 900, "measured": None, "error_pct": None,
+                      "note": "not run"}], "machine": {"dry_run": False}}  # fmt: skip
+    (tmp_path / "generate.json").write_text(json.dumps(real))
+    g = render_gpu.load_gpu(tmp_path)
+    assert "worst error 10.00 % over 1 measured cells, target 10.0 %: PASS" in render_gpu.gpu_section(g)
+    assert "worst error 10.0 % over 1 cells" in render_gpu.gpu_readme_rows(g)[0][1]
