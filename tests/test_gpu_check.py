@@ -152,3 +152,13 @@ def test_the_gpu_pages_show_only_real_runs(tmp_path, monkeypatch):
     g = render_gpu.load_gpu(tmp_path)
     assert "worst error 10.00 % over 1 measured cells, target 10.0 %: PASS" in render_gpu.gpu_section(g)
     assert "worst error 10.0 % over 1 cells" in render_gpu.gpu_readme_rows(g)[0][1]
+
+
+def test_the_budget_counts_from_the_call_not_from_an_old_process(tmp_path, harness, monkeypatch):
+    import time
+
+    monkeypatch.setattr(harness, "_process_start", lambda: time.time() - 600)  # a suite 10 minutes old
+    assert harness.main(["--dry-run", "--state", str(tmp_path), "--stages", "env,context"]) == 0
+    assert json.loads((tmp_path / "dry" / "context.json").read_text())["stage"] == "context"
+    run = harness.Run(dry=True, state=tmp_path, out=tmp_path, budget_s=480, started=time.time() - 600)
+    assert run.time_left() < 0  # an injected start is honoured: the script passes its own process start
