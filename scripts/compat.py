@@ -140,16 +140,15 @@ def notebook_runs(names: list[str] | None, tiny: Path, runs: Path) -> list[tuple
     return out
 
 
-def run_notebooks_here(directory: Path, names: list[str] | None = None, timeout: int = 600) -> list[str]:
+def run_notebooks_here(
+    directory: Path, names: list[str] | None = None, timeout: int = 600, keep_going: bool = False
+) -> list[str]:
     """Copy ``notebooks/*.ipynb`` (only those) into the empty ``directory`` and run them there.
 
-    Runs with this interpreter's kernel. Returns one line per run; raises on the first failure.
-    Each executed copy gets a last cell printing where ``helpers`` was imported from, which must
-    not be this repository.
+    Runs with this interpreter's kernel. Returns one line per run (``ok ...``, or ``FAIL ...`` with
+    ``keep_going``); without it, raises on the first failure. Each executed copy gets a last cell
+    printing where ``helpers`` was imported from, which must not be this repository.
     """
-    import nbformat
-    import papermill
-
     directory = directory.resolve()
     if any(directory.iterdir()):
         raise SystemExit(f"{directory} is not empty")
@@ -158,33 +157,46 @@ def run_notebooks_here(directory: Path, names: list[str] | None = None, timeout:
     tiny = Path(os.environ.get("OOMKIT_TINY", REPO / "data" / "tiny"))
     lines = []
     for stem, name, params in notebook_runs(names, tiny, directory):
-        source = nbformat.read(directory / f"{stem}.ipynb", as_version=4)
-        source.cells.append(
-            nbformat.v4.new_code_cell(f"import helpers, os\nprint({MARKER!r} + os.path.realpath(helpers.__file__))")
-        )
-        staged = directory / f".{stem}-{name}.in.ipynb"
-        nbformat.write(source, staged)
-        output = directory / f"{stem}-{name}.out.ipynb"
-        started = time.perf_counter()
-        with open(directory / f"{stem}-{name}.log", "w") as log:
-            saved, sys.stderr = sys.stderr, log
-            try:
-                papermill.execute_notebook(
-                    str(staged), str(output), parameters=params, kernel_name="python3", cwd=str(directory),
-                    progress_bar=False, execution_timeout=timeout, log_output=False,
-                )  # fmt: skip
-            finally:
-                sys.stderr = saved
-        executed = nbformat.read(output, as_version=4)
-        text = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", []))
-        errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-        origin = next((ln.split(MARKER, 1)[1] for ln in text.splitlines() if MARKER in ln), "?")
-        if errors:
-            raise RuntimeError(f"{stem}[{name}]: error output {errors[0].get('ename')}: {errors[0].get('evalue')}")
-        if origin == "?" or Path(origin).is_relative_to(REPO / "helpers"):
-            raise RuntimeError(f"{stem}[{name}]: helpers was imported from {origin}, not from an installed package")
-        lines.append(f"ok {stem}[{name}] {time.perf_counter() - started:.1f} s helpers from {origin}")
+        try:
+            lines.append(_run_one(directory, stem, name, params, timeout))
+        except Exception as e:  # papermill's cell error, or the checks below
+            if not keep_going:
+                raise
+            lines.append(f"FAIL {stem}[{name}] {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     return lines
+
+
+def _run_one(directory: Path, stem: str, name: str, params: dict, timeout: int) -> str:
+    """One notebook run in ``directory``: its ``ok`` line, or RuntimeError saying what went wrong."""
+    import nbformat
+    import papermill
+
+    source = nbformat.read(directory / f"{stem}.ipynb", as_version=4)
+    source.cells.append(
+        nbformat.v4.new_code_cell(f"import helpers, os\nprint({MARKER!r} + os.path.realpath(helpers.__file__))")
+    )
+    staged = directory / f".{stem}-{name}.in.ipynb"
+    nbformat.write(source, staged)
+    output = directory / f"{stem}-{name}.out.ipynb"
+    started = time.perf_counter()
+    with open(directory / f"{stem}-{name}.log", "w") as log:
+        saved, sys.stderr = sys.stderr, log
+        try:
+            papermill.execute_notebook(
+                str(staged), str(output), parameters=params, kernel_name="python3", cwd=str(directory),
+                progress_bar=False, execution_timeout=timeout, log_output=False,
+            )  # fmt: skip
+        finally:
+            sys.stderr = saved
+    executed = nbformat.read(output, as_version=4)
+    text = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    origin = next((ln.split(MARKER, 1)[1] for ln in text.splitlines() if MARKER in ln), "?")
+    if errors:
+        raise RuntimeError(f"{stem}[{name}]: error output {errors[0].get('ename')}: {errors[0].get('evalue')}")
+    if origin == "?" or Path(origin).is_relative_to(REPO / "helpers"):
+        raise RuntimeError(f"{stem}[{name}]: helpers was imported from {origin}, not from an installed package")
+    return f"ok {stem}[{name}] {time.perf_counter() - started:.1f} s helpers from {origin}"
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -313,12 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("notebooks", help="run copies of the notebooks in an empty directory")
     n.add_argument("directory", type=Path)
     n.add_argument("names", nargs="*")
+    n.add_argument("--keep-going", action="store_true", help="run every notebook, a FAIL line for each that fails")
     args = parser.parse_args(argv)
     if args.command == "matrix":
         return matrix(args.envs)
-    for line in run_notebooks_here(args.directory, args.names or None):
+    lines = run_notebooks_here(args.directory, args.names or None, keep_going=args.keep_going)
+    for line in lines:
         print(line, flush=True)
-    return 0
+    return 1 if any(line.startswith("FAIL ") for line in lines) else 0
 
 
 if __name__ == "__main__":

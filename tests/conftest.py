@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,62 @@ def tiny_llama(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_models) -> Path:
     return tiny_models["qwen2"]
+
+
+@functools.cache
+def compat_script():
+    """scripts/compat.py as a module (it builds the wheel and runs the notebooks from it)."""
+    spec = importlib.util.spec_from_file_location("oomkit_compat_script", REPO / "scripts" / "compat.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """The package as Colab installs it: the built wheel."""
+    if not (REPO / "helpers").is_dir():
+        pytest.skip("builds the wheel from a source checkout (make test-compat runs the tests without helpers/)")
+    return compat_script().build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@dataclass
+class WheelNotebooks:
+    """Every notebook run once per test session from the installed wheel, in an empty directory."""
+
+    work: Path  # the empty directory the notebooks were copied into and ran in
+    target: Path  # where the wheel was installed
+    lines: dict[str, str]  # "stem[name]" -> its "ok ..." or "FAIL ..." line
+    output: str
+
+
+@pytest.fixture(scope="session")
+def wheel_notebooks(wheel, tmp_path_factory, tiny_models) -> WheelNotebooks:
+    """The way Colab runs them: the wheel installed in a fresh venv, only the .ipynb files beside them.
+    One execution of every notebook serves both the notebook tests and the install test."""
+    root = tmp_path_factory.mktemp("wheel-notebooks")
+    venv_dir = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv_dir], check=True)
+    python = venv_dir / "bin" / "python"
+    target = compat_script().site_packages(python)
+    # the wheel's files go into the new venv; its dependencies come from this environment, as a
+    # plain path entry (not a site dir, so this environment's editable oomkit is never seen)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", target, wheel],
+        check=True,
+    )
+    (target / "zz_oomkit_dependencies.pth").write_text(str(compat_script().site_packages(sys.executable)) + "\n")
+    work = root / "empty"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OOMKIT_TINY"] = str(next(iter(tiny_models.values())).parent)
+    done = subprocess.run(
+        [python, REPO / "scripts" / "compat.py", "notebooks", "--keep-going", work],
+        cwd=work, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    lines = {ln.split()[1]: ln for ln in done.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))}
+    return WheelNotebooks(work, target, lines, done.stdout[-3000:] + done.stderr[-3000:])
 
 
 @pytest.fixture

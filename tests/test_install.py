@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import re
@@ -28,13 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = (REPO / "pyproject.toml").read_text()
 
 
-@functools.cache
-def _compat_script():
-    spec = importlib.util.spec_from_file_location("oomkit_compat_script", REPO / "scripts" / "compat.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import compat_script as _compat_script  # noqa: E402
 
 
 def _bound(package: str) -> str | None:
@@ -169,13 +161,6 @@ def test_no_gpu_notice_names_the_menu(monkeypatch):
 # ----------------------------------------------------------------------------- the built wheel
 
 
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory) -> Path:
-    if not (REPO / "helpers").is_dir():
-        pytest.skip("builds the wheel from a source checkout (make test-compat runs the tests without helpers/)")
-    return _compat_script().build_wheel(tmp_path_factory.mktemp("wheel"))
-
-
 def test_wheel_holds_the_package_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "helpers/compat.py" in names and "helpers/runtime.py" in names
@@ -184,34 +169,15 @@ def test_wheel_holds_the_package_data(wheel):
 
 
 @pytest.mark.slow
-def test_wheel_runs_every_notebook_from_an_empty_directory(wheel, tmp_path, tiny_models):
-    """The way Colab runs them: the wheel installed in a fresh venv, only the .ipynb files beside them."""
-    venv_dir = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv_dir], check=True)
-    python = venv_dir / "bin" / "python"
-    target = _compat_script().site_packages(python)
-    # the wheel's files go into the new venv; its dependencies come from this environment, as a
-    # plain path entry (not a site dir, so this environment's editable oomkit is never seen)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", target, wheel],
-        check=True,
-    )
-    (target / "zz_oomkit_dependencies.pth").write_text(str(_compat_script().site_packages(sys.executable)) + "\n")
-    work = tmp_path / "empty"
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OOMKIT_TINY"] = str(next(iter(tiny_models.values())).parent)
-    done = subprocess.run(
-        [python, REPO / "scripts" / "compat.py", "notebooks", work],
-        cwd=work, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("ok ")]
-    assert len(lines) == len(_compat_script().notebook_runs(None, REPO, work))
-    assert all(f"helpers from {target}" in ln for ln in lines), done.stdout
-    assert sorted(p.name for p in work.glob("[!.]*.ipynb") if not p.name.endswith(".out.ipynb")) == sorted(
-        p.name for p in (REPO / "notebooks").glob("*.ipynb")
-    )
+def test_wheel_runs_every_notebook_from_an_empty_directory(wheel_notebooks):
+    """The way Colab runs them (the session's one notebook execution, shared with test_notebooks.py)."""
+    runs = _compat_script().notebook_runs(None, REPO, wheel_notebooks.work)
+    assert len(wheel_notebooks.lines) == len(runs), wheel_notebooks.output
+    assert all(ln.startswith("ok ") and f"helpers from {wheel_notebooks.target}" in ln
+               for ln in wheel_notebooks.lines.values()), wheel_notebooks.output  # fmt: skip
+    assert sorted(
+        p.name for p in wheel_notebooks.work.glob("[!.]*.ipynb") if not p.name.endswith(".out.ipynb")
+    ) == sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
 
 
 def _fake_torch_wheel(directory: Path, version: str) -> Path:

@@ -1,6 +1,7 @@
 """Every notebook runs top to bottom on the tiny model, and is stored clean and paired."""
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -11,16 +12,15 @@ RUNS = run_notebooks.planned_runs()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS, ids=[r.label for r in RUNS])
-def test_notebook_executes(run, tiny_models):
-    run_notebooks.execute(run)
-    executed = nbformat.read(run.output, as_version=4)
-    errors = [
-        o
-        for c in executed.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "error"
-    ]
+def test_notebook_executes(run, wheel_notebooks):
+    """Each planned run (what `make demo` runs), executed once per session from the installed wheel."""
+    key = f"{run.notebook.stem}[{run.name}]"
+    line = wheel_notebooks.lines.get(key)
+    assert line is not None, f"{key} did not run: {wheel_notebooks.output}"
+    assert line.startswith("ok "), line
+    executed = nbformat.read(wheel_notebooks.work / f"{run.notebook.stem}-{run.name}.out.ipynb", as_version=4)
+    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]  # fmt: skip
     assert not errors
 
 
@@ -122,3 +122,11 @@ def test_a_load_mode_moved_after_loading_is_what_notebook_01_generates_with(tiny
     )  # fmt: skip
     printed = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells for o in c.get("outputs", []))
     assert "SEEN (True, 'int8', False)" in printed
+
+
+def test_make_demo_runs_what_the_wheel_test_runs():
+    """`make demo` (scripts/run_notebooks.py) and the one execution per test session plan the same runs."""
+    from conftest import compat_script
+
+    wheel_runs = [(stem, name) for stem, name, _ in compat_script().notebook_runs(None, run_notebooks.REPO, Path("x"))]
+    assert [(r.notebook.stem, r.name) for r in RUNS] == wheel_runs
