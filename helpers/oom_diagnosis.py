@@ -407,8 +407,10 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
 
     Args:
         error_or_text: the exception (also when the OOM is wrapped inside another one) or its text,
-            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/CPU/cuBLAS/cuDNN/bitsandbytes/Colab
-            form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
+            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/XPU/CPU/cuBLAS/cuDNN/NCCL/bitsandbytes/
+            Colab form in ``OOM_FORMS`` is understood, and so are llama.cpp's and vLLM's, Windows'
+            page file and the system-RAM deaths (Killed, exit code 137, a DataLoader worker killed or
+            out of shared memory, a Jupyter kernel that died); figures the message lacks are unknown.
         live: add a current ``snapshot()`` and the largest live tensors (default: when given an
             exception). On a machine with several GPUs it also tells when another card has room.
         memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
