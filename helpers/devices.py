@@ -19,10 +19,21 @@ __all__ = [
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_HOPPER",
     "CUBLAS_WORKSPACE_HOPPER_MAJORS", "DeviceError", "resolve_device",
     "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype", "DEVICE_SETS", "resolve_devices",
+    "capacity_range",
 ]  # fmt: skip
 
 DEVICES: dict[str, dict[str, Any]] = {
-    "t4": {"name": "Tesla T4 (Colab free)", "capacity": 15_828_320_256, "bf16": False, "capability": (7, 5)},
+    # The T4's total depends on driver and VM: 14.74 GiB (the preset, byte-exact from a Colab T4) in
+    # earlier messages, 14.56 GiB in recent Colab and GCP ones (helpers/data/t4_capacity.jsonl, cited).
+    # Plans keep the larger reading; a plan between the two is "tight" and says why (``capacity_low``).
+    "t4": {
+        "name": "Tesla T4 (Colab free)",
+        "capacity": 15_828_320_256,
+        "capacity_low": 15_633_680_957,
+        "capacity_low_seen": "recent Colab and GCP T4s",
+        "bf16": False,
+        "capability": (7, 5),
+    },
     "l4": {"name": "NVIDIA L4", "capacity": 23_580_639_232, "bf16": True, "capability": (8, 9)},
     "v100": {"name": "Tesla V100 16 GB", "capacity": 16_935_682_048, "bf16": False, "capability": (7, 0)},
     "v100-32": {"name": "Tesla V100 32 GB", "capacity": 34_089_730_048, "bf16": False, "capability": (7, 0)},
@@ -123,6 +134,12 @@ def _size(device: int | float) -> tuple[str, dict]:
         )
     label = format_bytes(int(device))
     return label, {"name": label, "capacity": int(device), "bf16": True}
+
+
+def capacity_range(dev: dict) -> tuple[int, int]:
+    """``(lowest, preset)`` capacity a device's cards report: equal unless the preset carries a
+    ``capacity_low`` (a card whose total varies with driver and VM, such as the T4)."""
+    return min(dev.get("capacity_low", dev["capacity"]), dev["capacity"]), dev["capacity"]
 
 
 def resolve_device(device: Any) -> tuple[str, dict | None]:

@@ -13,93 +13,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import estimator, tensors
+from .oom_causes import CAUSES
 from .oom_messages import is_oom_text, parse_message
 from .runtime import ALLOC_CONF, EXPANDABLE, cuda_initialized, needs_restart_for
 from .session import user_namespace
 from .units import format_bytes
 
 __all__ = ["CAUSES", "OOMReport", "explain_oom", "largest_tensors"]
-
-# Cause classes, each with its fixes in the order to try them.
-CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "request_too_large": (
-        "a single allocation is larger than the whole card",
-        (
-            "This one tensor can never fit: shrink the dimension that made it (batch size, sequence length, "
-            "vocabulary-sized logits; e.g. compute the loss in chunks or keep only the last token's logits)",
-            "Load the model quantized (4-bit or 8-bit) or offload layers with device_map='auto'",
-        ),
-    ),
-    "fragmentation": (
-        "fragmentation: PyTorch holds enough free cache, but not in one piece",
-        (
-            "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before torch touches the GPU (first cell, "
-            "then restart): segments grow in place instead of leaving holes between fixed blocks",
-            "Call helpers.cleanup() to return the cached blocks, then retry",
-            "Keep batch shapes steady (pad to a few fixed lengths): changing shapes fragment the cache",
-        ),
-    ),
-    "held_elsewhere": (
-        "memory is held outside this process's PyTorch tensors (another process, an old "
-        "kernel, or CUDA context/library workspaces)",
-        (
-            "Find who holds it: `nvidia-smi` (or helpers.snapshot()); kill the other process, or shut down the "
-            "other notebook's kernel (Colab: Runtime > Disconnect and delete runtime)",
-            "Restart this runtime if the holder is this process's earlier state",
-            "Then retry; if it still fails, follow the steady-state fixes",
-        ),
-    ),
-    "process_cap": (
-        "this process hit its own memory cap (torch.cuda.set_per_process_memory_fraction), not the card's limit",
-        (
-            "If the cap is not deliberate, remove it: torch.cuda.set_per_process_memory_fraction(1.0), or drop "
-            "per_process_memory_fraction from PYTORCH_CUDA_ALLOC_CONF",
-            "If it is (sharing the GPU, or acting as a smaller card such as a T4), the memory to save is under the "
-            "cap: the fixes below apply to it",
-        ),
-    ),
-    "other_gpu_room": (
-        "this card ran out while another GPU of this machine has room: the work is not spread over the cards",
-        (  # the generic wording; a live report names the cards (_move_fixes)
-            "Split the model by each card's free memory: helpers.load(LoadPlan(model, gpus=<GPU count>)) places "
-            "its layers so each card keeps room for its share of the KV cache and activations, checked before "
-            "loading",
-            "Or place it yourself: from_pretrained(..., device_map='sequential', max_memory={...}) with a lower "
-            "cap for the card that ran out: 'sequential' fills the cards in order up to each cap, so the layers "
-            "it loses go to the next card ('auto' balances the weights alone, leaving generation no room)",
-        ),
-    ),
-    "steady_state": (
-        "the model, activations and optimizer state together do not fit the card",
-        (
-            "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
-            "Use a smaller batch (helpers.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
-            "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
-            "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
-        ),
-    ),
-    "system_ram": (
-        "system RAM, not GPU memory, ran out",
-        (
-            "Load with low_cpu_mem_usage=True / device_map='auto' so weights go straight to the GPU",
-            "Load a safetensors checkpoint in a smaller dtype (torch_dtype=torch.float16 / bfloat16)",
-            "Free what the notebook holds: helpers.free('name'), helpers.cleanup(); keep datasets streamed",
-            "Check the requested size: a huge request usually means a wrong shape, not a small machine",
-        ),
-    ),
-    "library_workspace": (
-        "a CUDA library (cuBLAS/cuDNN) or the driver could not get memory for its workspace",
-        (
-            "The GPU is full; the library just hit it first: free memory (helpers.cleanup()) and follow the "
-            "steady-state fixes",
-            "If it happens at the first matmul, another process may hold the card: check nvidia-smi",
-        ),
-    ),
-    "unknown": (
-        "the message does not say enough to tell",
-        ("Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",),
-    ),
-}
 
 
 @dataclass
@@ -116,6 +36,7 @@ class OOMReport:
     causes: list[str] = field(default_factory=list)
     device: int | None = None
     requested: int | None = None
+    requested_at_least: int | None = None  # "Tried to allocate more than 1EB": only a lower bound is printed
     total: int | None = None
     free: int | None = None
     allocated: int | None = None
@@ -134,6 +55,7 @@ class OOMReport:
     snapshot: object | None = None
     tensors: list[tuple[str, int, str]] = field(default_factory=list)
     other_gpus: list[tuple[int, int]] = field(default_factory=list)  # (index, free bytes) of the other cards, live
+    notes: list[str] = field(default_factory=list)  # what this message shows beyond its figures, in words
 
     @property
     def explanation(self) -> str:
@@ -160,11 +82,19 @@ class OOMReport:
             ]
         if self.form in ("cpu", "colab_ram"):
             names = [("requested", "tried to allocate")]
+        if self.form in _DEATH_FORMS:  # a death reports no figures: listing them all as unknown says nothing
+            names = []
+        if self.form == "vllm":
+            names = [("requested", "gpu_memory_utilization x capacity"), ("total", "GPU capacity"), ("free", "free")]
         if self.process_cap is not None:
             names.insert(2, ("process_cap", "allowed for this process (its cap)"))
+        if self.requested_at_least is not None:  # only "more than 1EB" is printed: no other figure is worth a row
+            names = [n for n in names if getattr(self, n[0]) is not None and n[0] != "requested"]
         rows = [
             (label, format_bytes(getattr(self, n)) if getattr(self, n) is not None else "unknown") for n, label in names
         ]
+        if self.requested_at_least is not None:
+            rows.insert(0, ("tried to allocate", f"more than {self.requested_at_least >> 60} EiB"))
         return rows + [(f"free on GPU {index} now", format_bytes(free)) for index, free in self.other_gpus]
 
     def to_dict(self) -> dict:
@@ -197,6 +127,7 @@ class OOMReport:
             return self._not_oom_text() + (f"\nNow: {self.snapshot}" if self.snapshot is not None else "")
         where = f" on GPU {self.device}" if self.device is not None else ""
         lines = [f"Out of memory{where}: {self.source}", f"Cause: {self.explanation}"]
+        lines += [f"  {note}" for note in self.notes]
         lines += [f"  {label}: {value}" for label, value in self.figures()]
         for pid, used in self.processes:
             lines.append(f"  process {pid}: {format_bytes(used)}")
@@ -222,6 +153,8 @@ class OOMReport:
             f"<div><b>Out of memory{escape(f' on GPU {self.device}' if self.device is not None else '')}"
             f"</b>: {escape(self.source)}<br><b>Cause</b>: {escape(self.explanation)}</div>"
         ]
+        if self.notes:  # notes quote PIDs and sizes from the message: outside data, escaped
+            parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in self.notes) + "</ul>")
         if self.total and self.free is not None:
             parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
         rows = [[label, value] for label, value in self.figures()]
@@ -259,11 +192,42 @@ def _exception_text(exc: BaseException) -> str:
     return "\n".join(texts)
 
 
+# Forms whose cause the form itself settles (a death or a refusal outside PyTorch's allocators).
+_FORM_CAUSES = {
+    "cpu": "system_ram", "colab_ram": "system_ram", "pagefile": "page_file", "shm": "shared_memory",
+    "dataloader_killed": "dataloader_worker_killed", "kernel_died": "kernel_died", "killed": "killed_by_os",
+    "ggml": "gguf_buffer", "vllm": "vllm_reservation",
+}  # fmt: skip
+_DEATH_FORMS = ("pagefile", "shm", "dataloader_killed", "kernel_died", "killed")
+# No machine has a petabyte of memory to ask for: a request that large is a corrupted size, not a shortage.
+ABSURD_REQUEST = 1 << 50
+XPU_ALLOCATION_LIMIT = 4 << 30  # Intel GPUs (Level Zero) refuse a single allocation this large
+
+
 def _classify(f: dict) -> list[str]:
     """Every cause the figures support, most likely first."""
     form = f["form"]
-    if form in ("cpu", "colab_ram"):
-        return ["system_ram"]
+    if f.get("requested_at_least") is not None or (f.get("requested") or 0) >= ABSURD_REQUEST:
+        return ["corrupted_size"]
+    if form in _FORM_CAUSES:
+        return [_FORM_CAUSES[form]]
+    causes = _allocator_causes(f)
+    if form == "xpu" and (f.get("requested") or 0) >= XPU_ALLOCATION_LIMIT:
+        free, req = f.get("free"), f["requested"]
+        if free is None or free >= req:  # the card had room: the per-allocation limit alone refused it
+            causes = [c for c in causes if c != "steady_state"]
+        causes.insert(0, "xpu_allocation_limit")
+    if f.get("other_processes") is not None and "held_elsewhere" not in causes:  # else that cause names them
+        at = causes.index("steady_state") if "steady_state" in causes else len(causes)
+        causes.insert(at, "other_processes")
+    if _contradictions(f):  # after a request larger than the card: that holds whatever the accounting says
+        causes.insert(1 if causes[:1] == ["request_too_large"] else 0, "impossible_figures")
+    return list(dict.fromkeys(causes))
+
+
+def _allocator_causes(f: dict) -> list[str]:
+    """The causes a PyTorch (or library) allocator message's figures support, most likely first."""
+    form = f["form"]
     causes = []
     req, total = f.get("requested"), f.get("total")
     if form == "mps":
@@ -306,7 +270,64 @@ def _classify(f: dict) -> list[str]:
         causes.append("held_elsewhere")
     if not causes:
         causes.append("unknown")
-    return list(dict.fromkeys(causes))
+    return causes
+
+
+def _contradictions(f: dict) -> list[str]:
+    """The figures that cannot all be true (each in words): more allocated, reserved or in use than the
+    card's total, or more allocated than reserved."""
+    total, out = f.get("total"), []
+    for name, label in (("allocated", "allocated"), ("reserved", "reserved"), ("this_process", "in use"),
+                        ("free", "free")):  # fmt: skip
+        if total and f.get(name) is not None and f[name] > total * 1.01:  # rounding of printed figures
+            out.append(f"{format_bytes(f[name])} {label} of a {format_bytes(total)} card")
+    allocated, reserved = f.get("allocated"), f.get("reserved")
+    if allocated is not None and reserved is not None and allocated > reserved * 1.01 + (2 << 20):
+        out.append(f"{format_bytes(allocated)} allocated but only {format_bytes(reserved)} reserved")
+    return out
+
+
+def _other_processes(f: dict, pid: int | None) -> list[tuple[int, int]]:
+    """The processes the message lists that are not this one.
+
+    NVML may list this process under a second PID (a container's PID namespace: Kaggle, some Colab
+    images), beside or instead of PyTorch's "this process has ..." line. So an entry holding more than
+    the card has outside this process (``held_elsewhere``, with 1 % slack for rounding) is this process;
+    with no such figure, the largest entry holding at least PyTorch's own share is, unless PyTorch named
+    this process itself. ``pid`` (this process, when explaining a live error) is never another process.
+    """
+    listed = [(p, n) for p, n in f.get("processes", []) if p != pid]
+    held, total = f.get("held_elsewhere"), f.get("total") or 0
+    if held is not None:
+        return [(p, n) for p, n in listed if n <= held + total // 100]
+    if f.get("this_process") is not None or not listed:
+        return listed
+    own = (f.get("allocated") or 0) + (f.get("reserved_unallocated") or 0)
+    biggest = max(listed, key=lambda p: p[1])
+    return [p for p in listed if p is not biggest] if own and biggest[1] >= own else listed
+
+
+def _notes(f: dict, others: list[tuple[int, int]], pid: int | None) -> list[str]:
+    """What the message shows beyond its figures: contradictions, and who else holds the card."""
+    notes = [f"impossible: {c}" for c in _contradictions(f)]
+    if others:
+        held = sum(n for _, n in others)
+        req = f.get("requested")
+        ratio = f", {held / req:.1f}x the failed request" if req else ""
+        who = ", ".join(f"{p} ({format_bytes(n)})" for p, n in others)
+        me = f" (this process is {pid})" if pid is not None else ""
+        notes.append(f"other processes on this GPU{me}: {who}; {format_bytes(held)} in all{ratio}")
+    for p, n in f.get("processes", []):
+        if (p, n) not in others:
+            why = (
+                "its own PID"
+                if p == pid
+                else "seen under a container's PID: it holds more than the card has outside this process"
+            )
+            notes.append(f"process {p} ({format_bytes(n)}) is this process ({why})")
+    if f["form"] == "vllm" and f.get("free") and f.get("total"):
+        notes.append(f"at most gpu_memory_utilization={int(100 * f['free'] / f['total']) / 100:.2f} fits what was free")
+    return notes
 
 
 def _held_elsewhere(f: dict) -> int | None:
@@ -386,8 +407,10 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
 
     Args:
         error_or_text: the exception (also when the OOM is wrapped inside another one) or its text,
-            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/CPU/cuBLAS/cuDNN/bitsandbytes/Colab
-            form in ``OOM_FORMS`` is understood; figures the message lacks are reported as unknown.
+            e.g. pasted from a log. Every PyTorch/CUDA/HIP/MPS/XPU/CPU/cuBLAS/cuDNN/NCCL/bitsandbytes/
+            Colab form in ``OOM_FORMS`` is understood, and so are llama.cpp's and vLLM's, Windows'
+            page file and the system-RAM deaths (Killed, exit code 137, a DataLoader worker killed or
+            out of shared memory, a Jupyter kernel that died); figures the message lacks are unknown.
         live: add a current ``snapshot()`` and the largest live tensors (default: when given an
             exception). On a machine with several GPUs it also tells when another card has room.
         memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
@@ -409,23 +432,28 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
     if f.get("reserved") is None and f.get("allocated") is not None and f.get("reserved_unallocated") is not None:
         f["reserved"] = f["allocated"] + f["reserved_unallocated"]  # stated as its two parts
     f["held_elsewhere"] = _held_elsewhere(f)
+    pid = os.getpid() if exc is not None else None  # a live error is this process's: its PID is known
+    others = _other_processes(f, pid)
+    if others and sum(n for _, n in others) >= (f.get("requested") or 1 << 62):
+        f["other_processes"] = sum(n for _, n in others)
     snap = None
     if live if live is not None else exc is not None:
         from .memory import snapshot
 
         snap = snapshot()
-    others = _other_gpus(f, snap)
+    other_gpus = _other_gpus(f, snap)
     causes = _classify(f)
     moved: dict[str, list[str]] = {}
-    if _other_card_helps(f, others, causes):
+    if _other_card_helps(f, other_gpus, causes):
         # after what this process cannot fix by moving layers (another holder, fragmentation, its own cap)
         at = causes.index("steady_state") if "steady_state" in causes else len(causes)
         causes.insert(at, "other_gpu_room")
-        moved["other_gpu_room"] = _move_fixes(f, others, len(snap.gpus))
+        moved["other_gpu_room"] = _move_fixes(f, other_gpus, len(snap.gpus))
     if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
         moved["fragmentation"] = _fragmentation_fixes()
     report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
-    report.other_gpus = others
+    report.other_gpus = other_gpus
+    report.notes = _notes(f, others, pid)
     if snap is not None:
         report.snapshot = snap
         report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
@@ -502,15 +530,18 @@ def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, es
         fixes += [x for x in named.get(c, CAUSES[c][1]) if x not in fixes]
     if "steady_state" in causes:
         fixes += [x for x in estimated if x not in fixes]
-    wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"]}.get(
+    wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"],
+              "ggml": ["requested"], "vllm": ["requested", "total", "free"], **dict.fromkeys(_DEATH_FORMS, [])}.get(
         f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"]
-    )
+    )  # fmt: skip
     if f["form"] in ("cuda_error", "cublas", "cudnn", "nccl", "unknown", "bitsandbytes") and "total" not in f:
         wanted = ["requested", "total", "free"]
+    if f.get("requested_at_least") is not None:
+        wanted = [w for w in wanted if w != "requested"]
     unknown = [w.replace("_", " ") for w in wanted if f.get(w) is None]
     if f["form"] == "cuda_legacy":
         unknown = [u for u in unknown if u != "reserved unallocated"]
-    figures = ("device", "requested", "total", "free", "allocated", "reserved", "reserved_unallocated",
+    figures = ("device", "requested", "requested_at_least", "total", "free", "allocated", "reserved", "reserved_unallocated",
                "this_process", "held_elsewhere", "mps_allocated", "other_allocations", "max_allowed", "process_cap")  # fmt: skip
     return OOMReport(
         form=f["form"],

@@ -13,7 +13,7 @@ import torch
 
 from .units import parse_bytes
 
-__all__ = ["OOM_SIGNATURES", "OOM_FORMS", "is_oom", "is_oom_text", "parse_message"]
+__all__ = ["OOM_SIGNATURES", "TEXT_SIGNATURES", "OOM_FORMS", "is_oom", "is_oom_text", "parse_message"]
 
 # Fragments (lower-case) that mark an allocation failure in an exception's message.
 OOM_SIGNATURES: tuple[str, ...] = (
@@ -26,6 +26,26 @@ OOM_SIGNATURES: tuple[str, ...] = (
     "can not allocate memory",  # Intel XPU (IPEX): "Current platform can NOT allocate memory block ..."
     "failed to allocate",
     "not enough memory",
+)
+
+
+# Fragments (lower-case) of memory deaths and refusals that the OS, a launcher, Jupyter, Windows or a
+# server reports: recognized in text, never in a live exception (``is_oom`` leaves them out), so a
+# retry loop does not halve its batch over a DataLoader worker's bus error.
+TEXT_SIGNATURES: tuple[str, ...] = (
+    "winerror 1455",  # "[WinError 1455] The paging file is too small ..." in every Windows language
+    "os error 1455",
+    "paging file is too small",
+    "killed by signal: killed",  # a DataLoader worker taken by the OOM killer
+    "killed by signal: bus error",  # ... or by an exhausted /dev/shm
+    "insufficient shared memory",
+    "exit code 137",  # 128 + SIGKILL
+    "exit status 137",
+    "exitcode: -9",  # torchrun's "failed (exitcode: -9)"
+    "signal 9",
+    "sigkill",
+    "appears to have died",  # Jupyter: "The kernel appears to have died. It will restart automatically."
+    "on startup is less than desired gpu memory utilization",  # vLLM's startup check
 )
 
 
@@ -66,6 +86,31 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
         "Colab ran out of system RAM and restarted the runtime",
         r"session crashed after using all available ram",
     ),
+    # deaths and refusals outside PyTorch's allocators: more specific than any allocator form
+    (
+        "pagefile",
+        "Windows could not commit memory (RAM + page file)",
+        r"(?:winerror|os error) 1455|paging file is too small",
+    ),
+    (
+        "shm",
+        "a DataLoader worker died of a bus error: shared memory (/dev/shm) ran out",
+        r"killed by signal: bus error|insufficient shared memory",
+    ),
+    ("dataloader_killed", "a DataLoader worker was killed (SIGKILL)", r"killed by signal: killed"),
+    ("kernel_died", "the Jupyter kernel died", r"kernel(?: for \S{1,200})? (?:appears to have|has) died"),
+    (
+        "killed",
+        "the process was killed with SIGKILL (Killed, exit code 137, exitcode -9)",
+        r"exit (?:code|status) 137|exitcode ?: ?-9\b|signal 9\b|sigkill|(?:^|[\s\]|])killed(?!\S)(?! by)",
+    ),
+    ("vllm", "vLLM's startup check of free GPU memory", r"on startup is less than desired gpu memory utilization"),
+    (
+        "ggml",
+        "llama.cpp / ggml (ollama) could not allocate a buffer",
+        r"cudamalloc failed: out of memory|ggml_backend_cuda_buffer_type_alloc_buffer|"
+        r"failed to allocate (?:cuda|rocm)\d{1,3} buffer",
+    ),
     ("mps", "Apple MPS allocator", r"mps backend out of memory"),
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
     ("xpu", "Intel XPU caching allocator", r"xpu out of memory|can not allocate memory block"),
@@ -88,7 +133,8 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
     (
         "cuda_error",
         "the CUDA driver itself (outside PyTorch's allocator)",
-        r"cuda error: out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory",
+        # "CUDA error:out of memory" (no space) in some builds; THC's "error=2 : out of memory"
+        r"cuda error: ?out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory|error=2 ?: out of memory",
     ),
     (
         "cpu",
@@ -104,7 +150,15 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("requested", rf"tried to allocate {_SIZE}"),
     ("requested", r"you tried to allocate (\d{1,20}) bytes"),
     ("requested", r"failed to cuda calloc (\d{1,20}) bytes"),  # NCCL
+    # ggml: the exact bytes of "failed to allocate CUDA0 buffer of size N" before its rounded MiB
+    ("requested", r"failed to allocate (?:cuda|rocm)\d{1,3} buffer of size (\d{1,20})"),
+    ("requested", rf"allocating {_SIZE} on device"),
+    ("requested_at_least", r"tried to allocate more than (\d{1,3}) ?eb\b"),  # PyTorch's cap on what it prints
     ("device", r"\bgpu {1,3}(\d{1,4})\b"),
+    ("device", r"\bon device (\d{1,4}):"),  # ggml
+    ("device", r"\b(?:cuda|rocm)(\d{1,3}) buffer"),  # ggml
+    ("device", r"\bon device cuda:(\d{1,3})"),  # vLLM
+    ("device", r":\d{1,10}:\d{1,10} \[(\d{1,4})\] "),  # NCCL's "host:pid:tid [cudaDev]" prefix
     ("total", rf"total capaci?ty of {_SIZE}"),  # PyTorch 2.1-2.3 print "capacty"
     ("total", rf"{_SIZE} total capacity"),
     ("free", rf"of which {_SIZE} is free"),
@@ -120,6 +174,14 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("other_allocations", rf"other allocations: {_SIZE}"),
     ("max_allowed", rf"max allowed: {_SIZE}"),
     ("process_cap", rf"{_SIZE} allowed;"),  # set_per_process_memory_fraction's cap, when one is set
+)
+# vLLM: "Free memory on device [cuda:N] (FREE/TOTAL GiB) on startup is less than desired GPU memory
+# utilization (FRACTION, WANTED GiB)": two figures in one parenthesis, read here rather than in _FIGURES
+_GIB = r"(\d{1,10}(?:\.\d{1,6})?)"
+_VLLM = re.compile(
+    rf"free memory on device(?: [\w:]{{1,20}})? \({_GIB}/{_GIB} ?gib\) on startup is less than desired gpu "
+    rf"memory utilization \((?:\d{{1,3}}(?:\.\d{{1,6}})?), {_GIB} ?gib\)",
+    re.I,
 )
 _PROCESS = re.compile(rf"process (\d{{1,10}}) has {_SIZE} memory in use", re.I)
 _FORM_RES = tuple((name, what, re.compile(pattern)) for name, what, pattern in OOM_FORMS)
@@ -137,7 +199,29 @@ _SPACES = re.compile(r"\s+")
 
 def _last_signature(low: str) -> int:
     """Where the last OOM signature of ``low`` (lower-cased text) starts, or -1: plain ``str.rfind``s."""
-    return max(low.rfind(sig) for sig in (*OOM_SIGNATURES, _COLAB))
+    return max(max(low.rfind(sig) for sig in (*OOM_SIGNATURES, *TEXT_SIGNATURES, _COLAB)), _last_killed(low))
+
+
+# A shell's "Killed" (the OOM killer's SIGKILL), alone or ending its line: "...it/s]Killed",
+# "line 3: 4242 Killed   python train.py". Checked on the line of each of the last few "killed"s
+# only (rfind, then a bounded regex), so a long log costs no regex scan.
+_KILLED_LINE = re.compile(r"(?:^|[\s\]|])killed\s*$|\b\d{1,10} +killed +\S")
+_KILLED_TRIES = 20
+
+
+def _last_killed(low: str) -> int:
+    end = len(low)
+    for _ in range(_KILLED_TRIES):
+        pos = low.rfind("killed", 0, end)
+        if pos < 0:
+            return -1
+        start = low.rfind("\n", max(0, pos - 200), pos) + 1 or max(0, pos - 200)
+        stop = low.find("\n", pos)
+        line = low[start : stop if 0 <= stop < pos + 200 else pos + 200]
+        if _KILLED_LINE.search(line):
+            return pos
+        end = pos
+    return -1
 
 
 def _window(text: str) -> tuple[str, str]:
@@ -191,9 +275,22 @@ def parse_message(text: str) -> dict:
             continue
         value = _figure(regex, before, after)
         if value is not None:
-            figures[name] = int(value) if name == "device" or value.isdigit() else parse_bytes(value)
+            figures[name] = _value(name, value)
+    vllm = _VLLM.search(before[-_FORM_CONTEXT:] + after)  # its signature sits mid-message
+    if vllm is not None:
+        free, total, wanted = (parse_bytes(f"{v} GiB") for v in vllm.groups())
+        figures.update(free=free, total=total, requested=wanted)
     figures["processes"] = [(int(pid), parse_bytes(size)) for pid, size in _PROCESS.findall(after)]
     return {"form": form, "source": source, **figures}
+
+
+def _value(name: str, text: str) -> int:
+    """A figure's bytes (the GPU index for ``device``; "more than N EB" as N EiB)."""
+    if name == "device":
+        return int(text)
+    if name == "requested_at_least":
+        return int(text) << 60
+    return int(text) if text.isdigit() else parse_bytes(text)
 
 
 def is_oom_text(text: str) -> bool:
@@ -203,4 +300,4 @@ def is_oom_text(text: str) -> bool:
         return True
     # a signature wrapped across lines: flatten the whitespace (of the last 1 MB of a long log)
     flat = " ".join(low[-(1 << 20) :].split())
-    return any(sig in flat for sig in OOM_SIGNATURES) or _COLAB in flat
+    return any(sig in flat for sig in (*OOM_SIGNATURES, *TEXT_SIGNATURES)) or _COLAB in flat

@@ -20,7 +20,7 @@ CORPUS = Path(__file__).parent / "data" / "oom_messages.jsonl"
 ENTRIES = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
 FIGURES = {
     "requested", "total", "free", "allocated", "reserved", "reserved_unallocated", "this_process",
-    "process_cap", "mps_allocated", "other_allocations", "max_allowed",
+    "process_cap", "mps_allocated", "other_allocations", "max_allowed", "requested_at_least",
 }  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..devices import DEFAULT_DEVICE, resolve_device
+from ..devices import DEFAULT_DEVICE, capacity_range, resolve_device
 from ..html import badge, bar, table
 from ..sources import shipped_configs
 from ..units import MiB, format_bytes
@@ -61,6 +61,7 @@ class FitVerdict:
     device: str
     estimate: MemoryEstimate
     suggestions: list[Suggestion] = field(default_factory=list)
+    note: str = ""  # why the verdict is less sure than its headroom says (a capacity that varies)
 
     @property
     def fits(self) -> bool:
@@ -69,14 +70,15 @@ class FitVerdict:
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
-                                 "total": s.estimate.total} for s in self.suggestions]}  # fmt: skip
+                                 "total": s.estimate.total} for s in self.suggestions],
+                **({"note": self.note} if self.note else {})}  # fmt: skip
 
     def __str__(self) -> str:
         head = (
             f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
             f"{self.device} (headroom {format_bytes(self.headroom)})"
         )
-        lines = [head]
+        lines = [head] + ([f"  {self.note}"] if self.note else [])
         for i, s in enumerate(self.suggestions, 1):
             lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
         return "\n".join(lines)
@@ -87,6 +89,8 @@ class FitVerdict:
             f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
             f"{format_bytes(self.headroom)}</div>" + bar(self.estimate.total, self.capacity, self.estimate.model)
         )
+        if self.note:
+            html += f"<div>{escape(self.note)}</div>"
         if self.suggestions:
             rows = [
                 [
@@ -145,10 +149,24 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
         est = est.replace(device=device)  # compute dtype, attention kernel and cuBLAS workspace follow the device
     cap = dev["capacity"]
     result = verdict(est.total, cap)
-    out = FitVerdict(result, cap - est.total, cap, label, est)
+    out = FitVerdict(result, cap - est.total, cap, label, est, note=_capacity_note(est.total, dev))
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
     return out
+
+
+def _capacity_note(total: int, dev: dict) -> str:
+    """Why a plan that fits the preset may not fit the card: it lies between the lowest total such
+    cards report and the preset's (verdict() already calls it tight there: over 90 % of the card)."""
+    low, high = capacity_range(dev)
+    if not low < total <= high:
+        return ""
+    return (
+        f"tight because the card's total varies: it fits the {format_bytes(high)} this preset assumes but not "
+        f"the {format_bytes(low)} that {dev.get('capacity_low_seen', 'some of these cards')} report "
+        f"({format_bytes(total - low)} short "
+        "there); cut it below that to be sure"
+    )
 
 
 def _device_changes_rows(est: MemoryEstimate, device, dev: dict) -> bool:
