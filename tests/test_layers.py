@@ -21,7 +21,7 @@ LAYERS = [
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},
     {"batch_size", "eval_batching", "environment"},
-    {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},
+    {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
     {"cli", "__main__", "__init__"},
 ]
