@@ -51,7 +51,8 @@ def _sample(t: torch.Tensor, whole_up_to: int, count: int) -> torch.Tensor:
     """A fixed sample of ``t``'s elements as bytes, still on its device (the whole tensor when small)."""
     flat = t.detach().reshape(-1)
     if flat.numel() > whole_up_to:
-        idx = torch.linspace(0, flat.numel() - 1, count, device=flat.device).long()
+        # integer steps: float positions round past the end on tensors of tens of millions of elements
+        idx = torch.arange(count, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // (count - 1)
         flat = flat[idx]
     flat = flat.contiguous()
     return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)

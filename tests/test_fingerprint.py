@@ -235,6 +235,15 @@ def test_the_sample_sees_a_change_anywhere_in_a_big_tensor_it_reads():
     assert weights_fingerprint(big) != before
 
 
+def test_a_7b_sized_tensor_is_sampled_within_its_bounds():
+    """11008 x 4096 (a 7B's MLP matrix): float sample positions rounded past its end (IndexError)."""
+    big = torch.nn.Module()
+    big.weight = torch.nn.Parameter(torch.zeros(11008 * 4096, dtype=torch.uint8), requires_grad=False)
+    before = weights_fingerprint(big)
+    big.weight.data[-1] = 1  # the last element is in the sample
+    assert weights_fingerprint(big) != before
+
+
 def test_fingerprint_figures_are_recorded(base):
     """The sample is fixed-size: a big tensor costs what a small one does (the 7B claim rests on this)."""
     import time
