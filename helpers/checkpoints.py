@@ -4,7 +4,7 @@ A ``checkpoint-N`` folder holds the adapter (``adapter_config.json`` + ``adapter
 ``trainer_state.json``, ``optimizer.pt``, ``scheduler.pt`` and the RNG state (``rng_state.pth``).
 A Colab runtime killed while Trainer writes them (slow on Drive) leaves a folder that is empty or
 half written. :func:`complete_marker` (a ``TrainerCallback``) fsyncs every file of a saved
-checkpoint, then writes :data:`COMPLETE` last, listing each file's size: a folder without it was
+checkpoint, then writes :data:`COMPLETE` last, listing each file's size (and a hash of each safetensors file, which has no checksum of its own): a folder without it was
 not finished. :func:`find_resume` walks the folders newest first and returns the first complete one
 with the newer ones it skipped and why; :func:`problem` says what is wrong with one folder.
 Checkpoints written before the marker existed are accepted when every file validates. Given a
@@ -15,6 +15,7 @@ checkpoint, before the marker: :func:`read_stamp` gives it back to a run about t
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from .errors import OomkitError
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
     "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
-    "RUN", "read_stamp",
+    "RUN", "WHY", "read_stamp",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
@@ -36,6 +37,8 @@ RUN = "oomkit_run.json"  # the settings and data a checkpoint was trained with (
 STATE = "trainer_state.json"
 TORCH_FILES = ("optimizer.pt", "scheduler.pt")  # a missing one would resume with a fresh state
 FOLDER = re.compile(r"^checkpoint-(\d+)$")
+WHY = "SET_ASIDE.txt"  # written into a folder set_aside moved: why it was not resumed from
+HASHED = 1 << 30  # safetensors files up to this size get a content hash in the marker (they have no checksum)
 
 
 class CheckpointError(OomkitError, ValueError):
@@ -159,7 +162,19 @@ def _marker(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size} bytes, the save wrote {size} (truncated or changed since)"
+    hashes = json.loads((folder / COMPLETE).read_text(encoding="utf-8")).get("sha256") or {}
+    for name, digest in hashes.items() if isinstance(hashes, dict) else ():
+        if (folder / str(name)).exists() and _sha256(folder / str(name)) != digest:
+            return f"{name} changed since the save (same size, other bytes: damaged on disk or in a sync)"
     return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def problem(folder: str | Path, *, marker_required: bool = False) -> str | None:
@@ -261,6 +276,10 @@ def set_aside(skipped: Skipped, prefix: str = "incomplete") -> Skipped:
     except OSError:  # a read-only or odd file system: leave it; its missing marker keeps it skipped
         return skipped
     skipped.moved_to = target
+    try:  # the folder says itself why it was set aside (a later look, or another notebook, sees it)
+        (target / WHY).write_text(f"set aside by oomkit: {skipped.problem}\n", encoding="utf-8")
+    except OSError:
+        pass  # the rename is what matters; the reason was also warned about
     return skipped
 
 
@@ -299,7 +318,9 @@ def mark_complete(folder: str | Path, step: int) -> Path:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE}
     for name in files:
         _fsync(folder / name)
-    _write_json(folder / COMPLETE, {"global_step": step, "files": files})
+    # torch files carry CRCs (checked on resume); safetensors have none, so a flipped byte needs a hash
+    hashes = {n: _sha256(folder / n) for n, size in files.items() if n.endswith(".safetensors") and size <= HASHED}
+    _write_json(folder / COMPLETE, {"global_step": step, "files": files, "sha256": hashes})
     _fsync(folder)
     return folder / COMPLETE
 

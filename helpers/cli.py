@@ -109,7 +109,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m helpers estimate",
         description="Estimate the GPU memory a model needs and whether it fits (reads only config.json).",
-        epilog=f"Offline configs: {', '.join(shipped_configs())}",
+        epilog="Exit status: 0 it fits (or is tight) on the device, or no device to fit against; 1 it does not "
+        f"fit, so a script or CI step stops before a launch that would run out of memory; 2 bad input. "
+        f"Offline configs: {', '.join(shipped_configs())}",
     )
     parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
     parser.add_argument("--load", default="auto", help=f"{', '.join(LOAD_MODES)} or auto (default)")
@@ -146,4 +148,4 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(est)
         if verdict:
             print(verdict)
-    return 0
+    return 1 if verdict is not None and not verdict.fits else 0  # guards a launch like preflight's exit code

@@ -7,7 +7,15 @@ fits), so ``except OomkitError`` catches oomkit's refusals and ``except ValueErr
 
 from __future__ import annotations
 
-__all__ = ["OomkitError", "LoadError", "ModelNotFoundError", "LoadRefused", "EvalError", "ModelUnloadedError"]
+__all__ = [
+    "OomkitError",
+    "LoadError",
+    "ModelNotFoundError",
+    "LoadRefused",
+    "EvalError",
+    "FingerprintError",
+    "ModelUnloadedError",
+]
 
 
 class OomkitError(Exception):
@@ -35,6 +43,10 @@ class EvalError(OomkitError, ValueError):
 
     Here, not in ``evaluate``, because the prompt loader, the results file and the scorers raise it too.
     """
+
+
+class FingerprintError(EvalError):
+    """A generation setting whose behaviour cannot be fingerprinted, so a resume could not check it."""
 
 
 class ModelUnloadedError(OomkitError, RuntimeError):

@@ -35,7 +35,8 @@ import torch
 from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError
-from .eval_batching import TokenBudget, batch_cache_key, load_mode, remember, start_size
+from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
+from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
     Generated,
     can_stream,
@@ -54,6 +55,7 @@ from .units import format_bytes
 
 __all__ = [
     "EvalError",
+    "FingerprintError",
     "ResultsWriteError",
     "EvalReport",
     "safe_generate",
@@ -243,31 +245,6 @@ def _should_empty_cache(device: torch.device) -> bool:
 # what made a result (a resume reuses only what this run would make)
 
 
-def _adapter(model) -> str | None:
-    """The attached PEFT adapters: kind, rank and a fingerprint of their weights (None without any)."""
-    configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, dict) or not configs:
-        return None
-    with torch.no_grad():
-        sums = [
-            float(p.detach().float().abs().sum().cpu())
-            for n, p in model.named_parameters()
-            if "lora_" in n or "modules_to_save" in n
-        ]
-    digest = hashlib.sha1(json.dumps([f"{x:.4g}" for x in sums]).encode()).hexdigest()[:10]
-    kinds = ", ".join(
-        f"{name}: {getattr(getattr(c, 'peft_type', None), 'value', '?')} r={getattr(c, 'r', '?')}"
-        for name, c in configs.items()
-    )
-    return f"{kinds} #{digest}"
-
-
-def model_identity(model) -> dict:
-    """What made a result, recorded in every record: the model's name or path, load mode and adapters."""
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return {"name": str(name), "load": load_mode(model), "adapter": _adapter(model)}
-
-
 def prompt_hash(prompt: str) -> str:
     """The first 16 hex digits of the prompt's SHA-256 (recorded, so a resume never reuses another text's result)."""
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
@@ -314,10 +291,13 @@ def safe_generate(
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
         results: the JSONL file every finished sample is appended to (never the prompt file); it is
             locked for the run, so a second run on it fails at once instead of duplicating results.
-        resume: skip ids already in ``results`` when the same model (name, load mode, adapter),
-            settings and prompt text made them (a mismatch is an error); False: start the file over;
+        resume: skip ids already in ``results`` when the same model made them (name, a sampled
+            hash of the weights as loaded, load mode as loaded, adapter content, tokenizer settings:
+            :mod:`helpers.fingerprint`), with the same generation settings (objects by content) and
+            prompt text; a mismatch is an error naming what changed. False: start the file over;
             ``"force"``: reuse them even when made differently.
-        generation_kwargs: passed to ``model.generate`` (greedy by default).
+        generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
+            logits processors) are recorded by content, one with no readable state raises FingerprintError.
         score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
         max_batch_size: never batch more prompts than this.
         progress: show a tqdm bar (a widget in notebooks).
@@ -387,7 +367,7 @@ def _prepare(
     ids = encode(tokenizer, [it["prompt"] for it in items])
     context = _context_length(model, tokenizer)
     _check_context(items, ids, context)
-    settings = {"max_new_tokens": max_new_tokens, **{k: v for k, v in gen_kwargs.items() if _jsonable(v)}}
+    settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
     keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
@@ -504,15 +484,34 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+_NO_EFFECT_ON_OUTPUT = {"streamer"}  # generate kwargs that only watch a generation
+
+
+def _settings(model, max_new_tokens: int, gen_kwargs: dict) -> dict:
+    """Every generation setting as JSON (objects by content; the model's own GenerationConfig too,
+    since generate falls back on it): a resume reuses only results made with the same."""
+    settings = {"max_new_tokens": max_new_tokens}
+    for k, v in gen_kwargs.items():
+        if k not in _NO_EFFECT_ON_OUTPUT:
+            settings[k] = describe(v, f"generation_kwargs[{k!r}]")
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        settings["model.generation_config"] = describe(config, "model.generation_config")
+    return settings
+
+
 def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
     """Why a finished record is not this run's result for ``item`` (None when it is)."""
     if rec.get("prompt_hash", prompt_hash(str(rec.get("prompt", "")))) != prompt_hash(item["prompt"]):
         return "another prompt text under the same id"
-    if "model" in rec and _canon(rec["model"]) != _canon(run.model_id):
-        return f"another model {_canon(rec['model'])} (this run: {_canon(run.model_id)})"
-    if _canon(rec.get("settings")) != _canon(run.settings):
-        return f"other settings {_canon(rec.get('settings'))} (this run: {_canon(run.settings)})"
-    return None
+    changes = identity_changes(rec.get("model"), run.model_id)
+    old = rec.get("settings") if isinstance(rec.get("settings"), dict) else {}
+    for key in sorted(set(old) | set(run.settings), key=str):
+        if _canon(old.get(key)) != _canon(run.settings.get(key)):
+            changes.append(
+                f"other settings: {key} {_canon(old.get(key))[:120]} (this run: {_canon(run.settings.get(key))[:120]})"
+            )
+    return "; ".join(changes) or None
 
 
 def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, path: Path) -> None:
@@ -520,7 +519,12 @@ def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, pa
     problems = [(it["id"], why) for it in items if it["id"] in done and (why := _mismatch(done[it["id"]], it, run))]
     if not problems:
         return
-    shown = "; ".join(f"id {i}: {why}" for i, why in problems[:3])[:600]
+    by_reason: dict[str, list[str]] = {}
+    for i, why in problems:  # one model change affects every id: said once, not per id
+        by_reason.setdefault(why, []).append(str(i))
+    shown = "; ".join(
+        f"id {', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''}: {why}" for why, ids in list(by_reason.items())[:3]
+    )[:1500]
     message = f"{path} holds results for {len(problems)} of these prompt ids made differently ({shown})"
     if resume == "force":
         warnings.warn(f"{message}; reused anyway (resume='force')", stacklevel=3)
@@ -549,7 +553,7 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
-        self.model_id = model_identity(self.model)
+        self.model_id = model_identity(self.model, self.tokenizer)
 
     def record(self, item: dict, prompt_tokens: int, new: int, **fields: Any) -> dict:
         """A result record's common fields (what made it, for which prompt) and ``fields``."""
@@ -772,11 +776,3 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
             report.scores[name] = sum(values) / len(values)
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True

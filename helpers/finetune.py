@@ -31,7 +31,9 @@ import torch
 
 from .attention import keep_attention_fused
 from .batch_size import find_max_batch_size
+from .checkpoint_proof import prove
 from .checkpoints import (
+    WHY,
     CheckpointError,
     CheckpointWarning,
     ResumePoint,
@@ -848,6 +850,10 @@ def train(
     naming the file, and renamed ``incomplete-checkpoint-N`` (kept, not deleted); the skips are in
     ``TrainResult.skipped``. A lone checkpoint cut short is set aside the same way and training starts over;
     when several are there and none is complete, :class:`CheckpointError` says what to do.
+    A complete checkpoint is then proven (:func:`helpers.checkpoint_proof.prove`): its adapter and
+    optimizer/scheduler states must load as plain tensors, be finite and fit this model; one that does
+    not is renamed ``unusable-checkpoint-N`` (its ``SET_ASIDE.txt`` says why) and the one before is
+    used; when none is left, one :class:`CheckpointError` says so and the next run starts from scratch.
 
     A checkpoint that already reached ``max_steps`` (the run finished; the cell run again) is not
     trained further: its adapter is loaded into ``model`` and ``TrainResult.finished_before`` is set.
@@ -860,11 +866,10 @@ def train(
     keep_4bit_layout(model)
     trainer, stamp = _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)
     out = Path(trainer.args.output_dir)
-    point = find_resume(out) if resume else ResumePoint(None, None)
+    point = _proven_resume(trainer.model, out, stamp) if resume else ResumePoint(None, None)
     # starting over: the earlier run's checkpoints must go out of Trainer's way (renamed, kept), or its
     # rotation by age keeps an old high-numbered one and the next resume continues the old run
     aside = [] if resume else set_aside_all(out, "an earlier run's checkpoint (resume=False starts over)")
-    _set_aside_skipped(point, out)
     total = _total_steps(trainer.args, len(dataset))
     finished = point.checkpoint is not None and point.step >= total
     changed = stamp_changes(read_stamp(point.checkpoint), stamp) if point.checkpoint else []
@@ -894,6 +899,49 @@ def train(
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
                        time.perf_counter() - started, history, point.skipped, aside, changed)  # fmt: skip
+
+
+_SHAPE_KEYS = ("model", "r", "targets")  # stamped settings that decide the adapter's and optimizer's shapes
+
+
+def _proven_resume(model, out: Path, stamp: dict) -> ResumePoint:
+    """The newest checkpoint whose files are whole *and* load into ``model`` (:func:`prove`).
+
+    One that fails is renamed ``unusable-checkpoint-N`` with a file saying why, and the one before is
+    tried; the next rerun therefore never meets the same broken checkpoint again. A checkpoint
+    trained with other settings (its stamp differs) is not set aside: the plan is what changed.
+    """
+    point = find_resume(out)
+    _set_aside_skipped(point, out)
+    unusable: list[Skipped] = []
+    while point.checkpoint is not None:
+        why = prove(point.checkpoint, model)
+        if why is None:
+            break
+        # another rank, targets or base explains a misfit: the plan changed, the checkpoint is fine
+        changed = [c for c in stamp_changes(read_stamp(point.checkpoint), stamp) if c.split(" ")[0] in _SHAPE_KEYS]
+        if changed:
+            raise FinetuneError(
+                f"{point.checkpoint} does not fit this run: {why}; it was trained with other settings "
+                f"({'; '.join(changed)}). Pass resume=False to start over (it is kept, renamed), or train "
+                "with the settings it was made with"
+            )
+        unusable.append(set_aside(Skipped(point.checkpoint, why), "unusable"))
+        point = find_resume(out)
+        _set_aside_skipped(point, out)
+    for skip in unusable:
+        instead = f"resuming from {point.checkpoint.name} instead" if point.checkpoint else "no earlier one is good"
+        warnings.warn(
+            f"{skip.path.name} in {out} cannot be resumed from: {skip}; {instead}", CheckpointWarning, stacklevel=3
+        )
+    if unusable and point.checkpoint is None:
+        names = ", ".join(s.moved_to.name if s.moved_to else s.path.name for s in unusable)
+        raise CheckpointError(
+            f"no checkpoint in {out} can be resumed from: {unusable[0]}. Set aside as {names} (each holds "
+            f"{WHY} saying why). Run again to train from scratch (or pass resume=False)"
+        )
+    point.skipped = unusable + point.skipped
+    return point
 
 
 def _set_aside_skipped(point: ResumePoint, out: Path) -> None:

@@ -33,8 +33,8 @@ from .devices import (  # the placement constants live with the device facts; na
     device_kind,
 )
 from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
+from .estimator import EstimateError, fit, footprint, footprint_by_device
 from .estimator import estimate as estimate_memory
-from .estimator import fit, footprint, footprint_by_device
 from .gpu_split import (
     decide_gpus,
     first_fix,
@@ -84,7 +84,9 @@ class LoadPlan:
 
     Args:
         model: hub id (``"codellama/CodeLlama-7b-Instruct-hf"``) or local directory.
-        load: ``fp16``, ``bf16``, ``fp32``, ``int8`` (LLM.int8), ``nf4`` or ``fp4`` (4-bit).
+        load: ``fp16``, ``bf16``, ``fp32``, ``int8`` (LLM.int8), ``nf4`` or ``fp4`` (4-bit), or ``"auto"``:
+            what ``estimate(load="auto")`` picks on this machine (the GPU's 16-bit dtype if it fits, else
+            nf4), resolved when the plan is made (``plan.load`` then names the mode).
         double_quant: 4-bit only: quantize the per-block scales too (saves ~0.4 bit/parameter).
         compute_dtype: ``"auto"`` (fp16 on T4/V100, bf16 on Ampere+, fp32 on CPU) or a dtype name.
         max_new_tokens, batch_size, prompt_tokens: the generation budget the KV cache is sized for.
@@ -126,7 +128,7 @@ class LoadPlan:
                 f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}"
             )
         self.model = str(self.model)
-        if self.load not in LOAD_MODES:
+        if self.load not in (*LOAD_MODES, "auto"):
             hint = " (4-bit is 'nf4' or 'fp4')" if str(self.load).lower() in ("int4", "4bit", "4-bit") else ""
             raise ValueError(f"unknown load mode {self.load!r}{hint}; valid: {', '.join(LOAD_MODES)}")
         try:
@@ -143,6 +145,21 @@ class LoadPlan:
                 raise ValueError(
                     f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, got {value!r}"
                 )
+        if self.load == "auto":
+            self.load = self._auto_load()
+
+    def _auto_load(self) -> str:
+        """What ``estimate(load="auto")`` picks for this plan on this machine: one meaning of "auto"."""
+        try:
+            chosen = self.estimate("current").load
+        except (EstimateError, ValueError, OSError) as e:
+            raise ValueError(
+                f"load='auto' picks the widest load mode that fits this machine, which needs the config of "
+                f"{self.model!r}: {e}. Or pass load= one of {', '.join(LOAD_MODES)}"
+            ) from None
+        if chosen not in LOAD_MODES:  # a pre-quantized checkpoint (GPTQ, AWQ): not a mode LoadPlan sets
+            raise ValueError(f"load='auto': {self.model!r} is pre-quantized ({chosen}); pass load= explicitly")
+        return chosen
 
     @property
     def quantized(self) -> bool:

@@ -345,3 +345,143 @@ def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_pa
     assert fresh.resumed_from is None and fresh.global_step == 1
     assert (out / "previous-checkpoint-3" / "scheduler.pt").exists()  # started over; the broken ones are kept
     assert problem(out / "checkpoint-1") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 31 item 2: whole files that do not load (or load wrong) are proven bad before a resume
+
+
+def _remark(folder):
+    """The marker rewritten over the damaged files: whole, sized as listed; only loading them tells."""
+    from helpers.checkpoints import mark_complete
+
+    (folder / COMPLETE).unlink()
+    mark_complete(folder, int(folder.name.split("-")[1]))
+
+
+def _rewrite_adapter(folder, change):
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    save_file({k: change(v) for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"})
+
+
+def _other_models_optimizer(folder):
+    opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    for entry in opt["state"].values():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                entry[k] = torch.zeros((v.shape[0] * 2, *v.shape[1:]), dtype=v.dtype)  # another width
+    torch.save(opt, folder / "optimizer.pt")
+
+
+def _swap(folder):
+    a, b = folder / "optimizer.pt", folder / "scheduler.pt"
+    tmp = folder / "swap"
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+class _RunsCode:
+    """A pickle that runs a shell command when loaded (what a hostile checkpoint would hold)."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.flag}",)
+
+
+UNLOADABLE = {  # kind -> (what it does to checkpoint-3, what the reason must say)
+    "another model's optimizer.pt": (_other_models_optimizer, "optimizer.pt holds state shaped"),
+    "swapped optimizer/scheduler": (_swap, "optimizer.pt holds a learning-rate scheduler's state"),
+    "code-running pickle": (
+        lambda f: torch.save(_RunsCode(f.parent / "RAN"), f / "optimizer.pt"),
+        "optimizer.pt is not plain tensor data",
+    ),
+    "all-NaN adapter": (
+        lambda f: _rewrite_adapter(f, lambda t: torch.full_like(t, float("nan"))),
+        "values in .* are NaN or infinite",
+    ),
+    "adapter shaped for another model": (
+        lambda f: _rewrite_adapter(f, lambda t: torch.zeros((t.shape[0] + 1, *t.shape[1:]))),
+        "adapter_model.safetensors is shaped for another model",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", UNLOADABLE)
+def test_a_checkpoint_that_does_not_load_is_set_aside_and_the_one_before_resumed(reference, tiny_llama, tmp_path, kind):
+    """Before: the same raw error on every rerun, a code-running pickle loaded, or a silent wrong resume."""
+    out = _cut_at_3(reference, tmp_path)
+    corrupt, says = UNLOADABLE[kind]
+    corrupt(out / "checkpoint-3")
+    _remark(out / "checkpoint-3")
+    assert find_resume(out).checkpoint.name == "checkpoint-3"  # whole files: only loading them tells
+    with pytest.warns(
+        CheckpointWarning, match=f"checkpoint-3 in .*cannot be resumed from: .*{says}.*resuming from checkpoint-2"
+    ):
+        result = _run(_plan(tiny_llama, out))
+    assert not (out / "RAN").exists(), "the pickle's code ran"
+    assert result.resumed_from == 2 and result.global_step == 5
+    assert result.skipped[0].moved_to.name == "unusable-checkpoint-3"
+    import re
+
+    assert re.search(says, (out / "unusable-checkpoint-3" / "SET_ASIDE.txt").read_text())
+    losses = dict(result.losses)
+    for step in (3, 4, 5):
+        assert losses[step] == pytest.approx(reference[1][step], rel=1e-4, abs=1e-4), (step, losses, reference[1])
+
+
+def test_flipped_bytes_in_the_adapter_are_caught_by_the_markers_hash(reference, tmp_path):
+    out = _cut_at_3(reference, tmp_path)
+    path = out / "checkpoint-3" / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # the last bit of a value: finite, right shape, right size
+    path.write_bytes(bytes(data))
+    point = find_resume(out)
+    assert point.checkpoint.name == "checkpoint-2"
+    assert "adapter_model.safetensors changed since the save" in point.skipped[0].problem
+
+
+def test_when_no_checkpoint_loads_one_clear_error_then_a_fresh_start(reference, tiny_llama, tmp_path):
+    out = _cut_at_3(reference, tmp_path)
+    for n in (1, 2, 3):
+        _rewrite_adapter(out / f"checkpoint-{n}", lambda t: torch.full_like(t, float("nan")))
+        _remark(out / f"checkpoint-{n}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(
+            CheckpointError, match=r"no checkpoint in .* can be resumed from.*NaN.*Run again to train from scratch"
+        ):
+            _run(_plan(tiny_llama, out, max_steps=1))
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == [
+        f"unusable-checkpoint-{n}" for n in (1, 2, 3)
+    ]
+    fresh = _run(_plan(tiny_llama, out, max_steps=1))  # the rerun does not meet the same error again
+    assert fresh.resumed_from is None and fresh.global_step == 1
+
+
+def test_a_good_checkpoint_is_proven(reference, tiny_llama):
+    from helpers.checkpoint_proof import prove
+
+    out, _ = reference
+    model, _tok, _ = load(_plan(tiny_llama, out).load_plan())
+    model, _ = prepare_qlora(model, _plan(tiny_llama, out))
+    assert all(prove(folder, model) is None for folder in checkpoint_folders(out))
+
+
+def test_a_checkpoint_of_another_rank_is_a_settings_error_not_set_aside(reference, tiny_llama, tmp_path):
+    from helpers.finetune import FinetuneError
+
+    out = _cut_at_3(reference, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(
+            FinetuneError, match=r"checkpoint-3 does not fit this run: .*other settings \(r 4 -> 8\).*resume=False"
+        ):
+            _run(_plan(tiny_llama, out, r=8, alpha=16))
+    assert (out / "checkpoint-3").is_dir() and not list(out.glob("unusable-*"))

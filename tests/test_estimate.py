@@ -255,15 +255,26 @@ def _cpu_snapshot():
 @pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
 def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert estimate_main([hub_id, "--load", "nf4", "--json"]) == 0
+    code = estimate_main([hub_id, "--load", "nf4", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["params"] > 0 and out["total"] == sum(r["bytes"] for r in out["rows"])
     assert out["fit"]["verdict"] in ("fits", "tight", "does not fit")
+    assert code == (1 if out["fit"]["verdict"] == "does not fit" else 0)  # the exit status says fit or not
+
+
+def _cli_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        estimate_main(["--help"])
+    return capsys.readouterr().out
 
 
 def test_cli_text_lora_and_bad_input(capsys):
-    assert estimate_main(["Llama-3.1-8B", "--load", "fp16", "--max-new-tokens", "4096", "--lora", "r=8"]) == 0
+    # 8B in fp16 with a LoRA step does not fit a T4: exit 1, so `python -m helpers estimate ... && train` stops
+    assert estimate_main(["Llama-3.1-8B", "--load", "fp16", "--max-new-tokens", "4096", "--lora", "r=8"]) == 1
     assert "LoRA adapters" in capsys.readouterr().out
+    assert estimate_main(["Llama-2-7b-hf", "--load", "nf4", "--max-new-tokens", "64"]) == 0
+    assert "FITS" in capsys.readouterr().out.upper()
+    assert "1 it does not fit" in " ".join(_cli_help(capsys).split())
     assert estimate_main(["Llama-2-7b-hf", "--load", "int3"]) == 2
     assert "fp32, fp16, bf16, int8, nf4, fp4" in capsys.readouterr().err
     assert estimate_main(["Llama-2-7b-hf", "--max-new-tokens", "-5"]) == 2

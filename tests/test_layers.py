@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
     {"units", "errors"},
-    {"html", "vocab", "prompts", "results_file", "scoring", "oom_causes", "oom_messages"},
+    {"html", "vocab", "prompts", "results_file", "scoring", "oom_causes", "oom_messages", "fingerprint"},
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime", "attention"},
     {"sources", "reclaim", "tensors", "object_walk"},
@@ -21,7 +21,7 @@ LAYERS = [
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},
     {"batch_size", "eval_batching", "environment"},
-    {"evaluate", "finetune", "checkpoints", "distributed", "monitor", "leaks", "testing"},
+    {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
     {"cli", "__main__", "__init__"},
 ]

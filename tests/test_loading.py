@@ -575,3 +575,16 @@ def test_placement_and_footprint_count_the_quantization_state_before_and_after_a
     assert sum(placement(model).values()) == report.measured_weights == footprint(model)
     generate_batched(model, tok, ["memory"], max_new_tokens=2, progress=False)
     assert footprint(model) == report.measured_weights
+
+
+def test_load_auto_means_what_estimate_auto_means(fake_gpus, tmp_path):
+    """Issue 31: LoadPlan(load="auto") raised ValueError although estimate(load="auto") exists."""
+    from helpers.estimator import estimate as estimate_memory
+
+    fake_gpus(1, 12 * 2**30)  # a 12 GiB card: a 7B does not fit in fp16, so "auto" is nf4
+    plan = LoadPlan("Llama-2-7b-hf", load="auto")
+    assert plan.load == "nf4" == estimate_memory("Llama-2-7b-hf", load="auto", device="current").load
+    fake_gpus(1, 40 * 2**30)  # room for fp16: "auto" is the GPU's 16-bit dtype, as the estimator says
+    assert LoadPlan("Llama-2-7b-hf", load="auto").load == "fp16"
+    with pytest.raises(ValueError, match=r"load='auto' .*needs the config of .*Or pass load= one of"):
+        LoadPlan(str(tmp_path / "missing"), load="auto")
