@@ -311,6 +311,9 @@ def _weights_row(path: Path, mode: str, dq: bool, label: str, run) -> dict:
         model, _, _ = load(_plan(path, mode, run, dq), check=False)
     except torch.OutOfMemoryError as e:
         return {**row, "measured": None, "error_pct": None, "note": f"OOM under the cap: {str(e)[:80]}"}
+    if torch.cuda.is_available():  # frees a loader queued on a stream land before the reading
+        torch.cuda.synchronize()
+        gc.collect()
     grown = None if before is None else _allocated() - before
     row.update(footprint=footprint(model), allocated=grown, measured=grown if grown is not None else footprint(model))
     row["error_pct"] = error_pct(est.weights, row["measured"])
