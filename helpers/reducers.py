@@ -23,7 +23,7 @@ from .vocab import KV_CACHE_BITS, ReducerError, kv_cache_name
 
 __all__ = [
     "installed", "liger_available", "kv_quant_backend", "fp8_kv_available", "kv_cache_available",
-    "kv_cache_kwargs", "loss_chunk_tokens", "chunked_cross_entropy", "chunked_lm_loss", "offload_activations",
+    "kv_cache_kwargs", "use_kv_cache", "loss_chunk_tokens", "chunked_cross_entropy", "chunked_lm_loss", "offload_activations",
     "KV_RESIDUAL_TOKENS", "KV_GROUP",
 ]  # fmt: skip
 
@@ -91,6 +91,17 @@ def kv_cache_kwargs(kind: Any) -> dict:
     return {"cache_implementation": "quantized", "cache_config": config}
 
 
+def use_kv_cache(model, kind: Any) -> dict:
+    """Make ``kind`` the KV cache of every ``model.generate()`` call (its generation config); returns
+    the settings applied ({} for the default dynamic cache)."""
+    kwargs = kv_cache_kwargs(kind)
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+    return kwargs
+
+
 def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     """Tokens per chunk of the chunked loss: Liger Kernel's rule (fused_linear_cross_entropy.py), a
     power of two near tokens / ceil(vocab / hidden), so one chunk's scores are about the size of
@@ -99,14 +110,19 @@ def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return min(tokens, 1 << max(0, (per - 1).bit_length()))
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None):
     logits = torch.nn.functional.linear(hidden, weight).float()
+    if softcap:  # Gemma-2's final_logit_softcapping, as its forward applies it
+        logits = torch.tanh(logits / softcap) * softcap
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None = None, num_items=None
+) -> torch.Tensor:
     """Mean next-token cross-entropy of ``hidden @ weight.T`` against ``labels`` (shifted inside, -100
-    ignored, as transformers' causal LM loss), one chunk of tokens at a time, each recomputed in backward."""
+    ignored, as transformers' causal LM loss), one chunk of tokens at a time, each recomputed in backward.
+    ``num_items``: divide by this count instead (Trainer's tokens over the accumulated micro-batches)."""
     h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1).to(hidden.device)
     count = (y != -100).sum()
@@ -114,21 +130,24 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, h.shape[0], chunk):
         part = slice(start, start + chunk)
-        total = total + checkpoint(_chunk_loss, h[part], weight, y[part], use_reentrant=False)
-    return total / count.clamp(min=1)
+        total = total + checkpoint(_chunk_loss, h[part], weight, y[part], softcap, use_reentrant=False)
+    return total / (count.clamp(min=1) if num_items is None else num_items)
 
 
-def chunked_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+def chunked_lm_loss(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, num_items=None, **inputs: Any
+) -> torch.Tensor:
     """A causal LM's training loss through :func:`chunked_cross_entropy`: the decoder's hidden states,
     then the output layer and the loss a chunk at a time (peft-wrapped models too)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+    for name in ("logit_scale", "output_multiplier_scale", "logits_scaling"):
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ReducerError(f"loss='chunked' does not apply {name} of {type(base).__name__}: use loss='plain'")
     head = base.get_output_embeddings()
     hidden = base.get_decoder()(input_ids=input_ids, **inputs).last_hidden_state
-    return chunked_cross_entropy(hidden, head.weight, labels)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return chunked_cross_entropy(hidden, head.weight, labels, softcap, num_items)
 
 
 class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):

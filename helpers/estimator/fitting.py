@@ -9,10 +9,10 @@ from typing import Any
 
 from ..devices import DEFAULT_DEVICE, capacity_range, resolve_device
 from ..html import badge, bar, table
+from ..reducers import kv_cache_available, liger_available
 from ..sources import shipped_configs
 from ..units import MiB, format_bytes
 from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
-from ..reducers import kv_cache_available, liger_available
 from .core import MemoryEstimate, cublas_workspace, estimate
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError

@@ -22,15 +22,14 @@ Each formula names its source. The reducers themselves run in :mod:`helpers.redu
 
 from __future__ import annotations
 
+from ..devices import PCIE_BYTES_PER_S  # host <-> GPU copies, as a T4 in Colab sees them
 from ..reducers import KV_GROUP, KV_RESIDUAL_TOKENS, loss_chunk_tokens
 from ..units import format_bytes
 from ..vocab import KV_CACHE_BITS
 from .rows import HOST, EstimateRow
 
-__all__ = ["PCIE_BYTES_PER_S", "HOST_RAM", "loss_bytes", "offload_rows", "kv_cache_rows", "host_cost"]
+__all__ = ["HOST_RAM", "loss_bytes", "offload_rows", "kv_cache_rows", "host_cost"]
 
-# Host <-> GPU copies: a T4 on Colab sits on PCIe 3.0 x16, ~12 GB/s in practice (a rule of thumb)
-PCIE_BYTES_PER_S = 12e9
 HOST_RAM = int(12.7e9)  # a free Colab runtime's RAM: what an offload must fit in, with the process itself
 
 
@@ -116,6 +115,8 @@ def host_cost(rows: list[EstimateRow]) -> str:
     if not host:
         return ""
     total = sum(r.bytes for r in host)
-    share = f" (Colab has {HOST_RAM / 1e9:.1f} GB)" if total < HOST_RAM else f", more than Colab's {HOST_RAM / 1e9:.1f} GB"
+    share = (
+        f" (Colab has {HOST_RAM / 1e9:.1f} GB)" if total < HOST_RAM else f", more than Colab's {HOST_RAM / 1e9:.1f} GB"
+    )
     speed = "; ".join(r.note.split("~", 1)[1] for r in host if "~" in r.note)
     return f"+{format_bytes(total)} host RAM{share}" + (f", ~{speed}" if speed else "")

@@ -198,9 +198,7 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
                 "activations.saved", "activations (no checkpointing)", saved, "formula", "tensors kept for backward"
             )
         )
-        rows.append(
-            EstimateRow("activations.loss", f"logits + loss ({tr.loss})", logits, "formula", loss_note)
-        )
+        rows.append(EstimateRow("activations.loss", f"logits + loss ({tr.loss})", logits, "formula", loss_note))
     if dequant and not tr.gradient_checkpointing:
         rows.append(
             EstimateRow("activations.dequantized", "dequantized weight (backward)", dequant, "formula",
