@@ -48,10 +48,12 @@ from .generation import (
 )
 from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from .prompts import load_prompts, prompt_id
+from .reducers import kv_cache_kwargs
 from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
 from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer
 from .units import format_bytes
+from .vocab import ReducerError
 
 __all__ = [
     "EvalError",
@@ -279,6 +281,7 @@ def safe_generate(
     progress: bool = True,
     on_result: Callable[[dict], None] | None = None,
     stream: bool = False,
+    kv_cache: str | None = None,
 ) -> EvalReport:
     """Generate for every prompt without losing a result to an OOM or a crash.
 
@@ -304,6 +307,9 @@ def safe_generate(
         on_result: called with each record once it is on disk.
         stream: print the first batch's first answer token by token while it is generated (a long
             batch otherwise shows nothing until it ends).
+        kv_cache: the KV cache ``generate`` keeps for this run: ``"fp8"``, ``"int4"``, ``"int2"``
+            (quantized) or ``"offload"`` (in RAM); ``None`` keeps the model's own (the one
+            ``LoadPlan(kv_cache=...)`` set). Recorded with the generation settings.
 
     Returns:
         An :class:`EvalReport`.
@@ -328,6 +334,7 @@ def safe_generate(
         score=score,
         max_batch_size=max_batch_size,
         stream=stream,
+        kv_cache=kv_cache,
     )
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
@@ -354,10 +361,26 @@ def safe_generate(
 
 
 def _prepare(
-    model, tokenizer, prompts, *, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream
+    model,
+    tokenizer,
+    prompts,
+    *,
+    max_new_tokens,
+    results,
+    resume,
+    generation_kwargs,
+    score,
+    max_batch_size,
+    stream,
+    kv_cache=None,
 ) -> tuple[list[dict], list[list[int]], _Run]:
     """Every check that needs no results file (all before any generation): the prompts, their token ids, the run."""
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
+    if kv_cache is not None:
+        try:
+            gen_kwargs.update(kv_cache_kwargs(kv_cache))
+        except ReducerError as e:
+            raise EvalError(f"kv_cache: {e}") from None
     _check_results_arguments(results, resume)
     items = load_prompts(prompts)
     if not items:

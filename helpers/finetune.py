@@ -50,9 +50,10 @@ from .errors import OomkitError
 from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
 from .generation import generate_batched
 from .loading import LoadPlan, keep_4bit_layout
+from .reducers import chunked_lm_loss, liger_available, offload_activations
 from .sources import data_path, persistent_path
 from .units import format_bytes
-from .vocab import LOAD_MODES, QUANTIZED, DtypeError, dtype_name, supports_bf16
+from .vocab import LOAD_MODES, QUANTIZED, DtypeError, ReducerError, dtype_name, loss_name, supports_bf16
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
@@ -110,6 +111,12 @@ class TrainPlan:
         output_dir: checkpoints; ``"auto"`` = Google Drive on Colab when mounted (survives a
             disconnect), else ``runs/lora-<model name>``.
         save_steps, save_total_limit, logging_steps: checkpoint every N steps, keep the last K, log every M.
+        loss: ``"plain"``; ``"chunked"`` (the output layer and loss a chunk of tokens at a time, plain
+            PyTorch, any device) or ``"fused"`` (Liger Kernel's fused linear cross-entropy, through
+            ``TrainingArguments(use_liger_kernel=True)``; needs liger-kernel and a CUDA GPU). Same loss,
+            a fraction of the logits' memory: see ``plan.estimate()``.
+        offload_activations: what the forward pass saves for backward waits in pinned RAM (host RAM
+            and PCIe time instead of GPU memory; useful without gradient checkpointing).
     """
 
     model: str
@@ -135,6 +142,8 @@ class TrainPlan:
     save_steps: int = 25
     save_total_limit: int = 2
     logging_steps: int = 5
+    loss: str = "plain"
+    offload_activations: bool = False
 
     def __post_init__(self):
         if not str(self.model or "").strip():
@@ -169,6 +178,14 @@ class TrainPlan:
         except DtypeError as e:
             raise FinetuneError(f"TrainPlan.precision: {e}") from None
         self.optimizer = check_optimizer(self.optimizer)
+        try:
+            self.loss = loss_name(self.loss)
+        except ReducerError as e:
+            raise FinetuneError(f"TrainPlan.loss: {e}") from None
+        if not isinstance(self.offload_activations, bool):
+            raise FinetuneError(
+                f"TrainPlan.offload_activations must be True or False, got {self.offload_activations!r}"
+            )
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs <= 0):
             raise FinetuneError("give max_steps > 0, or max_steps=0 and epochs > 0")
 
@@ -235,7 +252,8 @@ class TrainPlan:
         return LoraTraining(r=self.r, alpha=self.alpha, targets=self.targets,
                             optimizer=opt if opt in OPTIMIZERS else "adamw_torch",
                             gradient_checkpointing=self.gradient_checkpointing, seq_len=self.seq_len,
-                            micro_batch=self.micro_batch or 1, lora_dropout=self.dropout)  # fmt: skip
+                            micro_batch=self.micro_batch or 1, lora_dropout=self.dropout, loss=self.loss,
+                            offload_activations=self.offload_activations)  # fmt: skip
 
     def estimate(self, device: Any = "t4", model: Any = None):
         """The training-step memory budget (weights, adapters, gradients, optimizer, activations, logits).
@@ -303,6 +321,13 @@ class TrainPlan:
             seed=self.seed, data_seed=self.seed, report_to="none", remove_unused_columns=False,
             dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         )  # fmt: skip
+        if self.loss == "fused":
+            if not (liger_available() and torch.cuda.is_available()):
+                raise FinetuneError(
+                    "TrainPlan.loss='fused' runs Liger Kernel's fused cross-entropy, which needs liger-kernel "
+                    "(pip install liger-kernel) and a CUDA GPU; use loss='chunked' (same saving, plain PyTorch)"
+                )
+            kw["use_liger_kernel"] = True
         kw.update(overrides)
         args = TrainingArguments(**kw)
         if args.n_gpu > 1 and hasattr(args, "_n_gpu"):
@@ -665,7 +690,7 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
         ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
         try:
             with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = training_loss(model, {"input_ids": ids, "labels": ids}, plan)
             loss.backward()
         finally:
             model.zero_grad(set_to_none=True)
@@ -687,7 +712,8 @@ def _micro_batch_key(plan: TrainPlan, precision: str, device: torch.device) -> t
     limit, so a search stopped by a smaller one is not taken for the answer to a larger one."""
     targets = plan.targets if isinstance(plan.targets, str) else tuple(plan.targets)
     return ("qlora", plan.model, plan.load, plan.double_quant, plan.r, targets, plan.dropout, precision,
-            plan.seq_len, plan.gradient_checkpointing, plan.micro_batch or plan.batch_size, str(device))  # fmt: skip
+            plan.seq_len, plan.gradient_checkpointing, plan.micro_batch or plan.batch_size, str(device), plan.loss,
+            plan.offload_activations)  # fmt: skip
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -708,6 +734,35 @@ def make_trainer(model, tokenizer, plan: TrainPlan, dataset: list[dict], *, call
     ``dataset`` (see :func:`run_stamp`), which :func:`train` compares when it resumes.
     """
     return _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)[0]
+
+
+def training_loss(model, inputs: dict, plan: TrainPlan, num_items=None) -> torch.Tensor:
+    """One forward pass's loss with the plan's reducers: the chunked loss (``plan.loss="chunked"``) and
+    activation offload (``plan.offload_activations``); the model's own loss otherwise (Liger's fused one
+    when ``"fused"``: TrainingArguments patches the model)."""
+    with offload_activations(plan.offload_activations):
+        if plan.loss == "chunked":
+            rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels")}
+            return chunked_lm_loss(model, inputs["input_ids"], inputs["labels"], num_items, **rest)
+        kw = {} if num_items is None else {"num_items_in_batch": num_items}
+        return model(**inputs, **kw).loss
+
+
+def _reducing_trainer(base):
+    """``Trainer`` whose loss runs through :func:`training_loss` (the plan's reducers)."""
+
+    class ReducingTrainer(base):
+        def __init__(self, *args, plan: TrainPlan, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.plan = plan
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if return_outputs or (self.plan.loss != "chunked" and not self.plan.offload_activations):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+            return training_loss(model, inputs, self.plan, items)
+
+    return ReducingTrainer
 
 
 def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, overrides: dict) -> tuple[Any, dict]:
@@ -731,7 +786,8 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     args = plan.training_arguments(**overrides)
     stamp = run_stamp(plan, args, dataset)
-    trainer = Trainer(
+    trainer = _reducing_trainer(Trainer)(
+        plan=plan,
         model=model,
         args=args,
         train_dataset=dataset,

@@ -54,9 +54,10 @@ from .gpu_split import (
 from .html import table
 from .memory import MemorySnapshot, allocated
 from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
+from .reducers import use_kv_cache
 from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
 from .units import format_bytes, percent
-from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
+from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, kv_cache_name, torch_dtype
 
 __all__ = [
     "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
@@ -102,6 +103,9 @@ class LoadPlan:
         gpus: how many of this machine's GPUs (from GPU 0) ``device_map="auto"`` may split the model
             over; ``None`` = GPU 0 alone when the plan fits there (the others stay free), else as many
             as it needs. A split holds a bigger model; it does not generate faster.
+        kv_cache: the KV cache ``generate()`` keeps: ``"dynamic"`` (default), ``"fp8"``, ``"int4"``,
+            ``"int2"`` (quantized; int4/int2 need optimum-quanto or hqq) or ``"offload"`` (in RAM, a few
+            layers on the GPU); estimated, and set on the model's generation config by :func:`load`.
     """
 
     model: str
@@ -121,6 +125,7 @@ class LoadPlan:
     adapter: str | None = None
     token: str | None = field(default=None, repr=False)  # never shown
     gpus: int | None = None
+    kv_cache: str = "dynamic"
 
     def __post_init__(self):
         if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
@@ -145,6 +150,7 @@ class LoadPlan:
                 raise ValueError(
                     f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, got {value!r}"
                 )
+        self.kv_cache = kv_cache_name(self.kv_cache)
         if self.load == "auto":
             self.load = self._auto_load()
 
@@ -246,6 +252,7 @@ class LoadPlan:
             prompt_tokens=self.prompt_tokens,
             max_new_tokens=self.max_new_tokens,
             device="cpu" if device == "current" and device_kind() != "cuda" else device,
+            kv_cache=self.kv_cache,
         )
 
     def estimate_compute_dtype(self, device: Any = "current") -> str:
@@ -864,6 +871,7 @@ def load(
     started = time.perf_counter()
     model = _from_pretrained(plan.model, kwargs, est)
     keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
+    use_kv_cache(model, plan.kv_cache)
     attention = keep_attention_fused(model)
     tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
     measured = footprint(model)

@@ -14,6 +14,7 @@ __all__ = [
     "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
+    "LOSSES", "KV_CACHES", "KV_CACHE_BITS", "ReducerError", "loss_name", "kv_cache_name",
 ]  # fmt: skip
 
 # Widest first: the order users read them in (dropdowns, CLI help, error messages).
@@ -92,3 +93,40 @@ BF16_CAPABILITY = (8, 0)
 def supports_bf16(capability: tuple[int, int] | None) -> bool:
     """Whether a CUDA device of this compute capability computes in bf16 (``None``: no GPU)."""
     return capability is not None and tuple(capability) >= BF16_CAPABILITY
+
+
+# Memory reducers (priced in estimator/reducers.py, switched on by helpers/reducers.py). The training
+# loss: "plain" (logits for every token at once), "chunked" (oomkit's plain-PyTorch chunked cross-entropy,
+# any device) or "fused" (Liger Kernel's fused linear cross-entropy, where liger-kernel is installed).
+LOSSES = ("plain", "chunked", "fused")
+# The KV cache generate() keeps: "dynamic" (transformers' default), quantized ("fp8": transformers' own
+# backend; "int4", "int2": optimum-quanto or HQQ, where installed) or "offload" (one layer on the GPU).
+KV_CACHES = ("dynamic", "fp8", "int4", "int2", "offload")
+KV_CACHE_BITS = {"fp8": 8, "int4": 4, "int2": 2}
+
+
+class ReducerError(OomkitError, ValueError):
+    """An unknown memory reducer, or one this machine cannot run; the message says what to pass."""
+
+
+def loss_name(value: Any) -> str:
+    """``value`` when it is one of :data:`LOSSES` (``None`` means "plain"), else :class:`ReducerError`."""
+    text = "plain" if value is None else str(value).strip().lower()
+    if text not in LOSSES:
+        raise ReducerError(
+            f"unknown loss {value!r}; use 'plain' (default), 'chunked' (chunked cross-entropy in plain PyTorch) "
+            "or 'fused' (Liger Kernel's fused linear cross-entropy, needs liger-kernel and a CUDA GPU)"
+        )
+    return text
+
+
+def kv_cache_name(value: Any) -> str:
+    """``value`` when it is one of :data:`KV_CACHES` (``None`` means "dynamic"), else :class:`ReducerError`."""
+    text = "dynamic" if value is None else str(value).strip().lower()
+    if text not in KV_CACHES:
+        hint = " (4-bit is 'int4')" if text in ("4bit", "4-bit", "nf4", "q4") else ""
+        raise ReducerError(
+            f"unknown kv_cache {value!r}{hint}; use 'dynamic' (default), 'fp8' (transformers' own 8-bit cache), "
+            "'int4' or 'int2' (needs optimum-quanto or hqq) or 'offload' (one layer on the GPU, the rest in RAM)"
+        )
+    return text

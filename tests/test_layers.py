@@ -15,7 +15,7 @@ LAYERS = [
     {"units", "errors"},
     {"html", "vocab", "prompts", "results_file", "scoring", "oom_causes", "oom_messages", "fingerprint"},
     {"devices", "checks"},
-    {"memory", "session", "compat", "runtime", "attention"},
+    {"memory", "session", "compat", "runtime", "attention", "reducers"},
     {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split"},

@@ -18,12 +18,21 @@ from ..devices import (
 )
 from ..html import Markup, bar, table
 from ..units import format_bytes
-from ..vocab import DTYPE_BYTES, LOAD_MODES, TIGHT_FRACTION, auto_load_order, dtype_name
+from ..vocab import (
+    DTYPE_BYTES,
+    LOAD_MODES,
+    TIGHT_FRACTION,
+    ReducerError,
+    auto_load_order,
+    dtype_name,
+    kv_cache_name,
+    loss_name,
+)
 from .configs import resolve_config
 from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
-from .rows import EstimateError, EstimateRow
+from .rows import HOST, EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining, training_rows
 
 __all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION", "cublas_workspace"]
@@ -47,6 +56,12 @@ class MemoryEstimate:
     source: Any = field(default=None, repr=False)
     quantized_by: str | None = None  # the checkpoint's own quantization ("bitsandbytes", "gptq", "awq")
     context: int | None = None  # the model's max_position_embeddings (None: the config does not say)
+    host_rows: list[EstimateRow] = field(default_factory=list)  # host RAM an offload takes, not in total
+
+    @property
+    def host_total(self) -> int:
+        """Bytes of host RAM the offloading reducers take (0 when nothing is offloaded)."""
+        return sum(r.bytes for r in self.host_rows)
 
     @property
     def weights(self) -> int:
@@ -79,6 +94,8 @@ class MemoryEstimate:
             "capacity": self.capacity, "weights": self.weights, "total": self.total,
             "approximate": self.approximate, "warnings": self.warnings,
             "rows": [{"key": r.key, "name": r.name, "bytes": r.bytes, "kind": r.kind, "note": r.note} for r in self.rows],
+            "host_rows": [{"key": r.key, "name": r.name, "bytes": r.bytes, "kind": r.kind, "note": r.note}
+                          for r in self.host_rows],
             "inputs": {k: (dataclasses.asdict(v) | {"type": type(v).__name__}) if dataclasses.is_dataclass(v) else v
                        for k, v in self.inputs.items()},
         }  # fmt: skip
@@ -91,6 +108,7 @@ class MemoryEstimate:
         lines = [head] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
         cap = f" of {format_bytes(self.capacity)} on {self.device}" if self.capacity else ""
         lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
+        lines += [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
         lines += [f"  note: {m}" for m in self.warnings]
         return "\n".join(lines)
 
@@ -98,6 +116,7 @@ class MemoryEstimate:
         rows = [[r.name, format_bytes(r.bytes), r.kind, r.note] for r in self.rows]
         rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"), "", ""])
         title = f"{self.model}: {self.params:,} parameters, load={self.load}"
+        rows += [[f"host RAM: {r.name}", format_bytes(r.bytes), r.kind, r.note] for r in self.host_rows]
         html = table(["", "bytes", "kind", "note"], rows, title=title)
         if self.capacity:
             html += bar(self.total, self.capacity, f"vs {self.device}")
@@ -129,6 +148,7 @@ def estimate(
     device: Any = None,
     skip_modules: list[str] | None = None,
     sampling: bool = False,
+    kv_cache: str = "dynamic",
 ) -> MemoryEstimate:
     """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
 
@@ -149,7 +169,7 @@ def estimate(
     """
     inputs = dict(load=load, double_quant=double_quant, compute_dtype=compute_dtype, batch_size=batch_size,
                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, training=training, device=device,
-                  skip_modules=skip_modules, sampling=sampling)  # fmt: skip
+                  skip_modules=skip_modules, sampling=sampling, kv_cache=kv_cache)  # fmt: skip
     _check_inputs(inputs)
     label, dev = resolve_device(device)
     config, name, loaded = resolve_config(model)
@@ -169,10 +189,12 @@ def estimate(
         rows = weight_rows(lay, load, b, double_quant, skip_modules)
     if training is None:
         shape = Generation(batch_size, prompt_tokens, max_new_tokens, b, cdtype, dev, load, double_quant,
-                           skip_modules, sampling)  # fmt: skip
+                           skip_modules, sampling, inputs["kv_cache"])  # fmt: skip
         rows += generation_rows(config, lay, shape)
     else:
         rows += training_rows(lay, config, load, b, training)[0]
+    host = [r for r in rows if r.group == HOST]
+    rows = [r for r in rows if r.group != HOST]
     rows += _overhead_rows(rows, len(lay.entries), workspace=cublas_workspace(device, dev))
     return MemoryEstimate(
         model=str(name),
@@ -187,6 +209,7 @@ def estimate(
         source=model,
         quantized_by=repo.method if repo is not None else None,
         context=_context(config),
+        host_rows=host,
     )
 
 
@@ -243,9 +266,14 @@ def _check_inputs(inputs: dict) -> None:
         raise EstimateError(
             f"sampling must be True or False (do_sample with top-k / top-p), got {inputs['sampling']!r}"
         )
+    try:
+        inputs["kv_cache"] = kv_cache_name(inputs["kv_cache"])
+    except ReducerError as e:
+        raise EstimateError(str(e)) from None
     training = inputs["training"]
     if training is None:
         return
+    _check_reducers(training)
     if not isinstance(training, LoraTraining | FullTraining):
         raise EstimateError("training must be LoraTraining(...), FullTraining(...) or None")
     for k in ("seq_len", "micro_batch") + (("r",) if isinstance(training, LoraTraining) else ()):
@@ -253,6 +281,15 @@ def _check_inputs(inputs: dict) -> None:
             raise EstimateError(f"training.{k} must be an integer >= 1, got {getattr(training, k)!r}")
     if training.optimizer not in OPTIMIZERS:
         raise EstimateError(f"unknown optimizer {training.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def _check_reducers(training) -> None:
+    try:
+        loss_name(training.loss)
+    except ReducerError as e:
+        raise EstimateError(f"training.loss: {e}") from None
+    if not isinstance(training.offload_activations, bool):
+        raise EstimateError(f"training.offload_activations must be True or False, got {training.offload_activations!r}")
 
 
 _WORKSPACE_CONFIG = {CUBLAS_WORKSPACE: ":4096:2:16:8", CUBLAS_WORKSPACE_HOPPER: ":4096:8"}

@@ -9,10 +9,12 @@ from typing import Any
 
 from ..devices import DEFAULT_DEVICE, capacity_range, resolve_device
 from ..html import badge, bar, table
+from ..reducers import kv_cache_available, liger_available
 from ..sources import shipped_configs
 from ..units import MiB, format_bytes
 from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
 from .core import MemoryEstimate, cublas_workspace, estimate
+from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
@@ -46,9 +48,11 @@ class Suggestion:
     kwargs: dict
     saving: int
     estimate: MemoryEstimate
+    cost: str = ""  # what a memory reducer costs besides memory: host RAM, time per step or token
 
     def __str__(self) -> str:
-        return f"{self.change}: saves {format_bytes(self.saving)} (total {format_bytes(self.estimate.total)})"
+        cost = f"; costs {self.cost}" if self.cost else ""
+        return f"{self.change}: saves {format_bytes(self.saving)} (total {format_bytes(self.estimate.total)}{cost})"
 
 
 @dataclass
@@ -70,7 +74,7 @@ class FitVerdict:
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
-                                 "total": s.estimate.total} for s in self.suggestions],
+                                 "total": s.estimate.total, "cost": s.cost} for s in self.suggestions],
                 **({"note": self.note} if self.note else {})}  # fmt: skip
 
     def __str__(self) -> str:
@@ -199,6 +203,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
             cands.append((f"load={load}", {"load": load}))
     if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
+    cands += _reducer_candidates(inp, tr)
     room = _comfortable(cap)  # a fix leaves the margin a "fits" verdict needs and a little more, not 7 MiB
     if tr is None:
         n = max_new_tokens_that_fit(est, device=room)
@@ -244,6 +249,33 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
     return cands
 
 
+# What a reducer costs in speed, besides the host RAM and PCIe time its rows say (estimator/reducers.py)
+_SPEED = {
+    "loss=chunked": "the output layer's matmul once more per step (recomputed in backward)",
+    "loss=fused": "none (Liger's kernel is as fast or faster)",
+    "kv_cache=fp8": "a layer dequantized per token; 8-bit keys and values (outputs may differ slightly)",
+    "kv_cache=int4": "a layer dequantized per token; 4-bit keys and values (outputs may differ)",
+    "kv_cache=int2": "a layer dequantized per token; 2-bit keys and values (outputs differ more)",
+}
+
+
+def _reducer_candidates(inp: dict, tr) -> list[tuple[str, dict]]:
+    """The memory reducers that apply here: the backend is installed and the GPU runs it."""
+    if tr is None:
+        if inp.get("kv_cache", "dynamic") != "dynamic":
+            return []
+        kinds = [k for k in ("fp8", "int4", "offload") if kv_cache_available(k, cuda=True)[0]]
+        return [(f"kv_cache={k}", {"kv_cache": k}) for k in kinds]
+    out = []
+    if tr.loss == "plain":
+        out.append(("loss=chunked", {"training": dataclasses.replace(tr, loss="chunked")}))
+        if liger_available():
+            out.append(("loss=fused", {"training": dataclasses.replace(tr, loss="fused")}))
+    if not tr.offload_activations and not tr.gradient_checkpointing:  # checkpoints hold their inputs on the GPU
+        out.append(("offload_activations=True", {"training": dataclasses.replace(tr, offload_activations=True)}))
+    return out
+
+
 def _single_changes(est: MemoryEstimate, device, cap, bf16: bool) -> list[Suggestion]:
     out = []
     for change, kw in _candidates(est, device, cap, bf16):
@@ -251,8 +283,11 @@ def _single_changes(est: MemoryEstimate, device, cap, bf16: bool) -> list[Sugges
             new = est.replace(**kw)
         except EstimateError:
             continue
+        if new.host_total > HOST_RAM // 2:  # the process, the data and the tokenizer need the rest
+            continue
         if new.total < est.total:
-            out.append(Suggestion(change, kw, est.total - new.total, new))
+            cost = "; ".join(filter(None, (_SPEED.get(change, ""), host_cost(new.host_rows))))
+            out.append(Suggestion(change, kw, est.total - new.total, new, cost))
     return out
 
 
@@ -290,14 +325,16 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
     return out
 
 
-def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, int]:
+def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, bool, int]:
     """Changes that fit with the margin and a little more first, then those that fit with less, then
     the rest by saving. Among those that fit: the user's model before another, changes that keep the
-    user's inputs (batch size, load mode, most of the new tokens) before truncating them, then the
+    user's inputs (batch size, load mode, most of the new tokens) before truncating them, a memory
+    reducer (which keeps every setting: its cost is listed) before a change of settings, then the
     least drastic (smallest saving)."""
     total = s.estimate.total
     tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
-    return tier, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), s.saving if tier < 2 else -s.saving
+    reducer = s.change in _SPEED or s.change.startswith(("kv_cache=", "offload_activations"))
+    return tier, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), not reducer, s.saving if tier < 2 else -s.saving
 
 
 def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..units import format_bytes
 from .layout import Layout, dims, kv_cache_bytes, largest_quantized_linear
+from .reducers import kv_cache_rows
 from .rows import EstimateRow
 
 __all__ = ["Generation", "generation_rows", "SAMPLING_BYTES", "dequantizes_4bit"]
@@ -49,6 +50,7 @@ class Generation:
     double_quant: bool = True
     skip_modules: list[str] | None = None
     sampling: bool = False
+    kv_cache: str = "dynamic"  # or a reducer: "fp8", "int4", "int2", "offload" (estimator/reducers.py)
 
     @property
     def tokens(self) -> int:
@@ -74,7 +76,10 @@ def generation_rows(config, lay: Layout, g: Generation) -> list[EstimateRow]:
     if d["window"] and "sliding_attention" in d["types"] and g.prompt > min(tokens, d["window"]):
         kv_note += f"; sliding layers hold the whole {g.prompt}-token prompt until the first decoding step"
     kv = kv_cache_bytes(config, g.batch, tokens, g.b, prompt_tokens=g.prompt)
-    rows = [EstimateRow("kv_cache", "KV cache", kv, "formula", kv_note)]
+    if g.kv_cache == "dynamic":
+        rows = [EstimateRow("kv_cache", "KV cache", kv, "formula", kv_note)]
+    else:
+        rows = kv_cache_rows(kv, d["layers"], tokens, g.new, g.b, g.kv_cache)
     rows += _prefill_rows(d, lay, g)
     rows.append(
         EstimateRow("activations.logits", "logits (last position, fp32 copy)", g.batch * d["vocab"] * (g.b + 4) * 2,

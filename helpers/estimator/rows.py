@@ -6,11 +6,14 @@ from dataclasses import dataclass
 
 from ..errors import OomkitError
 
-__all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS"]
+__all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS", "HOST"]
 
 # A row's key is "<group>.<what>" (or just "<group>"); code selects rows by key or group, and the
 # label (``name``) is free to change. Groups in the order the panel's bar shows them:
 ROW_GROUPS = ("weights", "kv_cache", "activations", "training", "overhead")
+# Host RAM rows ("host.<what>": what a reducer offloads to the CPU) are kept apart from the GPU's rows:
+# MemoryEstimate.host_rows, never in its total.
+HOST = "host"
 
 
 class EstimateError(OomkitError, ValueError):
@@ -29,8 +32,8 @@ class EstimateRow:
     note: str = ""
 
     def __post_init__(self):
-        if self.group not in ROW_GROUPS:
-            raise ValueError(f"row key {self.key!r} must start with one of {', '.join(ROW_GROUPS)}")
+        if self.group not in (*ROW_GROUPS, HOST):
+            raise ValueError(f"row key {self.key!r} must start with one of {', '.join((*ROW_GROUPS, HOST))}")
 
     @property
     def group(self) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..vocab import QUANTIZED
 from .layout import Layout, dims, should_convert
+from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
 
 __all__ = ["OPTIMIZERS", "LoraTraining", "FullTraining", "training_rows"]
@@ -31,6 +32,8 @@ class LoraTraining:
         gradient_checkpointing: recompute activations in the backward pass (saves most of them).
         seq_len, micro_batch: tokens per sample and samples per step.
         lora_dropout: dropout > 0 stores a dropped copy of each adapted layer's input.
+        loss: "plain", "chunked" or "fused" (see :mod:`helpers.estimator.reducers`).
+        offload_activations: what the forward pass saves for backward waits in RAM.
     """
 
     r: int = 16
@@ -41,6 +44,8 @@ class LoraTraining:
     seq_len: int = 512
     micro_batch: int = 1
     lora_dropout: float = 0.05
+    loss: str = "plain"
+    offload_activations: bool = False
 
 
 @dataclass
@@ -50,6 +55,7 @@ class FullTraining:
     Args:
         optimizer: as in :class:`LoraTraining`; "adamw_torch" keeps two states in the parameter dtype.
         master_weights: keep an fp32 copy of half-precision weights (mixed-precision training).
+        loss, offload_activations: as in :class:`LoraTraining`.
     """
 
     optimizer: str = "adamw_torch"
@@ -57,6 +63,8 @@ class FullTraining:
     seq_len: int = 512
     micro_batch: int = 1
     master_weights: bool = False
+    loss: str = "plain"
+    offload_activations: bool = False
 
 
 def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[EstimateRow], int, int]:
@@ -139,8 +147,9 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
     per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
     # The loss's peak comes at the start of backward: log-softmax's fp32 output (saved), its incoming
     # gradient and the gradient it returns, each batch x seq x vocab x 4 B (the model's own logits
-    # and the fp32 upcast are gone by then: measured with live-tensor tracking).
-    logits = mb * seq * d["vocab"] * 12
+    # and the fp32 upcast are gone by then: measured with live-tensor tracking); a chunked or fused
+    # loss holds them for one chunk of tokens (estimator/reducers.py).
+    logits, loss_note = loss_bytes(d, mb * seq, b, tr.loss)
     # A quantized layer's weight is dequantized to the compute dtype for each matmul (forward and
     # backward): the largest one, twice, is alive at once. The output layer stays unquantized.
     dequant = 0
@@ -179,7 +188,7 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
                 "backward peak: logits + loss or one recomputed layer",
                 max(logits, layer),
                 "formula",
-                "batch x seq x vocab x 3 fp32 buffers, or one layer's activations",
+                f"{loss_note}, or one layer's activations",
             )
         )
     else:
@@ -189,11 +198,7 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
                 "activations.saved", "activations (no checkpointing)", saved, "formula", "tensors kept for backward"
             )
         )
-        rows.append(
-            EstimateRow(
-                "activations.loss", "logits + loss (fp32)", logits, "formula", "batch x seq x vocab x 3 fp32 buffers"
-            )
-        )
+        rows.append(EstimateRow("activations.loss", f"logits + loss ({tr.loss})", logits, "formula", loss_note))
     if dequant and not tr.gradient_checkpointing:
         rows.append(
             EstimateRow("activations.dequantized", "dequantized weight (backward)", dequant, "formula",
@@ -209,4 +214,17 @@ def training_rows(lay: Layout, config, load: str, b: int, tr) -> tuple[list[Esti
         rows, trainable, per_tok_lora = _lora_rows(lay, d, b, tr)
     else:
         (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
-    return rows + _activation_rows(lay, d, load, b, tr, per_tok_lora), trainable
+    rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
+    return (_offloaded(rows, d, b, tr) if tr.offload_activations else rows), trainable
+
+
+def _offloaded(rows: list[EstimateRow], d: dict, b: int, tr) -> list[EstimateRow]:
+    """The rows with activation offload: the saved activations (and the plain loss's saved fp32
+    log-softmax, or Liger's gradient of the hidden states) in RAM, one layer's worth on the GPU."""
+    tokens = tr.micro_batch * tr.seq_len
+    loss_saved = {"plain": tokens * d["vocab"] * 4, "chunked": 0, "fused": tokens * d["h"] * b}[tr.loss]
+    i = next(i for i, r in enumerate(rows) if r.key == "activations.saved")
+    saved = rows[i].bytes
+    new, _ = offload_rows(saved, saved // max(1, d["layers"]), loss_saved, tr.gradient_checkpointing)
+    keep = [rows[i]] if tr.gradient_checkpointing else []
+    return rows[:i] + keep + new + rows[i + 1 :]
