@@ -49,6 +49,28 @@ def test_lower_bounds_are_the_tested_ones():
         assert _bound(package) == version, f"pyproject says {package}>={_bound(package)}, the matrix tests {version}"
 
 
+@pytest.mark.skipif(not (REPO / "README.md").exists(), reason="runs from a source checkout")
+def test_readme_tested_versions_are_the_matrix_pins():
+    """The README's tested-versions table names what scripts/compat.py installs, column by column."""
+    script = _compat_script()
+    readme = (REPO / "README.md").read_text()
+    header, *_ = [ln for ln in readme.splitlines() if ln.startswith("| column | Python |")]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == len(names) and cells[0] in ("low", "new", "colab"):
+            rows[cells[0]] = dict(zip(names, cells))
+    assert set(rows) == set(script.environments()), "one README row per matrix column"
+    for package, version in script.LOW.items():
+        assert rows["low"].get(package, version) == version, f"README's low {package}: the matrix tests {version}"
+    for package, version in script.COLAB.items():
+        if package in rows["colab"]:
+            assert rows["colab"][package] == version, f"README's colab {package}: the matrix installs {version}"
+    assert rows["colab"]["Python"] == script.COLAB_PYTHON
+    assert "bitsandbytes" not in script.COLAB and rows["colab"]["bitsandbytes"].startswith("none preinstalled")
+
+
 # ----------------------------------------------------------------------------- version shims
 
 
