@@ -8,6 +8,7 @@ and, in each, runs a fast CPU subset of the test suite and one notebook from an 
 - ``colab``: Colab's GPU runtime as it is today (``COLAB``: its Python, torch and preinstalled
   packages at their exact versions), then the wheel installed the way the notebooks' first cell does
   it (``pip install "oomkit @ ..."``, dependencies included); the packages Colab ships must not move.
+  The tests run a second time with bitsandbytes uninstalled (Colab lacks it until that cell runs).
 
 ``low`` and ``new`` keep torch at the CPU wheel ``torch==2.13.0`` (older CPU wheels are not on PyPI;
 its Linux wheels there pull gigabytes of CUDA libraries). ``colab`` takes torch 2.11 from PyPI as it
@@ -244,6 +245,7 @@ class Env:
     base: str = sys.executable  # the interpreter the virtualenv is made from
     colab: bool = False  # the requirements first, then the wheel as the notebooks' install cell installs it
     missing: str = ""  # why it cannot be built here ("" when it can)
+    without: str = ""  # a package to uninstall for a second pass of the tests (what the runtime lacks)
 
     @property
     def path(self) -> Path:
@@ -291,6 +293,7 @@ def environments() -> dict[str, Env]:
             base=python or sys.executable,
             colab=True,
             missing=missing,
+            without="bitsandbytes",  # Colab does not preinstall it
         ),
     }
 
@@ -402,7 +405,8 @@ def pytest_counts(output: str) -> str:
     """pytest's closing counts ("212 passed, 4 skipped"), or its last line."""
     lines = [ln.strip("= ") for ln in output.splitlines() if ln.strip()]
     counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error)", ln)]
-    return re.sub(r" in [\d.]+s.*$", "", (counts or lines or ["no output"])[-1])
+    last = (counts or lines or ["no output"])[-1]
+    return re.sub(r"(, \d+ warnings?)? in [\d.]+s.*$", "", last)
 
 
 def check_env(env: Env, wheel: Path) -> Row:
@@ -426,13 +430,7 @@ def check_env(env: Env, wheel: Path) -> Row:
             return Row(env.name, "FAILED", time.perf_counter() - started, str(e), log=str(logfile))
         # in a copy of the tests without helpers/: they import helpers from the installed wheel
         tree = test_tree(env)
-        log.flush()
-        tests = subprocess.run(
-            [env.path / "bin" / "pytest", "-q", "-m", "not slow and not cuda", "-k", DESELECT, "-p", "no:cacheprovider", *TESTS],
-            cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""},
-        )  # fmt: skip
-        log.write(tests.stdout + tests.stderr)
-        log.flush()
+        tests = run_tests(env, tree, log)
         tmp = CACHE / f"{env.name}-notebooks"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -441,12 +439,36 @@ def check_env(env: Env, wheel: Path) -> Row:
             cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": "", "OOMKIT_TINY": str(tree / "data" / "tiny")},
         )  # fmt: skip
-    ok = tests.returncode == 0 and nb.returncode == 0
+        results = [tests]
+        counts = f"{'ok' if tests.returncode == 0 else 'FAILED'}: {pytest_counts(tests.stdout)}"
+        if env.without:
+            # the same tests once more with the package gone, as a runtime that lacks it has it: the tests
+            # that need it skip, the rest pass (the next run's install cell puts it back)
+            log.write(f"\n===== the tests again without {env.without}\n")
+            log.flush()
+            removed = subprocess.run(
+                [env.python, "-m", "pip", "uninstall", "-y", "-q", env.without], stdout=log, stderr=log
+            )
+            results.append(run_tests(env, tree, log) if removed.returncode == 0 else removed)
+            again = "ok" if results[-1].returncode == 0 else "FAILED"
+            counts += f"; without {env.without} {again}: {pytest_counts(results[-1].stdout or '')}"
+    ok = all(r.returncode == 0 for r in results) and nb.returncode == 0
     return Row(
-        env.name, "ok" if ok else "FAILED", time.perf_counter() - started, versions, how,
-        f"{'ok' if tests.returncode == 0 else 'FAILED'}: {pytest_counts(tests.stdout)}",
+        env.name, "ok" if ok else "FAILED", time.perf_counter() - started, versions, how, counts,
         f"{NOTEBOOK} {'ok' if nb.returncode == 0 else 'FAILED'}", str(logfile),
     )  # fmt: skip
+
+
+def run_tests(env: Env, tree: Path, log) -> subprocess.CompletedProcess:
+    """The CPU test subset in ``tree`` with ``env``'s pytest; its output goes to the log too."""
+    log.flush()
+    tests = subprocess.run(
+        [env.path / "bin" / "pytest", "-q", "-m", "not slow and not cuda", "-k", DESELECT, "-p", "no:cacheprovider", *TESTS],
+        cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    log.write(tests.stdout + tests.stderr)
+    log.flush()
+    return tests
 
 
 @contextlib.contextmanager
