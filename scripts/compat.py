@@ -263,7 +263,10 @@ class Env:
 def interpreter_version(python: str) -> str:
     if python == sys.executable:
         return sys.version
-    out = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True)
+    try:
+        out = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True)
+    except OSError:  # not there, not executable
+        return ""
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
@@ -301,7 +304,9 @@ def environments() -> dict[str, Env]:
 def last_error(logfile: Path) -> str:
     """The last line pip printed that says what went wrong, shortened."""
     lines = [ln.strip() for ln in logfile.read_text(errors="replace").splitlines() if ln.strip()]
+    generic = ("ResolutionImpossible", "for help visit", "resolver does not currently take into account")
     errors = [ln for ln in lines if ln.startswith(("ERROR", "error")) or "Error" in ln]
+    errors = [ln for ln in errors if not any(g in ln for g in generic)] or errors
     return (errors or lines or ["no output"])[-1][:200]
 
 
