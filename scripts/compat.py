@@ -363,16 +363,13 @@ def prepare(env: Env, wheel: Path, log, logfile: Path) -> tuple[str, str]:
         run([*pip, "-U", *env.requirements, wheel], stdout=log, stderr=log)
     how = f"{'built' if fresh else 'cached'}: {built['bytes'] / 1e9:.1f} GB, built in {built['seconds']} s"
     if env.colab:
-        before = installed(env.python, list(COLAB))
         # the notebooks' first cell: %pip install -q "oomkit @ git+https://..." (dependencies included,
         # nothing upgraded that is already there); here the same requirement points at the built wheel
         run([*pip, f"oomkit @ {wheel.resolve().as_uri()}"], stdout=log, stderr=log)
-        moved = [
-            f"{p} {v} -> {after}"
-            for (p, v), after in zip(before.items(), installed(env.python, list(COLAB)).values())
-            if after != v
-        ]
+        now = installed(env.python, list(COLAB))
+        moved = [f"{p} {v} -> {now[p]}" for p, v in COLAB.items() if now[p] != v]
         if moved:
+            stamp.unlink()  # rebuilt as Colab ships it on the next run
             raise RuntimeError(f"the install cell replaced Colab's {', '.join(moved)}")
     run([*pip, "--force-reinstall", "--no-deps", wheel], stdout=log, stderr=log)  # this build's files
     found = installed(env.python, ["torch", *PACKAGES])
