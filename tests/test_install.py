@@ -71,6 +71,24 @@ def test_readme_tested_versions_are_the_matrix_pins():
     assert "bitsandbytes" not in script.COLAB and rows["colab"]["bitsandbytes"].startswith("none preinstalled")
 
 
+@pytest.mark.skipif(not (REPO / "requirements.txt").exists(), reason="runs from a source checkout")
+def test_matrix_says_in_one_line_why_the_colab_column_cannot_run(monkeypatch, tmp_path):
+    script = _compat_script()
+    monkeypatch.setenv("OOMKIT_COLAB_PYTHON", str(tmp_path / "no-python"))
+    colab = script.environments()["colab"]
+    assert colab.missing == f"OOMKIT_COLAB_PYTHON={tmp_path / 'no-python'} is not a working Python 3.13"
+    with pytest.raises(script.Unavailable, match="not a working Python"):
+        script.prepare(colab, tmp_path / "oomkit.whl", None, tmp_path / "log")
+    assert all(v.startswith(("torch==", "transformers==")) for v in colab.requirements[:2]), "exact pins, torch first"
+    log = tmp_path / "pip.log"
+    log.write_text(
+        "ERROR: No matching distribution found for torch==2.11.0\nERROR: ResolutionImpossible: for help visit x\n"
+    )
+    assert script.last_error(log) == "ERROR: No matching distribution found for torch==2.11.0"
+    out = "...\n= 201 passed, 2 skipped, 5 deselected, 725 warnings in 102.67s (0:01:42) =\n"
+    assert script.pytest_counts(out) == "201 passed, 2 skipped, 5 deselected"
+
+
 # ----------------------------------------------------------------------------- version shims
 
 
