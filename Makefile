@@ -36,9 +36,11 @@ demo: setup $(TINY)
 test: setup $(TINY)
 	$(BIN)/python -m pytest -q
 
-# The compatibility matrix: the built wheel in fresh virtualenvs cached under .compat/ (kept between
-# runs), at the lowest transformers/accelerate/peft/bitsandbytes that pyproject.toml claims and at the
-# newest releases, torch 2.13.0 CPU in both; a fast CPU test subset and one notebook in each, then a table.
+# The compatibility matrix: the built wheel in fresh virtualenvs cached in ~/.cache/oomkit-compat
+# (OOMKIT_COMPAT_CACHE; kept between runs and clones, rebuilt when their requirements change): the
+# lowest transformers/accelerate/peft/bitsandbytes that pyproject.toml claims and the newest releases
+# (torch 2.13.0 CPU in both), and Colab's stack (Python 3.13, torch 2.11 from PyPI, the install cell);
+# a fast CPU test subset and one notebook in each, then a table. `scripts/compat.py matrix colab` runs one.
 test-compat: setup $(TINY)
 	$(BIN)/python scripts/compat.py matrix
 

@@ -107,12 +107,15 @@ def ipython_shell():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA GPU")
+    if importlib.util.find_spec("bitsandbytes") is None:  # Colab does not preinstall it (the matrix's colab column)
+        skips["bnb"] = pytest.mark.skip(reason="needs bitsandbytes, which is not installed")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 class FakeCuda:

@@ -51,7 +51,15 @@ def _load(path, mode):
     )
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "int8", "nf4", "nf4+dq", "fp4", "fp4+dq"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "fp32",
+        "fp16",
+        "bf16",
+        *(pytest.param(m, marks=pytest.mark.bnb) for m in ["int8", "nf4", "nf4+dq", "fp4", "fp4+dq"]),
+    ],
+)
 def test_predicted_weights_equal_real_loaded_bytes(tiny_llama, tiny_qwen2, mode):
     for path in (tiny_llama, tiny_qwen2):
         model = _load(path, mode)
@@ -186,6 +194,7 @@ def test_inverse_questions():
     assert max_batch_that_fits("Llama-3.1-8B", load="fp32", device="t4") == 0
 
 
+@pytest.mark.bnb
 def test_footprint_counts_quant_state_that_transformers_misses(tiny_llama):
     model = _load(tiny_llama, "nf4+dq")
     assert footprint(model) > model.get_memory_footprint()
@@ -408,6 +417,7 @@ def test_every_dtype_spelling_is_accepted():
         estimate("Llama-2-7b-hf", load="nf4", compute_dtype="int4")
 
 
+@pytest.mark.bnb
 def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
@@ -426,6 +436,7 @@ def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, ti
     assert "weights.moe_experts" not in {r.key for r in estimate(str(tmp_path), load="fp16").rows}
 
 
+@pytest.mark.bnb
 def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_config(tmp_path, tiny_llama):
     from helpers.loading import LoadPlan, load
 

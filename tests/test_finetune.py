@@ -325,6 +325,7 @@ def test_interrupted_run_resumes_at_the_right_step(tiny_llama, tmp_path):
         assert (last_checkpoint(plan.output_dir) / name).exists()
 
 
+@pytest.mark.bnb
 def test_two_real_steps_train_save_and_rerun_as_finished(tiny_llama, tmp_path):
     """The compat matrix runs this at the lowest versions pyproject claims: transformers 5.1's Trainer calls
     accelerate's unwrap_model(model, keep_torch_compile=False), which accelerate 1.2 lacked (a TypeError

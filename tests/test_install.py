@@ -49,6 +49,46 @@ def test_lower_bounds_are_the_tested_ones():
         assert _bound(package) == version, f"pyproject says {package}>={_bound(package)}, the matrix tests {version}"
 
 
+@pytest.mark.skipif(not (REPO / "README.md").exists(), reason="runs from a source checkout")
+def test_readme_tested_versions_are_the_matrix_pins():
+    """The README's tested-versions table names what scripts/compat.py installs, column by column."""
+    script = _compat_script()
+    readme = (REPO / "README.md").read_text()
+    header, *_ = [ln for ln in readme.splitlines() if ln.startswith("| column | Python |")]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == len(names) and cells[0] in ("low", "new", "colab"):
+            rows[cells[0]] = dict(zip(names, cells))
+    assert set(rows) == set(script.environments()), "one README row per matrix column"
+    for package, version in script.LOW.items():
+        assert rows["low"].get(package, version) == version, f"README's low {package}: the matrix tests {version}"
+    for package, version in script.COLAB.items():
+        if package in rows["colab"]:
+            assert rows["colab"][package] == version, f"README's colab {package}: the matrix installs {version}"
+    assert rows["colab"]["Python"] == script.COLAB_PYTHON
+    assert "bitsandbytes" not in script.COLAB and rows["colab"]["bitsandbytes"].startswith("none preinstalled")
+
+
+@pytest.mark.skipif(not (REPO / "requirements.txt").exists(), reason="runs from a source checkout")
+def test_matrix_says_in_one_line_why_the_colab_column_cannot_run(monkeypatch, tmp_path):
+    script = _compat_script()
+    monkeypatch.setenv("OOMKIT_COLAB_PYTHON", str(tmp_path / "no-python"))
+    colab = script.environments()["colab"]
+    assert colab.missing == f"OOMKIT_COLAB_PYTHON={tmp_path / 'no-python'} is not a working Python 3.13"
+    with pytest.raises(script.Unavailable, match="not a working Python"):
+        script.prepare(colab, tmp_path / "oomkit.whl", None, tmp_path / "log")
+    assert all(v.startswith(("torch==", "transformers==")) for v in colab.requirements[:2]), "exact pins, torch first"
+    log = tmp_path / "pip.log"
+    log.write_text(
+        "ERROR: No matching distribution found for torch==2.11.0\nERROR: ResolutionImpossible: for help visit x\n"
+    )
+    assert script.last_error(log) == "ERROR: No matching distribution found for torch==2.11.0"
+    out = "...\n= 201 passed, 2 skipped, 5 deselected, 725 warnings in 102.67s (0:01:42) =\n"
+    assert script.pytest_counts(out) == "201 passed, 2 skipped, 5 deselected"
+
+
 # ----------------------------------------------------------------------------- version shims
 
 

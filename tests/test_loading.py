@@ -128,6 +128,7 @@ def test_token_is_never_shown():
 # -- real loads ------------------------------------------------------------------------------
 
 
+@pytest.mark.bnb
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_load_reports_measured_within_1_percent_of_estimated_weights(tiny_llama, mode):
     model, tok, report = load(LoadPlan(str(tiny_llama), load=mode, max_new_tokens=16, prompt_tokens=32))
@@ -381,6 +382,7 @@ def offloading_map(layers: int, first: str = "disk") -> dict:
             "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
 
 
+@pytest.mark.bnb
 def test_what_from_pretrained_gets_for_a_saved_bnb_checkpoint(saved_nf4, tmp_path, monkeypatch):
     """Its own quantization_config loads it (none passed beside it); a map that offloads part of it is
     refused before from_pretrained is called (transformers would refuse it, or load what cannot run)."""
@@ -401,6 +403,7 @@ def test_what_from_pretrained_gets_for_a_saved_bnb_checkpoint(saved_nf4, tmp_pat
     assert len(calls) == 1 and "quantization_config" not in calls[0] and set(report.placement) == {"cpu"}
 
 
+@pytest.mark.bnb
 def test_transformers_own_offload_of_a_saved_bnb_checkpoint_is_an_oomkit_refusal(saved_nf4, tmp_path):
     """device_map="auto" with a CPU share in max_memory: when transformers' placement offloads after all
     (the checks predicted it would not), its ValueError comes back as LoadRefused with the fix."""
@@ -411,6 +414,7 @@ def test_transformers_own_offload_of_a_saved_bnb_checkpoint_is_an_oomkit_refusal
         loading._from_pretrained(str(saved_nf4), kwargs, est)
 
 
+@pytest.mark.bnb
 def test_transformers_cannot_offload_a_saved_bnb_checkpoint_even_with_the_flag(saved_nf4, tmp_path):
     """Why load() refuses instead of passing llm_int8_enable_fp32_cpu_offload=True: a BitsAndBytesConfig passed
     beside the checkpoint's own is ignored (transformers warns, then refuses the offload), and the flag set in
@@ -511,6 +515,7 @@ def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
     assert log.filter(keep) and not log.filter(drop)
 
 
+@pytest.mark.bnb
 def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
     """Generation on CPU must not repack the 4-bit weights (bf16 absmax, nested state expanded):
     the footprint after generating is still the one measured at load and estimated."""
@@ -524,6 +529,7 @@ def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
     assert footprint(model) == report.measured_weights == report.estimated_weights
 
 
+@pytest.mark.bnb
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_auto_compute_dtype_means_the_same_in_estimate_and_load(tiny_llama, mode):
     from helpers.estimator import footprint
@@ -564,6 +570,7 @@ def test_loading_a_safetensors_shard_holds_less_process_memory_than_the_shard(tm
     assert int(out.stdout.split()[-1]) < shard, (int(out.stdout.split()[-1]), shard)
 
 
+@pytest.mark.bnb
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_placement_and_footprint_count_the_quantization_state_before_and_after_a_generation(tiny_llama, mode):
     """The report's per-device placement sums to the measured weights (the scales and absmax were left

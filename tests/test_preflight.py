@@ -115,6 +115,7 @@ def test_missing_local_path_and_bad_cli_load_say_so(capsys):
     assert e.value.code == 2 and "--load 'int4': use auto, fp32, fp16" in capsys.readouterr().err
 
 
+@pytest.mark.bnb
 def test_real_machine_bitsandbytes_runs_on_cpu():
     report = preflight()
     assert report.check("bitsandbytes").status == "pass"

@@ -195,6 +195,7 @@ def test_importing_helpers_in_colab_enables_the_widget_manager(tmp_path):
     assert run("--shell") == "[] False"
 
 
+@pytest.mark.bnb
 def test_load_button_loads_the_current_plan(panel):
     panel.set(load="int8")
     panel.controls["button"].click()
@@ -204,6 +205,7 @@ def test_load_button_loads_the_current_plan(panel):
     assert not panel.controls["button"].disabled
 
 
+@pytest.mark.bnb
 def test_sliders_after_load_reuse_the_model_and_a_new_mode_frees_the_old_one(panel):
     from helpers.estimator import footprint
 
