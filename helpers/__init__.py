@@ -43,6 +43,7 @@ _API: dict[str, str] = {
          "load_instructions", "build_dataset", "answer", "FinetuneError"], "finetune"),
     **dict.fromkeys(["CheckpointError"], "checkpoints"),
     **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
+    **dict.fromkeys(["TrainView", "TrainProgress"], "train_view"),
     **dict.fromkeys(
         ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),
 }  # fmt: skip

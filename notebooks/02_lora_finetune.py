@@ -167,8 +167,10 @@ micro
 
 # %% [markdown]
 # ## 7. Train, with memory watched
-# `MemoryMonitor` samples GPU allocated/reserved, the driver's view and RAM twice a second in a
-# thread and warns (naming the largest tensors) past 90 % of the card. `MemoryCallback` adds
+# While it trains, one output updates in place: step/total, ETA, loss, tokens/s and GPU memory
+# against the card (text lines when run headless); afterwards one line says the peak reserved, its
+# share of the card and the wall time (`result.progress`). `MemoryMonitor` samples GPU
+# allocated/reserved, the driver's view and RAM twice a second in a thread and warns (naming the largest tensors) past 90 % of the card. `MemoryCallback` adds
 # allocated, reserved, peak since the last log and RAM to every log line and says so if memory
 # keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this

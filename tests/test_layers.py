@@ -20,7 +20,7 @@ LAYERS = [
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split"},
     {"retry", "generation", "loading"},
-    {"batch_size", "eval_batching", "environment"},
+    {"batch_size", "eval_batching", "environment", "train_view"},
     {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
     {"cli", "__main__", "__init__"},
