@@ -136,10 +136,11 @@ def _html_sink() -> Callable[[TrainProgress], None] | None:
     handle: list[Any] = []
 
     def show(progress: TrainProgress) -> None:
+        bundle = {"text/html": progress._repr_html_(), "text/plain": str(progress)}
         if handle:
-            handle[0].update(progress)
+            handle[0].update(bundle, raw=True)
         else:
-            handle.append(display(progress, display_id=True))
+            handle.append(display(bundle, raw=True, display_id=True))
 
     return show
 

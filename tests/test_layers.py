@@ -13,7 +13,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
     {"units", "errors"},
-    {"html", "vocab", "prompts", "results_file", "scoring", "oom_causes", "oom_messages", "fingerprint"},
+    {
+        "html",
+        "knobs",
+        "cuda_errors",
+        "vocab",
+        "prompts",
+        "results_file",
+        "scoring",
+        "oom_causes",
+        "oom_messages",
+        "fingerprint",
+    },
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime", "attention"},
     {"sources", "reclaim", "tensors", "object_walk"},

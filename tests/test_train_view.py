@@ -68,3 +68,23 @@ def test_a_bad_display_is_refused():
 
     with pytest.raises(ValueError, match="display must be"):
         TrainView("fancy")
+
+
+def test_in_a_notebook_one_output_is_updated_in_place(monkeypatch):
+    import types
+
+    import IPython.display
+
+    import helpers.train_view as train_view
+
+    shown, updates = [], []
+    handle = types.SimpleNamespace(update=lambda bundle, raw: updates.append(bundle))
+    monkeypatch.setattr(train_view, "ipython", lambda: types.SimpleNamespace(kernel=object()))
+    monkeypatch.setattr(IPython.display, "display", lambda bundle, raw, display_id: shown.append(bundle) or handle)
+    view = TrainView(min_interval=0)
+    for step in range(3):
+        view._show(TrainProgress(step=step, total=2, elapsed=step, steps_done=step))
+    assert len(shown) == 1 and len(updates) == 2 and view.updates == 3  # one display, updated twice
+    assert "<progress value='2' max='2'" in updates[-1]["text/html"] and updates[-1]["text/plain"].startswith(
+        "step 2/2"
+    )
