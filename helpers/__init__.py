@@ -28,7 +28,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
     **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
-    **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable"], "placement"),
+    **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable", "ModelFits"], "placement"),
     **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
     **dict.fromkeys(["LoadPanel"], "widgets"),
     **dict.fromkeys(["TrainPanel"], "train_panel"),

@@ -97,6 +97,18 @@ else:
     display(fit(est, "current" if snap.gpu else "t4"))  # no GPU here: judged against a Colab T4
 
 # %% [markdown]
+# ## What fits where
+# Every load mode of this model: weights, KV cache at 512 prompt tokens plus `MAX_NEW_TOKENS`, the
+# total, and whether it fits a T4, Kaggle's 2×T4, an L4, an A100 40/80 GB and this GPU (estimated;
+# `python -m helpers fits MODEL` prints the same table in a terminal).
+
+# %%
+from helpers import fits_table
+
+if fit_line is not None:  # the same config the estimate read
+    display(fits_table(MODEL, tokens=512 + MAX_NEW_TOKENS))
+
+# %% [markdown]
 # The same report as text, to paste into a bug report or a forum question:
 
 # %%
