@@ -25,7 +25,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(
         ["estimate", "fit", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
          "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
-    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help"], "sources"),
+    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
     **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
     **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable", "ModelFits"], "placement"),
