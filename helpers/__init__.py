@@ -25,10 +25,10 @@ _API: dict[str, str] = {
     **dict.fromkeys(
         ["estimate", "fit", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
          "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
-    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help"], "sources"),
+    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
     **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
-    **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable"], "placement"),
+    **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable", "ModelFits"], "placement"),
     **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
     **dict.fromkeys(["LoadPanel"], "widgets"),
     **dict.fromkeys(["TrainPanel"], "train_panel"),
@@ -43,6 +43,7 @@ _API: dict[str, str] = {
          "load_instructions", "build_dataset", "answer", "FinetuneError"], "finetune"),
     **dict.fromkeys(["CheckpointError"], "checkpoints"),
     **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
+    **dict.fromkeys(["TrainView", "TrainProgress"], "train_view"),
     **dict.fromkeys(
         ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),
 }  # fmt: skip

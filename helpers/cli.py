@@ -25,6 +25,7 @@ COMMANDS = {
     "preflight": ("helpers.cli:preflight_main", "check the GPUs, RAM, disk and versions before loading a model"),
     "estimate": ("helpers.cli:estimate_main", "estimate the memory a model needs and whether it fits"),
     "explain": ("helpers.oom:main", "explain an out-of-memory message (stdin or a file)"),
+    "fits": ("helpers.cli:fits_main", "what fits for a model: every load mode on a T4, 2xT4, L4, A100 and this GPU"),
 }
 
 
@@ -149,3 +150,31 @@ def estimate_main(argv: list[str] | None = None) -> int:
         if verdict:
             print(verdict)
     return 1 if verdict is not None and not verdict.fits else 0  # guards a launch like preflight's exit code
+
+
+def fits_main(argv: list[str] | None = None) -> int:
+    """``python -m helpers fits MODEL [--tokens N] [--batch B] [--markdown | --json]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers fits",
+        description="Every load mode's weights, KV cache and total, and whether it fits a T4, Kaggle's 2xT4, an L4, "
+        "an A100 40/80 GB and this GPU (reads only config.json).",
+        epilog=f"Offline configs: {', '.join(shipped_configs())}",
+    )
+    parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
+    parser.add_argument("--tokens", type=int, default=768, help="tokens per sequence, prompt + answer (default 768)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--json", action="store_true", help="print the table as JSON")
+    args = parser.parse_args(argv)
+    from .placement import fits_table
+
+    try:
+        table = fits_table(args.model, tokens=args.tokens, batch_size=args.batch)
+    except (EstimateError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(table), indent=2, default=str))
+    else:
+        print(table.markdown() if args.markdown else table)
+    return 0

@@ -52,6 +52,7 @@ from .generation import generate_batched
 from .loading import LoadPlan, keep_4bit_layout
 from .reducers import chunked_lm_loss, liger_available, offload_activations
 from .sources import data_path, persistent_path
+from .train_view import TrainProgress
 from .units import format_bytes
 from .vocab import LOAD_MODES, QUANTIZED, DtypeError, ReducerError, dtype_name, loss_name, supports_bf16
 
@@ -320,6 +321,7 @@ class TrainPlan:
             save_strategy="steps", save_steps=self.save_steps, save_total_limit=self.save_total_limit,
             seed=self.seed, data_seed=self.seed, report_to="none", remove_unused_columns=False,
             dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+            include_num_input_tokens_seen=True,  # tokens/s in the live view (train_view.TrainView)
         )  # fmt: skip
         if self.loss == "fused":
             if not (liger_available() and torch.cuda.is_available()):
@@ -862,6 +864,7 @@ class TrainResult:
     set_aside: list[Skipped] = field(default_factory=list)  # an earlier run's checkpoints, moved (resume=False)
     changed: list[str] = field(default_factory=list)  # how the resumed checkpoint's settings or data differ
     finished_before: bool = False  # the checkpoint had reached max_steps: its adapter loaded, nothing trained
+    progress: TrainProgress | None = None  # the live view's last update: peak reserved, share of the card, time
 
     @property
     def first_loss(self) -> float | None:
@@ -892,12 +895,14 @@ class TrainResult:
             skipped += f"; set aside the {n} checkpoint{'s' if n > 1 else ''} of an earlier run (kept as {names})"
         if self.changed:
             skipped += f"; the checkpoint was written with other settings or data: {', '.join(self.changed)}"
-        return f"{done}{loss}; checkpoints in {self.output_dir}{skipped}"
+        summary = f"\n{self.progress.summary()}" if self.progress is not None and not self.finished_before else ""
+        return f"{done}{loss}; checkpoints in {self.output_dir}{skipped}{summary}"
 
 
 def train(
-    model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True, **argument_overrides
-) -> TrainResult:
+    model, tokenizer, plan: TrainPlan, dataset: list[dict], *, callbacks=(), resume: bool = True,
+    view: str | bool = "auto", **argument_overrides,
+) -> TrainResult:  # fmt: skip
     """Train with ``Trainer``; continue from the newest complete checkpoint in the output folder when ``resume``.
 
     A checkpoint holds the adapter, optimizer, scheduler and RNG states, so a rerun after a
@@ -918,9 +923,25 @@ def train(
 
     ``resume=False`` starts over: the folder's ``checkpoint-N`` are renamed ``previous-checkpoint-N``
     first (kept; listed in ``TrainResult.set_aside``), so a later resume continues this run, not theirs.
+
+    ``view`` shows the run live (:class:`~helpers.train_view.TrainView`: step/total, ETA, loss, tokens/s,
+    GPU memory against the card; an updating output in a notebook, text lines without one; ``"html"``,
+    ``"text"``, or ``False`` for none; a ``TrainView`` among ``callbacks`` is used instead), and its last
+    figures are ``TrainResult.progress``: peak reserved, share of the card, wall time.
     """
+    from .train_view import TrainView
+
     keep_4bit_layout(model)
+    shown = next((c for c in callbacks if isinstance(c, TrainView)), None)
+    if shown is None and view:
+        shown = TrainView("auto" if view is True else view)
+        callbacks = [*callbacks, shown]
     trainer, stamp = _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)
+    if shown is not None:  # the view replaces Trainer's raw log dicts (disable_tqdm) or its bar
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
     out = Path(trainer.args.output_dir)
     point = _proven_resume(trainer.model, out, stamp) if resume else ResumePoint(None, None)
     # starting over: the earlier run's checkpoints must go out of Trainer's way (renamed, kept), or its
@@ -954,7 +975,8 @@ def train(
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
-                       time.perf_counter() - started, history, point.skipped, aside, changed)  # fmt: skip
+                       time.perf_counter() - started, history, point.skipped, aside, changed,
+                       progress=shown.last if shown is not None else None)  # fmt: skip
 
 
 _SHAPE_KEYS = ("model", "r", "targets")  # stamped settings that decide the adapter's and optimizer's shapes

@@ -1,21 +1,86 @@
-"""Small HTML pieces shared by every ``_repr_html_``: a usage bar and a table."""
+"""Small HTML pieces shared by every ``_repr_html_``: one stylesheet, a usage bar, a table, coloured text.
+
+Every table goes through :func:`table`: labels left, numbers (bytes, counts, shapes, times) right
+and never wrapped. Coloured text uses :data:`TEXT_COLORS`, a light-theme colour (inline, so it holds
+where no stylesheet applies) and a dark-theme one that :data:`STYLE` switches to in JupyterLab's and
+Colab's dark themes; each has a WCAG contrast of at least 4.5:1 on its theme's background
+(:func:`contrast_ratio`, tested). :data:`COLORS` are fills (bars, badges' backgrounds), not text.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from html import escape
 
 from .units import format_bytes
 
-COLORS = {"ok": "#34a853", "pass": "#34a853", "warn": "#fbbc04", "tight": "#fbbc04",
-          "fail": "#ea4335", "info": "#4285f4", "none": "#9aa0a6"}  # fmt: skip
+# fills: bar segments and badge backgrounds (white text on them: each >= 4.5:1 against white)
+COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a00",
+          "fail": "#c5221f", "info": "#1967d2", "none": "#5f6368"}  # fmt: skip
+# bar fills for the usage level: bright hues read best as areas (text never goes on these)
+LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
+# text: (on a light background, on a dark one)
+TEXT_COLORS = {
+    "ok": ("#137333", "#81c995"), "pass": ("#137333", "#81c995"), "warn": ("#8a5a00", "#fdd663"),
+    "tight": ("#8a5a00", "#fdd663"), "fail": ("#c5221f", "#f28b82"), "info": ("#1967d2", "#8ab4f8"),
+    "none": ("#5f6368", "#bdc1c6"),
+}  # fmt: skip
+LIGHT_BACKGROUND = "#ffffff"
+DARK_BACKGROUNDS = ("#111111", "#212121")  # JupyterLab dark theme: --jp-layout-color0 and -color1
+_DARK = ("body[data-jp-theme-light='false'] .oomkit-{0}", "html[theme='dark'] .oomkit-{0}")
+NUMBER_STYLE = "text-align:right;white-space:nowrap"
+STYLE = (
+    "<style>"
+    ".oomkit-table{border-collapse:collapse;font-family:monospace}"
+    ".oomkit-table th,.oomkit-table td{padding:2px 8px;text-align:left;vertical-align:top}"
+    f".oomkit-table .oomkit-num{{{NUMBER_STYLE}}}"
+    ".oomkit-table caption{text-align:left;font-weight:bold;white-space:nowrap}"
+    + "".join(f"{','.join(d.format(s) for d in _DARK)}{{color:{dark} !important}}"
+              for s, (_, dark) in TEXT_COLORS.items())
+    + "</style>"
+)  # fmt: skip
+
+_WORDS = re.compile(r"[A-Za-z]+")
+_UNITS = {"B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB", "s", "ms", "min", "h", "x", "of", "tokens"}
+
+
+def contrast_ratio(foreground: str, background: str) -> float:
+    """WCAG 2 contrast ratio of two ``#rrggbb`` colours (1 to 21; AA asks 4.5 for text)."""
+
+    def luminance(color: str) -> float:
+        rgb = [int(color.lstrip("#")[i : i + 2], 16) / 255 for i in (0, 2, 4)]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def is_number(text: str) -> bool:
+    """True for what reads as a figure: ``1.63 MiB``, ``-120``, ``12 / 60``, ``(4096, 4096)``, ``0:07``, ``95%``."""
+    t = text.strip().lstrip("+-−~≈")
+    if not t or not (t[0].isdigit() or (t[0] in "([" and t[1:2].isdigit())):
+        return False
+    return all(word in _UNITS for word in _WORDS.findall(t))
 
 
 def level_color(fraction: float) -> str:
-    """Green below 85 % used, amber to 95 %, red above: the headroom rules of thumb users know."""
+    """Green below 85 % used, amber to 95 %, red above: the headroom rules of thumb users know (a fill)."""
     if fraction < 0.85:
-        return COLORS["ok"]
-    return COLORS["warn"] if fraction < 0.95 else COLORS["fail"]
+        return LEVEL_FILLS["ok"]
+    return LEVEL_FILLS["warn"] if fraction < 0.95 else LEVEL_FILLS["fail"]
+
+
+def color_attrs(status: str) -> str:
+    """``class=... style=...`` attributes colouring an element's text for ``status`` in either theme."""
+    status = status if status in TEXT_COLORS else "none"
+    return f"class='oomkit-{status}' style='color:{TEXT_COLORS[status][0]}'"
+
+
+def colored(text: str, status: str, tag: str = "span") -> Markup:
+    """``text`` (escaped) coloured for ``status`` (``ok``, ``tight``, ``fail``...), readable in light and dark themes."""
+    return Markup(f"<{tag} {color_attrs(status)}>{escape(text)}</{tag}>")
 
 
 def bar(used: int | None, total: int | None, label: str, color: str | None = None, width: int = 260) -> str:
@@ -27,27 +92,41 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
     return (
         "<div style='display:flex;align-items:center;gap:8px;font-family:monospace;margin:2px 0'>"
         f"<span style='min-width:150px'>{escape(label)}</span>"
-        f"<span style='display:inline-block;width:{width}px;height:12px;background:#e8eaed;border-radius:3px'>"
+        f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:#e8eaed;"
+        "border-radius:3px'>"
         f"<span style='display:block;width:{frac * 100:.1f}%;height:100%;background:{color};border-radius:3px'></span>"
         "</span>"
-        f"<span>{format_bytes(used)} / {format_bytes(total)} ({frac * 100:.0f}%)</span></div>"
+        f"<span style='white-space:nowrap'>{format_bytes(used)} / {format_bytes(total)} ({frac * 100:.0f}%)</span></div>"
     )
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | None = None) -> str:
-    """A plain HTML table; cells are escaped unless they are already ``Markup`` (str subclass)."""
+    """An HTML table in the shared style; cells are escaped unless they are already ``Markup`` (str subclass).
 
-    def cell(v: object) -> str:
-        return str(v) if isinstance(v, Markup) else escape(str(v))
+    A cell that reads as a number (:func:`is_number`) is right-aligned and never wrapped; so is its
+    column's header when every filled cell of the column is one.
+    """
+    rows = [list(r) for r in rows]
 
-    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td style='padding:2px 8px'>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
-    cap = (
-        f"<caption style='text-align:left;font-weight:bold;white-space:nowrap'>{escape(title)}</caption>"
-        if title
-        else ""
+    def cell(v: object, tag: str = "td") -> str:
+        text = str(v)
+        if isinstance(v, Markup):
+            return f"<{tag}>{text}</{tag}>"
+        if is_number(text):
+            return f"<{tag} class='oomkit-num' style='{NUMBER_STYLE}'>{escape(text)}</{tag}>"
+        return f"<{tag}>{escape(text)}</{tag}>"
+
+    numeric = [
+        bool(column) and all(is_number(str(c)) for c in column if not isinstance(c, Markup))
+        for column in ([str(r[i]) for r in rows if i < len(r) and str(r[i]).strip()] for i in range(len(header)))
+    ]
+    head = "".join(
+        f"<th class='oomkit-num' style='{NUMBER_STYLE}'>{escape(h)}</th>" if num else f"<th>{escape(h)}</th>"
+        for h, num in zip(header, numeric, strict=True)
     )
-    return f"<table style='border-collapse:collapse;font-family:monospace'>{cap}<tr>{head}</tr>{body}</table>"
+    body = "".join("<tr>" + "".join(cell(c) for c in r) + "</tr>" for r in rows)
+    cap = f"<caption>{escape(title)}</caption>" if title else ""
+    return f"{STYLE}<table class='oomkit-table'>{cap}<tr>{head}</tr>{body}</table>"
 
 
 class Markup(str):
@@ -55,7 +134,9 @@ class Markup(str):
 
 
 def badge(status: str) -> Markup:
+    """``status`` as white text on its colour (contrast >= 4.5:1 whatever the theme)."""
     color = COLORS.get(status, COLORS["none"])
     return Markup(
-        f"<span style='background:{color};color:white;padding:0 6px;border-radius:3px'>{escape(status)}</span>"
+        f"<span style='background:{color};color:#ffffff;padding:0 6px;border-radius:3px;white-space:nowrap'>"
+        f"{escape(status)}</span>"
     )

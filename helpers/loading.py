@@ -51,7 +51,7 @@ from .gpu_split import (
     split_plan,
     unquantized_note,
 )
-from .html import table
+from .html import colored, table
 from .memory import MemorySnapshot, allocated
 from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
 from .reducers import use_kv_cache
@@ -784,7 +784,7 @@ class LoadReport:
         for n in self.notes:
             html += f"<div style='font-family:monospace'>{escape(n)}</div>"
         for w in self.warnings:
-            html += f"<div style='font-family:monospace;color:#b06000'>&#9888; {escape(w)}</div>"
+            html += f"<div style='font-family:monospace'>{colored('⚠ ' + w, 'warn')}</div>"
         return html
 
 

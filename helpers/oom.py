@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from .cuda_errors import BrokenContext, broken_context
 from .oom_diagnosis import CAUSES as CAUSES
 from .oom_diagnosis import OOMReport, explain_oom, largest_tensors
 from .oom_messages import OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text
@@ -78,19 +79,57 @@ def main(argv: list[str] | None = None) -> int:
 # Notebook integration: show the diagnosis under a short traceback and give the memory back
 # ---------------------------------------------------------------------------------------------
 
-_INSTALLED: dict = {}
+_INSTALLED: dict = {}  # id(shell) -> (the custom exceptions and handler there before install)
 
 
 def _handler(shell, etype, value, tb, tb_offset=None):
-    """IPython custom exception handler: OOMs get a diagnosis and their memory back; others the usual traceback."""
-    if not is_oom(value):
-        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
-        return None
+    """IPython custom exception handler: a broken CUDA context gets "restart", an OOM a diagnosis and its
+    memory back, a user's own handler what it registered for, anything else the usual traceback.
+
+    It never raises: IPython unregisters a handler that does, and the safety net would be gone for
+    the rest of the session; a failure inside it shows the original traceback instead."""
+    try:
+        if broken_context(value) is not None:
+            return _show_broken(shell, etype, value, tb, tb_offset)
+        if is_oom(value):
+            return _show_oom(shell, etype, value, tb)
+        previous_types, previous = _INSTALLED.get(id(shell), ((), None))
+        if previous is not None and previous_types and isinstance(value, previous_types):
+            return previous(etype, value, tb, tb_offset)  # the user's own handler, chained
+    except Exception as e:  # noqa: BLE001 - the net must stay installed whatever fails in it
+        print(
+            f"[oomkit] the OOM handler failed ({type(e).__name__}: {e}); the plain traceback follows", file=sys.stderr
+        )
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    return None
+
+
+def _show_card(shell, card) -> None:
+    """The card as HTML in a notebook front end (its text where there is none)."""
+    if getattr(shell, "kernel", None) is None:
+        return
+    from IPython.display import display
+
+    display({"text/html": card._repr_html_(), "text/plain": str(card)}, raw=True)
+
+
+def _show_broken(shell, etype, value, tb, tb_offset):
+    """A CUDA error that breaks the context: say restart, and touch no GPU memory (any CUDA call fails now)."""
+    from .session import in_colab
+
+    card = BrokenContext(broken_context(value), str(value), colab=in_colab())
+    _show_card(shell, card)
+    short = traceback.format_exception(etype, value, tb, limit=-3)
+    in_text = getattr(shell, "kernel", None) is None
+    shell._showtraceback(etype, value, ["".join(short).rstrip(), *(["", str(card)] if in_text else [card.lines()[1]])])
+
+
+def _show_oom(shell, etype, value, tb):
     from .reclaim import cleanup, clear_exception_frames, counters
 
     before = counters()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
-    report = explain_oom(value)
+    report = explain_oom(value, namespace=shell.user_ns)
     # the traceback's frames keep every tensor the failed code created, and so do the frames of an
     # earlier OOM this one was raised while handling (a retry): clear them all, then collect
     traceback.clear_frames(tb)
@@ -105,15 +144,21 @@ def _handler(shell, etype, value, tb, tb_offset=None):
         + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
         + f" ({freed.objects_collected} objects collected)"
     )
-    stb = ["".join(short).rstrip(), "", str(report), "", readout]
+    _show_card(shell, report)
+    in_text = getattr(shell, "kernel", None) is None
+    first_fix = f"First fix: {report.fixes[0]}" if report.fixes else ""
+    stb = ["".join(short).rstrip(), "", str(report) if in_text else first_fix, "", readout]
     shell._showtraceback(etype, value, stb)  # shown as the cell's error, so "run all" still stops here
     return None
 
 
 def install(shell=None) -> bool:
-    """Show a diagnosis for every OOM in this notebook and free what its traceback pins.
+    """Show a diagnosis for every OOM in this notebook and free what its traceback pins; answer a CUDA
+    error that breaks the context with "restart" and what survives it.
 
-    Returns False outside IPython. ``uninstall()`` restores the previous handler.
+    A custom exception handler already there (the user's own) keeps working: its exceptions still go
+    to it, and only OOMs and broken CUDA contexts are answered here first. Returns False outside
+    IPython. ``uninstall()`` restores the previous handler.
     """
     if shell is None:
         try:
@@ -124,8 +169,11 @@ def install(shell=None) -> bool:
     if shell is None:
         return False
     if id(shell) not in _INSTALLED:
-        _INSTALLED[id(shell)] = (shell.custom_exceptions, shell.CustomTB)
-    shell.set_custom_exc((torch.OutOfMemoryError, MemoryError, RuntimeError), _handler)
+        theirs = shell.CustomTB if shell.custom_exceptions else None
+        _INSTALLED[id(shell)] = (tuple(shell.custom_exceptions), theirs)
+    previous_types = _INSTALLED[id(shell)][0]
+    ours = (torch.OutOfMemoryError, MemoryError, RuntimeError)
+    shell.set_custom_exc(ours + tuple(t for t in previous_types if t not in ours), _handler)
     return True
 
 
@@ -137,7 +185,11 @@ def uninstall(shell=None) -> bool:
         shell = get_ipython()
     if shell is None or id(shell) not in _INSTALLED:
         return False
-    shell.custom_exceptions, shell.CustomTB = _INSTALLED.pop(id(shell))
+    types_, theirs = _INSTALLED.pop(id(shell))
+    if theirs is None:
+        shell.set_custom_exc((), None)
+    else:
+        shell.custom_exceptions, shell.CustomTB = types_, theirs
     return True
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import estimator, tensors
+from .knobs import knob_fixes
 from .oom_causes import CAUSES
 from .oom_messages import is_oom_text, parse_message
 from .runtime import ALLOC_CONF, EXPANDABLE, cuda_initialized, needs_restart_for
@@ -402,7 +403,9 @@ def _traceback_names(tb) -> dict[int, str]:
     return names
 
 
-def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None, memory_estimate=None) -> OOMReport:
+def explain_oom(
+    error_or_text: BaseException | str, *, live: bool | None = None, memory_estimate=None, namespace: dict | None = None
+) -> OOMReport:
     """Explain an out-of-memory error or message: what ran out, why, and the fixes in order.
 
     Args:
@@ -416,6 +419,9 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
         memory_estimate: the ``estimate(...)`` of what was running, if at hand: when the cause is the
             steady state, the estimator's fixes for the memory this process had (re-estimated, ranked)
             follow the general ones.
+        namespace: a notebook's variables; where they hold a knob (:mod:`helpers.knobs`: ``MAX_NEW_TOKENS``,
+            ``BATCH_SIZE``, ``LOAD``...), the fixes for the steady state name it with a value to try, first.
+            Default: the notebook's own when given a live exception, none for a text.
 
     Only the last OOM message of a long log is read (found with plain ``str.rfind``s, then a bounded
     window is parsed), so a diagnosis takes milliseconds whatever the input.
@@ -451,7 +457,11 @@ def explain_oom(error_or_text: BaseException | str, *, live: bool | None = None,
         moved["other_gpu_room"] = _move_fixes(f, other_gpus, len(snap.gpus))
     if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
         moved["fragmentation"] = _fragmentation_fixes()
+    if exc is not None and namespace is None:
+        namespace = user_namespace()
+    named = knob_fixes(namespace or {}) if {"steady_state", "request_too_large"} & set(causes) else []
     report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
+    report.fixes = named + [x for x in report.fixes if x not in named]
     report.other_gpus = other_gpus
     report.notes = _notes(f, others, pid)
     if snap is not None:

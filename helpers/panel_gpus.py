@@ -15,7 +15,7 @@ from html import escape
 from typing import Any
 
 from .devices import DEVICE_SETS, DEVICES, resolve_device, resolve_devices
-from .html import COLORS
+from .html import STYLE, color_attrs
 from .panel_state import SEGMENTS, PanelState, stacked_bar
 from .placement import DevicePlan, DeviceShare
 from .units import format_bytes
@@ -219,13 +219,12 @@ class SplitState(PanelState):
 
     def verdict_html(self) -> str:
         word, rest = self._head()
-        color = COLORS[VERDICT_STATUS[self.verdict]]
         fix = f"<div class='oomkit-suggestion'>Top fix: <b>{escape(str(self.fix))}</b></div>" if self.fix else ""
         notes = "".join(f"<div class='oomkit-note'>note: {escape(n)}</div>" for n in self.notes())
         return (
             f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
             f"data-gpus='{len(self.placement.gpus)}' style='font-family:monospace'>"
-            f"<b style='color:{color}'>{escape(word)}</b> {escape(rest)}{fix}{notes}</div>"
+            f"{STYLE}<b {color_attrs(VERDICT_STATUS[self.verdict])}>{escape(word)}</b> {escape(rest)}{fix}{notes}</div>"
         )
 
     def bar_html(self, width: int = 420) -> str:
@@ -242,8 +241,8 @@ class SplitState(PanelState):
             bars.append(stacked_bar(_share_parts(s), s.total, s.capacity, v, caption, width=width, attrs=attrs))
         left = [s for s in self.placement.shares if not isinstance(s.device, int)]
         bars += [
-            f"<div class='oomkit-left-over' style='font-family:monospace;color:{COLORS['fail']}'>"
-            f"{escape(_left_over(s, ranges))}</div>"
+            f"<div class='oomkit-left-over' style='font-family:monospace'><span {color_attrs('fail')}>"
+            f"{escape(_left_over(s, ranges))}</span></div>"
             for s in left
         ]
         return f"<div class='oomkit-gpus'>{''.join(bars)}</div>"
@@ -299,10 +298,10 @@ class FirstGpuState(PanelState):
         return f"{self.verdict.upper()} {self._rest()}"
 
     def verdict_html(self) -> str:
-        color = COLORS[VERDICT_STATUS[self.verdict]]
         return (
             f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' data-gpus='1' "
-            f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b> "
+            f"style='font-family:monospace'>{STYLE}<b {color_attrs(VERDICT_STATUS[self.verdict])}>"
+            f"{escape(self.verdict.upper())}</b> "
             f"{escape(self._rest())}</div>"
         )
 

@@ -11,7 +11,7 @@ from html import escape
 from typing import Any
 
 from .estimator import MemoryEstimate, Suggestion, fit
-from .html import COLORS
+from .html import LEVEL_FILLS, STYLE, color_attrs
 from .units import format_bytes
 from .vocab import FITS, VERDICT_STATUS, verdict
 
@@ -31,7 +31,8 @@ def stacked_bar(
 ) -> str:  # fmt: skip
     """A bar of ``parts`` (label, bytes, opacity) against ``capacity``, its legend and ``caption`` (HTML: the
     caller escapes what it puts there); ``attrs`` goes into the outer ``div`` (a class, data attributes)."""
-    color = COLORS[VERDICT_STATUS[verdict_]]
+    status = VERDICT_STATUS[verdict_]
+    color = LEVEL_FILLS["warn" if status == "warn" else "fail" if status == "fail" else "ok"]
     scale = max(capacity, total) or 1
     spans, legend = [], []
     for label, nbytes, alpha in parts:
@@ -47,12 +48,12 @@ def stacked_bar(
         )
     cap_mark = 100 * capacity / scale
     return (
-        f"<div{attrs} style='font-family:monospace'>"
+        f"{STYLE}<div{attrs} style='font-family:monospace'>"
         f"<div style='position:relative;width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
         f"overflow:hidden'>{''.join(spans)}"
         f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
         "</span></div>"
-        f"<div style='color:{color}'>{' &nbsp; '.join(legend)}</div>"
+        f"<div {color_attrs(status)}>{' &nbsp; '.join(legend)}</div>"
         f"<div>{caption}</div></div>"
     )
 
@@ -130,7 +131,6 @@ class PanelState:
         return []
 
     def verdict_html(self) -> str:
-        color = COLORS[VERDICT_STATUS[self.verdict]]
         fix = ""
         if self.suggestion is not None:
             fix = (
@@ -141,7 +141,8 @@ class PanelState:
             fix += f"<div class='oomkit-alternative'>{escape(str(self.alternative))}</div>"
         return (
             f"<div class='oomkit-verdict-text' data-verdict='{escape(self.verdict)}' "
-            f"style='font-family:monospace'><b style='color:{color}'>{escape(self.verdict.upper())}</b>: "
+            f"style='font-family:monospace'>{STYLE}<b {color_attrs(VERDICT_STATUS[self.verdict])}>"
+            f"{escape(self.verdict.upper())}</b>: "
             f"{format_bytes(self.estimate.total)} of {format_bytes(self.capacity)}{self._on(html=True)} "
             f"(headroom {format_bytes(self.headroom)}){fix}</div>"
         )

@@ -42,13 +42,14 @@ from .devices import (
 from .errors import OomkitError
 from .estimator import FRAGMENTATION, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
+from .fits_view import FitsCell, FitsRow, ModelFits
 from .html import Markup, table
 from .units import format_bytes, parse_bytes
-from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype, verdict
+from .vocab import DTYPE_BYTES, FITS, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype, verdict
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
-    "reference_configs", "FitsTable", "fits_table", "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
+    "reference_configs", "FitsTable", "ModelFits", "fits_table", "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
     "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES",
 ]  # fmt: skip
 
@@ -696,13 +697,52 @@ class FitsTable:
         return table(["model", "load", *self.machines], self.rows(), title=title)
 
 
-def fits_table(loads=("fp16", "int8", "nf4"), machines: dict | None = None, **plan_kwargs) -> FitsTable:
-    """What fits a T4, Kaggle's 2×T4, an L4 and an A100 for Llama 2 7B/13B/70B in each load mode (no offload)."""
+def fits_table(
+    model: Any = None, *, tokens: int = 768, loads=None, machines: dict | None = None, batch_size: int = 1,
+    **plan_kwargs,
+) -> FitsTable | ModelFits:  # fmt: skip
+    """What fits where. Without ``model``: Llama 2 7B/13B/70B in fp16, int8 and nf4 on a T4, Kaggle's 2×T4, an
+    L4 and an A100 40/80 GB (no offload): the README's table. With ``model`` (hub id, shipped config name,
+    folder or config): every load mode's weights, KV cache at ``tokens`` per sequence and total, and the
+    verdict on each of those machines and on this GPU (when there is one), as :class:`ModelFits`."""
     machines = FITS_DEVICES if machines is None else machines
-    configs = reference_configs()
-    cells = {}
-    for model, config in configs.items():
-        for load in loads:
-            for label, devs in machines.items():
-                cells[(model, load, label)] = plan_devices(config, load=load, devices=devs, **plan_kwargs)
-    return FitsTable(list(configs), list(loads), list(machines), cells)
+    if model is None:
+        loads = ("fp16", "int8", "nf4") if loads is None else loads
+        configs = reference_configs()
+        cells = {}
+        for name, config in configs.items():
+            for load in loads:
+                for label, devs in machines.items():
+                    cells[(name, load, label)] = plan_devices(config, load=load, devices=devs, **plan_kwargs)
+        return FitsTable(list(configs), list(loads), list(machines), cells)
+    return _model_fits(model, tokens, LOAD_MODES if loads is None else loads, machines, batch_size, plan_kwargs)
+
+
+def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int, plan_kwargs: dict) -> ModelFits:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise PlacementError(f"tokens is the sequence length to plan for (prompt + answer), at least 2; got {tokens!r}")
+    machines = dict(machines)
+    if torch.cuda.is_available():
+        machines["this GPU"] = "current"
+    new = max(1, tokens // 3)  # as estimate()'s defaults split 768: 512 prompt + 256 generated
+    shape = dict(batch_size=batch_size, prompt_tokens=tokens - new, max_new_tokens=new)
+    config, _, _ = resolve_config(model)
+    rows = []
+    for load in loads:
+        est = estimate(config, load=load, device=None, **shape)
+        row = FitsRow(load, est.weights, est.group_bytes("kv_cache"), est.total)
+        for label, devs in machines.items():
+            try:
+                plan = plan_devices(config, load=load, devices=devs, **shape, **plan_kwargs)
+            except (OomkitError, ValueError) as e:
+                row.cells[label] = FitsCell("n/a", why=str(e))
+                continue
+            if not plan.fits:
+                row.cells[label] = FitsCell("no")
+                continue
+            fullest = max(plan.gpus, key=lambda s: s.total / s.capacity)
+            share = fullest.total / fullest.capacity
+            row.cells[label] = FitsCell("fits" if verdict(fullest.total, fullest.capacity) == FITS else "tight", share)
+        rows.append(row)
+    name = model if isinstance(model, str) else getattr(config, "_name_or_path", None) or type(model).__name__
+    return ModelFits(str(name), tokens, batch_size, list(machines), rows)

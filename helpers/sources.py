@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from .session import in_colab
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
     "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
-    "weight_files", "hub_weight_files",
+    "weight_files", "hub_weight_files", "mount_drive", "DriveMount",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -84,6 +85,48 @@ def persistent_path(name: str | Path, *, default_dir: str | Path = ".") -> Path:
     if in_colab() and DRIVE.exists():
         return DRIVE / "oomkit" / name
     return Path(default_dir) / name
+
+
+_DRIVE_ANSWERS: dict[str, str] = {}  # mount point -> why it was not mounted, once asked in this session
+
+
+@dataclass
+class DriveMount:
+    """Whether Google Drive is mounted, and where files that must outlive the runtime go."""
+
+    mounted: bool
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def mount_drive(mount_point: str = "/content/drive", *, ask_again: bool = False) -> DriveMount:
+    """Mount Google Drive in Colab, asking once per session; a refused or closed pop-up is not an error.
+
+    Outside Colab, or once mounted, nothing is asked. When the pop-up is refused or closed (Colab
+    raises ``MessageError``) the notebook goes on without Drive and the message says where files go
+    instead; rerunning the cell does not ask again unless ``ask_again``.
+    """
+    here = f"files go to {Path.cwd()}"
+    if not in_colab():
+        return DriveMount(False, f"not in Colab: {here}")
+    if Path(mount_point, "MyDrive").exists():
+        return DriveMount(True, f"Google Drive is mounted: results and checkpoints go to {mount_point}/MyDrive/oomkit")
+    if mount_point in _DRIVE_ANSWERS and not ask_again:
+        return DriveMount(False, _DRIVE_ANSWERS[mount_point])
+    try:
+        from google.colab import drive
+
+        drive.mount(mount_point)
+    except Exception as e:  # noqa: BLE001 - MessageError (refused, closed, timed out) and whatever else Colab raises
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        _DRIVE_ANSWERS[mount_point] = (
+            f"Google Drive is not mounted ({why}); going on without it: {here}, deleted with the runtime. "
+            "To keep them, rerun with mount_drive(ask_again=True) and allow access"
+        )
+        return DriveMount(False, _DRIVE_ANSWERS[mount_point])
+    return DriveMount(True, f"Google Drive is mounted: results and checkpoints go to {mount_point}/MyDrive/oomkit")
 
 
 def looks_like_path(model: str) -> bool:

@@ -36,6 +36,7 @@ from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
 from .gpu_split import spill_fix, spill_why, stays_on_first  # load()'s rule for GPU 0 alone
+from .knobs import KNOBS, register_control
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
 from .oom_messages import is_oom
@@ -162,6 +163,9 @@ class Panel:
         self.plan_for(self._values)  # a bad starting value fails here, before any widget exists
         use = widgets_available() if widgets is None else widgets
         self.controls: dict[str, Any] | None = self._build() if use and _ipywidgets() is not None else None
+        for control in self.CONTROLS if self.controls is not None else ():
+            if control.key in KNOBS:  # an OOM's fixes name the control that sets the knob
+                register_control(control.key, f"the {self.TITLE}'s {control.description} {control.kind}")
         self.state = self.refresh()
 
     @property

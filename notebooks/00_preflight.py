@@ -28,13 +28,24 @@
 # problem it finds. Nothing is downloaded except (for a hub id) the model's small `config.json`.
 
 # %%
-# Install oomkit (in Colab only; locally the package is already installed by `make`).
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -43,9 +54,11 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
-LOAD = "auto"  # auto, fp16, bf16, fp32, int8, nf4, fp4
-MAX_NEW_TOKENS = 256
+# hub id or local path
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
+# auto, fp16, bf16, fp32, int8, nf4, fp4
+LOAD = "auto"  # @param {type:"string"}
+MAX_NEW_TOKENS = 256  # @param {type:"integer"}
 
 # %%
 # %load_ext helpers
@@ -95,6 +108,18 @@ else:
     est = estimate(MODEL, load=fit_line.data.get("load", "nf4"), max_new_tokens=MAX_NEW_TOKENS)
     display(est)
     display(fit(est, "current" if snap.gpu else "t4"))  # no GPU here: judged against a Colab T4
+
+# %% [markdown]
+# ## What fits where
+# Every load mode of this model: weights, KV cache at 512 prompt tokens plus `MAX_NEW_TOKENS`, the
+# total, and whether it fits a T4, Kaggle's 2×T4, an L4, an A100 40/80 GB and this GPU (estimated;
+# `python -m helpers fits MODEL` prints the same table in a terminal).
+
+# %%
+from helpers import fits_table
+
+if fit_line is not None:  # the same config the estimate read
+    display(fits_table(MODEL, tokens=512 + MAX_NEW_TOKENS))
 
 # %% [markdown]
 # The same report as text, to paste into a bug report or a forum question:

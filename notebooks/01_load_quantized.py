@@ -29,13 +29,24 @@
 # unload, with a readout proving the memory came back.
 
 # %%
-# Install oomkit (in Colab only; locally the package is already installed by `make`).
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -44,13 +55,17 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path
-LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
-DOUBLE_QUANT = True  # 4-bit only: quantize the quantization scales too
-MAX_NEW_TOKENS = 256
-BATCH_SIZE = 4
-PROMPT_TOKENS = 512
-DEVICE = "current"  # "current" (this GPU), or a preset such as "t4" to plan for another machine
+# hub id or local path
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
+# fp16, bf16, fp32, int8, nf4, fp4
+LOAD = "nf4"  # @param {type:"string"}
+# 4-bit only: quantize the quantization scales too
+DOUBLE_QUANT = True  # @param {type:"boolean"}
+MAX_NEW_TOKENS = 256  # @param {type:"integer"}
+BATCH_SIZE = 4  # @param {type:"integer"}
+PROMPT_TOKENS = 512  # @param {type:"integer"}
+# "current" (this GPU), or a preset such as "t4" to plan for another machine
+DEVICE = "current"  # @param {type:"raw"}
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain in two sentences what a KV cache is.",

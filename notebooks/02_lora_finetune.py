@@ -34,13 +34,24 @@
 # reload check -> cleanup.
 
 # %%
-# Install oomkit (in Colab only; locally the package is already installed by `make`).
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -49,23 +60,37 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # hub id or local path of the base model
-LOAD = "nf4"  # nf4 for QLoRA; fp16/bf16 for plain LoRA (needs far more memory)
-SEQ_LEN = 256  # tokens per example; the GIS examples are short
-BATCH_SIZE = 16  # effective batch: micro-batch x gradient accumulation
-MICRO_BATCH = None  # None: measured, up to BATCH_SIZE; or the most to try (a divisor of BATCH_SIZE)
-R = 16  # LoRA rank
-ALPHA = 32  # LoRA scale
-MAX_STEPS = 60
-SAVE_STEPS = 10  # a disconnect loses at most this many steps
-LEARNING_RATE = 2e-4
-DATA = None  # None: the shipped GIS instructions (shipped in the package), or your own JSONL path
-OUTPUT_DIR = "auto"  # "auto": Google Drive when mounted in Colab, else runs/lora-<model>
-MOUNT_DRIVE = True  # Colab: keep checkpoints on Drive so they survive a disconnect
-FRESH = False  # True: start over instead of resuming (old checkpoints are renamed previous-checkpoint-N, kept)
-DEVICE = "t4"  # what to plan for: a preset ("t4", "a100-40"), or "current"
-MAX_NEW_TOKENS = 64
-MERGE = False  # also fold the adapter into the base weights at the end
+# hub id or local path of the base model
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
+# nf4 for QLoRA; fp16/bf16 for plain LoRA (needs far more memory)
+LOAD = "nf4"  # @param {type:"string"}
+# tokens per example; the GIS examples are short
+SEQ_LEN = 256  # @param {type:"integer"}
+# effective batch: micro-batch x gradient accumulation
+BATCH_SIZE = 16  # @param {type:"integer"}
+# None: measured, up to BATCH_SIZE; or the most to try (a divisor of BATCH_SIZE)
+MICRO_BATCH = None  # @param {type:"raw"}
+# LoRA rank
+R = 16  # @param {type:"integer"}
+# LoRA scale
+ALPHA = 32  # @param {type:"integer"}
+MAX_STEPS = 60  # @param {type:"integer"}
+# a disconnect loses at most this many steps
+SAVE_STEPS = 10  # @param {type:"integer"}
+LEARNING_RATE = 2e-4  # @param {type:"number"}
+# None: the shipped GIS instructions (shipped in the package), or your own JSONL path
+DATA = None  # @param {type:"raw"}
+# "auto": Google Drive when mounted in Colab, else runs/lora-<model>
+OUTPUT_DIR = "auto"  # @param {type:"string"}
+# Colab: keep checkpoints on Drive so they survive a disconnect
+MOUNT_DRIVE = True  # @param {type:"boolean"}
+# True: start over instead of resuming (old checkpoints are renamed previous-checkpoint-N, kept)
+FRESH = False  # @param {type:"boolean"}
+# what to plan for: a preset ("t4", "a100-40"), or "current"
+DEVICE = "t4"  # @param {type:"string"}
+MAX_NEW_TOKENS = 64  # @param {type:"integer"}
+# also fold the adapter into the base weights at the end
+MERGE = False  # @param {type:"boolean"}
 
 # %% [markdown]
 # ## 1. Preflight
@@ -75,16 +100,14 @@ MERGE = False  # also fold the adapter into the base weights at the end
 # %load_ext helpers
 from IPython.display import display
 
-from helpers import preflight, snapshot
+from helpers import mount_drive, preflight, snapshot
 
-if MOUNT_DRIVE and "google.colab" in sys.modules:
-    from google.colab import drive
-
-    drive.mount("/content/drive")
 start = snapshot()
 report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
 display(report)
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
+if MOUNT_DRIVE:  # Colab: asked once; a refused or closed pop-up goes on without Drive and says where files go
+    print(mount_drive())
 
 # %% [markdown]
 # ## 2. Plan and estimate
@@ -167,8 +190,10 @@ micro
 
 # %% [markdown]
 # ## 7. Train, with memory watched
-# `MemoryMonitor` samples GPU allocated/reserved, the driver's view and RAM twice a second in a
-# thread and warns (naming the largest tensors) past 90 % of the card. `MemoryCallback` adds
+# While it trains, one output updates in place: step/total, ETA, loss, tokens/s and GPU memory
+# against the card (text lines when run headless); afterwards one line says the peak reserved, its
+# share of the card and the wall time (`result.progress`). `MemoryMonitor` samples GPU
+# allocated/reserved, the driver's view and RAM twice a second in a thread and warns (naming the largest tensors) past 90 % of the card. `MemoryCallback` adds
 # allocated, reserved, peak since the last log and RAM to every log line and says so if memory
 # keeps growing between logs (a leak). Checkpoints every `SAVE_STEPS` steps hold the adapter,
 # optimizer, scheduler and RNG state: **if the runtime disconnects, rerun the notebook** and this

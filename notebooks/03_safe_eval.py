@@ -27,16 +27,27 @@
 # samples, and stop at the first OOM: slow, and a crash at sample 480 of 500 loses all 480.
 # `safe_generate` runs as fast as memory allows, adapts when memory runs short, and writes every
 # finished sample to disk at once. Steps: load with a plan -> look at the prompts -> evaluate, get
-# interrupted halfway -> resume -> report, plot and a check that every prompt is there exactly once.
+# interrupted halfway in the demo -> resume -> report, plot and a check that every prompt is there exactly once.
 
 # %%
-# Install oomkit (in Colab only; locally `make` has done it). The eval prompts ship inside the package.
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -45,16 +56,25 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # hub id or local path
-LOAD = "nf4"  # fp16, bf16, fp32, int8, nf4, fp4
-PROMPTS_FILE = None  # None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
-RESULTS = "eval_results.jsonl"  # a name goes to MyDrive/oomkit/ in Colab (MOUNT_DRIVE): survives a reset
-MOUNT_DRIVE = True  # Colab: mount Google Drive so the results file outlives the runtime
-MAX_NEW_TOKENS = 64
-BATCH_SIZE = "auto"  # "auto": start where an earlier run learned, else the estimate; or a starting int
-SCORE = "contains"  # "exact_match", "contains", or a function(output, reference) -> float
-INTERRUPT_AFTER = 20  # demo: start over, then simulate Stop after this many samples (None: a real run that resumes)
-SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
+# hub id or local path
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # @param {type:"string"}
+# fp16, bf16, fp32, int8, nf4, fp4
+LOAD = "nf4"  # @param {type:"string"}
+# None: the prompts shipped with oomkit; or a JSONL path, {"id", "prompt", "reference"} per line
+PROMPTS_FILE = None  # @param {type:"raw"}
+# a name goes to MyDrive/oomkit/ in Colab (MOUNT_DRIVE): survives a reset
+RESULTS = "eval_results.jsonl"  # @param {type:"string"}
+# Colab: mount Google Drive so the results file outlives the runtime
+MOUNT_DRIVE = True  # @param {type:"boolean"}
+MAX_NEW_TOKENS = 64  # @param {type:"integer"}
+# "auto": start where an earlier run learned, else the estimate; or a starting int
+BATCH_SIZE = "auto"  # @param {type:"raw"}
+# "exact_match", "contains", or a function(output, reference) -> float
+SCORE = "contains"  # @param {type:"raw"}
+# None: a real run that resumes after a disconnect; a number: the demo, Stop after that many
+INTERRUPT_AFTER = None  # @param {type:"raw"}
+# batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
+SIMULATED_BUDGET = None  # @param {type:"raw"}
 
 # %% [markdown]
 # ## Why batches of similar length, and why adaptive
@@ -86,12 +106,10 @@ SIMULATED_BUDGET = None  # batch x tokens: make a CPU run behave like a small GP
 
 # %%
 # %load_ext helpers
-from helpers import LoadPanel, persistent_path, snapshot
+from helpers import LoadPanel, mount_drive, persistent_path, snapshot
 
-if MOUNT_DRIVE and "google.colab" in sys.modules:
-    from google.colab import drive
-
-    drive.mount("/content/drive")
+if MOUNT_DRIVE:  # Colab: asked once; a refused or closed pop-up goes on without Drive and says where files go
+    print(mount_drive())
 RESULTS = persistent_path(RESULTS)  # MyDrive/oomkit/ when Drive is mounted: results survive a runtime reset
 print(f"results go to {RESULTS}")
 
@@ -123,12 +141,14 @@ print(f"{len(prompts)} prompts, {lengths[0]} to {lengths[-1]} tokens (median {le
 prompts[0]
 
 # %% [markdown]
-# ## 3. Evaluate, and get interrupted halfway
-# `on_result` is called after each sample is on disk; here it raises `KeyboardInterrupt` after
+# ## 3. Evaluate (in the demo, interrupted halfway)
+# By default this is a real run: it resumes from the results file, so re-running the cell after a
+# disconnect continues where the file stopped. The demo (`INTERRUPT_AFTER = 20`) shows what Stop
+# does: `on_result` is called after each sample is on disk, and raises `KeyboardInterrupt` after
 # `INTERRUPT_AFTER` samples, exactly what pressing Stop does. A batch is written whole before its
 # samples are reported, so the file may hold a few more than were reported: the rest of that batch.
 # (A crashed or reset runtime is the same story: the file keeps every finished line, and a line torn
-# mid-write is repaired on resume.) With `INTERRUPT_AFTER` set (this demo) the cell starts the file
+# mid-write is repaired on resume.) With `INTERRUPT_AFTER` set (the demo) the cell starts the file
 # over: the earlier results are moved to `<file>.<time>.bak` beside it, never deleted. With `None` (a
 # real run) it resumes, so re-running it after a disconnect continues where the file stopped. The
 # first batch's first answer is printed as it is generated (`stream=True`).

@@ -33,13 +33,24 @@
 # - `leak_checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
 
 # %%
-# Install oomkit (in Colab only; locally the package is already installed by `make`).
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -48,10 +59,12 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "Qwen/Qwen2.5-0.5B"  # hub id or local path; a small model is enough to see leaks
-STEPS = 25  # steps per experiment: growth is caught within about 15
-BATCH = 2
-SEQ = 64
+# hub id or local path; a small model is enough to see leaks
+MODEL = "Qwen/Qwen2.5-0.5B"  # @param {type:"string"}
+# steps per experiment: growth is caught within about 15
+STEPS = 25  # @param {type:"integer"}
+BATCH = 2  # @param {type:"integer"}
+SEQ = 64  # @param {type:"integer"}
 
 # %% [markdown]
 # `%load_ext helpers` adds one line after every cell: GPU allocated change and peak (or, without a

@@ -36,13 +36,24 @@
 # plan your model -> load with the plan -> DDP QLoRA on every GPU -> cleanup.
 
 # %%
-# Install oomkit (in Colab only; locally the package is already installed by `make`).
+# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
 import sys
 
-from IPython import get_ipython
-
-if "google.colab" in sys.modules:  # never reinstalls Colab's torch: oomkit accepts the one installed
-    get_ipython().run_line_magic("pip", 'install -q "oomkit @ git+https://github.com/oomkit/oomkit"')
+if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+    try:
+        importlib.metadata.version("oomkit")
+    except importlib.metadata.PackageNotFoundError:  # never reinstalls the runtime's torch: oomkit accepts it
+        pip = [sys.executable, "-m", "pip", "install", "-q", "oomkit @ git+https://github.com/oomkit/oomkit"]
+        if (done := subprocess.run(pip, capture_output=True, text=True)).returncode:
+            raise RuntimeError(f"installing oomkit failed:\n{done.stderr[-3000:]}") from None
+        importlib.invalidate_caches()  # a new package imports in this kernel at once
+if (spec := importlib.util.find_spec("helpers")) and not str(spec.origin).endswith(os.path.join("helpers", "__init__.py")):
+    raise ImportError(f"{spec.origin} shadows oomkit's package `helpers`: rename or move it, then rerun this cell")
 
 from helpers import configure_allocator, gpu_notice  # noqa: E402
 
@@ -51,17 +62,24 @@ if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
 # %% tags=["parameters"]
-MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # the model to load and fine-tune (hub id or local path)
-LOAD = "nf4"  # nf4 (QLoRA), int8, fp16
-DEVICES = "kaggle-2xt4"  # what to plan for: "current" (this machine), "kaggle-2xt4", ["t4", "t4"], {0: bytes, ...}
-BIG_MODEL = "Llama-2-13b"  # the 13B-class model planned in section 3 (planning only: nothing is downloaded)
-CPU_RAM = 29 * 2**30  # RAM offered to offloaded layers (Kaggle: ~29 GiB; Colab free: ~12 GiB)
-FAKE_GPU_BYTES = None  # without a GPU: bytes of each pretend GPU for section 5 (None: 90 % of the weights + 1 GiB)
-DDP_PROCESSES = 2  # one per GPU (on a CPU: processes joined by gloo)
-DDP_STEPS = 30
-SEQ_LEN = 256
-LEARNING_RATE = 2e-4
-OUTPUT_DIR = "runs/05_multi_gpu"
+# the model to load and fine-tune (hub id or local path)
+MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
+# nf4 (QLoRA), int8, fp16
+LOAD = "nf4"  # @param {type:"string"}
+# what to plan for: "current" (this machine), "kaggle-2xt4", ["t4", "t4"], {0: bytes, ...}
+DEVICES = "kaggle-2xt4"  # @param {type:"raw"}
+# the 13B-class model planned in section 3 (planning only: nothing is downloaded)
+BIG_MODEL = "Llama-2-13b"  # @param {type:"string"}
+# RAM offered to offloaded layers (Kaggle: ~29 GiB; Colab free: ~12 GiB)
+CPU_RAM = 29 * 2**30  # @param {type:"raw"}
+# without a GPU: bytes of each pretend GPU for section 5 (None: 90 % of the weights + 1 GiB)
+FAKE_GPU_BYTES = None  # @param {type:"raw"}
+# one per GPU (on a CPU: processes joined by gloo)
+DDP_PROCESSES = 2  # @param {type:"integer"}
+DDP_STEPS = 30  # @param {type:"integer"}
+SEQ_LEN = 256  # @param {type:"integer"}
+LEARNING_RATE = 2e-4  # @param {type:"number"}
+OUTPUT_DIR = "runs/05_multi_gpu"  # @param {type:"string"}
 
 # %% [markdown]
 # ## 1. Preflight of every card
@@ -71,6 +89,8 @@ OUTPUT_DIR = "runs/05_multi_gpu"
 
 # %%
 # %load_ext helpers
+from IPython.display import display
+
 from helpers import format_bytes, preflight
 from helpers.devices import resolve_devices
 
@@ -79,7 +99,9 @@ for label, dev in gpus:
     print(f"GPU {label}: {format_bytes(dev['capacity'])}, bf16 {'yes' if dev['bf16'] else 'no'}")
 if not gpus:
     print("no GPU here: every plan below is for the devices named, on the meta device (nothing is loaded)")
-preflight(MODEL, load=LOAD, max_new_tokens=64)
+report = preflight(MODEL, load=LOAD, max_new_tokens=64)
+display(report)
+report.raise_for_failures()  # "Run all" stops here (a 7B on a CPU runtime: before any download), with the fix
 
 # %% [markdown]
 # ## 2. What fits where

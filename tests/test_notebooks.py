@@ -35,7 +35,7 @@ def test_notebook_is_stored_clean_and_paired(path):
     assert path.with_suffix(".py").exists(), "pair it with a py:percent script (make sync-notebooks)"
     assert "parameters" in code[1].get("metadata", {}).get("tags", []), "second cell is the parameters cell"
     first = "".join(code[0]["source"])
-    assert 'run_line_magic("pip", \'install -q "oomkit' in first, "first cell installs oomkit in Colab"
+    assert '"pip", "install", "-q", "oomkit @ git+' in first, "first cell installs oomkit in Colab and Kaggle"
     compile(path.with_suffix(".py").read_text(), str(path.with_suffix(".py")), "exec")  # the pair is plain Python
     import jupytext
 

@@ -43,7 +43,11 @@ def _run(tmp_path: Path):
 def _text(cell) -> str:
     out = []
     for o in cell.outputs:
-        out += o.get("traceback", []) + [o.get("text", ""), o.get("evalue", "")]
+        out += o.get("traceback", []) + [
+            o.get("text", ""),
+            o.get("evalue", ""),
+            o.get("data", {}).get("text/plain", ""),
+        ]
     return "\n".join(out)
 
 
@@ -54,7 +58,9 @@ def test_handler_in_real_kernel_frees_what_the_traceback_pinned(tmp_path):
     assert error, "the OOM must still show as the cell's error (so Run all stops there)"
     text = _text(oom)
     assert "DefaultCPUAllocator" in text  # the short traceback
-    assert "Cause: system RAM, not GPU memory, ran out" in text  # the diagnosis under it
+    assert "Cause: system RAM, not GPU memory, ran out" in text  # the diagnosis above it
+    cards = [o.data["text/html"] for o in oom.outputs if o.output_type == "display_data"]
+    assert cards and "<ol>" in cards[0] and "What the message says" in cards[0]  # the HTML card, in the cell
     assert "Released what the traceback pinned" in text  # the readout
     after = _text(nb.cells[3])
     assert "FREED True" in after  # the 256 MiB tensor the traceback pinned is gone

@@ -1,0 +1,88 @@
+"""The one stylesheet: labels left, numbers right and unwrapped, every text colour readable (WCAG AA,
+4.5:1) on white and on JupyterLab's dark backgrounds, badges readable whatever the theme."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers.html import (
+    COLORS,
+    DARK_BACKGROUNDS,
+    LIGHT_BACKGROUND,
+    STYLE,
+    TEXT_COLORS,
+    badge,
+    colored,
+    contrast_ratio,
+    is_number,
+    table,
+)
+
+AA = 4.5
+
+
+def test_contrast_ratio_matches_wcag_reference_values():
+    assert contrast_ratio("#000000", "#ffffff") == pytest.approx(21.0)
+    assert contrast_ratio("#ffffff", "#ffffff") == pytest.approx(1.0)
+    assert contrast_ratio("#fbbc04", "#ffffff") == pytest.approx(1.71, abs=0.01)  # the old amber: unreadable
+
+
+@pytest.mark.parametrize("status", sorted(TEXT_COLORS))
+def test_each_text_colour_is_readable_in_both_themes(status):
+    light, dark = TEXT_COLORS[status]
+    assert contrast_ratio(light, LIGHT_BACKGROUND) >= AA, (status, light)
+    for background in DARK_BACKGROUNDS:
+        assert contrast_ratio(dark, background) >= AA, (status, dark, background)
+    assert f"{{color:{dark} !important}}" in STYLE  # the dark theme switches to it
+
+
+@pytest.mark.parametrize("status", sorted(COLORS))
+def test_white_text_on_each_badge_is_readable(status):
+    assert contrast_ratio("#ffffff", COLORS[status]) >= AA
+    assert "color:#ffffff" in badge(status)
+
+
+def test_no_module_colours_text_outside_the_palette():
+    """Every ``color:#...`` (text, not background) written in helpers/ is a tested light-theme colour."""
+    allowed = {light for light, _ in TEXT_COLORS.values()} | {"#ffffff"}
+    found = set()
+    for path in (Path(__file__).resolve().parents[1] / "helpers").rglob("*.py"):
+        found |= {m.lower() for m in re.findall(r"(?<![-\w])color:\s*(#[0-9a-fA-F]{6})", path.read_text("utf-8"))}
+    assert found - allowed == set()
+
+
+def test_tight_is_readable_amber_in_the_panel_verdict():
+    html = colored("TIGHT", "tight")
+    assert "class='oomkit-tight'" in html and "color:#8a5a00" in html
+    assert contrast_ratio("#8a5a00", LIGHT_BACKGROUND) >= AA
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [("1.63 MiB", True), ("-120.00 MiB", True), ("12 / 60", True), ("[4096, 4096]", True), ("(1, 2)", True),
+     ("0:07", True), ("95%", True), ("13.48 GiB of 15.00 GiB", True), ("fits", False), ("weights", False),
+     ("n/a", False), ("", False), ("4 layers", False), ("nf4", False)],
+)  # fmt: skip
+def test_what_reads_as_a_number(text, number):
+    assert is_number(text) is number
+
+
+def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
+    html = table(["", "bytes", "note"], [["weights", "3.50 GiB", "4-bit"], ["kv cache", "1.63 MiB", "<b>x</b>"]])
+    assert html.startswith(STYLE) and "class='oomkit-table'" in html
+    assert "<th class='oomkit-num' style='text-align:right;white-space:nowrap'>bytes</th>" in html
+    assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>1.63 MiB</td>" in html
+    assert "<td>weights</td>" in html and "<th>note</th>" in html
+    assert "&lt;b&gt;x&lt;/b&gt;" in html  # outside text stays escaped
+
+
+def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
+    from helpers.estimator import estimate
+
+    html = estimate(str(tiny_llama), load="fp16", max_new_tokens=64)._repr_html_()
+    figures = re.findall(r"<td class='oomkit-num'[^>]*>([^<]*)</td>", html)
+    assert figures and all(re.search(r"\d", f) for f in figures)
+    assert "nowrap" in html
