@@ -20,6 +20,7 @@ import filecmp
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 import warnings
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .arguments import flag, number, whole_number
 from .attention import keep_attention_fused
 from .batch_size import find_max_batch_size
 from .checkpoint_proof import prove
@@ -137,14 +139,16 @@ class TrainPlan:
     logging_steps: int = 5
 
     def __post_init__(self):
-        if not str(self.model or "").strip():
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
             raise FinetuneError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
         if self.load not in LOAD_MODES:
             raise FinetuneError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
-        if isinstance(self.targets, str) and self.targets != "all-linear":
+        if isinstance(self.targets, str) and self.targets not in ("all-linear", ""):
             self.targets = [self.targets]  # one module name; list("q_proj") would be its letters
         self._check_numbers()
+        if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir).strip():
+            raise FinetuneError(f"TrainPlan.output_dir must be a folder path or 'auto', got {self.output_dir!r}")
         if (
             self.output_dir != "auto"
             and Path(self.output_dir).expanduser().exists()
@@ -174,13 +178,21 @@ class TrainPlan:
 
     def _check_numbers(self) -> None:
         for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise FinetuneError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
+            whole_number(f"TrainPlan.{name}", getattr(self, name), error=FinetuneError)
         for name in ("micro_batch", "max_steps", "save_total_limit", "warmup_steps", "seed"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise FinetuneError(f"TrainPlan.{name} must be a whole number, got {v!r}")
+            whole_number(f"TrainPlan.{name}", getattr(self, name), minimum=0, none_ok=name == "micro_batch",
+                         error=FinetuneError)  # fmt: skip
+        for name in ("double_quant", "packing", "gradient_checkpointing"):
+            flag(f"TrainPlan.{name}", getattr(self, name), error=FinetuneError)
+        number("TrainPlan.alpha", self.alpha, low=0, low_open=True, error=FinetuneError)
+        targets = self.targets
+        if targets != "all-linear" and (
+            not isinstance(targets, list | tuple) or not targets or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise FinetuneError(
+                f"TrainPlan.targets must be 'all-linear' or a list of module names such as ['q_proj', 'v_proj'], "
+                f"got {targets!r}"
+            )
         for name in ("epochs", "learning_rate", "dropout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float):
@@ -382,6 +394,22 @@ class TrainableParams:
         )
 
 
+def need_model(model: Any, fn: str) -> None:
+    """Refuse anything but a loaded model, naming the function and what it got."""
+    if not isinstance(model, torch.nn.Module):
+        raise FinetuneError(f"{fn}() needs the model load() returned, got {model!r:.60}")
+
+
+def need_plan(plan: Any, fn: str) -> None:
+    if not isinstance(plan, TrainPlan):
+        raise FinetuneError(f"{fn}() needs a TrainPlan, got {plan!r:.60}: e.g. TrainPlan('org/name')")
+
+
+def need_tokenizer(tokenizer: Any, fn: str) -> None:
+    if not callable(tokenizer) or not hasattr(tokenizer, "encode"):
+        raise FinetuneError(f"{fn}() needs the tokenizer load() returned, got {tokenizer!r:.60}")
+
+
 def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     """Make a loaded (usually 4-bit) model trainable with LoRA.
 
@@ -394,6 +422,8 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     Returns:
         ``(peft_model, TrainableParams)``.
     """
+    need_model(model, "prepare_qlora")
+    need_plan(plan, "prepare_qlora")
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     if hasattr(model, "peft_config"):
@@ -465,6 +495,8 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
         path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
             default the shipped ``helpers/data/instructions.jsonl`` (``heldout_prompts.jsonl`` with ``heldout``).
     """
+    if path is not None and not isinstance(path, str | os.PathLike):
+        raise FinetuneError(f"load_instructions() takes a JSONL file path (or None: the shipped one), got {path!r:.60}")
     path = Path(path) if path is not None else data_path("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
     if not path.exists():
         raise FileNotFoundError(
@@ -505,6 +537,10 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
                 f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}"
             )
         rows.append(row)
+    if not rows:
+        raise FinetuneError(
+            f'{path} holds no rows; every line must be one {{"instruction": ..., "response": ...}} object'
+        )
     return rows
 
 
@@ -538,6 +574,11 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
+    need_tokenizer(tokenizer, "build_dataset")
+    if not isinstance(rows, list | tuple):
+        raise FinetuneError(
+            f"rows must be a list of {{'instruction', 'response'}} dicts (load_instructions()), got {rows!r:.60}"
+        )
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise FinetuneError(f"seq_len must be a whole number of tokens >= 1 (e.g. plan.seq_len), got {seq_len!r}")
     missing = [
@@ -596,6 +637,9 @@ def answer(
         raise TypeError(
             f"instructions must be a list of strings, got one string ({instructions[:40]!r}): pass [instruction]"
         )
+    if not isinstance(instructions, list | tuple) or not all(isinstance(q, str) for q in instructions):
+        raise TypeError(f"instructions must be a list of strings, got {instructions!r:.60}")
+    need_tokenizer(tokenizer, "answer")
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             progress=False, add_special_tokens=False, do_sample=False, use_cache=True,
@@ -646,6 +690,9 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     down to a divisor of the effective batch, so micro-batch x accumulation is exactly the batch
     asked for. Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
+    need_model(model, "find_micro_batch")
+    need_plan(plan, "find_micro_batch")
+    number("margin", margin, low=0, high=1, low_open=True, error=FinetuneError)
 
     vocab = model.get_input_embeddings().num_embeddings
     device = next(p for p in model.parameters()).device
@@ -863,6 +910,11 @@ def train(
     ``resume=False`` starts over: the folder's ``checkpoint-N`` are renamed ``previous-checkpoint-N``
     first (kept; listed in ``TrainResult.set_aside``), so a later resume continues this run, not theirs.
     """
+    need_model(model, "train")
+    need_plan(plan, "train")
+    need_tokenizer(tokenizer, "train")
+    if not isinstance(dataset, list | tuple) or not dataset or not all(isinstance(e, dict) for e in dataset):
+        raise FinetuneError(f"dataset must be build_dataset()'s non-empty list of examples, got {dataset!r:.60}")
     keep_4bit_layout(model)
     trainer, stamp = _trainer_and_stamp(model, tokenizer, plan, dataset, callbacks, argument_overrides)
     out = Path(trainer.args.output_dir)
@@ -1050,4 +1102,9 @@ def merge_adapter(model):
     With a 4-bit base the merged weights are quantized again, which rounds them: outputs shift a
     little. For the exact merge, load the base in fp16/bf16, attach the adapter, then merge.
     """
+    if not callable(getattr(model, "merge_and_unload", None)):
+        raise FinetuneError(
+            f"merge_adapter() folds a LoRA adapter into its base; {type(model).__name__} has none: pass the model "
+            "prepare_qlora() returned, or one loaded with LoadPlan(adapter=...)"
+        )
     return model.merge_and_unload()

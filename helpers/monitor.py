@@ -17,6 +17,7 @@ import bisect
 import csv
 import io
 import math
+import numbers
 import operator
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from .arguments import ArgumentError, flag, whole_number
 from .memory import nvml_handle, reset_peak_allocated
 from .units import MiB, format_bytes
 
@@ -172,6 +174,7 @@ class MemoryMonitor:
                 f"capacity is a positive number of bytes (e.g. 15 * helpers.units.GiB) or None for "
                 f"the GPU's total memory, got {capacity!r}"
             )
+        _check_settings(device, top, warn, max_samples)
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
         self.devices: tuple[int, ...] = _watched(device) if self.cuda else ()
@@ -518,6 +521,8 @@ class _MemoryCallback:
     ) -> None:
         from .leaks import GrowthDetector
 
+        if monitor is not None and not isinstance(monitor, MemoryMonitor):
+            raise ArgumentError(f"monitor must be a MemoryMonitor (or None), got {monitor!r:.60}")
         self.monitor = monitor
         self.cuda = torch.cuda.is_available()
         # every visible card, not the monitor's: a monitor may watch another card than the one training
@@ -593,6 +598,20 @@ def __getattr__(name: str):
         globals()["MemoryCallback"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_settings(device, top, warn, max_samples) -> None:
+    """MemoryMonitor's other arguments, checked on every machine (a CPU-only one ignores ``device``)."""
+    whole_number("top (largest tensors to name)", top, minimum=0)
+    flag("warn", warn)
+    whole_number("max_samples", max_samples)
+    for d in device if isinstance(device, list | tuple) else [device]:
+        if d is not None and (
+            isinstance(d, bool)
+            or not isinstance(d, numbers.Integral | str | torch.device)
+            or (isinstance(d, numbers.Integral) and d < 0)
+        ):
+            raise ArgumentError(f"device={d!r}: pass a GPU index such as 0 or 'cuda:1', a list of them, or None")
 
 
 def _watched(device) -> tuple[int, ...]:

@@ -59,6 +59,8 @@ def is_oom(exc: BaseException) -> bool:
     """
     if isinstance(exc, str):
         return is_oom_text(exc)
+    if exc is not None and not isinstance(exc, BaseException):
+        raise TypeError(f"is_oom() takes an exception (or its message text), got {type(exc).__name__} {exc!r:.60}")
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

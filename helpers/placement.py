@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import torch
 
+from .arguments import flag, number
 from .compat import supported_kwargs
 from .devices import (
     CUBLAS_WORKSPACE,
@@ -456,6 +457,9 @@ def plan_devices(
         raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
     if strategy not in DEVICE_MAP_STRATEGIES:
         raise PlacementError(f"unknown strategy {strategy!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)}")
+    flag("cpu_offload", cpu_offload, error=PlacementError)
+    flag("disk_offload", disk_offload, error=PlacementError)
+    number("cpu_memory (bytes)", cpu_memory, low=0, none_ok=True, error=PlacementError)
     config, name, _ = resolve_config(model)
     gpus = resolve_devices(devices)
     cd = _compute_dtype(load, compute_dtype, gpus)
@@ -696,9 +700,31 @@ class FitsTable:
         return table(["model", "load", *self.machines], self.rows(), title=title)
 
 
+def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
+    taken = {"model", "load", "devices"} & set(plan_kwargs)
+    if taken:
+        raise PlacementError(
+            f"fits_table() sets {', '.join(sorted(taken))} itself (the Llama 2 sizes, each load, each machine); "
+            "use plan_devices(model, load=..., devices=...) for one model"
+        )
+    if (
+        isinstance(loads, str)
+        or not isinstance(loads, list | tuple)
+        or not loads
+        or any(m not in LOAD_MODES for m in loads)
+    ):
+        raise PlacementError(f"loads must be a list of load modes from {', '.join(LOAD_MODES)}, got {loads!r:.60}")
+    if not isinstance(machines, dict) or not machines:
+        raise PlacementError(
+            f"machines must be a dict of label -> devices such as {{'T4': 't4', '2xT4': ['t4', 't4']}}, got "
+            f"{machines!r:.60}"
+        )
+
+
 def fits_table(loads=("fp16", "int8", "nf4"), machines: dict | None = None, **plan_kwargs) -> FitsTable:
     """What fits a T4, Kaggle's 2×T4, an L4 and an A100 for Llama 2 7B/13B/70B in each load mode (no offload)."""
     machines = FITS_DEVICES if machines is None else machines
+    _check_table(loads, machines, plan_kwargs)
     configs = reference_configs()
     cells = {}
     for model, config in configs.items():

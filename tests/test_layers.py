@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
-    {"units", "errors"},
+    {"units", "errors", "arguments"},
     {"html", "vocab", "prompts", "results_file", "scoring", "oom_causes", "oom_messages", "fingerprint"},
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime", "attention"},
