@@ -58,7 +58,7 @@ from .vocab import LOAD_MODES, QUANTIZED, DtypeError, dtype_name, supports_bf16
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
-    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
+    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "TrainingData", "DatasetWarning", "collate", "find_micro_batch",
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
     "CheckpointWarning", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash",
 ]  # fmt: skip
@@ -553,27 +553,77 @@ def prompt_text(tokenizer, instruction: str) -> str:
     return (tokenizer.bos_token or "") + FALLBACK_TEMPLATE.format(instruction=instruction)
 
 
-def format_example(tokenizer, instruction: str, response: str, seq_len: int) -> dict | None:
-    """Token ids and labels for one example; labels are ``-100`` on the prompt so only the answer trains.
-
-    Returns ``None`` when truncation to ``seq_len`` would leave no answer token.
-    """
+def _token_ids(tokenizer, instruction: str, response: str) -> tuple[list[int], list[int]]:
+    """The prompt's and the answer's token ids (the answer ends with the end-of-sequence token)."""
     prompt = tokenizer(prompt_text(tokenizer, instruction), add_special_tokens=False)["input_ids"]
     answer = tokenizer(response + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
+    return prompt, answer
+
+
+def format_example(tokenizer, instruction: str, response: str, seq_len: int, *, keep_eos: bool = True) -> dict | None:
+    """Token ids and labels for one example; labels are ``-100`` on the prompt so only the answer trains.
+
+    An answer cut at ``seq_len`` ends with the end-of-sequence token when ``keep_eos`` (its last kept
+    token is replaced), so the example still teaches the model to stop. Returns ``None`` when
+    truncation to ``seq_len`` would leave no answer token.
+    """
+    prompt, answer = _token_ids(tokenizer, instruction, response)
+    return _example(tokenizer, prompt, answer, seq_len, keep_eos)
+
+
+def _example(tokenizer, prompt: list[int], answer: list[int], seq_len: int, keep_eos: bool) -> dict | None:
     ids = (prompt + answer)[:seq_len]
     if len(prompt) >= len(ids):
         return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if keep_eos and len(prompt) + len(answer) > seq_len and eos is not None:
+        ids[-1] = eos
     labels = [IGNORE] * len(prompt) + ids[len(prompt) :]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
-def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False) -> list[dict]:
-    """Tokenized examples; rows whose answer would be cut off are dropped.
+CUT_ANSWERS = ("keep_eos", "drop")
+
+
+class DatasetWarning(UserWarning):
+    """``build_dataset`` cut answers or dropped rows at this ``seq_len``."""
+
+
+class TrainingData(list):
+    """``build_dataset``'s examples (a list), with what ``seq_len`` cost: ``rows`` given, ``cut`` answers
+    cut short (ending in the end-of-sequence token, or dropped with ``cut_answers='drop'``), ``dropped``
+    rows (no answer token left, or cut and dropped)."""
+
+    def __init__(self, examples: list[dict], *, rows: int, cut: int, dropped: int, seq_len: int, cut_answers: str):
+        super().__init__(examples)
+        self.rows, self.cut, self.dropped, self.seq_len, self.cut_answers = rows, cut, dropped, seq_len, cut_answers
+
+    def summary(self) -> str:
+        """One line: rows kept, answers cut, rows dropped at this seq_len."""
+        what = "each ending in the end-of-sequence token" if self.cut_answers == "keep_eos" else "dropped"
+        lost = ". Raise seq_len to keep them whole" if self.cut or self.dropped else ""
+        return (
+            f"seq_len={self.seq_len}: {self.rows - self.dropped} of {self.rows} rows kept; {self.cut} answers cut "
+            f"short ({what}); {self.dropped} rows dropped{lost}"
+        )
+
+
+def build_dataset(
+    tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False, cut_answers: str = "keep_eos"
+) -> TrainingData:
+    """Tokenized examples, one per row (or packed), as a :class:`TrainingData` list that counts what
+    ``seq_len`` cost (``.cut``, ``.dropped``, ``.summary()``; a :class:`DatasetWarning` says so when any).
+
+    A row longer than ``seq_len`` is truncated, so its answer is cut short: ``cut_answers="keep_eos"``
+    (default) keeps it, ending in the end-of-sequence token so it still teaches where to stop; ``"drop"``
+    drops it. A row whose prompt alone fills ``seq_len`` has no answer token to learn and is dropped.
 
     Args:
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
+    if cut_answers not in CUT_ANSWERS:
+        raise FinetuneError(f"cut_answers={cut_answers!r}: use 'keep_eos' (cut answers end in EOS) or 'drop'")
     need_tokenizer(tokenizer, "build_dataset")
     if not isinstance(rows, list | tuple):
         raise FinetuneError(
@@ -594,22 +644,33 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
             f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
             f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()"
         )
-    out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
-    kept = [e for e in out if e is not None]
+    kept, cut, dropped = [], 0, 0
+    for r in rows:
+        prompt, answer = _token_ids(tokenizer, r["instruction"], r["response"])
+        example = _example(tokenizer, prompt, answer, seq_len, keep_eos=True)
+        is_cut = example is not None and len(prompt) + len(answer) > seq_len
+        cut += is_cut
+        if example is None or (is_cut and cut_answers == "drop"):
+            dropped += 1
+        else:
+            kept.append(example)
     if not kept:
         raise FinetuneError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
-    if not packing:
-        return kept
-    ids = [t for e in kept for t in e["input_ids"]]
-    labels = [t for e in kept for t in e["labels"]]
-    return [
-        {
-            "input_ids": ids[i : i + seq_len],
-            "attention_mask": [1] * len(ids[i : i + seq_len]),
-            "labels": labels[i : i + seq_len],
-        }
-        for i in range(0, len(ids) - seq_len + 1, seq_len)
-    ]
+    if packing:
+        ids = [t for e in kept for t in e["input_ids"]]
+        labels = [t for e in kept for t in e["labels"]]
+        kept = [
+            {
+                "input_ids": ids[i : i + seq_len],
+                "attention_mask": [1] * len(ids[i : i + seq_len]),
+                "labels": labels[i : i + seq_len],
+            }
+            for i in range(0, len(ids) - seq_len + 1, seq_len)
+        ]
+    data = TrainingData(kept, rows=len(rows), cut=cut, dropped=dropped, seq_len=seq_len, cut_answers=cut_answers)
+    if cut or dropped:
+        warnings.warn(data.summary(), DatasetWarning, stacklevel=2)
+    return data
 
 
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
