@@ -19,7 +19,7 @@ import torch
 
 from .oom_diagnosis import CAUSES as CAUSES
 from .oom_diagnosis import OOMReport, explain_oom, largest_tensors
-from .oom_messages import OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text
+from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text, oom_in
 from .units import format_bytes
 
 __all__ = [
@@ -82,15 +82,38 @@ _INSTALLED: dict = {}
 
 
 def _handler(shell, etype, value, tb, tb_offset=None):
-    """IPython custom exception handler: OOMs get a diagnosis and their memory back; others the usual traceback."""
-    if not is_oom(value):
-        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    """IPython custom exception handler: OOMs get a diagnosis and their memory back; others go to the
+    handler that was there before (a user's own), else the usual traceback.
+
+    It never raises: IPython unregisters a custom handler that raises once, for the rest of the session,
+    so a failure here (an exception whose ``__str__`` raises, say) falls back to a plain traceback."""
+    try:
+        oom = oom_in(value)
+        if oom is None:
+            return _not_an_oom(shell, etype, value, tb, tb_offset)
+        return _diagnose(shell, etype, value, tb, oom)
+    except Exception as failure:  # noqa: BLE001 - see the docstring
+        try:
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        except Exception:  # noqa: BLE001 - even the traceback cannot be shown: say what little is known
+            print(f"{etype.__name__} (its message could not be shown: {type(failure).__name__})", file=sys.stderr)
         return None
+
+
+def _not_an_oom(shell, etype, value, tb, tb_offset):
+    previous = _INSTALLED.get(id(shell))
+    if previous is not None and previous[0] and issubclass(etype, previous[0]):
+        return previous[1](etype, value, tb, tb_offset=tb_offset)  # the user's own handler keeps its types
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    return None
+
+
+def _diagnose(shell, etype, value, tb, oom: BaseException):
     from .reclaim import cleanup, clear_exception_frames, counters
 
     before = counters()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
-    report = explain_oom(value)
+    report = explain_oom(oom)
     # the traceback's frames keep every tensor the failed code created, and so do the frames of an
     # earlier OOM this one was raised while handling (a retry): clear them all, then collect
     traceback.clear_frames(tb)
@@ -125,7 +148,9 @@ def install(shell=None) -> bool:
         return False
     if id(shell) not in _INSTALLED:
         _INSTALLED[id(shell)] = (shell.custom_exceptions, shell.CustomTB)
-    shell.set_custom_exc((torch.OutOfMemoryError, MemoryError, RuntimeError), _handler)
+    previous = tuple(_INSTALLED[id(shell)][0] or ())
+    ours = (torch.OutOfMemoryError, MemoryError, RuntimeError, *EXCEPTION_GROUPS)
+    shell.set_custom_exc(tuple(dict.fromkeys(ours + previous)), _handler)
     return True
 
 
