@@ -199,6 +199,10 @@ class MemoryMonitor:
         self._proc = psutil.Process()
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
+        # readouts that raised in the thread (a transient NVML or /proc error): counted, the thread goes on;
+        # after MAX_READ_FAILURES in a row it stops and says why (``stopped_by``), never silently
+        self.read_errors: list[str] = []
+        self.stopped_by: str | None = None
         self._thread: threading.Thread | None = None
         self._above: dict[int | None, bool] = {}  # per card (None: the RAM): warned, not yet back below
         self._check_lock = threading.Lock()  # the thread and mark() both sample: one crossing, one warning
@@ -306,8 +310,21 @@ class MemoryMonitor:
             self._above[device] = False
 
     def _run(self) -> None:
+        in_a_row = 0
         while not self._stop.wait(self.interval):
-            self.sample()
+            try:
+                self.sample()
+                in_a_row = 0
+            except Exception as e:  # noqa: BLE001 - one failed readout must not end the monitoring
+                in_a_row += 1
+                self.read_errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                if in_a_row >= MAX_READ_FAILURES:
+                    self.stopped_by = (
+                        f"sampling stopped after {in_a_row} failed readouts in a row ({self.read_errors[-1]})"
+                    )
+                    if self.warn:
+                        warnings.warn(f"MemoryMonitor: {self.stopped_by}", MemoryWarning, stacklevel=1)
+                    return
 
     def start(self) -> MemoryMonitor:
         """Start the sampling thread (a no-op when it runs already)."""
@@ -472,7 +489,12 @@ class MemoryMonitor:
         elif self.cuda:
             head += f"allocated {format_bytes(p['allocated'])}, reserved {format_bytes(p['reserved'])}, "
         head += f"process RSS {format_bytes(p['process_rss'])}, RAM in use {format_bytes(p['ram_used'])}"
-        return "\n".join([head, *(str(c) for c in self.crossings)])
+        problems = []
+        if self.read_errors:
+            problems.append(f"{len(self.read_errors)} readouts failed (last: {self.read_errors[-1]})")
+        if self.stopped_by:
+            problems.append(f"the sampling thread {self.stopped_by}; later figures are missing")
+        return "\n".join([head, *problems, *(str(c) for c in self.crossings)])
 
     __repr__ = __str__
 
@@ -598,6 +620,9 @@ def __getattr__(name: str):
         globals()["MemoryCallback"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+MAX_READ_FAILURES = 5  # failed readouts in a row before the sampling thread gives up (and says so)
 
 
 def _check_settings(device, top, warn, max_samples) -> None:
