@@ -1129,14 +1129,24 @@ def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
     """Save only the LoRA adapter (and the tokenizer when given), not the base model's weights."""
     if not hasattr(model, "peft_config"):
         raise TypeError("save_adapter needs the PEFT model returned by prepare_qlora (it has the adapter)")
+    if not isinstance(path, str | os.PathLike) or not str(path).strip():
+        raise FinetuneError(f"save_adapter() takes a folder path, got {path!r:.60}")
     path = Path(path)
     # written beside, then swapped in: a crash mid-save leaves the old adapter whole, and a different
     # one (another run's, FRESH=True) is moved aside instead of overwritten
     staging = path.with_name(path.name + ".saving")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+    except OSError as e:  # a read-only folder, a full disk: nothing half-written is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise AdapterSaveError(
+            f"could not save the adapter to {path} ({type(e).__name__}: {e.strerror or e}); nothing was written "
+            f"and {'the adapter already there is untouched' if path.exists() else 'no folder was left'}. Save to a "
+            "writable folder with free space (df -h shows it), e.g. save_adapter(model, '/content/adapter')"
+        ) from None
     previous = None
     if path.exists():
         if _same_files(path, staging):
@@ -1147,6 +1157,10 @@ def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
     staging.rename(path)
     files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
     return AdapterReport(path, files, previous)
+
+
+class AdapterSaveError(FinetuneError, OSError):
+    """``save_adapter`` could not write (a read-only folder, a full disk); nothing half-written is left."""
 
 
 def _same_files(a: Path, b: Path) -> bool:
