@@ -66,6 +66,7 @@ from .sources import (
     memory_mapped,
     nearest_existing,
     read_json,
+    shipped_config,
 )
 from .units import format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, torch_dtype
@@ -1049,6 +1050,7 @@ def _with_adapter(model, adapter: str | None, base_bytes: int):
         return model, 0
     from peft import PeftModel
 
+    _check_adapter_base(model, adapter)
     with warnings.catch_warnings():
         # peft still calls transformers' old name (is_gradient_checkpointing): same feature
         warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
@@ -1062,6 +1064,39 @@ def _with_adapter(model, adapter: str | None, base_bytes: int):
                 "load the base model the adapter was trained on, or train an adapter for this one",
             ) from None
     return model, footprint(model) - base_bytes
+
+
+# the config fields that tell one base model from another (an adapter is tied to its base's shapes and words)
+BASE_IDENTITY = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _check_adapter_base(model, adapter: str) -> None:
+    """Refuse an adapter whose adapter_config.json names a base model (a local folder or a shipped config)
+    that differs from ``model`` in architecture or size: its weights would load silently where shapes match
+    (a qwen2 adapter on a llama) and mean nothing."""
+    base = _adapter_base(adapter)
+    if not base:
+        return
+    folder = Path(base).expanduser()
+    source = folder / "config.json" if (folder / "config.json").is_file() else shipped_config(base)
+    if source is None:
+        return  # a hub id not at hand: its config cannot be compared offline
+    try:
+        base_config = read_json(source, "config.json")
+    except SourceError:
+        return
+    ours = model.config.to_dict() if hasattr(model, "config") else {}
+    differ = [
+        f"{k} {base_config[k]!r} (adapter's base) vs {ours[k]!r} (this model)"
+        for k in BASE_IDENTITY
+        if k in base_config and k in ours and base_config[k] != ours[k]
+    ]
+    if differ:
+        raise LoadError(
+            f"Adapter {adapter} was trained on {base!r}, another base model: {'; '.join(differ)}",
+            f"load {base!r} (the base the adapter was trained on) with adapter={adapter!r}, or train an adapter "
+            "for this model",
+        )
 
 
 def _adapter_base(adapter: str) -> str | None:
