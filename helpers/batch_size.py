@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .arguments import MAX_COUNT, flag
 from .errors import OomkitError
 from .retry import attempt
 
@@ -182,6 +183,14 @@ def _check_sizes(start: Any, limit: Any) -> None:
         raise ValueError(f"start must be a positive whole batch size, got {start!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
         raise ValueError(f"limit must be a positive whole batch size or None, got {limit!r}")
+    for name, value in (("start", start), ("limit", limit)):
+        if value is not None and value > MAX_COUNT:
+            raise ValueError(f"{name} must be a batch size <= {MAX_COUNT:,} (larger is a typo), got {value!r}")
+
+
+def _check_fraction(name: str, value: Any, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1] ({example}), got {value!r}")
 
 
 def find_max_batch_size(
@@ -263,14 +272,12 @@ def _check_search(step: Any, start: Any, limit: Any, margin: Any, key: Any, grow
             "e.g. find_max_batch_size(lambda b: model(batch[:b]).loss.backward())"
         )
     _check_sizes(start, limit)
-    if not 0 < margin <= 1:
-        raise ValueError(f"margin is the share of the largest working size to use, in (0, 1]; got {margin}")
+    _check_fraction("margin", margin, "the share of the largest working size to use, e.g. 0.9")
     if isinstance(growth, bool) or not isinstance(growth, numbers.Integral) or growth < 2:
         raise ValueError(
             f"growth must be a whole number >= 2 (the factor the size grows by while nothing failed), got {growth!r}"
         )
-    if not isinstance(tolerance, numbers.Real) or not 0 < tolerance <= 1:
-        raise ValueError(f"tolerance must be in (0, 1] (e.g. 0.92: stop within 8 % of the limit), got {tolerance!r}")
+    _check_fraction("tolerance", tolerance, "e.g. 0.92: stop within 8 % of the limit")
     if key is not None:
         try:
             hash(key)
@@ -421,6 +428,8 @@ def adaptive_batch(start: int = 128, *, limit: int | None = None, tolerance: flo
     if callable(start):  # @adaptive_batch without parentheses: decorate with the defaults
         return adaptive_batch()(start)
     _check_sizes(start, limit)
+    _check_fraction("tolerance", tolerance, "e.g. 0.92: stop probing within 8 % of the failing size")
+    flag("grow", grow)
 
     def decorate(fn):
         state = _AdaptiveState(start, limit, tolerance, grow)

@@ -69,8 +69,12 @@ def preflight_main(argv: list[str] | None = None) -> int:
         parser.error("--batch and --prompt-tokens must be >= 1")
     if args.load not in ("auto", *LOAD_MODES):
         parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
-    report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                       prompt_tokens=args.prompt_tokens)  # fmt: skip
+    try:
+        report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                           prompt_tokens=args.prompt_tokens)  # fmt: skip
+    except ValueError as e:  # oomkit's refusals of an argument (ArgumentError is a ValueError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 
@@ -98,7 +102,10 @@ def _parse_lora(text: str) -> LoraTraining:
         if k in ("r", "alpha", "seq_len", "micro_batch", "lora_dropout"):
             continue
         if k == "gradient_checkpointing":
-            kw[k] = v.lower() in ("1", "true", "yes", "on")
+            word = v.strip().lower()
+            if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise EstimateError(f"--lora gradient_checkpointing={v!r}: use true or false")
+            kw[k] = word in ("1", "true", "yes", "on")
         elif k == "targets":
             kw[k] = v if v == "all-linear" else v.split("+")
         else:
@@ -133,6 +140,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
                 device = parse_bytes(device)
             except ValueError:
                 pass  # _device() explains the valid names
+        if args.lora is not None and args.full:
+            raise EstimateError("--lora and --full each estimate one kind of training step: pass one of them")
         training = _parse_lora(args.lora) if args.lora is not None else (FullTraining() if args.full else None)
         est = estimate(args.model, load=args.load, double_quant=not args.no_double_quant,
                        compute_dtype=args.compute_dtype, batch_size=args.batch, prompt_tokens=args.prompt_tokens,

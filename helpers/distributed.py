@@ -38,6 +38,7 @@ from typing import Any
 import psutil
 import torch
 
+from .arguments import flag
 from .devices import resolve_device
 from .errors import OomkitError
 from .estimator import FullTraining, LoraTraining, estimate, resolve_config
@@ -182,6 +183,9 @@ def training_memory(
         raise DistributedError("strategy='single' runs on one GPU; use 'ddp', 'zero2', 'zero3' or 'fsdp' for more")
     if optimizer not in OPTIMIZER_K:
         raise DistributedError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_K)}")
+    for name, value in (("qlora", qlora), ("mixed_precision", mixed_precision),
+                        ("quant_storage_sharded", quant_storage_sharded)):  # fmt: skip
+        flag(name, value, error=DistributedError)
     config, name, _ = resolve_config(model)
     _, dev = resolve_device(device) if device is not None else (None, None)
     shard, n = STRATEGIES[strategy], world_size
@@ -283,6 +287,10 @@ def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "au
     """
     from accelerate import debug_launcher, notebook_launcher
 
+    if not callable(function):
+        raise DistributedError(f"launch() runs a function on each process, got {function!r:.60}")
+    if not isinstance(args, tuple | list):
+        raise DistributedError(f"args must be a tuple of the function's arguments, got {args!r:.60}")
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
     if via not in ("auto", "notebook", "debug", "subprocess"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .arguments import ArgumentError, flag, whole_number
 from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
@@ -29,11 +31,12 @@ from .memory import GPUReadout, MemorySnapshot
 from .memory import snapshot as take_snapshot
 from .placement import PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized, plan_devices
 from .session import in_colab
-from .sources import checkpoint_size, hub_offline_reason, looks_like_path
+from .sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
 from .units import GiB, MiB, format_bytes
 from .vocab import (
     DOES_NOT_FIT,
     FITS,
+    LOAD_MODES,
     QUANTIZED,
     STATUS_ORDER,
     TIGHT,
@@ -300,6 +303,10 @@ def _unreadable_model(model: Any, error: Exception) -> Check:
     id that cannot be checked because this machine is offline only warns."""
     name = str(model)
     offline = None if Path(name).expanduser().exists() or looks_like_path(name) else hub_offline_reason()
+    typo = closest_shipped(name) if offline and shipped_config(name) is None else None
+    if typo is not None:
+        return Check("model", "fail", f"{name!r} is not a model oomkit knows offline ({offline}); did you mean "
+                     f"{typo!r}?", f"pass {typo!r}, or go online once if {name!r} is right")  # fmt: skip
     if offline:
         return Check("model", "warn", f"cannot check {name!r} while offline ({offline}): {error}",
                      "Go online once, or pass a local folder with config.json")  # fmt: skip
@@ -617,6 +624,31 @@ def _pid() -> int:
     return os.getpid()
 
 
+def _check_arguments(model: Any, load: Any, max_new_tokens: Any, batch_size: Any, prompt_tokens: Any) -> None:
+    """Refuse a plan preflight cannot check (naming the argument and the value) before any check runs."""
+    for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("batch_size", batch_size, 1),
+                               ("prompt_tokens", prompt_tokens, 1)):  # fmt: skip
+        whole_number(name, value, minimum=least)
+    if model is not None and (not isinstance(model, str | os.PathLike) or not str(model).strip()):
+        raise ArgumentError(f"model must be a hub id such as 'org/name', a local folder, or None; got {model!r}")
+    if load not in ("auto", *LOAD_MODES):
+        raise ArgumentError(f"unknown load mode {load!r}; use auto, {', '.join(LOAD_MODES)}")
+
+
+def _check_stand_ins(snapshot: Any, package_versions: Any, bnb: Any, colab: Any) -> None:
+    """The keyword arguments that replace a machine readout must be of the readout's type."""
+    if snapshot is not None and not isinstance(snapshot, MemorySnapshot):
+        raise ArgumentError(f"snapshot must be a MemorySnapshot (helpers.snapshot()) or None, got {snapshot!r:.60}")
+    if package_versions is not None and not isinstance(package_versions, dict):
+        raise ArgumentError(
+            f"package_versions must be a dict such as {{'torch': '2.4.0'}} or None, got {package_versions!r:.60}"
+        )
+    if bnb is not None and not (isinstance(bnb, tuple) and len(bnb) == 2 and isinstance(bnb[0], bool)):
+        raise ArgumentError(f"bnb must be (usable: bool, why: str) or None, got {bnb!r:.60}")
+    if colab is not None:
+        flag("colab", colab)
+
+
 def preflight(
     model: str | None = None,
     load: str = "auto",
@@ -638,10 +670,8 @@ def preflight(
     simulated: ``snapshot`` (memory readout), ``package_versions``, ``bnb`` (``(usable, why)``),
     ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes).
     """
-    for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("batch_size", batch_size, 1),
-                               ("prompt_tokens", prompt_tokens, 1)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+    _check_arguments(model, load, max_new_tokens, batch_size, prompt_tokens)
+    _check_stand_ins(snapshot, package_versions, bnb, colab)
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .arguments import whole_number
 from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError
@@ -40,6 +41,7 @@ from .fingerprint import FingerprintError, describe, identity_changes, model_ide
 from .generation import (
     Generated,
     can_stream,
+    check_generate_kwargs,
     encode,
     first_prompt_streamer,
     generate_batch,
@@ -427,8 +429,7 @@ def _generate_pending(
 
 def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs) -> dict:
     """Validate what does not depend on the prompts; the generate kwargs (greedy by default)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise EvalError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    whole_number("max_new_tokens", max_new_tokens, error=EvalError)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise EvalError(
             f"max_batch_size must be a positive int (the most prompts in one batch), got {max_batch_size!r}"
@@ -439,6 +440,7 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
             f"{{'temperature': 0.7, 'do_sample': True}}, got {type(generation_kwargs).__name__}"
         )
     gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
+    check_generate_kwargs(gen_kwargs, EvalError)
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")

@@ -20,6 +20,7 @@ import filecmp
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 import warnings
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .arguments import flag, number, whole_number
 from .attention import keep_attention_fused
 from .batch_size import find_max_batch_size
 from .checkpoint_proof import prove
@@ -58,7 +60,7 @@ from .vocab import LOAD_MODES, QUANTIZED, DtypeError, ReducerError, dtype_name, 
 
 __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
-    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "collate", "find_micro_batch",
+    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "TrainingData", "DatasetWarning", "collate", "find_micro_batch",
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
     "CheckpointWarning", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash",
 ]  # fmt: skip
@@ -147,14 +149,16 @@ class TrainPlan:
     offload_activations: bool = False
 
     def __post_init__(self):
-        if not str(self.model or "").strip():
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
             raise FinetuneError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
         if self.load not in LOAD_MODES:
             raise FinetuneError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
-        if isinstance(self.targets, str) and self.targets != "all-linear":
+        if isinstance(self.targets, str) and self.targets not in ("all-linear", ""):
             self.targets = [self.targets]  # one module name; list("q_proj") would be its letters
         self._check_numbers()
+        if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir).strip():
+            raise FinetuneError(f"TrainPlan.output_dir must be a folder path or 'auto', got {self.output_dir!r}")
         if (
             self.output_dir != "auto"
             and Path(self.output_dir).expanduser().exists()
@@ -192,13 +196,21 @@ class TrainPlan:
 
     def _check_numbers(self) -> None:
         for name in ("r", "seq_len", "batch_size", "save_steps", "logging_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise FinetuneError(f"TrainPlan.{name} must be a whole number >= 1, got {v!r}")
+            whole_number(f"TrainPlan.{name}", getattr(self, name), error=FinetuneError)
         for name in ("micro_batch", "max_steps", "save_total_limit", "warmup_steps", "seed"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise FinetuneError(f"TrainPlan.{name} must be a whole number, got {v!r}")
+            whole_number(f"TrainPlan.{name}", getattr(self, name), minimum=0, none_ok=name == "micro_batch",
+                         error=FinetuneError)  # fmt: skip
+        for name in ("double_quant", "packing", "gradient_checkpointing"):
+            flag(f"TrainPlan.{name}", getattr(self, name), error=FinetuneError)
+        number("TrainPlan.alpha", self.alpha, low=0, low_open=True, error=FinetuneError)
+        targets = self.targets
+        if targets != "all-linear" and (
+            not isinstance(targets, list | tuple) or not targets or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise FinetuneError(
+                f"TrainPlan.targets must be 'all-linear' or a list of module names such as ['q_proj', 'v_proj'], "
+                f"got {targets!r}"
+            )
         for name in ("epochs", "learning_rate", "dropout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float):
@@ -409,6 +421,22 @@ class TrainableParams:
         )
 
 
+def need_model(model: Any, fn: str) -> None:
+    """Refuse anything but a loaded model, naming the function and what it got."""
+    if not isinstance(model, torch.nn.Module):
+        raise FinetuneError(f"{fn}() needs the model load() returned, got {model!r:.60}")
+
+
+def need_plan(plan: Any, fn: str) -> None:
+    if not isinstance(plan, TrainPlan):
+        raise FinetuneError(f"{fn}() needs a TrainPlan, got {plan!r:.60}: e.g. TrainPlan('org/name')")
+
+
+def need_tokenizer(tokenizer: Any, fn: str) -> None:
+    if not callable(tokenizer) or not hasattr(tokenizer, "encode"):
+        raise FinetuneError(f"{fn}() needs the tokenizer load() returned, got {tokenizer!r:.60}")
+
+
 def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     """Make a loaded (usually 4-bit) model trainable with LoRA.
 
@@ -421,6 +449,8 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
     Returns:
         ``(peft_model, TrainableParams)``.
     """
+    need_model(model, "prepare_qlora")
+    need_plan(plan, "prepare_qlora")
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     if hasattr(model, "peft_config"):
@@ -492,6 +522,8 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
         path: a JSONL file with one ``{"instruction": ..., "response": ...}`` object per line;
             default the shipped ``helpers/data/instructions.jsonl`` (``heldout_prompts.jsonl`` with ``heldout``).
     """
+    if path is not None and not isinstance(path, str | os.PathLike):
+        raise FinetuneError(f"load_instructions() takes a JSONL file path (or None: the shipped one), got {path!r:.60}")
     path = Path(path) if path is not None else data_path("heldout_prompts.jsonl" if heldout else "instructions.jsonl")
     if not path.exists():
         raise FileNotFoundError(
@@ -532,6 +564,10 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
                 f"{path}:{i}: every line needs an 'instruction' field (and 'response' for training); {has}"
             )
         rows.append(row)
+    if not rows:
+        raise FinetuneError(
+            f'{path} holds no rows; every line must be one {{"instruction": ..., "response": ...}} object'
+        )
     return rows
 
 
@@ -544,27 +580,82 @@ def prompt_text(tokenizer, instruction: str) -> str:
     return (tokenizer.bos_token or "") + FALLBACK_TEMPLATE.format(instruction=instruction)
 
 
-def format_example(tokenizer, instruction: str, response: str, seq_len: int) -> dict | None:
-    """Token ids and labels for one example; labels are ``-100`` on the prompt so only the answer trains.
-
-    Returns ``None`` when truncation to ``seq_len`` would leave no answer token.
-    """
+def _token_ids(tokenizer, instruction: str, response: str) -> tuple[list[int], list[int]]:
+    """The prompt's and the answer's token ids (the answer ends with the end-of-sequence token)."""
     prompt = tokenizer(prompt_text(tokenizer, instruction), add_special_tokens=False)["input_ids"]
     answer = tokenizer(response + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
+    return prompt, answer
+
+
+def format_example(tokenizer, instruction: str, response: str, seq_len: int, *, keep_eos: bool = True) -> dict | None:
+    """Token ids and labels for one example; labels are ``-100`` on the prompt so only the answer trains.
+
+    An answer cut at ``seq_len`` ends with the end-of-sequence token when ``keep_eos`` (its last kept
+    token is replaced), so the example still teaches the model to stop. Returns ``None`` when
+    truncation to ``seq_len`` would leave no answer token.
+    """
+    prompt, answer = _token_ids(tokenizer, instruction, response)
+    return _example(tokenizer, prompt, answer, seq_len, keep_eos)
+
+
+def _example(tokenizer, prompt: list[int], answer: list[int], seq_len: int, keep_eos: bool) -> dict | None:
     ids = (prompt + answer)[:seq_len]
     if len(prompt) >= len(ids):
         return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if keep_eos and len(prompt) + len(answer) > seq_len and eos is not None:
+        ids[-1] = eos
     labels = [IGNORE] * len(prompt) + ids[len(prompt) :]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
-def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False) -> list[dict]:
-    """Tokenized examples; rows whose answer would be cut off are dropped.
+CUT_ANSWERS = ("keep_eos", "drop")
+
+
+class DatasetWarning(UserWarning):
+    """``build_dataset`` cut answers or dropped rows at this ``seq_len``."""
+
+
+class TrainingData(list):
+    """``build_dataset``'s examples (a list), with what ``seq_len`` cost: ``rows`` given, ``cut`` answers
+    cut short (ending in the end-of-sequence token, or dropped with ``cut_answers='drop'``), ``dropped``
+    rows (no answer token left, or cut and dropped)."""
+
+    def __init__(self, examples: list[dict], *, rows: int, cut: int, dropped: int, seq_len: int, cut_answers: str):
+        super().__init__(examples)
+        self.rows, self.cut, self.dropped, self.seq_len, self.cut_answers = rows, cut, dropped, seq_len, cut_answers
+
+    def summary(self) -> str:
+        """One line: rows kept, answers cut, rows dropped at this seq_len."""
+        what = "each ending in the end-of-sequence token" if self.cut_answers == "keep_eos" else "dropped"
+        lost = ". Raise seq_len to keep them whole" if self.cut or self.dropped else ""
+        return (
+            f"seq_len={self.seq_len}: {self.rows - self.dropped} of {self.rows} rows kept; {self.cut} answers cut "
+            f"short ({what}); {self.dropped} rows dropped{lost}"
+        )
+
+
+def build_dataset(
+    tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False, cut_answers: str = "keep_eos"
+) -> TrainingData:
+    """Tokenized examples, one per row (or packed), as a :class:`TrainingData` list that counts what
+    ``seq_len`` cost (``.cut``, ``.dropped``, ``.summary()``; a :class:`DatasetWarning` says so when any).
+
+    A row longer than ``seq_len`` is truncated, so its answer is cut short: ``cut_answers="keep_eos"``
+    (default) keeps it, ending in the end-of-sequence token so it still teaches where to stop; ``"drop"``
+    drops it. A row whose prompt alone fills ``seq_len`` has no answer token to learn and is dropped.
 
     Args:
         packing: concatenate examples into full ``seq_len`` blocks (fewer pad tokens, but examples
             see each other's text through attention); off by default: one example per sequence.
     """
+    if cut_answers not in CUT_ANSWERS:
+        raise FinetuneError(f"cut_answers={cut_answers!r}: use 'keep_eos' (cut answers end in EOS) or 'drop'")
+    need_tokenizer(tokenizer, "build_dataset")
+    if not isinstance(rows, list | tuple):
+        raise FinetuneError(
+            f"rows must be a list of {{'instruction', 'response'}} dicts (load_instructions()), got {rows!r:.60}"
+        )
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise FinetuneError(f"seq_len must be a whole number of tokens >= 1 (e.g. plan.seq_len), got {seq_len!r}")
     missing = [
@@ -580,22 +671,33 @@ def build_dataset(tokenizer, rows: list[dict], seq_len: int, *, packing: bool = 
             f"rows {not_text[:5]} have an 'instruction' or 'response' that is not a string "
             f"(row {not_text[0]}: {rows[not_text[0]]!r:.80}); convert them with str()"
         )
-    out = [format_example(tokenizer, r["instruction"], r["response"], seq_len) for r in rows]
-    kept = [e for e in out if e is not None]
+    kept, cut, dropped = [], 0, 0
+    for r in rows:
+        prompt, answer = _token_ids(tokenizer, r["instruction"], r["response"])
+        example = _example(tokenizer, prompt, answer, seq_len, keep_eos=True)
+        is_cut = example is not None and len(prompt) + len(answer) > seq_len
+        cut += is_cut
+        if example is None or (is_cut and cut_answers == "drop"):
+            dropped += 1
+        else:
+            kept.append(example)
     if not kept:
         raise FinetuneError(f"seq_len={seq_len} leaves no answer token in any example; raise TrainPlan.seq_len")
-    if not packing:
-        return kept
-    ids = [t for e in kept for t in e["input_ids"]]
-    labels = [t for e in kept for t in e["labels"]]
-    return [
-        {
-            "input_ids": ids[i : i + seq_len],
-            "attention_mask": [1] * len(ids[i : i + seq_len]),
-            "labels": labels[i : i + seq_len],
-        }
-        for i in range(0, len(ids) - seq_len + 1, seq_len)
-    ]
+    if packing:
+        ids = [t for e in kept for t in e["input_ids"]]
+        labels = [t for e in kept for t in e["labels"]]
+        kept = [
+            {
+                "input_ids": ids[i : i + seq_len],
+                "attention_mask": [1] * len(ids[i : i + seq_len]),
+                "labels": labels[i : i + seq_len],
+            }
+            for i in range(0, len(ids) - seq_len + 1, seq_len)
+        ]
+    data = TrainingData(kept, rows=len(rows), cut=cut, dropped=dropped, seq_len=seq_len, cut_answers=cut_answers)
+    if cut or dropped:
+        warnings.warn(data.summary(), DatasetWarning, stacklevel=2)
+    return data
 
 
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -623,6 +725,9 @@ def answer(
         raise TypeError(
             f"instructions must be a list of strings, got one string ({instructions[:40]!r}): pass [instruction]"
         )
+    if not isinstance(instructions, list | tuple) or not all(isinstance(q, str) for q in instructions):
+        raise TypeError(f"instructions must be a list of strings, got {instructions!r:.60}")
+    need_tokenizer(tokenizer, "answer")
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             progress=False, add_special_tokens=False, do_sample=False, use_cache=True,
@@ -673,6 +778,9 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     down to a divisor of the effective batch, so micro-batch x accumulation is exactly the batch
     asked for. Set it on the plan with ``plan = plan.replace(micro_batch=mb.micro_batch)``.
     """
+    need_model(model, "find_micro_batch")
+    need_plan(plan, "find_micro_batch")
+    number("margin", margin, low=0, high=1, low_open=True, error=FinetuneError)
 
     vocab = model.get_input_embeddings().num_embeddings
     device = next(p for p in model.parameters()).device
@@ -931,6 +1039,11 @@ def train(
     """
     from .train_view import TrainView
 
+    need_model(model, "train")
+    need_plan(plan, "train")
+    need_tokenizer(tokenizer, "train")
+    if not isinstance(dataset, list | tuple) or not dataset or not all(isinstance(e, dict) for e in dataset):
+        raise FinetuneError(f"dataset must be build_dataset()'s non-empty list of examples, got {dataset!r:.60}")
     keep_4bit_layout(model)
     shown = next((c for c in callbacks if isinstance(c, TrainView)), None)
     if shown is None and view:
@@ -1094,14 +1207,24 @@ def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
     """Save only the LoRA adapter (and the tokenizer when given), not the base model's weights."""
     if not hasattr(model, "peft_config"):
         raise TypeError("save_adapter needs the PEFT model returned by prepare_qlora (it has the adapter)")
+    if not isinstance(path, str | os.PathLike) or not str(path).strip():
+        raise FinetuneError(f"save_adapter() takes a folder path, got {path!r:.60}")
     path = Path(path)
     # written beside, then swapped in: a crash mid-save leaves the old adapter whole, and a different
     # one (another run's, FRESH=True) is moved aside instead of overwritten
     staging = path.with_name(path.name + ".saving")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+    except OSError as e:  # a read-only folder, a full disk: nothing half-written is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise AdapterSaveError(
+            f"could not save the adapter to {path} ({type(e).__name__}: {e.strerror or e}); nothing was written "
+            f"and {'the adapter already there is untouched' if path.exists() else 'no folder was left'}. Save to a "
+            "writable folder with free space (df -h shows it), e.g. save_adapter(model, '/content/adapter')"
+        ) from None
     previous = None
     if path.exists():
         if _same_files(path, staging):
@@ -1112,6 +1235,10 @@ def save_adapter(model, path: str | Path, tokenizer=None) -> AdapterReport:
     staging.rename(path)
     files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
     return AdapterReport(path, files, previous)
+
+
+class AdapterSaveError(FinetuneError, OSError):
+    """``save_adapter`` could not write (a read-only folder, a full disk); nothing half-written is left."""
 
 
 def _same_files(a: Path, b: Path) -> bool:
@@ -1128,4 +1255,9 @@ def merge_adapter(model):
     With a 4-bit base the merged weights are quantized again, which rounds them: outputs shift a
     little. For the exact merge, load the base in fp16/bf16, attach the adapter, then merge.
     """
+    if not callable(getattr(model, "merge_and_unload", None)):
+        raise FinetuneError(
+            f"merge_adapter() folds a LoRA adapter into its base; {type(model).__name__} has none: pass the model "
+            "prepare_qlora() returned, or one loaded with LoadPlan(adapter=...)"
+        )
     return model.merge_and_unload()

@@ -12,13 +12,17 @@ token. ``generate_batched`` loops over fixed-size chunks with a progress bar (``
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .arguments import number, whole_number
+
 __all__ = [
+    "check_generate_kwargs",
     "Generated",
     "encode",
     "pad_token_id",
@@ -182,6 +186,28 @@ def _eval_mode(model):
             model.train(True)
 
 
+# generate() settings with a range, checked before a batch runs (transformers fails deep in a kernel, or
+# hangs): name -> (lowest, whether the value must be a whole number)
+GENERATE_RANGES = {
+    "num_beams": (1, True), "num_beam_groups": (1, True), "top_k": (0, True), "min_new_tokens": (0, True),
+    "no_repeat_ngram_size": (0, True), "num_return_sequences": (1, True), "temperature": (0, False),
+    "top_p": (0, False), "repetition_penalty": (0, False), "length_penalty": (None, False),
+}  # fmt: skip
+
+
+def check_generate_kwargs(kwargs: dict, error: type[Exception] = ValueError) -> None:
+    """Refuse a ``generate()`` setting of the wrong type or out of range, naming it and its value."""
+    for name, (low, whole) in GENERATE_RANGES.items():
+        if name not in kwargs or kwargs[name] is None:
+            continue
+        if whole:
+            whole_number(f"generate setting {name}", kwargs[name], minimum=low, error=error)
+        else:
+            number(f"generate setting {name}", kwargs[name], low=-math.inf if low is None else low, error=error)
+    if "top_p" in kwargs and kwargs["top_p"] is not None and not 0 < kwargs["top_p"] <= 1:
+        raise error(f"generate setting top_p is a probability in (0, 1], got {kwargs['top_p']!r}")
+
+
 def generate_batched(
     model,
     tokenizer,
@@ -206,9 +232,11 @@ def generate_batched(
 
     if isinstance(prompts, str):
         raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
+    if not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"prompts must be a list of strings, got {prompts!r:.60}")
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        whole_number(name, value)
+    check_generate_kwargs(generate_kwargs)
     if not callable(getattr(model, "generate", None)) or not callable(tokenizer):
         raise TypeError(
             f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from . import devices, generation
+from .arguments import ArgumentError, flag, whole_number
 from .attention import keep_attention_fused
 from .checks import Check
 from .compat import from_pretrained_dtype
@@ -36,6 +38,7 @@ from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there 
 from .estimator import EstimateError, fit, footprint, footprint_by_device
 from .estimator import estimate as estimate_memory
 from .gpu_split import (
+    check_strategy,
     decide_gpus,
     first_fix,
     gpu_device,
@@ -55,9 +58,22 @@ from .html import colored, table
 from .memory import MemorySnapshot, allocated
 from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
 from .reducers import use_kv_cache
-from .sources import checkpoint_size, drive_hint, hub_offline_reason, looks_like_path, memory_mapped, nearest_existing
+from .sources import (
+    SourceError,
+    checkpoint_size,
+    drive_hint,
+    hub_offline_reason,
+    looks_like_path,
+    memory_mapped,
+    nearest_existing,
+    read_json,
+    shipped_config,
+)
 from .units import format_bytes, percent
 from .vocab import DOES_NOT_FIT, DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, kv_cache_name, torch_dtype
+
+# what transformers' attn_implementation takes (a hub kernel "org/name" too)
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 __all__ = [
     "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
@@ -144,15 +160,40 @@ class LoadPlan:
             raise ValueError(
                 f"gpus must be a whole number >= 1 (or None: as many as the model needs), got {self.gpus!r}"
             )
-        for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "max_new_tokens" else 1):
-                raise ValueError(
-                    f"{name} must be a whole number >= {0 if name == 'max_new_tokens' else 1}, got {value!r}"
-                )
+        self._check_settings()
         self.kv_cache = kv_cache_name(self.kv_cache)
         if self.load == "auto":
             self.load = self._auto_load()
+
+    def _check_settings(self) -> None:
+        """The numbers, flags and placement fields, each refused with its name and value when wrong."""
+        for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
+            whole_number(name, getattr(self, name), minimum=0 if name == "max_new_tokens" else 1)
+        for name in ("double_quant", "low_cpu_mem_usage", "allow_offload", "trust_remote_code"):
+            flag(name, getattr(self, name))
+        dm = self.device_map
+        if (dm is not None and not isinstance(dm, str | dict | int | torch.device)) or isinstance(dm, bool) or dm == "":
+            raise ArgumentError(
+                f"device_map must be 'auto' (or 'balanced', 'sequential'), a device such as 'cuda:0', a dict of "
+                f"module names to devices, or None; got {dm!r}"
+            )
+        check_strategy(dm)
+        if self.max_memory is not None and not isinstance(self.max_memory, dict):
+            raise ArgumentError(
+                f"max_memory must be a dict such as {{0: '14GiB', 'cpu': '30GiB'}} or None, got {self.max_memory!r}"
+            )
+        for name in ("offload_folder", "adapter"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str | os.PathLike) or not str(value).strip()):
+                raise ArgumentError(f"{name} must be a folder path (or None), got {value!r}")
+        attn = self.attn_implementation
+        if attn is not None and (
+            not isinstance(attn, str) or (attn not in ATTENTION_IMPLEMENTATIONS and "/" not in attn)
+        ):
+            raise ArgumentError(
+                f"attn_implementation {attn!r} is unknown; use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, a "
+                "hub kernel such as 'kernels-community/flash-attn', or None (transformers' default)"
+            )
 
     def _auto_load(self) -> str:
         """What ``estimate(load="auto")`` picks for this plan on this machine: one meaning of "auto"."""
@@ -368,12 +409,63 @@ def check_adapter(adapter: str) -> None:
         if not looks_like_path(adapter) and "/" in adapter:
             return  # a hub adapter id; PEFT resolves it
         raise _missing_path_error("Adapter", adapter, "adapter_config.json and adapter_model.safetensors")
+    if not p.is_dir():
+        raise ModelNotFoundError(f"Adapter {p} is a file, not a folder", ADAPTER_FIX)
     if not (p / "adapter_config.json").exists():
         raise ModelNotFoundError(
             f"Adapter file not found: {p} has no adapter_config.json "
             f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
-            "Point at the folder written by model.save_pretrained() after LoRA training",
+            ADAPTER_FIX,
         )
+    _check_adapter_config(p / "adapter_config.json")
+    _check_adapter_weights(p)
+
+
+ADAPTER_FIX = "Point at the folder written by model.save_pretrained() (or save_adapter()) after LoRA training"
+
+
+def _check_adapter_config(path: Path) -> None:
+    """The adapter's config must be a JSON object naming a known PEFT type, with a positive rank."""
+    from peft import PeftType
+
+    try:
+        cfg = read_json(path, "adapter_config.json")
+    except SourceError as e:
+        raise LoadError(f"Adapter config unreadable: {e}", ADAPTER_FIX) from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"Adapter config {path} holds a JSON {type(cfg).__name__}, not an object", ADAPTER_FIX)
+    if cfg.get("peft_type") not in PeftType.__members__:
+        raise LoadError(
+            f"Adapter config {path}: peft_type {cfg.get('peft_type')!r} is not a PEFT adapter type (e.g. 'LORA')",
+            ADAPTER_FIX,
+        )
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise LoadError(f"Adapter config {path}: {key} is {value!r}, not a positive number", ADAPTER_FIX)
+
+
+def _check_adapter_weights(folder: Path) -> None:
+    """The adapter's weight file must exist and (safetensors) have a readable header."""
+    safe, bin_ = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if not safe.exists() and not bin_.exists():
+        raise ModelNotFoundError(
+            f"Adapter weights not found: {folder} has adapter_config.json but no adapter_model.safetensors "
+            "(nor adapter_model.bin); the save was cut short or the file was not copied",
+            ADAPTER_FIX,
+        )
+    if safe.exists():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(safe), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:  # noqa: BLE001 - any failure to read the header means the same thing
+            raise LoadError(
+                f"Adapter weights {safe} are not a readable safetensors file ({str(e)[:120]})", ADAPTER_FIX
+            ) from None
+        if not names:
+            raise LoadError(f"Adapter weights {safe} hold no tensors", ADAPTER_FIX)
 
 
 def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None = None) -> None:
@@ -627,6 +719,8 @@ def check_plan(
     """
     from .memory import snapshot as take_snapshot
 
+    if not isinstance(plan, LoadPlan):
+        raise ArgumentError(f"check_plan() checks a LoadPlan, got {plan!r:.60}: e.g. check_plan(LoadPlan('org/name'))")
     token = plan.token or _find_token()
     source = check_model_source(plan.model, token)
     if plan.adapter:
@@ -964,11 +1058,62 @@ def _with_adapter(model, adapter: str | None, base_bytes: int):
         return model, 0
     from peft import PeftModel
 
+    _check_adapter_base(model, adapter)
     with warnings.catch_warnings():
         # peft still calls transformers' old name (is_gradient_checkpointing): same feature
         warnings.filterwarnings("ignore", message=".*checkpointing.* is deprecated", category=FutureWarning)
-        model = PeftModel.from_pretrained(model, adapter)
+        try:
+            model = PeftModel.from_pretrained(model, adapter)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # peft's own words are kept, shortened
+            base = _adapter_base(adapter)
+            raise LoadError(
+                f"Adapter {adapter} does not fit this model{f' (it was trained on {base!r})' if base else ''}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                "load the base model the adapter was trained on, or train an adapter for this one",
+            ) from None
     return model, footprint(model) - base_bytes
+
+
+# the config fields that tell one base model from another (an adapter is tied to its base's shapes and words)
+BASE_IDENTITY = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _check_adapter_base(model, adapter: str) -> None:
+    """Refuse an adapter whose adapter_config.json names a base model (a local folder or a shipped config)
+    that differs from ``model`` in architecture or size: its weights would load silently where shapes match
+    (a qwen2 adapter on a llama) and mean nothing."""
+    base = _adapter_base(adapter)
+    if not base:
+        return
+    folder = Path(base).expanduser()
+    source = folder / "config.json" if (folder / "config.json").is_file() else shipped_config(base)
+    if source is None:
+        return  # a hub id not at hand: its config cannot be compared offline
+    try:
+        base_config = read_json(source, "config.json")
+    except SourceError:
+        return
+    ours = model.config.to_dict() if hasattr(model, "config") else {}
+    differ = [
+        f"{k} {base_config[k]!r} (adapter's base) vs {ours[k]!r} (this model)"
+        for k in BASE_IDENTITY
+        if k in base_config and k in ours and base_config[k] != ours[k]
+    ]
+    if differ:
+        raise LoadError(
+            f"Adapter {adapter} was trained on {base!r}, another base model: {'; '.join(differ)}",
+            f"load {base!r} (the base the adapter was trained on) with adapter={adapter!r}, or train an adapter "
+            "for this model",
+        )
+
+
+def _adapter_base(adapter: str) -> str | None:
+    try:
+        return json.loads((Path(adapter).expanduser() / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from .arguments import ArgumentError, flag
 from .html import Markup, bar, table
 from .session import in_colab
 from .units import format_bytes
@@ -230,11 +231,33 @@ def peak_resets() -> int:
     return _peak_resets
 
 
+def _cuda_index(device) -> int | None:
+    """The CUDA index ``device`` names (``None`` for the current one); an ArgumentError for anything else."""
+    if device is None:
+        return None
+    try:
+        if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
+            raise ValueError
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (ValueError, RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ArgumentError(
+            f"device must be a CUDA device such as 0, 'cuda:1' or torch.device('cuda', 0), 'all', or None (the "
+            f"current one); got {device!r}"
+        )
+    return dev.index
+
+
 def _per_device(read, device) -> int:
+    if device != "all":
+        index = _cuda_index(device)
     if not torch.cuda.is_available():
         return 0
     if device == "all":
         return sum(read(i) for i in range(torch.cuda.device_count()))
+    if index is not None and index >= torch.cuda.device_count():
+        raise ArgumentError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     return read(device)
 
 
@@ -325,6 +348,12 @@ def ram_readout() -> RAMReadout:
 
 def disk_readouts(paths: dict[str, str | Path] | None = None) -> list[DiskReadout]:
     """Free space where models are cached and where the notebook works (``/content`` on Colab)."""
+    if paths is not None and (
+        not isinstance(paths, dict) or not all(isinstance(p, str | os.PathLike) for p in paths.values())
+    ):
+        raise ArgumentError(
+            f"disks must be a dict of label -> folder such as {{'models': '/content'}}, got {paths!r:.60}"
+        )
     if paths is None:
         paths = {"HF cache": hf_cache_dir(), "working dir": "/content" if in_colab() else os.getcwd()}
     out = []
@@ -339,6 +368,7 @@ def disk_readouts(paths: dict[str, str | Path] | None = None) -> list[DiskReadou
 
 def snapshot(*, processes: bool = True, disks: dict[str, str | Path] | None = None) -> MemorySnapshot:
     """Read GPU, RAM and disk now. ``processes=False`` skips the NVML per-process list."""
+    flag("processes", processes)
     gpus = gpu_readouts(processes)
     mps = None if gpus else _mps_readout()
     backend = "cuda" if gpus else ("mps" if mps is not None else "cpu")

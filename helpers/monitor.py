@@ -17,6 +17,7 @@ import bisect
 import csv
 import io
 import math
+import numbers
 import operator
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from .arguments import ArgumentError, flag, whole_number
 from .memory import nvml_handle, reset_peak_allocated
 from .units import MiB, format_bytes
 
@@ -172,6 +174,7 @@ class MemoryMonitor:
                 f"capacity is a positive number of bytes (e.g. 15 * helpers.units.GiB) or None for "
                 f"the GPU's total memory, got {capacity!r}"
             )
+        _check_settings(device, top, warn, max_samples)
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
         self.cuda = torch.cuda.is_available()
         self.devices: tuple[int, ...] = _watched(device) if self.cuda else ()
@@ -196,6 +199,10 @@ class MemoryMonitor:
         self._proc = psutil.Process()
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
+        # readouts that raised in the thread (a transient NVML or /proc error): counted, the thread goes on;
+        # after MAX_READ_FAILURES in a row it stops and says why (``stopped_by``), never silently
+        self.read_errors: list[str] = []
+        self.stopped_by: str | None = None
         self._thread: threading.Thread | None = None
         self._above: dict[int | None, bool] = {}  # per card (None: the RAM): warned, not yet back below
         self._check_lock = threading.Lock()  # the thread and mark() both sample: one crossing, one warning
@@ -303,8 +310,21 @@ class MemoryMonitor:
             self._above[device] = False
 
     def _run(self) -> None:
+        in_a_row = 0
         while not self._stop.wait(self.interval):
-            self.sample()
+            try:
+                self.sample()
+                in_a_row = 0
+            except Exception as e:  # noqa: BLE001 - one failed readout must not end the monitoring
+                in_a_row += 1
+                self.read_errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                if in_a_row >= MAX_READ_FAILURES:
+                    self.stopped_by = (
+                        f"sampling stopped after {in_a_row} failed readouts in a row ({self.read_errors[-1]})"
+                    )
+                    if self.warn:
+                        warnings.warn(f"MemoryMonitor: {self.stopped_by}", MemoryWarning, stacklevel=1)
+                    return
 
     def start(self) -> MemoryMonitor:
         """Start the sampling thread (a no-op when it runs already)."""
@@ -469,7 +489,12 @@ class MemoryMonitor:
         elif self.cuda:
             head += f"allocated {format_bytes(p['allocated'])}, reserved {format_bytes(p['reserved'])}, "
         head += f"process RSS {format_bytes(p['process_rss'])}, RAM in use {format_bytes(p['ram_used'])}"
-        return "\n".join([head, *(str(c) for c in self.crossings)])
+        problems = []
+        if self.read_errors:
+            problems.append(f"{len(self.read_errors)} readouts failed (last: {self.read_errors[-1]})")
+        if self.stopped_by:
+            problems.append(f"the sampling thread {self.stopped_by}; later figures are missing")
+        return "\n".join([head, *problems, *(str(c) for c in self.crossings)])
 
     __repr__ = __str__
 
@@ -518,6 +543,8 @@ class _MemoryCallback:
     ) -> None:
         from .leaks import GrowthDetector
 
+        if monitor is not None and not isinstance(monitor, MemoryMonitor):
+            raise ArgumentError(f"monitor must be a MemoryMonitor (or None), got {monitor!r:.60}")
         self.monitor = monitor
         self.cuda = torch.cuda.is_available()
         # every visible card, not the monitor's: a monitor may watch another card than the one training
@@ -593,6 +620,23 @@ def __getattr__(name: str):
         globals()["MemoryCallback"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+MAX_READ_FAILURES = 5  # failed readouts in a row before the sampling thread gives up (and says so)
+
+
+def _check_settings(device, top, warn, max_samples) -> None:
+    """MemoryMonitor's other arguments, checked on every machine (a CPU-only one ignores ``device``)."""
+    whole_number("top (largest tensors to name)", top, minimum=0)
+    flag("warn", warn)
+    whole_number("max_samples", max_samples)
+    for d in device if isinstance(device, list | tuple) else [device]:
+        if d is not None and (
+            isinstance(d, bool)
+            or not isinstance(d, numbers.Integral | str | torch.device)
+            or (isinstance(d, numbers.Integral) and d < 0)
+        ):
+            raise ArgumentError(f"device={d!r}: pass a GPU index such as 0 or 'cuda:1', a list of them, or None")
 
 
 def _watched(device) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import torch
 from .cuda_errors import BrokenContext, broken_context
 from .oom_diagnosis import CAUSES as CAUSES
 from .oom_diagnosis import OOMReport, explain_oom, largest_tensors
-from .oom_messages import OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text
+from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text, oom_in
 from .units import format_bytes
 
 __all__ = [
@@ -83,23 +83,31 @@ _INSTALLED: dict = {}  # id(shell) -> (the custom exceptions and handler there b
 
 
 def _handler(shell, etype, value, tb, tb_offset=None):
-    """IPython custom exception handler: a broken CUDA context gets "restart", an OOM a diagnosis and its
-    memory back, a user's own handler what it registered for, anything else the usual traceback.
+    """IPython custom exception handler: a broken CUDA context gets "restart", an OOM (also one inside an
+    ExceptionGroup) a diagnosis and its memory back, a user's own handler what it registered for,
+    anything else the usual traceback.
 
-    It never raises: IPython unregisters a handler that does, and the safety net would be gone for
-    the rest of the session; a failure inside it shows the original traceback instead."""
+    It never raises: IPython unregisters a custom handler that raises once, for the rest of the session,
+    so a failure here (an exception whose ``__str__`` raises, say) falls back to a plain traceback."""
     try:
         if broken_context(value) is not None:
             return _show_broken(shell, etype, value, tb, tb_offset)
-        if is_oom(value):
-            return _show_oom(shell, etype, value, tb)
-        previous_types, previous = _INSTALLED.get(id(shell), ((), None))
-        if previous is not None and previous_types and isinstance(value, previous_types):
-            return previous(etype, value, tb, tb_offset)  # the user's own handler, chained
-    except Exception as e:  # noqa: BLE001 - the net must stay installed whatever fails in it
-        print(
-            f"[oomkit] the OOM handler failed ({type(e).__name__}: {e}); the plain traceback follows", file=sys.stderr
-        )
+        oom = oom_in(value)
+        if oom is None:
+            return _not_an_oom(shell, etype, value, tb, tb_offset)
+        return _show_oom(shell, etype, value, tb, oom)
+    except Exception as failure:  # noqa: BLE001 - see the docstring
+        try:
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        except Exception:  # noqa: BLE001 - even the traceback cannot be shown: say what little is known
+            print(f"{etype.__name__} (its message could not be shown: {type(failure).__name__})", file=sys.stderr)
+        return None
+
+
+def _not_an_oom(shell, etype, value, tb, tb_offset):
+    previous_types, previous = _INSTALLED.get(id(shell), ((), None))
+    if previous is not None and previous_types and issubclass(etype, previous_types):
+        return previous(etype, value, tb, tb_offset)  # the user's own handler keeps its types
     shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
     return None
 
@@ -124,12 +132,12 @@ def _show_broken(shell, etype, value, tb, tb_offset):
     shell._showtraceback(etype, value, ["".join(short).rstrip(), *(["", str(card)] if in_text else [card.lines()[1]])])
 
 
-def _show_oom(shell, etype, value, tb):
+def _show_oom(shell, etype, value, tb, oom: BaseException):
     from .reclaim import cleanup, clear_exception_frames, counters
 
     before = counters()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
-    report = explain_oom(value, namespace=shell.user_ns)
+    report = explain_oom(oom, namespace=shell.user_ns)
     # the traceback's frames keep every tensor the failed code created, and so do the frames of an
     # earlier OOM this one was raised while handling (a retry): clear them all, then collect
     traceback.clear_frames(tb)
@@ -172,8 +180,8 @@ def install(shell=None) -> bool:
         theirs = shell.CustomTB if shell.custom_exceptions else None
         _INSTALLED[id(shell)] = (tuple(shell.custom_exceptions), theirs)
     previous_types = _INSTALLED[id(shell)][0]
-    ours = (torch.OutOfMemoryError, MemoryError, RuntimeError)
-    shell.set_custom_exc(ours + tuple(t for t in previous_types if t not in ours), _handler)
+    ours = (torch.OutOfMemoryError, MemoryError, RuntimeError, *EXCEPTION_GROUPS)
+    shell.set_custom_exc(tuple(dict.fromkeys(ours + previous_types)), _handler)
     return True
 
 

@@ -432,6 +432,8 @@ def explain_oom(
         text, exc = error_or_text, None
     else:
         raise TypeError(f"explain_oom() takes an exception or its message text, got {type(error_or_text).__name__}")
+    if live is not None and not isinstance(live, bool):
+        raise TypeError(f"live must be True, False or None (when given an exception), got {live!r:.60}")
     f = parse_message(text)
     if exc is not None and f["form"] == "unknown" and isinstance(exc, MemoryError):
         f.update(form="cpu", source="Python MemoryError (system RAM)")

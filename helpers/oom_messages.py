@@ -7,13 +7,26 @@ the last OOM message in a text. Diagnosis (:mod:`helpers.oom_diagnosis`) builds 
 
 from __future__ import annotations
 
+import builtins
 import re
 
 import torch
 
 from .units import parse_bytes
 
-__all__ = ["OOM_SIGNATURES", "TEXT_SIGNATURES", "OOM_FORMS", "is_oom", "is_oom_text", "parse_message"]
+__all__ = [
+    "OOM_SIGNATURES",
+    "TEXT_SIGNATURES",
+    "OOM_FORMS",
+    "is_oom",
+    "is_oom_text",
+    "oom_in",
+    "EXCEPTION_GROUPS",
+    "parse_message",
+]
+
+# ExceptionGroup's base (Python 3.11+); an empty tuple before, which isinstance never matches
+EXCEPTION_GROUPS: tuple[type, ...] = tuple(t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t)
 
 # Fragments (lower-case) that mark an allocation failure in an exception's message.
 OOM_SIGNATURES: tuple[str, ...] = (
@@ -59,17 +72,38 @@ def is_oom(exc: BaseException) -> bool:
     """
     if isinstance(exc, str):
         return is_oom_text(exc)
+    if exc is not None and not isinstance(exc, BaseException):
+        raise TypeError(f"is_oom() takes an exception (or its message text), got {type(exc).__name__} {exc!r:.60}")
+    return oom_in(exc) is not None
+
+
+def oom_in(exc: BaseException | None, _depth: int = 0) -> BaseException | None:
+    """The out-of-memory error ``exc`` is or holds: itself, one in its ``__cause__``/``__context__`` chain,
+    or one inside an ``ExceptionGroup`` (``asyncio.TaskGroup``, trio); ``None`` when there is none."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and id(exc) not in seen and _depth < 50:
         seen.add(id(exc))
         if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        if isinstance(exc, RuntimeError):
-            text = " ".join(str(a) for a in exc.args).lower()
-            if any(sig in text for sig in OOM_SIGNATURES):
-                return True
+            return exc
+        if isinstance(exc, RuntimeError) and any(sig in _args_text(exc) for sig in OOM_SIGNATURES):
+            return exc
+        for inner in exc.exceptions if isinstance(exc, EXCEPTION_GROUPS) else ():
+            found = oom_in(inner, _depth + 1)
+            if found is not None:
+                return found
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def _args_text(exc: BaseException) -> str:
+    """The lower-cased text of ``exc``'s arguments; an argument whose ``__str__`` raises reads as its repr."""
+    parts = []
+    for a in exc.args:
+        try:
+            parts.append(str(a))
+        except Exception:  # noqa: BLE001 - a hostile __str__ must not hide the error being diagnosed
+            parts.append(object.__repr__(a))
+    return " ".join(parts).lower()
 
 
 # Every pattern is linear-time: bounded quantifiers only (no nested or unbounded repeats), and

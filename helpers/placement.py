@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import torch
 
+from .arguments import flag, number
 from .compat import supported_kwargs
 from .devices import (
     CUBLAS_WORKSPACE,
@@ -457,6 +458,9 @@ def plan_devices(
         raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
     if strategy not in DEVICE_MAP_STRATEGIES:
         raise PlacementError(f"unknown strategy {strategy!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)}")
+    flag("cpu_offload", cpu_offload, error=PlacementError)
+    flag("disk_offload", disk_offload, error=PlacementError)
+    number("cpu_memory (bytes)", cpu_memory, low=0, none_ok=True, error=PlacementError)
     config, name, _ = resolve_config(model)
     gpus = resolve_devices(devices)
     cd = _compute_dtype(load, compute_dtype, gpus)
@@ -697,6 +701,27 @@ class FitsTable:
         return table(["model", "load", *self.machines], self.rows(), title=title)
 
 
+def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
+    taken = {"model", "load", "devices"} & set(plan_kwargs)
+    if taken:
+        raise PlacementError(
+            f"fits_table() sets {', '.join(sorted(taken))} itself (each load, each machine); pass the model as its first argument, or "
+            "use plan_devices(model, load=..., devices=...) for one model"
+        )
+    if (
+        isinstance(loads, str)
+        or not isinstance(loads, list | tuple)
+        or not loads
+        or any(m not in LOAD_MODES for m in loads)
+    ):
+        raise PlacementError(f"loads must be a list of load modes from {', '.join(LOAD_MODES)}, got {loads!r:.60}")
+    if not isinstance(machines, dict) or not machines:
+        raise PlacementError(
+            f"machines must be a dict of label -> devices such as {{'T4': 't4', '2xT4': ['t4', 't4']}}, got "
+            f"{machines!r:.60}"
+        )
+
+
 def fits_table(
     model: Any = None, *, tokens: int = 768, loads=None, machines: dict | None = None, batch_size: int = 1,
     **plan_kwargs,
@@ -708,6 +733,7 @@ def fits_table(
     machines = FITS_DEVICES if machines is None else machines
     if model is None:
         loads = ("fp16", "int8", "nf4") if loads is None else loads
+        _check_table(loads, machines, plan_kwargs)
         configs = reference_configs()
         cells = {}
         for name, config in configs.items():
@@ -715,7 +741,9 @@ def fits_table(
                 for label, devs in machines.items():
                     cells[(name, load, label)] = plan_devices(config, load=load, devices=devs, **plan_kwargs)
         return FitsTable(list(configs), list(loads), list(machines), cells)
-    return _model_fits(model, tokens, LOAD_MODES if loads is None else loads, machines, batch_size, plan_kwargs)
+    loads = LOAD_MODES if loads is None else loads
+    _check_table(loads, machines, plan_kwargs)
+    return _model_fits(model, tokens, loads, machines, batch_size, plan_kwargs)
 
 
 def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int, plan_kwargs: dict) -> ModelFits:

@@ -105,6 +105,8 @@ def load_prompts(prompts: Any) -> list[dict]:
             row = {"prompt": row}
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise EvalError(f"prompt #{n} must be a string or a dict with a 'prompt' string, got {row!r:.80}")
+        if not row["prompt"].strip():
+            raise EvalError(f"prompt #{n} is empty ({row['prompt']!r}): drop it or give it text")
         for name in ("prompt", "id", "reference"):
             _check_text(row.get(name), f"prompt #{n}'s {name}")
         if row.get("id") is not None:
@@ -120,4 +122,6 @@ def load_prompts(prompts: Any) -> list[dict]:
         seen[pid] = n
         ref = row.get("reference")
         out.append({"id": pid, "prompt": row["prompt"], "reference": None if ref is None else str(ref)})
+    if not out:
+        raise EvalError(f"prompts {str(prompts)[:80]!r} is empty: pass at least one prompt")
     return out

@@ -21,7 +21,8 @@ from typing import Any
 import psutil
 import torch
 
-from .errors import ModelUnloadedError
+from .arguments import ArgumentError, flag, namespace_dict
+from .errors import ModelUnloadedError, OomkitError
 from .memory import allocated, reserved
 from .object_walk import walk
 from .session import caller_namespace, ipython
@@ -29,6 +30,7 @@ from .units import format_bytes
 
 __all__ = [
     "CleanupReport",
+    "FreeError",
     "cleanup",
     "free",
     "unload",
@@ -265,6 +267,10 @@ def _report(before: tuple[int, int, int], started: float, collected: int, droppe
     )
 
 
+class FreeError(OomkitError, NameError):
+    """``free()`` was given a name the namespace does not hold."""
+
+
 def cleanup(*, drop_history: bool = True, drop_traceback: bool = True, namespace: dict | None = None) -> CleanupReport:
     """Free what can be freed without deleting your variables, and report how much came back.
 
@@ -273,6 +279,9 @@ def cleanup(*, drop_history: bool = True, drop_traceback: bool = True, namespace
     still holds with tensors in them (the exception itself stays), runs the garbage collector, then
     returns cached CUDA blocks to the driver.
     """
+    flag("drop_history", drop_history)
+    flag("drop_traceback", drop_traceback)
+    namespace_dict("namespace", namespace)
     started = time.perf_counter()
     before = counters()
     dropped: list[str] = []
@@ -290,9 +299,14 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
     >>> free("model", "trainer")   # doctest: +SKIP
     """
     ns = caller_namespace(namespace)
+    wrong = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if wrong:
+        raise ArgumentError(
+            f"free() takes variable names as strings, got {', '.join(map(repr, wrong))}; e.g. free('model', 'trainer')"
+        )
     missing = [n for n in names if n not in ns]
     if missing:
-        raise NameError(
+        raise FreeError(
             f"free(): no variable named {', '.join(map(repr, missing))} here; "
             f"pass the names as strings, e.g. free('model')"
         )

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
+from .errors import OomkitError
+
 __all__ = [
     "ALLOC_CONF", "EXPANDABLE", "RESTART_MENU", "GPU_MENU", "AllocatorSetup", "RestartCheck",
-    "cuda_initialized", "configure_allocator", "needs_restart_for", "gpu_notice",
+    "cuda_initialized", "configure_allocator", "needs_restart_for", "gpu_notice", "check_allocator_setting",
+    "AllocatorSettingError", "ALLOCATOR_OPTIONS",
 ]  # fmt: skip
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -28,6 +31,59 @@ RESTART_MENU = "Runtime > Restart session"  # Colab's menu; locally: restart the
 GPU_MENU = "Runtime > Change runtime type > T4 GPU"
 
 _set_before_cuda: set[str] = set()  # settings configure_allocator put in place while CUDA was not initialized
+
+
+def _is_bool_word(v: str) -> bool:
+    return v in ("True", "False")
+
+
+def _is_count(v: str) -> bool:
+    return v.isdigit() and int(v) > 0
+
+
+def _is_fraction(v: str) -> bool:
+    try:
+        return 0 < float(v) < 1
+    except ValueError:
+        return False
+
+
+# The allocator options PyTorch reads from PYTORCH_CUDA_ALLOC_CONF, each with what its value must be
+ALLOCATOR_OPTIONS = {
+    "expandable_segments": (_is_bool_word, "True or False"),
+    "max_split_size_mb": (lambda v: v.isdigit() and int(v) > 20, "a whole number of MiB above 20"),
+    "garbage_collection_threshold": (_is_fraction, "a fraction between 0 and 1, e.g. 0.6"),
+    "roundup_power2_divisions": (lambda v: _is_count(v) or v.startswith("["), "a power of 2, e.g. 4"),
+    "backend": (lambda v: v in ("native", "cudaMallocAsync"), "native or cudaMallocAsync"),
+    "pinned_use_cuda_host_register": (_is_bool_word, "True or False"),
+    "pinned_num_register_threads": (_is_count, "a whole number, e.g. 8"),
+    "release_lock_on_cudamalloc": (_is_bool_word, "True or False"),
+    "pinned_use_background_threads": (_is_bool_word, "True or False"),
+}
+
+
+class AllocatorSettingError(OomkitError, ValueError):
+    """A ``PYTORCH_CUDA_ALLOC_CONF`` entry PyTorch would refuse (or silently ignore)."""
+
+
+def check_allocator_setting(setting: object) -> str:
+    """``setting`` when it is one ``option:value`` entry PyTorch's CUDA allocator takes; otherwise an
+    :class:`AllocatorSettingError` naming the entry and the options (a bad entry makes CUDA's first
+    allocation fail, long after the cell that set it)."""
+    example = f"e.g. {EXPANDABLE!r} or 'max_split_size_mb:128'"
+    if not isinstance(setting, str) or ":" not in setting or "," in setting:
+        raise AllocatorSettingError(
+            f"allocator setting {setting!r} is not one option:value entry; pass one at a time, {example}"
+        )
+    key, _, value = (part.strip() for part in setting.partition(":"))
+    if key not in ALLOCATOR_OPTIONS:
+        raise AllocatorSettingError(
+            f"allocator setting {setting!r}: unknown option {key!r}; use one of {', '.join(ALLOCATOR_OPTIONS)}"
+        )
+    valid, what = ALLOCATOR_OPTIONS[key]
+    if not valid(value):
+        raise AllocatorSettingError(f"allocator setting {setting!r}: {key} takes {what}, got {value!r}")
+    return setting
 
 
 def cuda_initialized() -> bool:
@@ -91,6 +147,7 @@ def configure_allocator(setting: str = EXPANDABLE) -> AllocatorSetup:
     Other entries already in the variable are kept. After CUDA has started, nothing is changed and
     the result says a restart is needed (unless the setting was already there from the start).
     """
+    check_allocator_setting(setting)
     current = os.environ.get(ALLOC_CONF, "")
     entries = _entries(current)
     if setting in entries:
@@ -118,6 +175,7 @@ def needs_restart_for(setting: str = EXPANDABLE) -> RestartCheck:
     environment, or was put there during this session without :func:`configure_allocator` seeing
     CUDA uninitialized (so it most likely came after CUDA started and is ignored).
     """
+    check_allocator_setting(setting)
     fix = f"put it in the first cell (from helpers.runtime import configure_allocator; configure_allocator()), then {RESTART_MENU} and run that cell first"
     present = setting in _entries(os.environ.get(ALLOC_CONF))
     if not cuda_initialized():

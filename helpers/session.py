@@ -6,6 +6,8 @@ import inspect
 import os
 import sys
 
+from .arguments import namespace_dict
+
 __all__ = ["ipython", "user_namespace", "caller_namespace", "in_colab", "enable_colab_widgets"]
 
 
@@ -51,7 +53,7 @@ def caller_namespace(namespace: dict | None, depth: int = 2) -> dict:
     """``namespace`` if given, else the globals of whoever called the public function ``depth`` frames
     up; in a notebook that is IPython's ``user_ns`` (which ``Out`` and ``_5`` live in)."""
     if namespace is not None:
-        return namespace
+        return namespace_dict("namespace", namespace)
     frame = inspect.currentframe()
     try:
         for _ in range(depth):

@@ -22,7 +22,7 @@ from .session import in_colab
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
     "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
-    "weight_files", "hub_weight_files", "mount_drive", "DriveMount",
+    "weight_files", "hub_weight_files", "mount_drive", "DriveMount", "closest_shipped",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -34,8 +34,18 @@ class SourceError(OomkitError, ValueError):
 
 
 def data_path(name: str = "") -> Path:
-    """Path of ``helpers/data/<name>`` (shipped with the package: configs, instructions, prompts)."""
-    return Path(str(resources.files("helpers").joinpath("data", name) if name else resources.files("helpers") / "data"))
+    """Path of ``helpers/data/<name>`` (shipped with the package: configs, instructions, prompts); a name
+    that is not there (or leads out of it) is a :class:`SourceError` listing what is."""
+    root = Path(str(resources.files("helpers") / "data"))
+    if not isinstance(name, str):
+        raise SourceError(f"data_path() takes a file name in {root} such as 'eval_prompts.jsonl', got {name!r:.60}")
+    if not name:
+        return root
+    path = root / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or not path.exists():
+        shipped = ", ".join(sorted(p.name for p in root.iterdir() if not p.name.startswith(("_", "."))))
+        raise SourceError(f"{name!r} is not in oomkit's data folder {root}; it holds: {shipped}")
+    return path
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -45,6 +55,8 @@ def shipped_configs() -> dict[str, Path]:
 
 def no_config_help(model: str) -> str:
     """What to do when ``model``'s config.json cannot be read here (offline, and it does not ship)."""
+    if not isinstance(model, str | os.PathLike):
+        raise SourceError(f"no_config_help() takes the model's hub id or path, got {model!r:.60}")
     return (
         f"No estimate for {model!r}: its config.json cannot be read here (the 'model' line above says why).\n"
         "Set MODEL to a local folder holding config.json (or the config.json file itself), run this notebook "
@@ -60,6 +72,17 @@ def shipped_config(name: str) -> Path | None:
         return configs[name]
     low = name.lower()
     return next((p for hub_id, p in configs.items() if low in (hub_id.lower(), hub_id.split("/")[-1].lower())), None)
+
+
+def closest_shipped(name: str) -> str | None:
+    """The shipped config's hub id that ``name`` most likely misspells ('meta-llama/Llama-2-7b-hff'), or
+    ``None`` when none is close (an exact name is found by :func:`shipped_config`, not here)."""
+    import difflib
+
+    ids = list(shipped_configs())
+    by_key = {i.lower(): i for i in ids} | {i.split("/")[-1].lower(): i for i in ids}
+    found = difflib.get_close_matches(str(name).lower(), list(by_key), n=1, cutoff=0.85)
+    return by_key[found[0]] if found else None
 
 
 def read_json(path: Path, what: str = "JSON") -> Any:
@@ -79,6 +102,9 @@ def persistent_path(name: str | Path, *, default_dir: str | Path = ".") -> Path:
     """Where a file that must survive a Colab runtime reset goes: ``MyDrive/oomkit/<name>`` when Drive is
     mounted in Colab (files under /content vanish with the runtime), else ``default_dir/<name>``.
     An absolute ``name`` is kept as given."""
+    for arg, value in (("name", name), ("default_dir", default_dir)):
+        if not isinstance(value, str | os.PathLike) or not str(value).strip():
+            raise SourceError(f"persistent_path(): {arg} must be a file or folder name, got {value!r:.60}")
     name = Path(name)
     if name.is_absolute():
         return name

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .arguments import ArgumentError, number, whole_number
 from .units import format_bytes
 
 __all__ = ["SimulatedBudget", "simulated_budget"]
@@ -55,6 +56,10 @@ def simulated_budget(model, tokens: int, *, oom_rate: float = 0.0, seed: int = 0
     allocator failure, so ``is_oom`` and the cleanup path see exactly what a GPU OOM gives them.
     Yields the :class:`SimulatedBudget` (``.calls``, ``.ooms``).
     """
+    whole_number("tokens", tokens)
+    number("oom_rate", oom_rate, low=0, high=1, high_open=True)
+    if not callable(getattr(model, "generate", None)):
+        raise ArgumentError(f"simulated_budget() wraps a model's generate(); {model!r:.60} has none")
     budget = SimulatedBudget(tokens=tokens, oom_rate=oom_rate, seed=seed, _rng=random.Random(seed))
     original = model.generate
 

@@ -35,6 +35,10 @@ def format_bytes(n: int | float | None, precision: int = 2) -> str:
             f"format_bytes() takes a byte count (int), got {type(n).__name__} {n!r}; "
             "for text such as '1.5 GiB' use parse_bytes()"
         )
+    if not math.isfinite(n):
+        raise ValueError(f"format_bytes() takes a finite byte count, got {n!r}")
+    if isinstance(precision, bool) or not isinstance(precision, int) or not 0 <= precision <= 12:
+        raise ValueError(f"precision is the digits after the point, a whole number from 0 to 12; got {precision!r}")
     sign = "-" if n < 0 else ""
     n = abs(n)
     for name, factor in _UNITS:
@@ -46,7 +50,8 @@ def format_bytes(n: int | float | None, precision: int = 2) -> str:
 def parse_bytes(text: str) -> int:
     """Parse ``"1.23 GiB"``, ``"118.00 MiB"``, ``"512 bytes"`` or ``"2GB"`` into bytes.
 
-    Decimal-looking units (GB, MB) are read as binary, as PyTorch writes them. Raises
+    Decimal-looking units (GB, MB) are read as binary, as PyTorch writes them; a leading minus is
+    kept (a difference such as ``"-5 GiB"`` parses to a negative count, as format_bytes writes it). Raises
     ``ValueError`` naming the accepted units when the text is not a size.
     """
     if isinstance(text, numbers.Real) and not isinstance(text, bool):

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS = [
-    {"units", "errors"},
+    {"units", "errors", "arguments"},
     {
         "html",
         "knobs",

@@ -10,6 +10,7 @@ import torch
 
 from ..sources import (
     SourceError,
+    closest_shipped,
     data_path,
     drive_hint,
     hub_offline_reason,
@@ -21,7 +22,49 @@ from ..sources import (
 )
 from .rows import EstimateError
 
-__all__ = ["resolve_config", "config_from_dict"]
+__all__ = ["resolve_config", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION"]
+
+# The sizes a config.json states, by their names across architectures (text_config's too). Each must be a
+# whole number >= 1; a hostile or broken file (a negative width, 10**12 layers, "32" as text) is refused
+# here, before transformers or the meta-device build see it (10**12 layers would never finish building).
+SIZE_FIELDS = (
+    "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model", "num_attention_heads",
+    "n_head", "num_key_value_heads", "intermediate_size", "ffn_dim", "n_inner", "vocab_size", "head_dim",
+    "max_position_embeddings", "n_positions", "num_local_experts", "num_experts",
+)  # fmt: skip
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+MAX_LAYERS = 2048  # the deepest published LMs have under 200 layers
+MAX_DIMENSION = 2**27  # widths, vocabularies and context lengths: the largest real ones are under 2**24
+
+
+def _torch_dtype_ok(value: Any) -> bool:
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return True
+    return isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype)
+
+
+def check_config_values(d: dict, where: str) -> None:
+    """Refuse a config whose sizes are not whole numbers in range or whose dtype torch does not know,
+    naming the field, its value and what to do: the one sanity check of every config oomkit reads."""
+    fix = f"fix {where} (a model's config.json states positive whole numbers) or pass another model"
+    for key in SIZE_FIELDS:
+        if key not in d or (d[key] is None and key != "num_hidden_layers"):  # null: the default applies
+            continue
+        value, top = d[key], MAX_LAYERS if key in LAYER_FIELDS else MAX_DIMENSION
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EstimateError(f"{key} in {where} is {value!r} ({type(value).__name__}), not a whole number; {fix}")
+        if not 1 <= value <= top:
+            raise EstimateError(f"{key} in {where} is {value!r}, outside 1..{top:,}; {fix}")
+    for key in ("torch_dtype", "dtype"):
+        if not _torch_dtype_ok(d.get(key)):
+            raise EstimateError(
+                f"{key} in {where} is {d[key]!r}, not a torch dtype; use a name such as 'float16', 'bfloat16' or "
+                f"'float32' (or remove it), or pass another model"
+            )
+    if "model_type" in d and not isinstance(d["model_type"], str):
+        raise EstimateError(f"model_type in {where} is {d['model_type']!r}, not a name such as 'llama'; {fix}")
+    if isinstance(d.get("text_config"), dict):
+        check_config_values(d["text_config"], f"{where} (text_config)")
 
 
 def config_from_dict(d: dict, where: str):
@@ -29,6 +72,7 @@ def config_from_dict(d: dict, where: str):
     generic config (counted from its dimensions, marked approximate) instead of an error."""
     from transformers import AutoConfig, PretrainedConfig
 
+    check_config_values(d, where)
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
     model_type = d.pop("model_type", None)
     why = None
@@ -70,14 +114,18 @@ def _from_hub(name: str):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None), name, None
+        config = AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None)
     except Exception as e:
         known = ", ".join(shipped_configs()) or "none"
+        typo = closest_shipped(name)
         raise EstimateError(
-            f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
+            (f"did you mean {typo!r}? " if typo else "")
+            + f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
             f"Offline or private? Pass a local folder or config.json, or one of the configs in "
             f"{data_path('configs')} that work offline: {known}"
         ) from None
+    check_config_values(config.to_dict(), f"the config of {name!r}")
+    return config, name, None
 
 
 def resolve_config(model: Any):
@@ -91,12 +139,18 @@ def resolve_config(model: Any):
             raise EstimateError("this module has no .config; pass the model's config.json instead")
         return cfg, getattr(cfg, "_name_or_path", None) or type(model).__name__, model
     if isinstance(model, PretrainedConfig):
+        check_config_values(model.to_dict(), "this config")
         return model, getattr(model, "_name_or_path", None) or model.model_type, None
     if isinstance(model, dict):
         return config_from_dict(model, "the config dict"), model.get("_name_or_path") or "config", None
     if not isinstance(model, str | os.PathLike):
         raise EstimateError(f"model must be a hub id, a path, a config or a loaded model, not {type(model).__name__}")
     name = str(model)
+    if not name.strip():
+        raise EstimateError(
+            f"model is {name!r}, empty; pass a hub id such as 'org/name', a model folder, its config.json or a "
+            f"shipped config name ({', '.join(list(shipped_configs())[:3])}, ...)"
+        )
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         path = path / "config.json"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from ..arguments import flag, whole_number
 from ..devices import (
     CUBLAS_WORKSPACE,
     CUBLAS_WORKSPACE_HOPPER,
@@ -33,7 +34,7 @@ from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
 from .rows import HOST, EstimateError, EstimateRow
-from .training import OPTIMIZERS, FullTraining, LoraTraining, training_rows
+from .training import FullTraining, LoraTraining, training_rows
 
 __all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION", "cublas_workspace"]
 
@@ -259,9 +260,8 @@ def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, 
 
 def _check_inputs(inputs: dict) -> None:
     for k in ("batch_size", "prompt_tokens", "max_new_tokens"):
-        v = inputs[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k == "batch_size" and v < 1):
-            raise EstimateError(f"{k} must be an integer >= {1 if k == 'batch_size' else 0}, got {v!r}")
+        whole_number(k, inputs[k], minimum=0 if k == "max_new_tokens" else 1, error=EstimateError)
+    flag("double_quant", inputs["double_quant"], error=EstimateError)
     if not isinstance(inputs["sampling"], bool):
         raise EstimateError(
             f"sampling must be True or False (do_sample with top-k / top-p), got {inputs['sampling']!r}"
@@ -270,17 +270,16 @@ def _check_inputs(inputs: dict) -> None:
         inputs["kv_cache"] = kv_cache_name(inputs["kv_cache"])
     except ReducerError as e:
         raise EstimateError(str(e)) from None
+    skip = inputs["skip_modules"]
+    if skip is not None and (not isinstance(skip, list | tuple) or not all(isinstance(m, str) and m for m in skip)):
+        raise EstimateError(f"skip_modules must be a list of module names such as ['lm_head'] (or None), got {skip!r}")
     training = inputs["training"]
     if training is None:
         return
-    _check_reducers(training)
     if not isinstance(training, LoraTraining | FullTraining):
-        raise EstimateError("training must be LoraTraining(...), FullTraining(...) or None")
-    for k in ("seq_len", "micro_batch") + (("r",) if isinstance(training, LoraTraining) else ()):
-        if not isinstance(getattr(training, k), int) or getattr(training, k) < 1:
-            raise EstimateError(f"training.{k} must be an integer >= 1, got {getattr(training, k)!r}")
-    if training.optimizer not in OPTIMIZERS:
-        raise EstimateError(f"unknown optimizer {training.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        raise EstimateError(f"training must be LoraTraining(...), FullTraining(...) or None, got {training!r}")
+    type(training).__post_init__(training)  # fields changed after construction are checked again
+    _check_reducers(training)
 
 
 def _check_reducers(training) -> None:

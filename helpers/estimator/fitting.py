@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from ..arguments import flag, whole_number
 from ..devices import DEFAULT_DEVICE, capacity_range, resolve_device
 from ..html import badge, bar, table
 from ..reducers import kv_cache_available, liger_available
@@ -139,6 +140,7 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
     fit and by how much they save, each computed by re-estimating.
     """
+    flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
         raise EstimateError(
             f"fit() compares an estimate with a device, got {type(est).__name__} {est!r:.60}: "
@@ -408,6 +410,7 @@ def max_new_tokens_that_fit(model_or_estimate, *, device: Any = DEFAULT_DEVICE, 
     """The largest ``max_new_tokens`` that fits ``device`` and the model's context (prompt + new tokens
     <= ``max_position_embeddings`` where the config has it); -1 when no length fits: the prompt alone
     does not fit the device, or is past the context."""
+    whole_number("limit", limit, error=EstimateError)
     est = _as_estimate(model_or_estimate, kwargs)
     if est.context is not None:
         limit = min(limit, est.context - est.inputs["prompt_tokens"])
@@ -418,5 +421,6 @@ def max_new_tokens_that_fit(model_or_estimate, *, device: Any = DEFAULT_DEVICE, 
 
 def max_batch_that_fits(model_or_estimate, *, device: Any = DEFAULT_DEVICE, limit: int = 4096, **kwargs) -> int:
     """The largest ``batch_size`` that fits ``device`` (0 when batch 1 does not fit)."""
+    whole_number("limit", limit, error=EstimateError)
     est = _as_estimate(model_or_estimate, kwargs)
     return _search(est, "batch_size", _capacity(device), 1, limit)

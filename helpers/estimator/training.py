@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arguments import flag, number, whole_number
 from ..vocab import QUANTIZED
 from .layout import Layout, dims, should_convert
 from .reducers import loss_bytes, offload_rows
@@ -47,6 +48,20 @@ class LoraTraining:
     loss: str = "plain"
     offload_activations: bool = False
 
+    def __post_init__(self):
+        whole_number("LoraTraining.r", self.r, error=EstimateError)
+        number("LoraTraining.alpha", self.alpha, low=0, low_open=True, error=EstimateError)
+        number("LoraTraining.lora_dropout", self.lora_dropout, low=0, high=1, high_open=True, error=EstimateError)
+        targets = self.targets
+        if targets != "all-linear" and (
+            not isinstance(targets, list | tuple) or not targets or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise EstimateError(
+                f"LoraTraining.targets must be 'all-linear' or a list of module names such as ['q_proj', "
+                f"'v_proj'], got {targets!r}"
+            )
+        _check_common(self)
+
 
 @dataclass
 class FullTraining:
@@ -65,6 +80,20 @@ class FullTraining:
     master_weights: bool = False
     loss: str = "plain"
     offload_activations: bool = False
+
+    def __post_init__(self):
+        flag("FullTraining.master_weights", self.master_weights, error=EstimateError)
+        _check_common(self)
+
+
+def _check_common(tr: LoraTraining | FullTraining) -> None:
+    """What both kinds of training settings share: the optimizer, checkpointing and the step's shape."""
+    kind = type(tr).__name__
+    if not isinstance(tr.optimizer, str) or tr.optimizer not in OPTIMIZERS:
+        raise EstimateError(f"{kind}.optimizer {tr.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    flag(f"{kind}.gradient_checkpointing", tr.gradient_checkpointing, error=EstimateError)
+    whole_number(f"{kind}.seq_len", tr.seq_len, error=EstimateError)
+    whole_number(f"{kind}.micro_batch", tr.micro_batch, error=EstimateError)
 
 
 def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[EstimateRow], int, int]:

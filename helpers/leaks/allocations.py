@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,6 +96,12 @@ def top_allocation_sites(snapshot: dict | str | Path, n: int = 10, *, trusted: b
     A file is read with an unpickler that admits plain data only (snapshots are shared between
     people, and a pickle can run code); ``trusted=True`` reads your own file without that guard."""
     path = None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SnapshotError(f"n is how many sites to list, a whole number >= 1; got {n!r:.60}")
+    if not isinstance(snapshot, dict | str | os.PathLike):
+        raise SnapshotError(
+            f"snapshot must be torch.cuda.memory._snapshot()'s dict or its pickle file, got {snapshot!r:.60}"
+        )
     if not isinstance(snapshot, dict):
         path = Path(snapshot)
         snapshot = load_snapshot(path, trusted=trusted)

@@ -247,6 +247,9 @@ class CensusDiff:
 def census_diff(before: TensorCensus, after: TensorCensus) -> CensusDiff:
     """What appeared and survived between two censuses (memory reused at the same address with the
     same size reads as unchanged, so counts are a lower bound)."""
+    for name, value in (("before", before), ("after", after)):
+        if not isinstance(value, TensorCensus):
+            raise TypeError(f"census_diff() compares two census() results; {name} is {value!r:.60}")
     old = {e.key for e in before.entries}
     now = {e.key for e in after.entries}
     return CensusDiff([e for e in after.entries if e.key not in old], [e for e in before.entries if e.key not in now])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import flag, number, whole_number
 from ..html import Markup, badge
 from ..memory import allocated
 from ..session import caller_namespace
@@ -135,8 +136,10 @@ class GrowthDetector:
         capacity: int | None = None,
         measure: Callable[[], int] | None = None,
     ) -> None:
-        if window < 3:
-            raise ValueError("GrowthDetector(window=...) needs at least 3 steps to see a trend")
+        whole_number("warmup", warmup, minimum=0)
+        whole_number("window (steps to see a trend)", window, minimum=3)
+        whole_number("min_growth (bytes)", min_growth, minimum=0)
+        number("capacity (bytes)", capacity, low=0, low_open=True, none_ok=True)
         self.warmup, self.window, self.min_growth = warmup, window, min_growth
         self.capacity = capacity
         self.measure = measure or _measure
@@ -280,6 +283,7 @@ def watch(
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+    flag("stop_on_leak", stop_on_leak)
     ns = caller_namespace(namespace)
     try:
         takes_arg = bool(inspect.signature(step_fn).parameters)

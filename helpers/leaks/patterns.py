@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..arguments import whole_number
 from ..checks import Check
 from ..html import badge, table
 from ..object_walk import walk
@@ -274,6 +275,7 @@ def leak_checks(namespace: dict | None = None, *, cache_entries: int = 16) -> Le
     Args:
         cache_entries: a dict of tensors keyed by shape with at least this many entries is reported.
     """
+    whole_number("cache_entries", cache_entries)
     ns = caller_namespace(namespace)
     f = _scan(ns, cache_entries)
     return LeakChecks(
