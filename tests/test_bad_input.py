@@ -326,9 +326,10 @@ def placement_cases() -> list[Case]:
     cases += params("plan_devices", pd, "headroom", [-1, "lots", NAN], model=m, load="nf4", devices="t4")
     cases += params("plan_devices", pd, "cpu_memory", [-1, NAN, "8GiB"], model=m, load="nf4", devices="t4")
     cases += params("plan_devices", pd, "batch_size", [0, -1, NAN], model=m, load="nf4", devices="t4")
-    cases += params("fits_table", ft, "loads", [("int3",), "nf4", (), 5, None])
+    cases += params("fits_table", ft, "loads", [("int3",), "nf4", (), 5])  # None: every mode (documented)
     cases += params("fits_table", ft, "machines", [5, {"x": "t5"}, {}, "t4"])
-    cases += params("fits_table", ft, "model", [m, ""])
+    cases += params("fits_table", ft, "model", ["", 5])  # a model name is what fits_table(model) takes
+    cases += params("fits_table", ft, "tokens", [0, 1, -5, "768", True], model=m)
     cases += params("training_memory", tm, "model", [5, "", None])
     cases += params("training_memory", tm, "strategy", ["zero4", "", 5], model=m)
     cases += params("training_memory", tm, "world_size", [0, -1, 1.5, "2"], model=m)
