@@ -326,35 +326,13 @@ def safe_generate(
             and everything written before it stays in the file.
     """
     items, ids, run = _prepare(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        results=results,
-        resume=resume,
-        generation_kwargs=generation_kwargs,
-        score=score,
-        max_batch_size=max_batch_size,
-        stream=stream,
-        kv_cache=kv_cache,
-    )
-    store = ResultsFile(results)
-    _refuse_input_as_results(prompts, store.path)
-    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
-    if store.backup is not None:
-        warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=2)
+        model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
+        kv_cache,
+    )  # fmt: skip
+    store, done = _open_results(prompts, results, resume)  # locked for the run: a second writer gets an error
     try:
         report = _generate_pending(
-            run,
-            items,
-            ids,
-            store,
-            done,
-            resume=resume,
-            batch_size=batch_size,
-            max_batch_size=max_batch_size,
-            progress=progress,
-            on_result=on_result,
+            run, items, ids, store, done, resume, batch_size, max_batch_size, progress, on_result
         )
     finally:
         store.close()
@@ -362,11 +340,20 @@ def safe_generate(
     return report
 
 
+def _open_results(prompts: Any, results: str | os.PathLike, resume) -> tuple[ResultsFile, dict[str, dict]]:
+    """The results file, open and locked for the run, and the records it already holds."""
+    store = ResultsFile(results)
+    _refuse_input_as_results(prompts, store.path)
+    done = store.open(fresh=resume is False)
+    if store.backup is not None:
+        warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=3)
+    return store, done
+
+
 def _prepare(
     model,
     tokenizer,
     prompts,
-    *,
     max_new_tokens,
     results,
     resume,
@@ -374,7 +361,7 @@ def _prepare(
     score,
     max_batch_size,
     stream,
-    kv_cache=None,
+    kv_cache,
 ) -> tuple[list[dict], list[list[int]], _Run]:
     """Every check that needs no results file (all before any generation): the prompts, their token ids, the run."""
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
@@ -405,7 +392,6 @@ def _generate_pending(
     ids: list[list[int]],
     store: ResultsFile,
     done: dict[str, dict],
-    *,
     resume,
     batch_size,
     max_batch_size: int,
