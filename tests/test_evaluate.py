@@ -467,6 +467,34 @@ def test_a_second_writer_gets_an_error_naming_the_first(tiny, tmp_path):
         first.close()
 
 
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_a_second_writer_through_a_link_to_the_same_file_gets_an_error(tiny, tmp_path, link):
+    """Two names of one file (a symlink, a hard link) are one results file: one writer at a time."""
+    model, tok = tiny
+    real = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:2], max_new_tokens=NEW, results=real, progress=False)
+    alias = tmp_path / "elsewhere" / "alias.jsonl"
+    alias.parent.mkdir()
+    (os.symlink if link == "symlink" else os.link)(real, alias)
+    before = real.read_bytes()
+    said = rf"being written by another run \(process {os.getpid()}" if link == "symlink" else "a hard link"
+    for held, other in ((real, alias), (alias, real)):
+        first = ResultsFile(held)
+        first.open()
+        try:
+            with pytest.raises(EvalError, match=said):
+                safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=other, progress=False)
+            with pytest.raises(EvalError, match=said):
+                ResultsFile(other).open()
+        finally:
+            first.close()
+    assert real.read_bytes() == before
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=alias, progress=False)
+    assert report.skipped == 2 and report.done == len(PROMPTS) - 2
+    ids = [r["id"] for r in _lines(real)]
+    assert len(ids) == len(set(ids)) == len(PROMPTS)
+
+
 def _lines_prefix(data: bytes) -> list[dict]:
     return [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
 
