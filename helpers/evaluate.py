@@ -100,6 +100,8 @@ class EvalReport:
         failures, failed: prompts recorded as failed (``error: "does not fit"``: not even one new
             token fits in memory with the prompt alone), with their ``prompt_tokens``; a rerun tries
             them again.
+        failed_again: of those, the ones this run tried again and that failed as an earlier run with
+            the same model and settings had recorded: their record is not written a second time.
     """
 
     results_path: Path
@@ -124,6 +126,7 @@ class EvalReport:
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    failed_again: int = 0
 
     @property
     def failed(self) -> int:
@@ -169,7 +172,8 @@ class EvalReport:
         ]
         if self.failures:
             shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
-            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}"))
+            again = f"; {self.failed_again} failed before too (recorded once)" if self.failed_again else ""
+            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}{again}"))
         rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
         return rows
 
@@ -399,7 +403,8 @@ def _generate_pending(
     on_result,
 ) -> EvalReport:
     """Generate what the (open, locked) results file does not hold yet; the report of this run so far."""
-    done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
+    failed = {k: r for k, r in done.items() if r.get("error")}  # tried again (memory may be free now)
+    done = {k: r for k, r in done.items() if not r.get("error")}
     _check_reuse(done, items, run, resume, store.path)
     pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired, backup=store.backup)
@@ -407,7 +412,7 @@ def _generate_pending(
     longest = max(len(row) for row in ids)
     budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
     try:
-        _Loop(run, pending, store, report, budget, progress, on_result).run()
+        _Loop(run, pending, store, report, budget, progress, on_result, failed).run()
     finally:
         remember(key, budget, run.max_new_tokens + longest)
     return report
@@ -612,12 +617,15 @@ def _plan_batches(
 class _Loop:
     """The batches of one run: longest prompts first, sizes from the token budget, OOMs retried."""
 
-    def __init__(self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result):
+    def __init__(
+        self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result, failed
+    ):
         # longest first: the tightest batches come first, so memory limits are found early and
         # later (shorter) batches grow; similar lengths together waste little compute on padding
         self.pending = sorted(pending, key=lambda p: -len(p[1]))
         self.run_, self.store, self.report, self.budget = run, store, report, budget
         self.progress, self.on_result = progress, on_result
+        self.failed_before: dict[str, dict] = failed  # failure records of earlier runs, by id
         self.i = 0
         self.single_retries = 0
         self.shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
@@ -692,7 +700,11 @@ class _Loop:
     def _does_not_fit(self, result: Attempt) -> None:
         item, row = self.pending[self.i]
         rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
-        _write(self.store, [rec], self.report)
+        earlier = self.failed_before.get(item["id"])
+        if earlier is not None and earlier.get("error") == rec["error"] and _mismatch(earlier, item, self.run_) is None:
+            self.report.failed_again += 1  # already on record, made the same way: one line per failure
+        else:
+            _write(self.store, [rec], self.report)
         self.report.failures.append(rec)
         self.i += 1
         self.single_retries, self.shrink_new = 0, None

@@ -516,6 +516,28 @@ def test_a_prompt_that_never_fits_is_recorded_as_failed_and_the_rest_goes_on(tin
     assert again.done == 1 and again.skipped == 4 and again.failed == 0 and len(again.records) == 5
 
 
+def test_a_prompt_that_never_fits_is_recorded_once_however_often_it_is_rerun(tiny, tmp_path):
+    model, tok = tiny
+    long = " ".join(["memory"] * 40)
+    prompts = [long, *PROMPTS[:2]]
+    n_long = len(tok(long)["input_ids"])
+    path = tmp_path / "r.jsonl"
+    for run in range(3):
+        with simulated_budget(model, tokens=n_long):  # the long prompt never fits
+            report = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=path, progress=False)
+        assert report.failed == 1 and report.failed_again == (1 if run else 0)
+        assert [r["id"] for r in _lines(path)].count(report.failures[0]["id"]) == 1, f"rerun {run}: written twice"
+    assert len(_lines(path)) == 3 and "1 failed before too (recorded once)" in str(report)
+    # another setting is another attempt: its failure is recorded (the newer line is the one read)
+    with simulated_budget(model, tokens=n_long), pytest.warns(UserWarning, match="reused anyway"):
+        report = safe_generate(
+            model, tok, prompts, max_new_tokens=NEW, results=path, resume="force", generation_kwargs={"top_k": 5},
+            progress=False,
+        )  # fmt: skip
+    assert report.failed == 1 and report.failed_again == 0 and len(_lines(path)) == 4
+    assert report.failures[0]["settings"]["top_k"] == 5
+
+
 def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):
     model, tok = tiny
     prompt_file = tmp_path / "prompts.jsonl"
