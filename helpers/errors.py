@@ -14,6 +14,7 @@ __all__ = [
     "LoadRefused",
     "EvalError",
     "FingerprintError",
+    "ScoreError",
     "ModelUnloadedError",
 ]
 
@@ -47,6 +48,20 @@ class EvalError(OomkitError, ValueError):
 
 class FingerprintError(EvalError):
     """A generation setting whose behaviour cannot be fingerprinted, so a resume could not check it."""
+
+
+class ScoreError(OomkitError, RuntimeError):
+    """``safe_generate``'s ``score=`` function raised: raised after the run, whose outputs are all saved.
+
+    ``report`` is the run's :class:`helpers.evaluate.EvalReport` (each failed record has ``score_error``).
+    """
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.report)
 
 
 class ModelUnloadedError(OomkitError, RuntimeError):

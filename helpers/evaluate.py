@@ -35,7 +35,7 @@ import torch
 from .arguments import whole_number
 from .attention import keep_attention_fused
 from .batch_size import remembered_batch
-from .errors import EvalError
+from .errors import EvalError, ScoreError
 from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
 from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
@@ -53,7 +53,7 @@ from .prompts import load_prompts, prompt_id
 from .reducers import kv_cache_kwargs
 from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
-from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer
+from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
 from .units import format_bytes
 from .vocab import ReducerError
 
@@ -61,6 +61,7 @@ __all__ = [
     "EvalError",
     "FingerprintError",
     "ResultsWriteError",
+    "ScoreError",
     "EvalReport",
     "safe_generate",
     "load_prompts",
@@ -307,7 +308,8 @@ def safe_generate(
             ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
             logits processors) are recorded by content, one with no readable state raises FingerprintError.
-        score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
+        score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the
+            report; saved outputs without its score (an earlier run's) are scored too.
         max_batch_size: never batch more prompts than this.
         progress: show a tqdm bar (a widget in notebooks).
         on_result: called with each record once it is on disk.
@@ -328,6 +330,7 @@ def safe_generate(
             path, results made by another model or settings), raised before any generation.
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
+        ScoreError: after the run, when ``score`` raised: every output is saved, with ``score_error``.
     """
     items, ids, run = _prepare(
         model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
@@ -341,6 +344,7 @@ def safe_generate(
     finally:
         store.close()
     _finish(report, run, store, items)
+    _raise_score_errors(report, run.scorer)
     return report
 
 
@@ -761,7 +765,7 @@ def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *
             seconds=round(seconds / size, 6),
         )
         if run.scorer is not None and it["reference"] is not None:
-            rec["score"] = {run.scorer[0]: float(run.scorer[1](text, it["reference"]))}
+            rec.update(score_fields(run.scorer, text, it["reference"]))  # a raising scorer loses no output
         records.append(rec)
     return records
 
@@ -795,7 +799,39 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
     report.records = [r for r in mine if not r.get("error")]
     report.failures = [r for r in mine if r.get("error")]
     if run.scorer is not None:
+        _score_unscored(report.records, run.scorer)
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
             report.scores[name] = sum(values) / len(values)
+
+
+def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:
+    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, or ones it raised on."""
+    name = scorer[0]
+    for r in records:
+        if r.get("reference") is None or name in (r.get("score") or {}):
+            continue
+        fields = score_fields(scorer, r["output"], r["reference"])
+        errors = {k: v for k, v in (r.get("score_error") or {}).items() if k != name}
+        r["score"] = {**(r.get("score") or {}), **fields.get("score", {})}
+        r["score_error"] = {**errors, **fields.get("score_error", {})}
+        for key in ("score", "score_error"):
+            if not r[key]:
+                del r[key]
+
+
+def _raise_score_errors(report: EvalReport, scorer) -> None:
+    """After the run (every output saved): the score function raised on some records."""
+    name = scorer[0] if scorer is not None else None
+    failed = [r for r in report.records if name in (r.get("score_error") or {})]
+    if not failed:
+        return
+    first = failed[0]
+    raise ScoreError(
+        f"the score function {name!r} raised on {len(failed)} of {len(report.records)} samples (first, id "
+        f"{first['id']}: {first['score_error'][name]}). Their outputs are saved in {report.results_path} with "
+        "score_error; this error's .report holds the run. Fix the function and rerun with the same results "
+        "file: nothing is generated again, the saved outputs are scored",
+        report,
+    )

@@ -21,6 +21,7 @@ from helpers.evaluate import (
     EvalError,
     ResultsFile,
     ResultsWriteError,
+    ScoreError,
     batch_cache_key,
     contains_reference,
     exact_match,
@@ -349,6 +350,28 @@ def test_scores_and_report(tiny, tmp_path):
     assert "generated" in str(report) and "<table" in report._repr_html_()
     assert report.tokens_per_s > 0 and report.peak_memory > 0
     assert report.plot().axes
+
+
+def test_a_score_function_that_raises_loses_no_output_and_is_named(tiny, reference, tmp_path):
+    model, tok = tiny
+    rows = [{"id": k, "prompt": p, "reference": "odd" if k % 3 else "memory"} for k, p in enumerate(PROMPTS)]
+
+    def picky(output, ref):
+        if ref == "memory":
+            raise ValueError("cannot score this one")
+        return 1.0
+
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ScoreError, match=r"score function 'picky' raised on 4 of 12 samples.*ValueError: cannot score"):
+        safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=picky, batch_size=4)
+    saved = _lines(path)
+    assert len(saved) == 12 and sorted(r["output"] for r in saved) == sorted(reference.values())  # none lost
+    assert sum("score_error" in r for r in saved) == 4 and all("output" in r for r in saved)
+    # fixed: the rerun generates nothing and scores the saved outputs
+    with simulated_budget(model, tokens=10**9) as budget:
+        report = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=exact_match)
+    assert budget.calls == 0 and report.skipped == 12 and "exact_match" in report.scores
+    assert all("exact_match" in r["score"] for r in report.records)
 
 
 def test_auto_batch_starts_from_the_finders_cache(tiny, tmp_path):
