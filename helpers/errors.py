@@ -15,6 +15,7 @@ __all__ = [
     "EvalError",
     "FingerprintError",
     "ScoreError",
+    "ContextLengthError",
     "ModelUnloadedError",
 ]
 
@@ -62,6 +63,10 @@ class ScoreError(OomkitError, RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.args[0], self.report)
+
+
+class ContextLengthError(OomkitError, ValueError):
+    """A prompt plus its new tokens would run past the model's context (its ``max_position_embeddings``)."""
 
 
 class ModelUnloadedError(OomkitError, RuntimeError):

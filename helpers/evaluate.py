@@ -42,6 +42,7 @@ from .generation import (
     Generated,
     can_stream,
     check_generate_kwargs,
+    context_length,
     encode,
     first_prompt_streamer,
     generate_batch,
@@ -263,16 +264,6 @@ def prompt_hash(prompt: str) -> str:
 # safe_generate
 
 
-def _context_length(model, tokenizer) -> int | None:
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    return value if isinstance(value, int) and 0 < value < 1 << 30 else None
-
-
 def safe_generate(
     model,
     tokenizer,
@@ -385,7 +376,7 @@ def _prepare(
     scorer = resolve_scorer(score)
     # token ids once: the lengths (sorting, context limits) and the batches themselves
     ids = encode(tokenizer, [it["prompt"] for it in items])
-    context = _context_length(model, tokenizer)
+    context = context_length(model, tokenizer)
     _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
