@@ -47,6 +47,7 @@ from .generation import (
     first_prompt_streamer,
     generate_batch,
     model_device,
+    new_tokens_room,
     stop_token_ids,
 )
 from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
@@ -470,7 +471,9 @@ def _check_context(items: list[dict], ids: list[list[int]], context: int | None)
     """Refuse (before any generation) prompts that leave no room for one new token in the context."""
     if context is None:
         return
-    too_long = [(it["id"], len(row)) for it, row in zip(items, ids, strict=True) if len(row) >= context]
+    too_long = [
+        (it["id"], len(row)) for it, row in zip(items, ids, strict=True) if new_tokens_room(context, len(row), 1) < 1
+    ]
     if too_long:
         shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
         raise EvalError(
@@ -583,9 +586,7 @@ class _Run:
 
     def cap(self, prompt_tokens: int) -> int:
         """New tokens a prompt of this length may get (the context may allow fewer than asked)."""
-        if self.context is None:
-            return self.max_new_tokens
-        return min(self.max_new_tokens, self.context - prompt_tokens)
+        return new_tokens_room(self.context, prompt_tokens, self.max_new_tokens)
 
 
 def _plan_batches(

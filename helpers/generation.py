@@ -32,6 +32,8 @@ __all__ = [
     "count_new_tokens",
     "model_device",
     "context_length",
+    "new_tokens_room",
+    "new_tokens_in_context",
     "generate_batch",
     "generate_batched",
     "first_prompt_streamer",
@@ -120,6 +122,12 @@ def context_length(model, tokenizer) -> int | None:
     return value if isinstance(value, int) and 0 < value < 1 << 30 else None
 
 
+def new_tokens_room(context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
+    """New tokens a prompt of ``prompt_tokens`` may get: ``max_new_tokens``, fewer where the context ends
+    (below 1: the prompt fills the context and is refused, by ``safe_generate`` and ``generate_batched``)."""
+    return max_new_tokens if context is None else min(max_new_tokens, context - prompt_tokens)
+
+
 OVER_CONTEXT = ("refuse", "cap")
 
 
@@ -137,25 +145,24 @@ def new_tokens_in_context(
             f"over_context must be 'refuse' (an error when prompt + max_new_tokens exceed the context) or 'cap' "
             f"(fewer new tokens for those prompts), got {over_context!r}"
         )
-    if context is None:
-        return [max_new_tokens] * len(ids)
-    full = [k for k, row in enumerate(ids) if len(row) >= context]
-    over = [k for k, row in enumerate(ids) if len(row) + max_new_tokens > context]
+    room = [new_tokens_room(context, len(row), max_new_tokens) for row in ids]
+    full = [k for k, n in enumerate(room) if n < 1]
+    over = [k for k, n in enumerate(room) if n < max_new_tokens]
     bad = full if over_context == "cap" else over
     if bad:
         shown = ", ".join(f"#{k} ({len(ids[k])} tokens)" for k in bad[:5]) + (" ..." if len(bad) > 5 else "")
         if full:
             fix = "Shorten or drop them: they leave no room for one new token"
         else:
-            room = context - max(len(ids[k]) for k in bad)
+            fits = min(room[k] for k in bad)
             fix = (
-                f"Pass max_new_tokens={room} or less, or over_context='cap' for fewer new tokens where the context ends"
+                f"Pass max_new_tokens={fits} or less, or over_context='cap' for fewer new tokens where the context ends"
             )
         raise ContextLengthError(
             f"{len(bad)} prompt(s) plus max_new_tokens={max_new_tokens} do not fit the model's {context}-token "
             f"context: {shown}. {fix}"
         )
-    return [min(max_new_tokens, context - len(row)) for row in ids]
+    return room
 
 
 def generate_batch(
