@@ -3,21 +3,29 @@
 :mod:`helpers.checkpoints` checks that a checkpoint's files are whole. Whole files can still be
 wrong: another model's ``optimizer.pt``, optimizer and scheduler files swapped, a pickle that would
 run code when loaded, an adapter full of NaN (a run that diverged) or shaped for another model.
-Resuming from one crashes in the middle of ``Trainer`` with the same raw error on every rerun, or
-trains on from wrong weights without a word. :func:`prove` loads each file the way a resume would,
+A ``trainer_state.json`` or ``scheduler.pt`` of another step or run, a broken random-number state or
+an ``adapter_config.json`` that is no adapter's are whole files too. Resuming from one crashes in the
+middle of ``Trainer`` with the same raw error on every rerun, or trains on from wrong weights (or not
+at all) without a word. :func:`prove` loads each file the way a resume would,
 but with ``weights_only`` (a pickle that would run code is refused, never executed), and says in one
 sentence what is wrong, naming the file.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import pickle
+import random
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["prove", "adapter_problem", "optimizer_problem"]
+from .checkpoints import checkpoint_step
+
+__all__ = ["prove", "adapter_problem", "optimizer_problem", "state_problem", "rng_problem"]
 
 
 def _short(e: BaseException) -> str:
@@ -25,9 +33,18 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
 
 
-def _load_plain(path: Path) -> tuple[object, str | None]:
+def _numpy_globals() -> list:
+    """The numpy classes an ``rng_state.pth`` holds (Trainer allows these same ones when it loads it)."""
+    core = np._core if hasattr(np, "_core") else np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _load_plain(path: Path, *, numpy: bool = False) -> tuple[object, str | None]:
     """(what ``path`` holds, None) or (None, why it cannot be loaded as plain tensors and containers)."""
     try:
+        if numpy:
+            with torch.serialization.safe_globals(_numpy_globals()):
+                return torch.load(path, map_location="cpu", weights_only=True), None
         return torch.load(path, map_location="cpu", weights_only=True), None
     except pickle.UnpicklingError as e:
         return None, (
@@ -53,6 +70,9 @@ def adapter_problem(folder: Path, model) -> str | None:
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
+    found = _adapter_config_problem(folder, model)
+    if found:
+        return found
     path = folder / "adapter_model.safetensors"
     if not path.exists():
         return None  # an older .bin adapter: checkpoints.problem checked it is whole
@@ -75,6 +95,27 @@ def adapter_problem(folder: Path, model) -> str | None:
         bad = _nonfinite(key, tensor)
         if bad:
             return f"{path.name} is unusable: {bad} (the run diverged, or the file is damaged)"
+    return None
+
+
+def _adapter_config_problem(folder: Path, model) -> str | None:
+    """``adapter_config.json`` must be a PEFT config of this model's adapter type and rank."""
+    from peft import PeftConfig
+
+    path = folder / "adapter_config.json"
+    if not path.exists():
+        return "adapter_config.json is missing (the adapter cannot be loaded without it)"
+    try:
+        saved = PeftConfig.from_pretrained(str(folder))
+    except Exception as e:  # peft raises several types for a config that is not one
+        return f"adapter_config.json is no PEFT adapter config ({_short(e)})"
+    if getattr(saved, "peft_type", None) is None:
+        return "adapter_config.json is no PEFT adapter config (it names no peft_type)"
+    mine = model.peft_config.get(getattr(model, "active_adapter", None)) or next(iter(model.peft_config.values()))
+    for key in ("peft_type", "r"):
+        theirs, ours = (getattr(getattr(c, key, None), "value", getattr(c, key, None)) for c in (saved, mine))
+        if theirs != ours:
+            return f"adapter_config.json is for another adapter: {key} {theirs}, this model's is {ours}"
     return None
 
 
@@ -133,14 +174,74 @@ def optimizer_problem(folder: Path, model) -> str | None:
         lrs = sched.get("base_lrs")
         if groups is not None and isinstance(lrs, list) and len(lrs) != groups:
             return f"scheduler.pt is for {len(lrs)} parameter groups, optimizer.pt has {groups} (files of two runs)"
+        return _scheduler_of_this_run(sched, opt if groups is not None else None, checkpoint_step(folder))
+    return None
+
+
+def _scheduler_of_this_run(sched: dict, opt: dict | None, step: int | None) -> str | None:
+    """A scheduler never ahead of its checkpoint (behind it is fine: fp16 skips steps) and started from
+    the optimizer's learning rates."""
+    last = sched.get("last_epoch")
+    if step is not None and isinstance(last, int) and last > step:
+        return f"scheduler.pt is at step {last}, ahead of this checkpoint's {step} (another run's scheduler)"
+    initial = [g.get("initial_lr") for g in (opt or {}).get("param_groups", [])]
+    lrs = sched.get("base_lrs")
+    if isinstance(lrs, list) and all(isinstance(x, int | float) for x in [*initial, *lrs]) and len(initial) == len(lrs):
+        if any(not math.isclose(a, b, rel_tol=1e-6) for a, b in zip(lrs, initial, strict=True)):
+            return (
+                f"scheduler.pt starts from learning rate {lrs[0]:g}, optimizer.pt from {initial[0]:g} "
+                "(files of two runs)"
+            )
+    return None
+
+
+def state_problem(folder: Path) -> str | None:
+    """``trainer_state.json`` must be at the step the folder is named after (Trainer names it so)."""
+    step = checkpoint_step(folder)
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # missing or not JSON: checkpoints.problem names it
+    got = state.get("global_step") if isinstance(state, dict) else None
+    if step is None or not isinstance(got, int) or got == step:
+        return None
+    effect = "train fewer steps than asked, or none" if got > step else "repeat steps already trained"
+    return (
+        f"trainer_state.json says global step {got}, the folder is {folder.name} (another step's or run's "
+        f"state: resuming would {effect})"
+    )
+
+
+def rng_problem(folder: Path) -> str | None:
+    """Each ``rng_state*.pth`` must hold python, numpy and torch random states that can be set."""
+    for path in sorted(folder.glob("rng_state*.pth")):
+        state, why = _load_plain(path, numpy=True)
+        if why:
+            return why
+        if not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+            found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            return f"{path.name} holds no random-number states (python, numpy and cpu expected, found {found})"
+        try:  # on fresh generators: the process's own states stay as they are
+            random.Random().setstate(state["python"])
+            np.random.RandomState().set_state(state["numpy"])
+            torch.Generator().set_state(state["cpu"])
+        except Exception as e:  # each library raises its own type for a state it cannot take
+            return f"{path.name} holds a broken random-number state ({_short(e)})"
     return None
 
 
 def prove(folder: str | Path, model) -> str | None:
     """Why ``model`` must not resume from ``folder`` (one sentence naming the file), None when it may.
 
-    Loads the adapter (shapes and names as ``model``'s, every value finite) and the optimizer and
-    scheduler states (plain tensors only, one state per trainable parameter, of its shape).
+    Loads the adapter (its config of this model's type and rank, shapes and names as ``model``'s,
+    every value finite), the optimizer and scheduler states (plain tensors only, one state per
+    trainable parameter, of its shape; the scheduler not ahead of the step and from the optimizer's
+    learning rates), the trainer state (at the folder's step) and the random-number states.
     """
     folder = Path(folder)
-    return adapter_problem(folder, model) or optimizer_problem(folder, model)
+    return (
+        adapter_problem(folder, model)
+        or optimizer_problem(folder, model)
+        or state_problem(folder)
+        or rng_problem(folder)
+    )

@@ -29,7 +29,7 @@ from .errors import OomkitError
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
     "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
-    "RUN", "WHY", "read_stamp",
+    "RUN", "WHY", "read_stamp", "checkpoint_step",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
@@ -212,6 +212,12 @@ def _file_problems(folder: Path):
         yield _torch_file(path)
     state = folder / STATE
     yield _json_file(state, "global_step") if state.exists() else f"{STATE} is missing"
+
+
+def checkpoint_step(folder: str | Path) -> int | None:
+    """The step a ``checkpoint-N`` folder is named after (None for another name)."""
+    found = FOLDER.match(Path(folder).name)
+    return int(found[1]) if found else None
 
 
 def _step(folder: Path) -> int:

@@ -14,6 +14,8 @@ __all__ = [
     "LoadRefused",
     "EvalError",
     "FingerprintError",
+    "ScoreError",
+    "ContextLengthError",
     "ModelUnloadedError",
 ]
 
@@ -47,6 +49,24 @@ class EvalError(OomkitError, ValueError):
 
 class FingerprintError(EvalError):
     """A generation setting whose behaviour cannot be fingerprinted, so a resume could not check it."""
+
+
+class ScoreError(OomkitError, RuntimeError):
+    """``safe_generate``'s ``score=`` function raised: raised after the run, whose outputs are all saved.
+
+    ``report`` is the run's :class:`helpers.evaluate.EvalReport` (each failed record has ``score_error``).
+    """
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.report)
+
+
+class ContextLengthError(OomkitError, ValueError):
+    """A prompt plus its new tokens would run past the model's context (its ``max_position_embeddings``)."""
 
 
 class ModelUnloadedError(OomkitError, RuntimeError):

@@ -35,17 +35,19 @@ import torch
 from .arguments import whole_number
 from .attention import keep_attention_fused
 from .batch_size import remembered_batch
-from .errors import EvalError
+from .errors import EvalError, ScoreError
 from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
 from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
     Generated,
     can_stream,
     check_generate_kwargs,
+    context_length,
     encode,
     first_prompt_streamer,
     generate_batch,
     model_device,
+    new_tokens_room,
     stop_token_ids,
 )
 from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
@@ -53,7 +55,7 @@ from .prompts import load_prompts, prompt_id
 from .reducers import kv_cache_kwargs
 from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
-from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer
+from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
 from .units import format_bytes
 from .vocab import ReducerError
 
@@ -61,6 +63,7 @@ __all__ = [
     "EvalError",
     "FingerprintError",
     "ResultsWriteError",
+    "ScoreError",
     "EvalReport",
     "safe_generate",
     "load_prompts",
@@ -100,6 +103,8 @@ class EvalReport:
         failures, failed: prompts recorded as failed (``error: "does not fit"``: not even one new
             token fits in memory with the prompt alone), with their ``prompt_tokens``; a rerun tries
             them again.
+        failed_again: of those, the ones this run tried again and that failed as an earlier run with
+            the same model and settings had recorded: their record is not written a second time.
     """
 
     results_path: Path
@@ -124,6 +129,7 @@ class EvalReport:
     scores: dict[str, float] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    failed_again: int = 0
 
     @property
     def failed(self) -> int:
@@ -169,7 +175,8 @@ class EvalReport:
         ]
         if self.failures:
             shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
-            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}"))
+            again = f"; {self.failed_again} failed before too (recorded once)" if self.failed_again else ""
+            rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}{again}"))
         rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
         return rows
 
@@ -258,16 +265,6 @@ def prompt_hash(prompt: str) -> str:
 # safe_generate
 
 
-def _context_length(model, tokenizer) -> int | None:
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    return value if isinstance(value, int) and 0 < value < 1 << 30 else None
-
-
 def safe_generate(
     model,
     tokenizer,
@@ -303,7 +300,8 @@ def safe_generate(
             ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
             logits processors) are recorded by content, one with no readable state raises FingerprintError.
-        score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the report.
+        score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the
+            report; saved outputs without its score (an earlier run's) are scored too.
         max_batch_size: never batch more prompts than this.
         progress: show a tqdm bar (a widget in notebooks).
         on_result: called with each record once it is on disk.
@@ -324,49 +322,38 @@ def safe_generate(
             path, results made by another model or settings), raised before any generation.
         ResultsWriteError: a result could not be written (disk full); it carries the unsaved records
             and everything written before it stays in the file.
+        ScoreError: after the run, when ``score`` raised: every output is saved, with ``score_error``.
     """
     items, ids, run = _prepare(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        results=results,
-        resume=resume,
-        generation_kwargs=generation_kwargs,
-        score=score,
-        max_batch_size=max_batch_size,
-        stream=stream,
-        kv_cache=kv_cache,
-    )
-    store = ResultsFile(results)
-    _refuse_input_as_results(prompts, store.path)
-    done = store.open(fresh=resume is False)  # locked for the run: a second writer gets an error
-    if store.backup is not None:
-        warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=2)
+        model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
+        kv_cache,
+    )  # fmt: skip
+    store, done = _open_results(prompts, results, resume)  # locked for the run: a second writer gets an error
     try:
         report = _generate_pending(
-            run,
-            items,
-            ids,
-            store,
-            done,
-            resume=resume,
-            batch_size=batch_size,
-            max_batch_size=max_batch_size,
-            progress=progress,
-            on_result=on_result,
+            run, items, ids, store, done, resume, batch_size, max_batch_size, progress, on_result
         )
     finally:
         store.close()
     _finish(report, run, store, items)
+    _raise_score_errors(report, run.scorer)
     return report
+
+
+def _open_results(prompts: Any, results: str | os.PathLike, resume) -> tuple[ResultsFile, dict[str, dict]]:
+    """The results file, open and locked for the run, and the records it already holds."""
+    store = ResultsFile(results)
+    _refuse_input_as_results(prompts, store.path)
+    done = store.open(fresh=resume is False)
+    if store.backup is not None:
+        warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=3)
+    return store, done
 
 
 def _prepare(
     model,
     tokenizer,
     prompts,
-    *,
     max_new_tokens,
     results,
     resume,
@@ -374,7 +361,7 @@ def _prepare(
     score,
     max_batch_size,
     stream,
-    kv_cache=None,
+    kv_cache,
 ) -> tuple[list[dict], list[list[int]], _Run]:
     """Every check that needs no results file (all before any generation): the prompts, their token ids, the run."""
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
@@ -390,7 +377,7 @@ def _prepare(
     scorer = resolve_scorer(score)
     # token ids once: the lengths (sorting, context limits) and the batches themselves
     ids = encode(tokenizer, [it["prompt"] for it in items])
-    context = _context_length(model, tokenizer)
+    context = context_length(model, tokenizer)
     _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
@@ -405,7 +392,6 @@ def _generate_pending(
     ids: list[list[int]],
     store: ResultsFile,
     done: dict[str, dict],
-    *,
     resume,
     batch_size,
     max_batch_size: int,
@@ -413,7 +399,8 @@ def _generate_pending(
     on_result,
 ) -> EvalReport:
     """Generate what the (open, locked) results file does not hold yet; the report of this run so far."""
-    done = {k: r for k, r in done.items() if not r.get("error")}  # failed ones are tried again
+    failed = {k: r for k, r in done.items() if r.get("error")}  # tried again (memory may be free now)
+    done = {k: r for k, r in done.items() if not r.get("error")}
     _check_reuse(done, items, run, resume, store.path)
     pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired, backup=store.backup)
@@ -421,7 +408,7 @@ def _generate_pending(
     longest = max(len(row) for row in ids)
     budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
     try:
-        _Loop(run, pending, store, report, budget, progress, on_result).run()
+        _Loop(run, pending, store, report, budget, progress, on_result, failed).run()
     finally:
         remember(key, budget, run.max_new_tokens + longest)
     return report
@@ -484,7 +471,9 @@ def _check_context(items: list[dict], ids: list[list[int]], context: int | None)
     """Refuse (before any generation) prompts that leave no room for one new token in the context."""
     if context is None:
         return
-    too_long = [(it["id"], len(row)) for it, row in zip(items, ids, strict=True) if len(row) >= context]
+    too_long = [
+        (it["id"], len(row)) for it, row in zip(items, ids, strict=True) if new_tokens_room(context, len(row), 1) < 1
+    ]
     if too_long:
         shown = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:5])
         raise EvalError(
@@ -597,9 +586,7 @@ class _Run:
 
     def cap(self, prompt_tokens: int) -> int:
         """New tokens a prompt of this length may get (the context may allow fewer than asked)."""
-        if self.context is None:
-            return self.max_new_tokens
-        return min(self.max_new_tokens, self.context - prompt_tokens)
+        return new_tokens_room(self.context, prompt_tokens, self.max_new_tokens)
 
 
 def _plan_batches(
@@ -626,12 +613,15 @@ def _plan_batches(
 class _Loop:
     """The batches of one run: longest prompts first, sizes from the token budget, OOMs retried."""
 
-    def __init__(self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result):
+    def __init__(
+        self, run: _Run, pending: list, store: ResultsFile, report: EvalReport, budget, progress, on_result, failed
+    ):
         # longest first: the tightest batches come first, so memory limits are found early and
         # later (shorter) batches grow; similar lengths together waste little compute on padding
         self.pending = sorted(pending, key=lambda p: -len(p[1]))
         self.run_, self.store, self.report, self.budget = run, store, report, budget
         self.progress, self.on_result = progress, on_result
+        self.failed_before: dict[str, dict] = failed  # failure records of earlier runs, by id
         self.i = 0
         self.single_retries = 0
         self.shrink_new: int | None = None  # fewer new tokens for a single prompt that does not fit
@@ -706,7 +696,11 @@ class _Loop:
     def _does_not_fit(self, result: Attempt) -> None:
         item, row = self.pending[self.i]
         rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
-        _write(self.store, [rec], self.report)
+        earlier = self.failed_before.get(item["id"])
+        if earlier is not None and earlier.get("error") == rec["error"] and _mismatch(earlier, item, self.run_) is None:
+            self.report.failed_again += 1  # already on record, made the same way: one line per failure
+        else:
+            _write(self.store, [rec], self.report)
         self.report.failures.append(rec)
         self.i += 1
         self.single_retries, self.shrink_new = 0, None
@@ -763,7 +757,7 @@ def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *
             seconds=round(seconds / size, 6),
         )
         if run.scorer is not None and it["reference"] is not None:
-            rec["score"] = {run.scorer[0]: float(run.scorer[1](text, it["reference"]))}
+            rec.update(score_fields(run.scorer, text, it["reference"]))  # a raising scorer loses no output
         records.append(rec)
     return records
 
@@ -797,7 +791,39 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
     report.records = [r for r in mine if not r.get("error")]
     report.failures = [r for r in mine if r.get("error")]
     if run.scorer is not None:
+        _score_unscored(report.records, run.scorer)
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
             report.scores[name] = sum(values) / len(values)
+
+
+def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:
+    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, or ones it raised on."""
+    name = scorer[0]
+    for r in records:
+        if r.get("reference") is None or name in (r.get("score") or {}):
+            continue
+        fields = score_fields(scorer, r["output"], r["reference"])
+        errors = {k: v for k, v in (r.get("score_error") or {}).items() if k != name}
+        r["score"] = {**(r.get("score") or {}), **fields.get("score", {})}
+        r["score_error"] = {**errors, **fields.get("score_error", {})}
+        for key in ("score", "score_error"):
+            if not r[key]:
+                del r[key]
+
+
+def _raise_score_errors(report: EvalReport, scorer) -> None:
+    """After the run (every output saved): the score function raised on some records."""
+    name = scorer[0] if scorer is not None else None
+    failed = [r for r in report.records if name in (r.get("score_error") or {})]
+    if not failed:
+        return
+    first = failed[0]
+    raise ScoreError(
+        f"the score function {name!r} raised on {len(failed)} of {len(report.records)} samples (first, id "
+        f"{first['id']}: {first['score_error'][name]}). Their outputs are saved in {report.results_path} with "
+        "score_error; this error's .report holds the run. Fix the function and rerun with the same results "
+        "file: nothing is generated again, the saved outputs are scored",
+        report,
+    )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .arguments import number, whole_number
+from .errors import ContextLengthError
 
 __all__ = [
     "check_generate_kwargs",
@@ -30,6 +31,9 @@ __all__ = [
     "stop_token_ids",
     "count_new_tokens",
     "model_device",
+    "context_length",
+    "new_tokens_room",
+    "new_tokens_in_context",
     "generate_batch",
     "generate_batched",
     "first_prompt_streamer",
@@ -104,6 +108,61 @@ def model_device(model) -> torch.device:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):
         return torch.device("cpu")
+
+
+def context_length(model, tokenizer) -> int | None:
+    """The most tokens (prompt + new) the model takes: its config's ``max_position_embeddings`` (or the
+    same under another name), else the tokenizer's ``model_max_length``; None when neither says."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 1 << 30 else None
+
+
+def new_tokens_room(context: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
+    """New tokens a prompt of ``prompt_tokens`` may get: ``max_new_tokens``, fewer where the context ends
+    (below 1: the prompt fills the context and is refused, by ``safe_generate`` and ``generate_batched``)."""
+    return max_new_tokens if context is None else min(max_new_tokens, context - prompt_tokens)
+
+
+OVER_CONTEXT = ("refuse", "cap")
+
+
+def new_tokens_in_context(
+    ids: Sequence[Sequence[int]], max_new_tokens: int, context: int | None, over_context: str = "refuse"
+) -> list[int]:
+    """New tokens each prompt gets within ``context``: ``max_new_tokens``, or with ``over_context="cap"``
+    what is left after the prompt. A prompt that leaves no room for one new token is always refused.
+
+    Raises:
+        ContextLengthError: prompts over the context (each named with its length), and the fixes.
+    """
+    if over_context not in OVER_CONTEXT:
+        raise ContextLengthError(
+            f"over_context must be 'refuse' (an error when prompt + max_new_tokens exceed the context) or 'cap' "
+            f"(fewer new tokens for those prompts), got {over_context!r}"
+        )
+    room = [new_tokens_room(context, len(row), max_new_tokens) for row in ids]
+    full = [k for k, n in enumerate(room) if n < 1]
+    over = [k for k, n in enumerate(room) if n < max_new_tokens]
+    bad = full if over_context == "cap" else over
+    if bad:
+        shown = ", ".join(f"#{k} ({len(ids[k])} tokens)" for k in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        if full:
+            fix = "Shorten or drop them: they leave no room for one new token"
+        else:
+            fits = min(room[k] for k in bad)
+            fix = (
+                f"Pass max_new_tokens={fits} or less, or over_context='cap' for fewer new tokens where the context ends"
+            )
+        raise ContextLengthError(
+            f"{len(bad)} prompt(s) plus max_new_tokens={max_new_tokens} do not fit the model's {context}-token "
+            f"context: {shown}. {fix}"
+        )
+    return room
 
 
 def generate_batch(
@@ -219,6 +278,7 @@ def generate_batched(
     add_special_tokens: bool = True,
     desc: str = "generating",
     stream: bool = False,
+    over_context: str = "refuse",
     **generate_kwargs: Any,
 ) -> list[str]:
     """Generate for ``prompts`` in chunks of ``batch_size`` (a tqdm bar when ``progress``): the new text only.
@@ -227,6 +287,9 @@ def generate_batched(
     ``num_return_sequences=n`` in ``generate_kwargs`` the list holds n texts per prompt, in order.
     ``stream``: print the first prompt's answer token by token while its batch runs
     (:func:`first_prompt_streamer`); ignored with beam search or a ``streamer`` of your own.
+    ``over_context``: a prompt whose tokens plus ``max_new_tokens`` exceed the model's context
+    (:func:`context_length`) raises :class:`ContextLengthError` (``"refuse"``); ``"cap"`` gives each
+    batch the new tokens its longest prompt leaves room for (a prompt that fills the context is refused).
     """
     from tqdm.auto import tqdm
 
@@ -242,20 +305,20 @@ def generate_batched(
             f"generate_batched(model, tokenizer, prompts) got {type(model).__name__} and "
             f"{type(tokenizer).__name__}: pass the model first, as load() returns them"
         )
-    prompts = list(prompts)
+    ids = encode(tokenizer, prompts, add_special_tokens=add_special_tokens) if prompts else []
+    new = new_tokens_in_context(ids, max_new_tokens, context_length(model, tokenizer), over_context)
     stop = stop_token_ids(model, tokenizer)
     stream = stream and can_stream(model, generate_kwargs)  # beam search, or the caller's own streamer: no
     out: list[str] = []
-    chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    starts = range(0, len(ids), batch_size)
     with _eval_mode(model):
-        for n, chunk in enumerate(tqdm(chunks, desc=desc, unit="batch", disable=not progress)):
+        for n, i in enumerate(tqdm(starts, desc=desc, unit="batch", disable=not progress)):
             streamer = {"streamer": first_prompt_streamer(tokenizer)} if stream and n == 0 else {}
             out += generate_batch(
                 model,
                 tokenizer,
-                chunk,
-                max_new_tokens=max_new_tokens,
-                add_special_tokens=add_special_tokens,
+                ids[i : i + batch_size],
+                max_new_tokens=min(new[i : i + batch_size]),
                 stop=stop,
                 **streamer,
                 **generate_kwargs,

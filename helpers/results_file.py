@@ -43,9 +43,10 @@ class ResultsWriteError(OomkitError, OSError):
 class ResultsFile:
     """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.
 
-    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<path>.lock``, which holds
-    the owner's pid), so two writers (a notebook re-run while an old kernel still runs, two tabs)
-    cannot both append: the second gets an error naming the first. It reads what a previous run
+    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<real path>.lock``, which
+    holds the owner's pid, and on the results file itself), so two writers (a notebook re-run while
+    an old kernel still runs, two tabs, one path reached through a symlink or a hard link) cannot
+    both append: the second gets an error naming the first. It reads what a previous run
     finished; a last line torn by a crash (no newline, or not valid JSON) is cut off and kept in
     ``<path>.torn`` for inspection, so it is neither lost nor duplicated. The repair only touches a
     file no other process holds.
@@ -57,10 +58,13 @@ class ResultsFile:
         self.backup: Path | None = None  # where resume=False moved an earlier run's results
         self._fh = None
         self._lock: int | None = None
+        self._inode_lock: int | None = None  # the results file itself: one lock whatever name reaches it
 
     @property
     def lock_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".lock")
+        """``<path>.lock`` beside the real file (a symlink's target), so every name of it shares one lock."""
+        real = Path(os.path.realpath(self.path))
+        return real.with_name(real.name + ".lock")
 
     def lock(self) -> bool:
         """Take the run's exclusive lock (without waiting); False where the file system has no locks.
@@ -83,12 +87,49 @@ class ResultsFile:
                     "notebook kernel, another tab), or pass results= another path"
                 ) from None
             return False  # no locks on this file system (some network mounts): run unlocked
+        self._lock = fd
+        try:
+            self._lock_file()
+        except BaseException:
+            self.unlock()
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock = fd
         return True
 
+    def _lock_file(self) -> None:
+        """Lock the results file's own inode too: a hard link is another name with another ``.lock``.
+
+        Taken again after the file is (re)created (``open``), so the lock follows the file written to.
+        """
+        try:
+            st = os.stat(self.path)
+            if self._inode_lock is not None:
+                held = os.fstat(self._inode_lock)
+                if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+                    return
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # not there yet (nothing to share), or unreadable: the name's lock alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EvalError(
+                    f"{self.path} is being written by another run under another name (a hard link to the same "
+                    f"file, inode {st.st_ino}; this is process {os.getpid()}): two writers would duplicate every "
+                    "result. Wait for it to finish or stop it, or pass results= a separate file (not a link)"
+                ) from None
+            return  # no locks on this file system
+        if self._inode_lock is not None:
+            os.close(self._inode_lock)
+        self._inode_lock = fd
+
     def unlock(self) -> None:
+        if self._inode_lock is not None:
+            os.close(self._inode_lock)  # closing releases its flock
+            self._inode_lock = None
         if self._lock is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._lock, 0)
@@ -163,14 +204,16 @@ class ResultsFile:
                 self._start_over()
             done = self.read()
             self._fh = open(self.path, "a", encoding="utf-8")
+            if self._lock is not None:
+                self._lock_file()  # a file created just now (or anew by fresh=True) is locked as well
         except OSError as e:
-            self.unlock()
+            self.close()
             raise EvalError(
                 f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
                 "writable folder (in Colab, /content/... or a mounted Drive folder)"
             ) from None
         except BaseException:
-            self.unlock()
+            self.close()
             raise
         return done
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from .errors import EvalError
 
-__all__ = ["exact_match", "contains_reference", "SCORERS", "resolve_scorer"]
+__all__ = ["exact_match", "contains_reference", "SCORERS", "resolve_scorer", "score_fields"]
 
 
 def _norm(text: str) -> str:
@@ -28,6 +28,16 @@ def contains_reference(output: str, reference: str) -> float:
 
 
 SCORERS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "contains": contains_reference}
+
+
+def score_fields(scorer: tuple[str, Callable[[str, str], float]], output: str, reference: str) -> dict:
+    """What scoring adds to a record: ``{"score": {name: value}}``, or ``{"score_error": {name: why}}``
+    when the function raised or returned no number (the output is kept either way)."""
+    name, fn = scorer
+    try:
+        return {"score": {name: float(fn(output, reference))}}
+    except Exception as e:  # the caller's code: any error, kept with the record instead of losing the batch
+        return {"score_error": {name: f"{type(e).__name__}: {e}"[:500]}}
 
 
 def resolve_scorer(score) -> tuple[str, Callable[[str, str], float]] | None:

@@ -436,6 +436,120 @@ def test_a_checkpoint_that_does_not_load_is_set_aside_and_the_one_before_resumed
         assert losses[step] == pytest.approx(reference[1][step], rel=1e-4, abs=1e-4), (step, losses, reference[1])
 
 
+def _rewrite_torch(path, change):
+    data = torch.load(path, weights_only=True)
+    change(data)
+    torch.save(data, path)
+
+
+def _rewrite_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _nan_moments(opt):
+    for entry in opt["state"].values():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                entry[k] = torch.full_like(v, float("nan"))
+
+
+def _broken_rng(f):
+    torch.save({"python": (3, (1, 2), None), "numpy": ("MT19937",), "cpu": torch.zeros(3, dtype=torch.uint8)},
+               f / "rng_state.pth")  # fmt: skip
+
+
+WHOLE_BUT_WRONG = {  # kind -> (what it does to checkpoint-3 before the marker is rewritten, what the reason says)
+    "truncated scheduler.pt": (lambda f: _truncate(f / "scheduler.pt"), "scheduler.pt is truncated"),
+    "empty optimizer.pt": (lambda f: (f / "optimizer.pt").write_bytes(b""), "optimizer.pt is truncated or corrupted"),
+    "empty adapter": (
+        lambda f: (f / "adapter_model.safetensors").write_bytes(b""),
+        "adapter_model.safetensors is truncated or corrupted",
+    ),
+    "trainer_state.json not JSON": (
+        lambda f: (f / "trainer_state.json").write_text("{not json"), "trainer_state.json is not valid JSON"
+    ),
+    "trainer_state.json of another step": (
+        lambda f: _rewrite_json(f / "trainer_state.json", lambda s: s.update(global_step=99)),
+        "trainer_state.json says global step 99, the folder is checkpoint-3",
+    ),
+    "scheduler.pt ahead of the checkpoint": (
+        lambda f: _rewrite_torch(f / "scheduler.pt", lambda s: s.update(last_epoch=40)),
+        "scheduler.pt is at step 40, ahead of this checkpoint's 3",
+    ),
+    "scheduler.pt of another run": (
+        lambda f: _rewrite_torch(f / "scheduler.pt", lambda s: s.update(base_lrs=[5e-4] * len(s["base_lrs"]))),
+        "scheduler.pt starts from learning rate 0.0005, optimizer.pt from 0.001",
+    ),
+    "rng_state.pth of no random states": (
+        lambda f: torch.save({"python": 1}, f / "rng_state.pth"),
+        "rng_state.pth holds no random-number states",
+    ),
+    "broken rng_state.pth": (_broken_rng, "rng_state.pth holds a broken random-number state"),
+    "code-running rng_state.pth": (
+        lambda f: torch.save(_RunsCode(f.parent / "RAN"), f / "rng_state.pth"),
+        "rng_state.pth is not plain tensor data",
+    ),
+    "missing adapter_config.json": (
+        lambda f: (f / "adapter_config.json").unlink(), "adapter_config.json is missing"
+    ),
+    "adapter_config.json of no adapter": (
+        lambda f: (f / "adapter_config.json").write_text("{}"), "adapter_config.json is no PEFT adapter config"
+    ),
+    "adapter_config.json of another rank": (
+        lambda f: _rewrite_json(f / "adapter_config.json", lambda c: c.update(r=8)),
+        "adapter_config.json is for another adapter: r 8, this model's is 4",
+    ),
+    "NaN optimizer moments": (
+        lambda f: _rewrite_torch(f / "optimizer.pt", _nan_moments), "optimizer.pt holds NaN or infinite optimizer moments"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", WHOLE_BUT_WRONG)
+def test_whole_files_of_the_wrong_content_are_set_aside_and_the_one_before_resumed(
+    reference, tiny_llama, tmp_path, kind
+):
+    """Each ends in a set-aside naming the file: before, a raw error on every rerun or a silent wrong resume."""
+    out = _cut_at_3(reference, tmp_path)
+    corrupt, says = WHOLE_BUT_WRONG[kind]
+    corrupt(out / "checkpoint-3")
+    _remark(out / "checkpoint-3")  # whole by its marker: sizes and hashes as they are now
+    with pytest.warns(CheckpointWarning, match=f"checkpoint-3 in .*{says}.*resuming from checkpoint-2"):
+        result = _run(_plan(tiny_llama, out))
+    assert not (out / "RAN").exists(), "the pickle's code ran"
+    assert result.resumed_from == 2 and result.global_step == 5
+    assert [s.path.name for s in result.skipped] == ["checkpoint-3"] and says in result.skipped[0].problem
+    assert result.skipped[0].moved_to.name in ("unusable-checkpoint-3", "incomplete-checkpoint-3")
+    losses = dict(result.losses)
+    for step in (3, 4, 5):
+        assert losses[step] == pytest.approx(reference[1][step], rel=1e-4, abs=1e-4), (step, losses, reference[1])
+
+
+# the issue's 13 kinds of whole-but-wrong checkpoint, each with the case that shows how it ends
+ISSUE_KINDS = {
+    "another model's optimizer.pt": UNLOADABLE,
+    "swapped optimizer/scheduler": UNLOADABLE,
+    "code-running pickle": UNLOADABLE,
+    "all-NaN adapter": UNLOADABLE,
+    "adapter shaped for another model": UNLOADABLE,
+    "flipped bytes in the adapter": None,  # test_flipped_bytes_in_the_adapter_are_caught_by_the_markers_hash
+    "truncated scheduler.pt": WHOLE_BUT_WRONG,
+    "empty optimizer.pt": WHOLE_BUT_WRONG,
+    "trainer_state.json not JSON": WHOLE_BUT_WRONG,
+    "trainer_state.json of another step": WHOLE_BUT_WRONG,
+    "scheduler.pt of another run": WHOLE_BUT_WRONG,
+    "broken rng_state.pth": WHOLE_BUT_WRONG,
+    "missing adapter_config.json": WHOLE_BUT_WRONG,
+}
+
+
+def test_the_issues_thirteen_kinds_are_each_a_case():
+    assert len(ISSUE_KINDS) == 13
+    assert all(cases is None or kind in cases for kind, cases in ISSUE_KINDS.items())
+
+
 def test_flipped_bytes_in_the_adapter_are_caught_by_the_markers_hash(reference, tmp_path):
     out = _cut_at_3(reference, tmp_path)
     path = out / "checkpoint-3" / "adapter_model.safetensors"

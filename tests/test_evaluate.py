@@ -21,6 +21,7 @@ from helpers.evaluate import (
     EvalError,
     ResultsFile,
     ResultsWriteError,
+    ScoreError,
     batch_cache_key,
     contains_reference,
     exact_match,
@@ -351,6 +352,28 @@ def test_scores_and_report(tiny, tmp_path):
     assert report.plot().axes
 
 
+def test_a_score_function_that_raises_loses_no_output_and_is_named(tiny, reference, tmp_path):
+    model, tok = tiny
+    rows = [{"id": k, "prompt": p, "reference": "odd" if k % 3 else "memory"} for k, p in enumerate(PROMPTS)]
+
+    def picky(output, ref):
+        if ref == "memory":
+            raise ValueError("cannot score this one")
+        return 1.0
+
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ScoreError, match=r"score function 'picky' raised on 4 of 12 samples.*ValueError: cannot score"):
+        safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=picky, batch_size=4)
+    saved = _lines(path)
+    assert len(saved) == 12 and sorted(r["output"] for r in saved) == sorted(reference.values())  # none lost
+    assert sum("score_error" in r for r in saved) == 4 and all("output" in r for r in saved)
+    # fixed: the rerun generates nothing and scores the saved outputs
+    with simulated_budget(model, tokens=10**9) as budget:
+        report = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=exact_match)
+    assert budget.calls == 0 and report.skipped == 12 and "exact_match" in report.scores
+    assert all("exact_match" in r["score"] for r in report.records)
+
+
 def test_auto_batch_starts_from_the_finders_cache(tiny, tmp_path):
     model, tok = tiny
     bs.clear_cache()
@@ -467,6 +490,34 @@ def test_a_second_writer_gets_an_error_naming_the_first(tiny, tmp_path):
         first.close()
 
 
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_a_second_writer_through_a_link_to_the_same_file_gets_an_error(tiny, tmp_path, link):
+    """Two names of one file (a symlink, a hard link) are one results file: one writer at a time."""
+    model, tok = tiny
+    real = tmp_path / "r.jsonl"
+    safe_generate(model, tok, PROMPTS[:2], max_new_tokens=NEW, results=real, progress=False)
+    alias = tmp_path / "elsewhere" / "alias.jsonl"
+    alias.parent.mkdir()
+    (os.symlink if link == "symlink" else os.link)(real, alias)
+    before = real.read_bytes()
+    said = rf"being written by another run \(process {os.getpid()}" if link == "symlink" else "a hard link"
+    for held, other in ((real, alias), (alias, real)):
+        first = ResultsFile(held)
+        first.open()
+        try:
+            with pytest.raises(EvalError, match=said):
+                safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=other, progress=False)
+            with pytest.raises(EvalError, match=said):
+                ResultsFile(other).open()
+        finally:
+            first.close()
+    assert real.read_bytes() == before
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=alias, progress=False)
+    assert report.skipped == 2 and report.done == len(PROMPTS) - 2
+    ids = [r["id"] for r in _lines(real)]
+    assert len(ids) == len(set(ids)) == len(PROMPTS)
+
+
 def _lines_prefix(data: bytes) -> list[dict]:
     return [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
 
@@ -486,6 +537,28 @@ def test_a_prompt_that_never_fits_is_recorded_as_failed_and_the_rest_goes_on(tin
     # a rerun with more memory tries the failed prompt again
     again = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=path, progress=False)
     assert again.done == 1 and again.skipped == 4 and again.failed == 0 and len(again.records) == 5
+
+
+def test_a_prompt_that_never_fits_is_recorded_once_however_often_it_is_rerun(tiny, tmp_path):
+    model, tok = tiny
+    long = " ".join(["memory"] * 40)
+    prompts = [long, *PROMPTS[:2]]
+    n_long = len(tok(long)["input_ids"])
+    path = tmp_path / "r.jsonl"
+    for run in range(3):
+        with simulated_budget(model, tokens=n_long):  # the long prompt never fits
+            report = safe_generate(model, tok, prompts, max_new_tokens=NEW, results=path, progress=False)
+        assert report.failed == 1 and report.failed_again == (1 if run else 0)
+        assert [r["id"] for r in _lines(path)].count(report.failures[0]["id"]) == 1, f"rerun {run}: written twice"
+    assert len(_lines(path)) == 3 and "1 failed before too (recorded once)" in str(report)
+    # another setting is another attempt: its failure is recorded (the newer line is the one read)
+    with simulated_budget(model, tokens=n_long), pytest.warns(UserWarning, match="reused anyway"):
+        report = safe_generate(
+            model, tok, prompts, max_new_tokens=NEW, results=path, resume="force", generation_kwargs={"top_k": 5},
+            progress=False,
+        )  # fmt: skip
+    assert report.failed == 1 and report.failed_again == 0 and len(_lines(path)) == 4
+    assert report.failures[0]["settings"]["top_k"] == 5
 
 
 def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):

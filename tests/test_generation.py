@@ -111,3 +111,32 @@ def test_stream_steps_aside_for_beam_search_and_a_callers_streamer(tiny, capsys)
     assert len(beams) == len(PROMPTS) and capsys.readouterr().out == ""
     generate_batched(model, tok, PROMPTS[:1], max_new_tokens=4, stream=True, streamer=TextStreamer(tok))
     assert "streaming the first prompt" not in capsys.readouterr().out  # the caller's streamer ran, not ours
+
+
+def test_prompts_past_the_context_are_refused_or_capped_when_asked(tiny, monkeypatch):
+    import helpers
+    from helpers.errors import ContextLengthError
+
+    model, tok = tiny
+    lengths = [len(row) for row in encode(tok, PROMPTS)]
+    context = max(lengths) + 2  # the longest prompt leaves room for 2 new tokens
+    monkeypatch.setattr(model.config, "max_position_embeddings", context)
+    longest = lengths.index(max(lengths))
+    calls = []
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(k) or model.__class__.generate(model, *a, **k))
+    for fn in (generate_batched, helpers.generate_batched):
+        with pytest.raises(
+            ContextLengthError,
+            match=rf"{context}-token context: #{longest} \({max(lengths)} tokens\)\. Pass max_new_tokens=2 or less",
+        ):
+            fn(model, tok, PROMPTS, max_new_tokens=5, progress=False)
+    assert calls == []  # refused before any generation
+    assert len(generate_batched(model, tok, PROMPTS, max_new_tokens=2)) == 3  # within the context: as before
+    calls.clear()
+    out = generate_batched(model, tok, PROMPTS, max_new_tokens=5, batch_size=1, over_context="cap")
+    assert len(out) == 3 and [k["max_new_tokens"] for k in calls] == [min(5, context - n) for n in lengths]
+    monkeypatch.setattr(model.config, "max_position_embeddings", max(lengths))  # the longest fills it
+    with pytest.raises(ContextLengthError, match="no room for one new token"):
+        generate_batched(model, tok, PROMPTS, max_new_tokens=1, over_context="cap")
+    with pytest.raises(ContextLengthError, match="over_context must be 'refuse'.*got 'trim'"):
+        generate_batched(model, tok, PROMPTS, over_context="trim")
