@@ -113,3 +113,17 @@ def test_family_inputs_out_of_range_are_refused(tiny_models, kwargs):
     model = {"images": "llava", "encoder_tokens": "t5", "audio_seconds": "whisper", "image_size": "llava"}
     with pytest.raises(EstimateError, match=list(kwargs)[0]):
         estimate(str(tiny_models[model[list(kwargs)[0]]]), load="fp32", device="cpu", **kwargs)
+
+
+def test_a_quantized_vlm_says_its_vision_tower_stays_16_bit(tiny_vlm):
+    est = estimate(str(tiny_vlm), load="nf4", device="t4")
+    assert any("vision tower and projector, kept in 16 bits" in w for w in est.warnings)
+    assert not any("vision tower" in w for w in estimate(str(tiny_vlm), load="fp16", device="t4").warnings)
+
+
+def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_t5, tiny_llama):
+    from helpers.estimator import LoraTraining
+
+    est = estimate(str(tiny_t5), load="nf4", device="t4", training=LoraTraining())
+    assert any("decoder-only formulas" in w for w in est.warnings)
+    assert not any("decoder-only formulas" in w for w in estimate(str(tiny_llama), training=LoraTraining()).warnings)

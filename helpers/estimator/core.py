@@ -30,7 +30,7 @@ from ..vocab import (
     loss_name,
 )
 from .configs import resolve_config
-from .families import CAUSAL, IMAGE_TEXT, family
+from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
 from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
 from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
@@ -222,7 +222,9 @@ def estimate(
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=_warnings(lay, config, load, cdtype, dev, inputs) + _moe_warning(rows, load),
+        warnings=_warnings(lay, config, load, cdtype, dev, inputs)
+        + _moe_warning(rows, load)
+        + _family_warnings(config, rows, training),
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
@@ -278,6 +280,21 @@ def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
         f"does not quantize: {load} saves far less here than on a dense model. Fix: a pre-quantized checkpoint "
         "(GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
     ]
+
+
+def _family_warnings(config, rows: list[EstimateRow], training) -> list[str]:
+    """A VLM's 16-bit vision tower in a quantized load; training rows of a family still counted as a decoder's."""
+    fam = family(config)
+    out = []
+    vision = next((r.bytes for r in rows if r.key == "weights.vision"), 0)
+    if vision:
+        total = sum(r.bytes for r in rows if r.group == "weights")
+        out.append(f"{format_bytes(vision)} of the {format_bytes(total)} of weights are the vision tower and "
+                   "projector, kept in 16 bits (quantizing the image path costs quality)")  # fmt: skip
+    if training is not None and fam != CAUSAL:
+        out.append(f"training a {FAMILIES[fam]}: its step is estimated with the decoder-only formulas (no "
+                   "encoder, audio or image activations yet); take the activation rows as a lower bound")  # fmt: skip
+    return out
 
 
 def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, name: str):
