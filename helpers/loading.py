@@ -35,7 +35,15 @@ from .devices import (  # the placement constants live with the device facts; na
     device_kind,
 )
 from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
-from .estimator import EstimateError, fit, footprint, footprint_by_device
+from .estimator import (
+    EstimateError,
+    auto_class,
+    fit,
+    footprint,
+    footprint_by_device,
+    quantization_skip_modules,
+    resolve_config,
+)
 from .estimator import estimate as estimate_memory
 from .gpu_split import (
     check_strategy,
@@ -909,15 +917,28 @@ def setup_tokenizer(tokenizer, model=None):
     return "; ".join(notes) or "ready (pad token and padding side already set)"
 
 
+def model_class(model: str, trust_remote_code: bool = False, token: str | None = None):
+    """The transformers Auto class that loads ``model``: AutoModelForCausalLM, AutoModelForSeq2SeqLM (T5,
+    BART), AutoModelForSpeechSeq2Seq (Whisper) or AutoModelForImageTextToText (LLaVA, Qwen2-VL), as
+    :func:`helpers.estimator.families.auto_class` decides from its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, token=token)
+    except Exception:  # from_pretrained itself then says what is wrong with the checkpoint
+        return AutoModelForCausalLM
+    return auto_class(config)
+
+
 def _attn_supported(model: str, attn: str | None, trust_remote_code: bool) -> str | None:
     """Keep ``attn`` (``"sdpa"``) when the architecture supports it, else let transformers pick."""
     if attn != "sdpa":
         return attn
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        cls = auto_class(config)._model_mapping[type(config)]
         return "sdpa" if getattr(cls, "_supports_sdpa", False) else None
     except Exception:
         return None
@@ -1017,6 +1038,7 @@ def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str
     kwargs = (
         run_plan.from_pretrained_kwargs() if checked.split is None else checked.split.from_pretrained_kwargs(run_plan)
     )
+    _keep_vision_unquantized(plan, kwargs)
     if checked.estimate.quantized_by is not None:  # the checkpoint's own config decides (transformers warns)
         # nor is llm_int8_enable_fp32_cpu_offload passed another way: the checks refused any offload of a
         # bitsandbytes checkpoint, which transformers cannot load (placement.PREQUANTIZED_OFFLOAD)
@@ -1028,14 +1050,26 @@ def _run_kwargs(plan: LoadPlan, checked: PlanCheck) -> tuple[dict[str, Any], str
     return kwargs, run_plan.token
 
 
-def _from_pretrained(model: str, kwargs: dict[str, Any], est):
-    """``AutoModelForCausalLM.from_pretrained``; the refusal transformers gives when its own placement offloads
-    part of a checkpoint saved quantized by bitsandbytes (a ``max_memory`` with a CPU share: the checks
-    predicted no offload) becomes oomkit's, with the fix."""
-    from transformers import AutoModelForCausalLM
-
+def _keep_vision_unquantized(plan: LoadPlan, kwargs: dict[str, Any]) -> None:
+    """A VLM's vision tower and projector stay in 16 bits in an int8/4-bit load, as the estimate counts them."""
+    qc = kwargs.get("quantization_config")
+    if qc is None:
+        return
     try:
-        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        skip = quantization_skip_modules(resolve_config(plan.model)[0])
+    except (EstimateError, OSError, ValueError):
+        return
+    if skip:
+        qc.llm_int8_skip_modules = skip
+
+
+def _from_pretrained(model: str, kwargs: dict[str, Any], est):
+    """``from_pretrained`` of the model's family class (:func:`model_class`); the refusal transformers gives
+    when its own placement offloads part of a checkpoint saved quantized by bitsandbytes (a ``max_memory``
+    with a CPU share: the checks predicted no offload) becomes oomkit's, with the fix."""
+    cls = model_class(model, kwargs.get("trust_remote_code", False), kwargs.get("token"))
+    try:
+        return cls.from_pretrained(model, **kwargs)
     except ValueError as e:
         if "llm_int8_enable_fp32_cpu_offload" not in str(e):
             raise

@@ -41,7 +41,7 @@ from .devices import (
     resolve_devices,
 )
 from .errors import OomkitError
-from .estimator import FRAGMENTATION, estimate, resolve_config
+from .estimator import FRAGMENTATION, auto_class, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .fits_view import FitsCell, FitsRow, ModelFits
 from .html import Markup, table
@@ -238,7 +238,6 @@ def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Mod
     """The architecture on the meta device in ``dtype`` and the ids of the parameters bitsandbytes
     quantizes for ``load`` (cached per config, load mode and dtype)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     key = (config.to_json_string(use_diff=False), load, str(dtype))
     if key not in _MODELS:
@@ -247,8 +246,8 @@ def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Mod
             raise PlacementError(f"cannot build this architecture on the meta device ({lay.missing[0]})")
         try:
             with init_empty_weights(), contextlib.redirect_stderr(None):
-                model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
-        except (ValueError, KeyError, ImportError, TypeError) as e:  # no causal-LM class for it (T5, CLIP, ...)
+                model = auto_class(config).from_config(copy.deepcopy(config), dtype=dtype)
+        except (ValueError, KeyError, ImportError, TypeError) as e:  # no generative class for it (CLIP, BERT, ...)
             raise PlacementError(f"cannot build this architecture on the meta device ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:120]})") from None  # fmt: skip
         model.tie_weights()  # tied embeddings count once, as transformers counts them

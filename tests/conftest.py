@@ -40,6 +40,24 @@ def tiny_qwen2(tiny_models) -> Path:
     return tiny_models["qwen2"]
 
 
+@pytest.fixture(scope="session")
+def tiny_t5(tiny_models) -> Path:
+    """T5ForConditionalGeneration: the encoder-decoder text family."""
+    return tiny_models["t5"]
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper(tiny_models) -> Path:
+    """WhisperForConditionalGeneration with its feature extractor (2-second windows)."""
+    return tiny_models["whisper"]
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tiny_models) -> Path:
+    """LlavaForConditionalGeneration (CLIP vision tower, projector, Llama) with its processor."""
+    return tiny_models["llava"]
+
+
 @functools.cache
 def compat_script():
     """scripts/compat.py as a module (it builds the wheel and runs the notebooks from it)."""

@@ -57,3 +57,41 @@ def test_build_is_deterministic(tmp_path):
     p2 = b.build(tmp_path / "b")["qwen2"]
     assert (p1 / "model.safetensors").read_bytes() == (p2 / "model.safetensors").read_bytes()
     assert (p1 / "tokenizer.json").read_bytes() == (p2 / "tokenizer.json").read_bytes()
+
+
+def test_t5_is_an_encoder_decoder_with_its_tokenizer(tiny_t5):
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5)
+    assert model.config.is_encoder_decoder and model.config.model_type == "t5"
+    ids = AutoTokenizer.from_pretrained(tiny_t5)(["translate this"], return_tensors="pt")
+    assert model.generate(**ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 4)
+
+
+def test_whisper_transcribes_its_feature_extractors_window(tiny_whisper):
+    import numpy as np
+    from transformers import AutoFeatureExtractor, AutoModelForSpeechSeq2Seq
+
+    model = AutoModelForSpeechSeq2Seq.from_pretrained(tiny_whisper)
+    features = AutoFeatureExtractor.from_pretrained(tiny_whisper)(
+        np.zeros(16000, dtype="float32"), sampling_rate=16000, return_tensors="pt"
+    ).input_features
+    assert features.shape == (1, 80, 2 * model.config.max_source_positions)  # padded to the whole window
+    assert model.generate(features, max_new_tokens=3, min_new_tokens=3).shape[0] == 1
+
+
+def test_the_vlm_has_a_vision_tower_and_a_processor(tiny_vlm):
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    image = Image.fromarray(np.zeros((48, 40, 3), dtype="uint8"))
+    batch = processor(images=[image], text=["<image> describe"], return_tensors="pt")
+    assert batch["pixel_values"].shape == (1, 3, 32, 32)
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == 16  # a 4 x 4 grid of patches
+    assert (
+        model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1]
+        == batch["input_ids"].shape[1] + 3
+    )

@@ -12,16 +12,19 @@ row of the breakdown says which.
 Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
 ``layout`` (weights per module on the meta device), ``inference`` (generation rows: KV cache,
 prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
-``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model).
+``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
+and VLM generation rows), ``families`` (decoder-only,
+encoder-decoder, speech, vision-language: the Auto class and the modules kept unquantized).
 """
 
 from __future__ import annotations
 
 from .configs import resolve_config
 from .core import FRAGMENTATION, MemoryEstimate, estimate
+from .families import FAMILIES, auto_class, family
 from .fitting import FitVerdict, Suggestion, fit, format_params, max_batch_that_fits, max_new_tokens_that_fit
 from .footprint import footprint, footprint_by_device
-from .layout import kv_cache_bytes, weight_rows
+from .layout import kv_cache_bytes, quantization_skip_modules, weight_rows
 from .rows import ROW_GROUPS, EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
@@ -29,4 +32,5 @@ __all__ = [
     "estimate", "fit", "footprint", "footprint_by_device", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
     "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "LoraTraining", "FullTraining",
     "OPTIMIZERS", "FRAGMENTATION", "ROW_GROUPS", "kv_cache_bytes", "weight_rows", "format_params",
+    "FAMILIES", "family", "auto_class", "quantization_skip_modules",
 ]  # fmt: skip

@@ -30,6 +30,8 @@ from ..vocab import (
     loss_name,
 )
 from .configs import resolve_config
+from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
+from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
 from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
@@ -150,6 +152,10 @@ def estimate(
     skip_modules: list[str] | None = None,
     sampling: bool = False,
     kv_cache: str = "dynamic",
+    encoder_tokens: int | None = None,
+    audio_seconds: float | None = None,
+    images: int | None = None,
+    image_size: int | tuple[int, int] | None = None,
 ) -> MemoryEstimate:
     """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
 
@@ -167,13 +173,24 @@ def estimate(
         skip_modules: like ``llm_int8_skip_modules``: module names kept unquantized.
         sampling: generate() samples (``do_sample=True`` with top-k / top-p) instead of picking the
             likeliest token: its logits processors take about 34 bytes per batch x vocab entry more.
+        encoder_tokens: encoder-decoder text models (T5, BART): the encoder's input length (default
+            ``prompt_tokens``); the decoder starts from one token.
+        audio_seconds: speech models (Whisper): the audio's length; each window is padded to the
+            model's (30 s), so memory is that of one window.
+        images, image_size: vision-language models: images per sample (default 1) and their size in
+            pixels (an int or (height, width); it changes the token count where the processor keeps
+            the resolution, as Qwen2-VL's does).
     """
     inputs = dict(load=load, double_quant=double_quant, compute_dtype=compute_dtype, batch_size=batch_size,
                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, training=training, device=device,
                   skip_modules=skip_modules, sampling=sampling, kv_cache=kv_cache)  # fmt: skip
+    family_inputs = dict(encoder_tokens=encoder_tokens, audio_seconds=audio_seconds, images=images,
+                         image_size=image_size)  # fmt: skip
+    inputs.update({k: v for k, v in family_inputs.items() if v is not None})  # only a family's own
     _check_inputs(inputs)
     label, dev = resolve_device(device)
     config, name, loaded = resolve_config(model)
+    check_family_inputs(config, family_inputs)
     repo = repo_quantization(config)
     if repo is not None:
         load, double_quant, skip_modules = _repo_settings(repo, load, double_quant, skip_modules, name)
@@ -191,7 +208,7 @@ def estimate(
     if training is None:
         shape = Generation(batch_size, prompt_tokens, max_new_tokens, b, cdtype, dev, load, double_quant,
                            skip_modules, sampling, inputs["kv_cache"])  # fmt: skip
-        rows += generation_rows(config, lay, shape)
+        rows += _use_rows(config, lay, shape, family_inputs)
     else:
         rows += training_rows(lay, config, load, b, training)[0]
     host = [r for r in rows if r.group == HOST]
@@ -205,13 +222,30 @@ def estimate(
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=_warnings(lay, config, load, cdtype, dev, inputs) + _moe_warning(rows, load),
+        warnings=_warnings(lay, config, load, cdtype, dev, inputs)
+        + _moe_warning(rows, load)
+        + _family_warnings(config, rows, training),
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
         context=_context(config),
         host_rows=host,
     )
+
+
+def _use_rows(config, lay, g: Generation, extra: dict) -> list[EstimateRow]:
+    """The generation rows of the model's family: decoder-only, encoder-decoder or vision-language."""
+    fam = family(config)
+    if fam == CAUSAL:
+        return generation_rows(config, lay, g)
+    if fam != IMAGE_TEXT:
+        return encoder_decoder_rows(config, g.batch, g.prompt, g.new, g.b, extra)
+    images = 1 if extra["images"] is None else extra["images"]
+    per, note = image_tokens(config, extra["image_size"])
+    seq = g.prompt + images * per
+    rows = generation_rows(config, lay, dataclasses.replace(g, prompt=seq))
+    rows[0].note += f"; {images} image(s) x {per} tokens in the prompt ({note})"
+    return rows + vision_rows(config, g.batch, seq, images, per, g.b, sum(r.bytes for r in rows))
 
 
 def _context(config) -> int | None:
@@ -246,6 +280,21 @@ def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
         f"does not quantize: {load} saves far less here than on a dense model. Fix: a pre-quantized checkpoint "
         "(GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
     ]
+
+
+def _family_warnings(config, rows: list[EstimateRow], training) -> list[str]:
+    """A VLM's 16-bit vision tower in a quantized load; training rows of a family still counted as a decoder's."""
+    fam = family(config)
+    out = []
+    vision = next((r.bytes for r in rows if r.key == "weights.vision"), 0)
+    if vision:
+        total = sum(r.bytes for r in rows if r.group == "weights")
+        out.append(f"{format_bytes(vision)} of the {format_bytes(total)} of weights are the vision tower and "
+                   "projector, kept in 16 bits (quantizing the image path costs quality)")  # fmt: skip
+    if training is not None and fam != CAUSAL:
+        out.append(f"training a {FAMILIES[fam]}: its step is estimated with the decoder-only formulas (no "
+                   "encoder, audio or image activations yet); take the activation rows as a lower bound")  # fmt: skip
+    return out
 
 
 def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, name: str):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..vocab import QUANTIZED
+from .families import auto_class, vision_modules
 from .rows import EstimateError, EstimateRow
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "clear_layout_cache",
     "tied_note",
     "largest_quantized_linear",
+    "quantization_skip_modules",
 ]
 
 
@@ -47,6 +49,7 @@ class Layout:
     # else "eager" for an architecture whose class says _supports_sdpa = False, as Gemma-2's does)
     attention: str = "sdpa"
     tied: bool | None = None  # the config's tie_word_embeddings (None: the config does not say)
+    kept: list[str] = field(default_factory=list)  # a VLM's vision tower and projector: never quantized
 
 
 def _config_key(config) -> str:
@@ -85,14 +88,13 @@ def layout(config, loaded: torch.nn.Module | None = None) -> Layout:
 
 def _meta_model(config):
     import transformers
-    from transformers import AutoModelForCausalLM
 
     if getattr(config, "oomkit_unknown", None):
         raise ValueError(config.oomkit_unknown)
 
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            return auto_class(config).from_config(config, dtype=torch.bfloat16)
         except ValueError:
             return transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
 
@@ -118,6 +120,8 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
         not_convert = HfQuantizer.get_modules_to_not_convert(model, None, keep_fp32)
     except Exception:
         not_convert = ["lm_head"]
+    kept = vision_modules(model)
+    not_convert = [*not_convert, *(k for k in kept if k not in not_convert)]
     modules = dict(model.named_modules())
     entries = []
     seen = set()
@@ -141,7 +145,7 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
         follows = b.is_floating_point() and b.dtype == torch.bfloat16
         entries.append(Param(name, b.numel(), None if follows else b.element_size(), None, "buffer"))
     n_layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
-    return Layout(total, entries, not_convert, keep_fp32, n_layers, attention=attention, tied=_tied(config))
+    return Layout(total, entries, not_convert, keep_fp32, n_layers, attention=attention, tied=_tied(config), kept=kept)
 
 
 def _is_bnb_linear(mod) -> bool:
@@ -188,6 +192,17 @@ def _dimension_layout(config, why: str) -> Layout:
     lay = Layout(sum(e.numel for e in entries), entries, ["lm_head"], [], n, approximate=True, tied=tied)
     lay.missing = [why]
     return lay
+
+
+def quantization_skip_modules(config) -> list[str] | None:
+    """``llm_int8_skip_modules`` for a quantized load of ``config``: transformers' own list plus a VLM's
+    vision tower and projector; ``None`` where transformers' default is already the whole list."""
+    lay = layout(config)
+    return list(lay.not_convert) if lay.kept else None
+
+
+def _in_kept(module: str, kept: list[str]) -> bool:
+    return any(module == k or module.startswith(k + ".") for k in kept)
 
 
 def should_convert(module: str, not_convert: list[str]) -> bool:
@@ -245,7 +260,7 @@ def weight_rows(
 ) -> list[EstimateRow]:
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = _not_convert(lay, skip_modules)
-    q_bytes = state_bytes = plain = buffers = experts = n_q = 0
+    q_bytes = state_bytes = plain = buffers = experts = kept = n_q = 0
     half = 4 if load == "fp32" else dtype_bytes
     for e in lay.entries:
         if e.module == "buffer":
@@ -255,6 +270,8 @@ def weight_rows(
             q_bytes, state_bytes, n_q = q_bytes + q, state_bytes + state, n_q + 1
         elif load in QUANTIZED and _is_fused_expert(e):
             experts += e.numel * half
+        elif load in QUANTIZED and lay.kept and _in_kept(e.module, lay.kept):
+            kept += e.numel * half
         else:
             plain += e.numel * (4 if any(k in e.name for k in lay.keep_fp32) else half)
     rows = []
@@ -268,6 +285,9 @@ def weight_rows(
     if experts:
         rows.append(EstimateRow("weights.moe_experts", "weights: MoE experts, not quantized", experts, "exact",
                                 "fused expert tensors are no nn.Linear: bitsandbytes leaves them unquantized"))  # fmt: skip
+    if kept:
+        rows.append(EstimateRow("weights.vision", "weights: vision tower and projector, not quantized", kept, "exact",
+                                f"{', '.join(lay.kept)} stay in 16 bits (quantizing the image path costs quality)"))  # fmt: skip
     rows.append(
         EstimateRow(
             "weights.unquantized",
