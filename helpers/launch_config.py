@@ -298,6 +298,10 @@ def write_launch_config(
     if offloads:
         notes.append(f"{' and '.join(offloads)} offloaded to CPU RAM: the per-GPU figure counts them on the GPU "
                      "(an upper bound)")  # fmt: skip
+    if gpus is None and strategy == "fsdp":  # accelerate/state.py: FSDP is entered from MULTI_GPU-like types only
+        notes.append(
+            "on CPU processes accelerate runs this config as DDP (MULTI_CPU): it shards with FSDP on GPUs only"
+        )
     if plan.load not in QUANTIZED:
         notes.append("per-GPU memory counts full fine-tuning of the base (LoRA on it needs less)")
     return LaunchConfig(strategy, config_file, ds_file, num_machines, per_machine, mixed, micro, accumulation,
