@@ -21,6 +21,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,15 +329,29 @@ def launch_plan(
                                "(it builds its CUDA ops on first use), or write the config with strategy='fsdp'")  # fmt: skip
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     proc = subprocess.Popen(config.command(module, args), stderr=subprocess.PIPE, text=True, errors="replace")
+    fired = threading.Event()
+
+    def stop() -> None:  # torchrun passes SIGTERM on to the ranks
+        fired.set()
+        proc.terminate()
+
+    watchdog = threading.Timer(timeout, stop) if timeout else None
+    if watchdog:
+        watchdog.start()
     try:
         for line in proc.stderr:
             sys.stderr.write(line)
             tail.append(line.rstrip("\n"))
-        code = proc.wait(timeout=timeout)
+        code = proc.wait()
     except BaseException:  # an interrupted cell must not leave accelerate and its ranks running
         proc.terminate()
         proc.wait()
         raise
+    finally:
+        if watchdog:
+            watchdog.cancel()
+    if fired.is_set():
+        raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped")
     if code != 0:
         errors = [line for line in tail if "Error" in line or "Exception" in line][-3:]
         last = "\n".join(f"  {line}" for line in list(tail)[-8:])

@@ -235,3 +235,20 @@ def test_fsdp_launches_through_accelerate_with_the_written_config(tiny_llama, tm
             "MULTI_GPU/NPU/XPU/... processes; CPU processes stay MULTI_CPU, so prepare() wraps the model in DDP"
         )
     assert {r.distributed_type for r in ranks} == {"FSDP"}
+
+
+@pytest.mark.slow
+def test_a_launch_past_its_timeout_is_stopped_and_said(tmp_path):
+    """A rank that hangs (here: sleeps) is stopped at the timeout, with a DistributedError naming it."""
+    written = write_launch_config(_plan(), tmp_path, devices=1, strategy="ddp")
+    started = time.perf_counter()
+    with pytest.raises(DistributedError, match="ran past timeout=3 s"):
+        launch_plan(written, "helpers.distributed", ["time:sleep", "[60]"], timeout=3)
+    assert time.perf_counter() - started < 30
+
+
+@pytest.mark.slow
+def test_a_failing_rank_becomes_a_distributed_error_with_its_exception(tmp_path):
+    written = write_launch_config(_plan(), tmp_path, devices=1, strategy="ddp")
+    with pytest.raises(DistributedError, match="ModuleNotFoundError.*no_such_module"):
+        launch_plan(written, "helpers.distributed", ["no_such_module:f", "[]"], timeout=60)
