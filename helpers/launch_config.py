@@ -237,6 +237,9 @@ def _cluster(strategy, mixed, per_machine, machines, rank, ip, port, deepspeed_f
             "deepspeed_config_file": str(deepspeed_file),
             "deepspeed_multinode_launcher": "standard",
         }
+        # the precision is the JSON's fp16/bf16 blocks: accelerate refuses a mixed_precision beside a
+        # deepspeed_config_file (DeepSpeedPlugin's config checks), and ``accelerate config`` leaves it out
+        del out["mixed_precision"]
     return out
 
 

@@ -122,6 +122,7 @@ def test_zero_writes_a_deepspeed_json_that_follows_its_schema(tmp_path, strategy
     assert {k for k in ds["zero_optimization"] if k.startswith("offload")} == where
     assert all(ds["zero_optimization"][k]["device"] == "cpu" for k in where)
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2 == 16
+    assert config.mixed_precision is None  # in the JSON's fp16 block: accelerate refuses it beside a DeepSpeed file
     hf = HfDeepSpeedConfig(str(written.deepspeed_file))  # accelerate's own reader of the DeepSpeed file
     assert hf.is_zero3() == (stage == 3) and hf.is_offload() == bool(where)
     assert written.memory.strategy == strategy and written.memory.world_size == 2
@@ -252,3 +253,21 @@ def test_a_failing_rank_becomes_a_distributed_error_with_its_exception(tmp_path)
     written = write_launch_config(_plan(), tmp_path, devices=1, strategy="ddp")
     with pytest.raises(DistributedError, match="ModuleNotFoundError.*no_such_module"):
         launch_plan(written, "helpers.distributed", ["no_such_module:f", "[]"], timeout=60)
+
+
+def test_accelerates_deepspeed_plugin_takes_the_written_files(tmp_path, monkeypatch):
+    """What ``accelerate launch`` does with a DEEPSPEED config, short of starting DeepSpeed: it passes the
+    accelerate config's DeepSpeed fields (and mixed_precision, when the YAML sets it) to the ranks, whose
+    DeepSpeedPlugin refuses any that the JSON should own, then reads stage, offload and batch from the JSON."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    written = write_launch_config(_plan(), tmp_path, devices="kaggle-2xt4", strategy="zero3", offload="params")
+    config = _accelerate(written.config_file)
+    fields = list(config.deepspeed_config) + (["mixed_precision"] if config.mixed_precision else [])
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join(fields).lower())
+    plugin = DeepSpeedPlugin(hf_ds_config=config.deepspeed_config["deepspeed_config_file"])
+    assert plugin.zero_stage == 3 and plugin.offload_param_device == "cpu"
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == written.accumulation
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join([*fields, "mixed_precision"]))
+    with pytest.raises(ValueError, match="will be ignored"):  # the check a mixed_precision in the YAML would fail
+        DeepSpeedPlugin(hf_ds_config=config.deepspeed_config["deepspeed_config_file"])
