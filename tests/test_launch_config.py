@@ -271,3 +271,17 @@ def test_accelerates_deepspeed_plugin_takes_the_written_files(tmp_path, monkeypa
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join([*fields, "mixed_precision"]))
     with pytest.raises(ValueError, match="will be ignored"):  # the check a mixed_precision in the YAML would fail
         DeepSpeedPlugin(hf_ds_config=config.deepspeed_config["deepspeed_config_file"])
+
+
+def test_accelerates_fsdp_plugin_takes_the_written_fsdp_config(tmp_path):
+    """The fsdp_config's values as accelerate's FullyShardedDataParallelPlugin checks them (accelerate launch
+    hands them to the ranks as FSDP_* variables: the key without ``fsdp_``, offload_params as cpu_offload)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    written = write_launch_config(
+        _plan(load="bf16"), tmp_path, devices="kaggle-2xt4", strategy="fsdp", offload="params"
+    )
+    fsdp = {k.removeprefix("fsdp_"): v for k, v in _accelerate(written.config_file).fsdp_config.items()}
+    fsdp["cpu_offload"], fsdp["fsdp_version"] = fsdp.pop("offload_params"), fsdp.pop("version")
+    plugin = FullyShardedDataParallelPlugin(**fsdp)
+    assert plugin.fsdp_version == 2 and plugin.cpu_offload and plugin.reshard_after_forward
