@@ -300,7 +300,7 @@ def write_launch_config(
                              mixed_precision=mixed != "no", seq_len=plan.seq_len, micro_batch=micro, r=plan.r,
                              device=gpus[0] if gpus else None)  # fmt: skip
     if offloads:
-        notes.append(f"{' and '.join(offloads)} offloaded to CPU RAM: the per-GPU figure counts them on the GPU "
+        notes.append(f"{' and '.join(offloads)} offloaded to CPU RAM: the per-GPU figure still holds it on the GPU "
                      "(an upper bound)")  # fmt: skip
     if gpus is None and strategy == "fsdp":  # accelerate/state.py: FSDP is entered from MULTI_GPU-like types only
         notes.append(
