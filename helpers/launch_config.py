@@ -62,6 +62,21 @@ class LaunchConfig:
     memory: TrainingMemory
     on_cpu: bool = False
     notes: list[str] = field(default_factory=list)
+    offloads: tuple[str, ...] = ()
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes per process the offload keeps in CPU RAM instead of the GPU: the optimizer states, the parameters
+        (FSDP's offload moves their gradients with them)."""
+        groups = {"optimizer": ["states.optimizer"], "params": ["states.params"]}
+        if self.strategy == "fsdp":
+            groups["params"].append("states.grads")
+        return sum(self.memory.bytes(g) for o in self.offloads for g in groups[o])
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Per-GPU bytes of a training step under this config: training_memory's, less what is offloaded."""
+        return self.memory.total - self.offloaded_bytes
 
     @property
     def world_size(self) -> int:
@@ -85,12 +100,16 @@ class LaunchConfig:
             f"mixed precision {self.mixed_precision}: micro-batch {self.micro_batch} × accumulation "
             f"{self.accumulation} × {self.world_size} processes = {self.effective_batch} examples per step",
             f"written: {files}",
-            f"per GPU: {format_bytes(self.memory.total)} ({self.memory.strategy} over {self.num_machines} machine(s) × "
+            f"per GPU: {format_bytes(self.gpu_bytes)} ({self.memory.strategy} over {self.num_machines} machine(s) × "
             f"{self.processes_per_machine} GPU(s)"
             + (f", {format_bytes(self.memory.capacity)} each" if self.memory.capacity else "")
             + ")",
             f"launch: accelerate launch --config_file {self.config_file} train.py",
         ]
+        if self.offloads:
+            lines.insert(
+                3, f"  and {format_bytes(self.offloaded_bytes)} per process in CPU RAM ({' and '.join(self.offloads)})"
+            )
         if self.num_machines > 1:
             lines.append("  on every machine, with its own --machine_rank (0 on the main one, at the address written)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -299,9 +318,6 @@ def write_launch_config(
     memory = training_memory(plan.model, strategy=strategy, world_size=world, qlora=plan.load in QUANTIZED,
                              mixed_precision=mixed != "no", seq_len=plan.seq_len, micro_batch=micro, r=plan.r,
                              device=gpus[0] if gpus else None)  # fmt: skip
-    if offloads:
-        notes.append(f"{' and '.join(offloads)} offloaded to CPU RAM: the per-GPU figure still holds it on the GPU "
-                     "(an upper bound)")  # fmt: skip
     if gpus is None and strategy == "fsdp":  # accelerate/state.py: FSDP is entered from MULTI_GPU-like types only
         notes.append(
             "on CPU processes accelerate runs this config as DDP (MULTI_CPU): it shards with FSDP on GPUs only"
@@ -309,7 +325,7 @@ def write_launch_config(
     if plan.load not in QUANTIZED:
         notes.append("per-GPU memory counts full fine-tuning of the base (LoRA on it needs less)")
     return LaunchConfig(strategy, config_file, ds_file, num_machines, per_machine, mixed, micro, accumulation,
-                        memory, gpus is None, notes)  # fmt: skip
+                        memory, gpus is None, notes, offloads)  # fmt: skip
 
 
 def launch_plan(

@@ -285,3 +285,16 @@ def test_accelerates_fsdp_plugin_takes_the_written_fsdp_config(tmp_path):
     fsdp["cpu_offload"], fsdp["fsdp_version"] = fsdp.pop("offload_params"), fsdp.pop("version")
     plugin = FullyShardedDataParallelPlugin(**fsdp)
     assert plugin.fsdp_version == 2 and plugin.cpu_offload and plugin.reshard_after_forward
+
+
+def test_offload_moves_states_off_the_gpu_figure(tmp_path):
+    """ZeRO-3 with the optimizer and parameters in CPU RAM: the per-GPU bytes drop by exactly those states."""
+    plan = _plan(load="bf16")
+    kept = write_launch_config(plan, tmp_path / "k", devices="kaggle-2xt4", strategy="zero3")
+    moved = write_launch_config(
+        plan, tmp_path / "m", devices="kaggle-2xt4", strategy="zero3", offload=["optimizer", "params"]
+    )
+    states = moved.memory.bytes("states.optimizer") + moved.memory.bytes("states.params")
+    assert kept.offloaded_bytes == 0 and moved.offloaded_bytes == states > 0
+    assert moved.gpu_bytes == kept.gpu_bytes - states
+    assert "per process in CPU RAM (optimizer and params)" in str(moved)
