@@ -387,6 +387,7 @@ class RankReport:
     seconds: float
     trainable: int
     checksum: float
+    distributed_type: str = ""  # accelerate's: MULTI_CPU / MULTI_GPU for DDP, FSDP, DEEPSPEED
 
     @property
     def peak_rss(self) -> int:
@@ -437,7 +438,8 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     checksum = sum(p.detach().double().abs().sum().item() for p in peft_model.parameters() if p.requires_grad)
     report = RankReport(acc.process_index, acc.num_processes, str(acc.state.backend), str(acc.device), losses, rss,
                         torch.cuda.max_memory_allocated() if acc.device.type == "cuda" else None,
-                        time.perf_counter() - started, params.trainable, checksum)  # fmt: skip
+                        time.perf_counter() - started, params.trainable, checksum,
+                        str(acc.distributed_type.value))  # fmt: skip
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{acc.process_index}.json").write_text(json.dumps(report.__dict__))
     acc.wait_for_everyone()

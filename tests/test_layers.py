@@ -33,7 +33,7 @@ LAYERS = [
     {"retry", "generation", "loading"},
     {"batch_size", "eval_batching", "environment", "train_view"},
     {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
-    {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats"},
+    {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats", "launch_config"},
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
