@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the wheels a lent GPU machine lacks (it has torch, transformers, accelerate and peft, no
 # internet, and a Python minor nobody knows in advance) into .whl/ (git-ignored), for
-# `carry: [".whl", "data/tiny"]` and an offline install there BY NAME, so pip picks the wheel that
+# `carry: [".whl", "data/tiny/llama", "data/tiny/qwen2"]` and an offline install there BY NAME, so pip picks the wheel that
 # matches the machine's Python (docs/gpu_check.md):
 #   python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir \
 #     --target /tmp/site -r .whl/py$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])').txt
@@ -10,7 +10,7 @@
 # Pure and abi3 wheels are fetched once; binary ones once per Python minor in GPU_PY (default
 # 3.10-3.13). The bitsandbytes wheel is repacked without its ROCm, XPU and CUDA 11.8/12.1/12.4
 # libraries (kept: CPU, CUDA 12.6, 12.8, 13.0, 13.2; on an older CUDA set BNB_CUDA_VERSION=126).
-# Fails when .whl/ + data/tiny + the tracked files would pass LIMIT_MIB (a call carries 64 MiB).
+# Fails when .whl/ + the two decoder tiny models (the GPU check and notebooks use only those) + the tracked files would pass LIMIT_MIB (a call carries 64 MiB).
 # matplotlib (~20 MiB a Python minor with pillow, fonttools, kiwisolver) comes only with
 # WITH_MPL=1, meant with a single GPU_PY (the minor the preflight call printed): the notebooks stage
 # needs it, no other stage does.
@@ -74,11 +74,11 @@ EOF
 
 [ ${#missing[@]} -eq 0 ] || echo "not available (built into that Python, or dropped support): ${missing[*]}"
 whl=$(du -sb "$dest" | cut -f1)
-tiny=$(du -sbL data/tiny 2>/dev/null | cut -f1 || echo 0)
+tiny=$(du -scbL data/tiny/llama data/tiny/qwen2 2>/dev/null | tail -n 1 | cut -f1 || echo 0)
 repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
 total=$(( (whl + tiny + repo) / 1048576 ))
 echo "$(ls "$dest"/*.whl | wc -l) wheels for Python ${pythons[*]}: .whl $((whl / 1048576)) MiB" \
-  "+ data/tiny $((tiny / 1048576)) MiB + repo $((repo / 1048576)) MiB = ${total} MiB (limit ${limit} MiB)"
+  "+ data/tiny/{llama,qwen2} $((tiny / 1048576)) MiB + repo $((repo / 1048576)) MiB = ${total} MiB (limit ${limit} MiB)"
 if [ "$total" -ge "$limit" ]; then
   echo "error: the carried set is ${total} MiB, over ${limit} MiB (a call carries 64 MiB): narrow GPU_PY" \
        "to the machine's Python minor or drop WITH_MPL" >&2
