@@ -181,14 +181,27 @@ class ResultsFile:
             records[str(rec["id"])] = rec
             good_end = pos = end
         if repair and good_end < len(data):
-            torn = data[good_end:]
+            self._set_torn_aside(data, good_end)
+        return records
+
+    def _set_torn_aside(self, data: bytes, good_end: int) -> None:
+        """Move a torn last line to ``<path>.torn`` and cut it off; on a full or read-only disk change
+        nothing and say so (appending after a torn line would corrupt the next record)."""
+        torn = data[good_end:]
+        torn_path = self.path.with_name(self.path.name + ".torn")
+        try:
             if torn.strip():
-                with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
+                with open(torn_path, "ab") as f:
                     f.write(torn + b"\n")
                 self.repaired = True
             with open(self.path, "r+b") as f:
                 f.truncate(good_end)
-        return records
+        except OSError as e:
+            raise EvalError(
+                f"{self.path} ends in a torn line that could not be set aside in {torn_path.name} "
+                f"({e.strerror or e}); nothing was changed and every finished record is still in the file. "
+                "Free disk space (or make the folder writable) and run again"
+            ) from None
 
     def open(self, *, fresh: bool = False) -> dict[str, dict]:
         """Lock the file, check it can be written (before any generation), return what is already finished.

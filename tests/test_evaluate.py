@@ -644,3 +644,15 @@ def test_a_results_write_error_keeps_its_unsaved_records_through_pickle():
     err = ResultsWriteError("disk full writing results.jsonl", [{"id": "a", "output": "x"}])
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is ResultsWriteError and str(back) == str(err) and back.unsaved == err.unsaved
+
+
+def test_a_torn_line_that_cannot_be_set_aside_is_a_clear_error_and_changes_nothing(tmp_path):
+    from helpers.results_file import ResultsFile
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": "a", "output": "x"}\n{"id": "b", "out')
+    (tmp_path / "r.jsonl.torn").mkdir()  # where the torn line would go cannot be written (as on a full disk)
+    before = path.read_bytes()
+    with pytest.raises(EvalError, match="torn line that could not be set aside.*nothing was changed"):
+        ResultsFile(path).read()
+    assert path.read_bytes() == before  # no record lost, nothing cut
