@@ -342,19 +342,49 @@ def _torchrun(target: str, args_json: str, num_processes: int) -> None:
     comes (a notebook shows it) and its last lines make the :class:`DistributedError` of a failed run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
            "-m", "helpers.distributed", target, args_json]  # fmt: skip
-    tail: deque[str] = deque(maxlen=400)
+    run = run_streaming(cmd)
+    if run.code != 0:
+        raise DistributedError(_failure(target, run.code, run.tail))
+
+
+@dataclass
+class StreamedRun:
+    """How a launcher process ended: its exit code, its last stderr lines, whether the timeout stopped it."""
+
+    code: int
+    tail: list[str]
+    timed_out: bool = False
+
+
+def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: int = 400) -> StreamedRun:
+    """Run a launcher (torchrun, accelerate launch) and wait for it. Its stderr goes on to this process's as
+    it comes (a notebook shows it) and its last ``tail_lines`` are kept for the error of a failed run; an
+    interrupted cell, or ``timeout`` seconds passed, terminates it (the launcher passes SIGTERM on to its
+    ranks), so no rank is left running."""
+    tail: deque[str] = deque(maxlen=tail_lines)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        proc.terminate()
+
+    watchdog = threading.Timer(timeout, stop) if timeout else None
+    if watchdog:
+        watchdog.start()
     try:
         for line in proc.stderr:
             sys.stderr.write(line)
             tail.append(line.rstrip("\n"))
         code = proc.wait()
-    except BaseException:  # an interrupted cell must not leave torchrun and its ranks running
+    except BaseException:
         proc.terminate()
         proc.wait()
         raise
-    if code != 0:
-        raise DistributedError(_failure(target, code, list(tail)))
+    finally:
+        if watchdog:
+            watchdog.cancel()
+    return StreamedRun(code, list(tail), fired.is_set())
 
 
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")

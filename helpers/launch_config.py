@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +28,7 @@ import torch
 import yaml
 
 from .devices import auto_compute_dtype, resolve_devices
-from .distributed import DistributedError, TrainingMemory, training_memory
+from .distributed import DistributedError, TrainingMemory, run_streaming, training_memory
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -346,31 +343,10 @@ def launch_plan(
     if config.deepspeed_file is not None and importlib.util.find_spec("deepspeed") is None:
         raise DistributedError(f"{config.strategy} runs on DeepSpeed, which is not installed here: pip install deepspeed "
                                "(it builds its CUDA ops on first use), or write the config with strategy='fsdp'")  # fmt: skip
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    proc = subprocess.Popen(config.command(module, args), stderr=subprocess.PIPE, text=True, errors="replace")
-    fired = threading.Event()
-
-    def stop() -> None:  # torchrun passes SIGTERM on to the ranks
-        fired.set()
-        proc.terminate()
-
-    watchdog = threading.Timer(timeout, stop) if timeout else None
-    if watchdog:
-        watchdog.start()
-    try:
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            tail.append(line.rstrip("\n"))
-        code = proc.wait()
-    except BaseException:  # an interrupted cell must not leave accelerate and its ranks running
-        proc.terminate()
-        proc.wait()
-        raise
-    finally:
-        if watchdog:
-            watchdog.cancel()
-    if fired.is_set():
+    run = run_streaming(config.command(module, args), timeout=timeout, tail_lines=TAIL_LINES)
+    if run.timed_out:
         raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped")
+    code, tail = run.code, run.tail
     if code != 0:
         errors = [line for line in tail if "Error" in line or "Exception" in line][-3:]
         last = "\n".join(f"  {line}" for line in list(tail)[-8:])

@@ -114,6 +114,20 @@ def wheel_notebooks(wheel, tmp_path_factory, tiny_models) -> WheelNotebooks:
     return WheelNotebooks(work, target, lines, done.stdout[-3000:] + done.stderr[-3000:])
 
 
+GLOO_CONNECT = "Connection closed by peer"  # gloo's rendezvous on localhost: about one run in 15 here
+
+
+def retry_gloo_connect(call, tries: int = 3):
+    """``call()``, again (at most ``tries`` times) only when gloo's known localhost connect error ends it."""
+    for attempt in range(tries):
+        try:
+            return call()
+        except Exception as e:
+            if GLOO_CONNECT not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def ipython_shell():
     """A real IPython InteractiveShell in this process (what a notebook kernel runs)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import GLOO_CONNECT, retry_gloo_connect  # noqa: E402
 
 from helpers import distributed
 from helpers.distributed import DistributedError, largest_layer_params, launch, run_ddp_qlora, training_memory
@@ -68,23 +69,9 @@ def test_bad_inputs():
         training_memory(MODEL, strategy="single", world_size=2)
 
 
-GLOO_CONNECT = "Connection closed by peer"  # gloo's rendezvous on localhost: about one run in 15 here
-
-
-def _retry_gloo_connect(call, tries: int = 3):
-    """``call()``, again (at most ``tries`` times) only when gloo's known localhost connect error ends it."""
-    for attempt in range(tries):
-        try:
-            return call()
-        except Exception as e:
-            if GLOO_CONNECT not in str(e) or attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 @pytest.mark.slow
 def test_ddp_qlora_on_two_cpu_processes(tiny_llama, tmp_path):
-    run = _retry_gloo_connect(lambda: run_ddp_qlora(str(tiny_llama), tmp_path, num_processes=2, steps=6, seq_len=32))
+    run = retry_gloo_connect(lambda: run_ddp_qlora(str(tiny_llama), tmp_path, num_processes=2, steps=6, seq_len=32))
     assert [r.rank for r in run.ranks] == [0, 1] and {r.backend for r in run.ranks} == {"gloo"}
     assert run.loss_fell and run.in_sync, str(run)
     assert all(r.peak_rss > 0 and len(r.rss) == 6 for r in run.ranks)

@@ -14,13 +14,13 @@ import torch
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.utils import DistributedType
 from accelerate.utils.deepspeed import HfDeepSpeedConfig
+from conftest import retry_gloo_connect  # noqa: E402
 
 from helpers.distributed import DistributedError, RankReport
 from helpers.finetune import TrainPlan
 from helpers.launch_config import launch_plan, write_launch_config
 
 MODEL = "meta-llama/Llama-2-7b-hf"
-GLOO_CONNECT = "Connection closed by peer"  # gloo's rendezvous on localhost: about one run in 15 here
 
 
 def _plan(**kw) -> TrainPlan:
@@ -189,17 +189,6 @@ def test_a_gpu_config_is_not_launched_on_a_cpu_machine(tmp_path, monkeypatch):
             launch_plan(written, "helpers.distributed")
 
 
-def _retry_gloo_connect(call, tries: int = 3):
-    """``call()``, again (at most ``tries`` times) only when gloo's known localhost connect error ends it."""
-    for attempt in range(tries):
-        try:
-            return call()
-        except Exception as e:
-            if GLOO_CONNECT not in str(e) or attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[RankReport], float]:
     """Write the config for 2 CPU processes and launch the DDP QLoRA worker through it; the ranks' reports."""
     plan = TrainPlan(str(tiny_llama), load=load, batch_size=4, micro_batch=2, seq_len=32, r=8)
@@ -208,7 +197,7 @@ def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[R
     out = tmp_path / "ranks"
     worker = ["helpers.distributed:ddp_qlora_worker", json.dumps([str(tiny_llama), str(out), 4, 32, 2, 8, 1e-3, load])]
     started = time.perf_counter()
-    _retry_gloo_connect(lambda: launch_plan(written, "helpers.distributed", worker, timeout=120))
+    retry_gloo_connect(lambda: launch_plan(written, "helpers.distributed", worker, timeout=120))
     files = sorted(out.glob("rank*.json"))
     return [RankReport(**json.loads(f.read_text())) for f in files], time.perf_counter() - started
 
