@@ -396,7 +396,9 @@ def _failure(target: str, code: int, lines: list[str]) -> str:
     agent = next((i for i, line in enumerate(lines) if "torch/distributed/elastic" in line
                   or "torch.distributed.elastic" in line), len(lines))  # fmt: skip
     ranks = lines[:agent] or lines
-    errors = list(dict.fromkeys(m.group(1) for m in map(_ERROR_LINE.match, ranks) if m))
+    # two ranks write to one pipe: their lines can interleave mid-line ("Error:  Expecting"), so the
+    # spacing is normalised before the same error of each rank is said once
+    errors = list(dict.fromkeys(" ".join(m.group(1).split()) for m in map(_ERROR_LINE.match, ranks) if m))
     head = f"torchrun running {target} on each process exited with status {code}"
     said = f": {'; '.join(errors[-3:])}" if errors else ""
     last = "\n".join(f"  {line}" for line in ranks[-STDERR_TAIL:])

@@ -159,6 +159,12 @@ def test_a_failed_torchrun_run_quotes_the_ranks_error_not_torchruns_summary():
                            "module '__main__' has no attribute 'my_step'\n")  # fmt: skip
     assert text.count("AttributeError") == 3  # once said, and in the ranks' last lines
     assert "ChildFailedError" not in text and "Root Cause" not in text
+    interleaved = [
+        "json.decoder.JSONDecodeError:  Expecting value: line 1",
+        "json.decoder.JSONDecodeError: Expecting value: line 1",
+    ]
+    text = distributed._failure("json:loads", 1, interleaved)  # two ranks' lines that met mid-line in the pipe
+    assert "exited with status 1: json.decoder.JSONDecodeError: Expecting value: line 1\n" in text
 
 
 @pytest.mark.slow
