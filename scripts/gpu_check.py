@@ -211,6 +211,8 @@ def run_stage(run: Run, stage: str, fresh: bool) -> dict | None:
         print(f"  FAILED: {error['error'][:300]}\n  (traceback in {failed.name}; the next stages go on)")
         return None
     result.update(stage=stage, machine=_machine(run), seconds=round(time.perf_counter() - started, 1))
+    if left := _left_allocated(run):  # what a stage keeps skews every stage after it: say so
+        result.setdefault("notes", []).append(f"the stage left {left / 2**30:.2f} GiB allocated on the card")
     if stage == "context" and not result.get("incomplete"):
         _write(target, result)
         act_as_t4(run)  # the cap from the context just measured, for every stage after it
@@ -223,6 +225,15 @@ def run_stage(run: Run, stage: str, fresh: bool) -> dict | None:
     for note in result.get("notes", []):
         print(f"  note: {note}")
     return None if result.get("incomplete") or result.get("skipped") else result
+
+
+def _left_allocated(run: Run) -> int:
+    """Bytes still allocated after a stage, past a 256 MiB allowance (cuBLAS workspaces, caches)."""
+    if run.dry:
+        return 0
+    gc.collect()
+    left = torch.cuda.memory_allocated()
+    return left if left > 256 << 20 else 0
 
 
 def write_summary(run: Run) -> str:

@@ -8,6 +8,7 @@ nothing is downloaded.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import json
@@ -307,9 +308,14 @@ def _weights_row(path: Path, mode: str, dq: bool, label: str, run) -> dict:
     _sync_peak_reset()
     before = _allocated()
     row = {"model": path.name, "mode": label, "estimate": est.weights}
+    history = not run.dry
+    if history:  # every block's allocating stack: what the allocator holds beyond the model gets a name
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
         model, _, _ = load(_plan(path, mode, run, dq), check=False)
     except torch.OutOfMemoryError as e:
+        if history:
+            torch.cuda.memory._record_memory_history(enabled=None)
         return {**row, "measured": None, "error_pct": None, "note": f"OOM under the cap: {str(e)[:80]}"}
     if torch.cuda.is_available():  # frees a loader queued on a stream land before the reading
         torch.cuda.synchronize()
@@ -319,8 +325,44 @@ def _weights_row(path: Path, mode: str, dq: bool, label: str, run) -> dict:
     row["error_pct"] = error_pct(est.weights, row["measured"])
     if grown is not None and grown - row["footprint"] > 1 << 20:  # allocated beyond the weights: name it
         row["unaccounted"] = _unaccounted(model)
+        if history:
+            with contextlib.suppress(Exception):  # a diagnosis must never cost the row
+                row["unowned_blocks"] = _unowned_blocks(model)
+    if history:
+        torch.cuda.memory._record_memory_history(enabled=None)
     unload(model)
     return row
+
+
+def _unowned_blocks(model, top: int = 8) -> dict:
+    """Live allocator blocks that hold none of the model's storages, by allocating stack, plus the
+    rounding the allocator adds to the model's own blocks (size - requested): where the bytes went."""
+    owned = sorted(_model_storages(model))
+
+    def holds_model(addr: int, size: int) -> bool:
+        i = bisect.bisect_left(owned, addr)
+        return i < len(owned) and owned[i] < addr + size
+
+    rounding, groups = 0, {}
+    for seg in torch.cuda.memory._snapshot().get("segments", []):
+        addr = seg.get("address", 0)
+        for block in seg.get("blocks", []):
+            size, start = block.get("size", 0), block.get("address", addr)
+            addr = start + size
+            if block.get("state") != "active_allocated":
+                continue
+            if holds_model(start, size):
+                rounding += size - block.get("requested_size", size)
+                continue
+            frames = [f for f in block.get("frames") or [] if str(f.get("filename", "")).endswith(".py")]
+            where = " < ".join(f"{str(f['filename']).split('-packages/')[-1]}:{f.get('line')} {f.get('name')}"
+                               for f in frames[:5]) or "(no Python frames)"  # fmt: skip
+            g = groups.setdefault(where, [0, 0])
+            g[0] += size
+            g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"rounding_on_model_blocks": rounding, "unowned_total": sum(b for b, _ in groups.values()),
+            "sites": [f"{format_bytes(b)} in {n} blocks: {w}" for w, (b, n) in ranked[:top]]}  # fmt: skip
 
 
 def _model_storages(model) -> set[int]:
@@ -499,8 +541,10 @@ def _saved_census(model, plan, est, run) -> dict:
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if t.device == model.device and ptr not in owned:
-            seen.setdefault(ptr, (t.untyped_storage().nbytes(), str(t.dtype).replace("torch.", "")))
-        return t
+            seen.setdefault(ptr, (t.untyped_storage().nbytes(), str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        # detached: a saved output handed back as itself holds its own grad_fn, a cycle no gc frees,
+        # which kept the whole graph and the base model on the card after the census (GPU run 2)
+        return t.detach()
 
     ids = torch.randint(3, 1000, (plan.micro_batch, plan.seq_len), device=model.device)
     dtype = torch.float16 if not run.dry else torch.bfloat16
@@ -509,18 +553,47 @@ def _saved_census(model, plan, est, run) -> dict:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(model.device.type, dtype):
             out = model(input_ids=ids, labels=ids)
+        saver = _savers(out.loss.grad_fn)
         del out
     except torch.OutOfMemoryError:
         return {"note": "OOM during the census"}
     by_dtype: dict[str, int] = {}
-    for size, name in seen.values():
+    by_shape: dict[str, list[int]] = {}  # "(1, 512, 4096) float16 <- MulBackward0" -> [bytes, count]
+    for ptr, (size, name, shape) in seen.items():
         by_dtype[name] = by_dtype.get(name, 0) + size
+        g = by_shape.setdefault(f"{shape} {name} <- {saver.get(ptr, '?')}", [0, 0])
+        g[0] += size
+        g[1] += 1
     total = sum(by_dtype.values())
     layers = getattr(model.config, "num_hidden_layers", 1)
     estimated = sum(r.bytes for r in est.rows if r.key == "activations.saved")
+    shapes = sorted(by_shape.items(), key=lambda kv: -kv[1][0])[:60]
     return {"saved": total, "by_dtype": by_dtype, "tensors": len(seen), "estimate_saved": estimated,
+            "by_shape": {k: {"bytes": b, "count": n} for k, (b, n) in shapes},
             "per_token_per_layer": total // (plan.micro_batch * plan.seq_len * layers),
             "estimate_per_token_per_layer": estimated // (plan.micro_batch * plan.seq_len * layers)}  # fmt: skip
+
+
+def _savers(root) -> dict[int, str]:
+    """Storage pointer -> the autograd nodes that saved it (``_saved_*`` fields and a custom
+    Function's ``saved_tensors``), walking the graph from the loss: which op keeps which tensor."""
+    names: dict[int, set[str]] = {}
+    stack, visited = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        kept = []
+        for attr in dir(node):
+            if attr.startswith("_saved_") or attr == "saved_tensors":
+                with contextlib.suppress(Exception):
+                    v = getattr(node, attr)
+                    kept += [t for t in (v if isinstance(v, tuple | list) else [v]) if isinstance(t, torch.Tensor)]
+        for t in kept:
+            names.setdefault(t.untyped_storage().data_ptr(), set()).add(type(node).__name__)
+        stack.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return {ptr: "+".join(sorted(n)) for ptr, n in names.items()}
 
 
 def stage_context(run) -> dict:

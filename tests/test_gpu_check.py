@@ -12,6 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.estimator import estimate
+from helpers.estimator.training import LoraTraining
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 
@@ -162,3 +165,27 @@ def test_the_budget_counts_from_the_call_not_from_an_old_process(tmp_path, harne
     assert json.loads((tmp_path / "dry" / "context.json").read_text())["stage"] == "context"
     run = harness.Run(dry=True, state=tmp_path, out=tmp_path, budget_s=480, started=time.time() - 600)
     assert run.time_left() < 0  # an injected start is honoured: the script passes its own process start
+
+
+def test_the_gpu_tables_use_todays_estimator_and_the_file_is_current(monkeypatch):
+    """estimates_now.json is today's estimate of every cell a GPU measured; an estimator change that
+    moves a GPU figure must rewrite it (python scripts/gpu_reestimate.py, then make docs)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import gpu_reestimate
+
+    assert gpu_reestimate.main(["--check"]) == 0, "run python scripts/gpu_reestimate.py, then make docs"
+
+
+def test_qlora_activations_are_what_autograd_kept_on_cuda():
+    """The no-checkpointing QLoRA cell's census on an H100 (fp16 autocast, CodeLlama-7B nf4, seq 512,
+    r=16 on all linear layers, dropout 0.05): 1504 tensors, 5,394,567,180 bytes in all. The saved row
+    plus the adapters' 16-bit copies, the output layer's 16-bit copy and the loss's fp32 log-softmax
+    (its own rows) must come within 1 % of it."""
+    census = json.loads((REPO / "bench" / "results" / "gpu" / "qlora.json").read_text())
+    kept = next(r["saved_census"]["saved"] for r in census["rows"] if "by_shape" in r.get("saved_census", {}))
+    tr = LoraTraining(r=16, seq_len=512, micro_batch=1, gradient_checkpointing=False)
+    est = estimate("codellama/CodeLlama-7b-hf", load="nf4", compute_dtype="fp16", training=tr, device="t4")
+    logsoftmax = 512 * 32016 * 4  # the loss row also counts the gradients around it, the census only this
+    rows = ("activations.saved", "training.adapter_casts", "activations.lm_head_copy")
+    predicted = sum(est.row(k).bytes for k in rows) + logsoftmax
+    assert abs(predicted - kept) / kept < 0.01, (predicted, kept)

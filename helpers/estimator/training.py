@@ -131,10 +131,16 @@ def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[Est
             "AdamW 32-bit 8 bytes/param, 8-bit 2",
         )
     )
-    # peft casts each adapted layer's input to the fp32 adapter dtype and, with dropout, keeps the
-    # dropped copy (4 B) and its mask (1 B) for backward: per adapted layer, per token.
+    if b < 4:  # under 16-bit autocast each adapter matmul keeps a 16-bit copy of its fp32 weights
+        rows.append(EstimateRow("training.adapter_casts", "16-bit copies of the adapters (autocast)", b * n_lora,
+                                "exact", "kept from forward to backward (measured on CUDA, fp16)"))  # fmt: skip
+    # Per adapted layer, per token: dropout keeps its mask (1 B); lora_A keeps its input, which under
+    # 16-bit autocast is the 16-bit cast of peft's fp32 input (b bytes; a 7B QLoRA step on CUDA,
+    # docs/gpu_check.md) and without autocast the fp32 dropped copy (4 B); plus lora_A's r outputs.
     lora_in = sum(e.linear[1] for e in adapted) // max(1, d["layers"])
-    per_tok_lora = lora_in * ((5 if tr.lora_dropout > 0 else 4) if b < 4 or tr.lora_dropout > 0 else 0)
+    mask = 1 if tr.lora_dropout > 0 else 0
+    kept = b if b < 4 else (4 if tr.lora_dropout > 0 else 0)
+    per_tok_lora = lora_in * (mask + kept) + len(adapted) // max(1, d["layers"]) * tr.r * min(b, 4)
     return rows, trainable, per_tok_lora
 
 
@@ -162,18 +168,29 @@ def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[E
     return rows, trainable
 
 
+def _per_token_layer(d: dict, b: int, upcast: bool) -> int:
+    """Bytes one decoder layer keeps for backward per token, adapters aside."""
+    h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
+    if upcast:
+        # QLoRA under 16-bit autocast, by the tensors autograd kept in a 7B step on CUDA (docs/gpu_check.md):
+        # each RMSNorm its fp32 input; SDPA q, k, v and its output in 16 bits (k and v counted at full
+        # heads: expanded for grouped-query attention) and its fp32 log-sum-exp; bitsandbytes hands
+        # its output back in the input's dtype, so the MLP keeps gate, act(gate) and up in fp32.
+        return 2 * 4 * h + b * 4 * heads * hd + 4 * heads + 3 * 4 * inter
+    # Otherwise (measured on CPU with live-tensor tracking, bench/estimate_accuracy.py): each RMSNorm
+    # keeps its fp32 upcast, the normalized fp32 value and the cast-back output; attention keeps q and
+    # k before and after rotary, v, the GQA-expanded k/v, its output and the o_proj input; the MLP
+    # keeps gate, act(gate), up and their product.
+    attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
+    return 2 * (8 * h + b * h) + b * attn + 4 * b * inter
+
+
 def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: int) -> list[EstimateRow]:
     """What the forward pass keeps for backward, the loss's peak and the dequantized weights."""
     rows = []
     seq, mb = tr.seq_len, tr.micro_batch
-    # Saved activations per layer (bytes per token) of a Llama-like block: each RMSNorm keeps its
-    # fp32 upcast, the normalized fp32 value and the cast-back output; attention keeps q and k before
-    # and after rotary, v, the GQA-expanded k/v, its output and the o_proj input; the MLP keeps
-    # gate, act(gate), up and their product. Measured on CPU with live-tensor tracking (see
-    # bench/estimate_accuracy.py).
-    h, inter, heads, kv, hd = d["h"], d["inter"], d["heads"], d["kv"], d["hd"]
-    attn = 3 * heads * hd + 3 * kv * hd + (2 * heads * hd if kv < heads else 0) + 2 * h
-    per_tok = 2 * (8 * h + b * h) + b * attn + 4 * b * inter + per_tok_lora
+    h, upcast = d["h"], load in QUANTIZED and b < 4
+    per_tok = _per_token_layer(d, b, upcast) + per_tok_lora
     # The loss's peak comes at the start of backward: log-softmax's fp32 output (saved), its incoming
     # gradient and the gradient it returns, each batch x seq x vocab x 4 B (the model's own logits
     # and the fp32 upcast are gone by then: measured with live-tensor tracking); a chunked or fused
@@ -191,7 +208,6 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
     # QLoRA (prepare_model_for_kbit_training) upcasts the embeddings, norms and output layer to fp32:
     # the residual stream every layer takes as input is fp32, and under 16-bit autocast the output
     # layer's matmul keeps a 16-bit copy of its fp32 weight until its backward (at the loss's peak).
-    upcast = load in QUANTIZED and b < 4
     if upcast:
         rows.append(
             EstimateRow("activations.lm_head_copy", "16-bit copy of the fp32 output layer (autocast)",
@@ -228,8 +244,8 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
                 "activations (no checkpointing)",
                 saved,
                 "formula",
-                # measured on CUDA (docs/gpu_check.md): CodeLlama-7B nf4 at seq 512 kept about 2 GiB less
-                "tensors kept for backward; high on CUDA under fp16 autocast (a 7B QLoRA step: +22 %, safe side)",
+                "tensors kept for backward, per layer and token"
+                + (" (as measured in a 7B QLoRA step on CUDA)" if upcast else ""),
             )
         )
         rows.append(EstimateRow("activations.loss", f"logits + loss ({tr.loss})", logits, "formula", loss_note))
