@@ -285,3 +285,24 @@ def test_missing_and_bin_only_repos_fall_back_with_a_note(hub, tiny_llama):
     assert headers is None and "is gated: accept its license" in why
     headers, why = read_hub_headers("someone/no-such-repo")
     assert headers is None and ".bin weights only?" in why  # the hub answers a missing repo's files as missing
+
+
+def test_gptq_repo_whose_layout_the_config_does_not_say(hub, tiny_llama):
+    """A GPTQ repo that quantized lm_head too: the config formula counts it in fp16, the headers as packed."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config |= {"dtype": "float16", "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    folder = _repo(hub, "someone/tiny-GPTQ-lm-head", config)
+    state = _gptq_state(config)
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    del state["lm_head.weight"]
+    state |= {"lm_head.qweight": torch.zeros(h * 4 // 32, vocab, dtype=torch.int32),
+              "lm_head.qzeros": torch.zeros(1, vocab * 4 // 32, dtype=torch.int32),
+              "lm_head.scales": torch.zeros(1, vocab, dtype=torch.float16),
+              "lm_head.g_idx": torch.zeros(h, dtype=torch.int32)}  # fmt: skip
+    save_file(state, folder / "model.safetensors")
+    stored = _header_bytes(folder / "model.safetensors")
+
+    est = estimate("someone/tiny-GPTQ-lm-head", device="t4")
+    assert est.weights - est.row("weights.buffers").bytes == stored
+    formula = estimate(config, device="t4")
+    assert formula.weights - est.weights == vocab * h * 2 - (h * vocab // 2 + vocab // 2 + 2 * vocab + 4 * h)

@@ -161,7 +161,8 @@ def estimate(
     """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
 
     Args:
-        model: hub id (only its config.json is read), short name or hub id of a shipped config
+        model: hub id (its config.json is read, and for a config that does not ship, the headers of its
+            safetensors files: exact weight bytes before download), short name or hub id of a shipped config
             (``helpers/data/configs``, offline), local folder, config.json path, config object or loaded model.
         load: fp32, fp16, bf16, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit); "auto" (default) picks
             the widest that fits ``device``, or a pre-quantized checkpoint's own mode (bnb, GPTQ, AWQ).
