@@ -306,3 +306,11 @@ def test_gptq_repo_whose_layout_the_config_does_not_say(hub, tiny_llama):
     assert est.weights - est.row("weights.buffers").bytes == stored
     formula = estimate(config, device="t4")
     assert formula.weights - est.weights == vocab * h * 2 - (h * vocab // 2 + vocab // 2 + 2 * vocab + 4 * h)
+
+
+def test_a_4bit_load_of_an_ordinary_checkpoint_asks_nothing(hub, tiny_llama):
+    folder = _repo(hub, "someone/tiny-nf4", json.loads((tiny_llama / "config.json").read_text()))
+    shutil.copy(tiny_llama / "model.safetensors", folder / "model.safetensors")
+    est = estimate("someone/tiny-nf4", load="nf4", device="t4")
+    assert HEADER_NOTE not in est.row("weights.unquantized").note  # bitsandbytes' layout, from the config
+    assert not any("safetensors" in r for r in hub.requests)  # only the config was read

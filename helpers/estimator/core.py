@@ -237,10 +237,13 @@ def _weights(model, lay, load: str, b: int, repo, double_quant: bool, skip_modul
     """The weight rows and their notes: from the safetensors headers of a hub repo whose config is not
     shipped, where they can be read (every tensor's dtype and shape: exact before any download) and the
     load keeps the checkpoint's layout (a pre-quantized repo, or a 16/32-bit load); else from the config."""
-    repo_id = hub_repo(model)
+    # an int8/4-bit load of an ordinary checkpoint is laid out by bitsandbytes from the shapes the config
+    # gives as well: the headers would add requests, not precision
+    keeps_layout = repo is not None or load in DTYPE_BYTES
+    repo_id = hub_repo(model) if keeps_layout else None
     headers, why = read_hub_headers(repo_id) if repo_id is not None else (None, None)
     notes = [f"weights counted from the config, not the checkpoint: {why}"] if why else []
-    if headers is not None and (repo is not None or load in DTYPE_BYTES):
+    if headers is not None:
         rows = header_rows(headers, lay, load, b, prequantized=repo is not None)
         return rows, notes + _count_note(headers, lay, repo)
     if load in PACKED_METHODS:
