@@ -199,9 +199,12 @@ def hub_offline_reason() -> str | None:
 
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return "HF_HUB_OFFLINE is set"
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    # a mirror set with HF_ENDPOINT may listen on its own port, or speak plain http
+    port = url.port or (80 if url.scheme == "http" else 443)
     try:
-        socket.create_connection((host, 443), timeout=_HUB_PROBE_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=_HUB_PROBE_TIMEOUT_S).close()
     except OSError as e:
         return f"{host} cannot be reached ({type(e).__name__})"
     return None

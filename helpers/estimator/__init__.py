@@ -12,6 +12,7 @@ row of the breakdown says which.
 Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
 ``layout`` (weights per module on the meta device), ``inference`` (generation rows: KV cache,
 prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
+``hub_headers`` (exact weights from a hub repo's safetensors headers),
 ``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
 and VLM generation rows), ``families`` (decoder-only,
 encoder-decoder, speech, vision-language: the Auto class and the modules kept unquantized).

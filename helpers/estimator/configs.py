@@ -22,7 +22,7 @@ from ..sources import (
 )
 from .rows import EstimateError
 
-__all__ = ["resolve_config", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION"]
+__all__ = ["resolve_config", "hub_repo", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION"]
 
 # The sizes a config.json states, by their names across architectures (text_config's too). Each must be a
 # whole number >= 1; a hostile or broken file (a negative width, 10**12 layers, "32" as text) is refused
@@ -126,6 +126,17 @@ def _from_hub(name: str):
         ) from None
     check_config_values(config.to_dict(), f"the config of {name!r}")
     return config, name, None
+
+
+def hub_repo(model: Any) -> str | None:
+    """The hub id ``model`` names when :func:`resolve_config` reads its config from the hub (a string that
+    is no local path and no shipped config), else ``None``."""
+    if not isinstance(model, str) or not model.strip():
+        return None
+    path = Path(model).expanduser()
+    if path.exists() or looks_like_path(model) or shipped_config(model) is not None:
+        return None
+    return model
 
 
 def resolve_config(model: Any):

@@ -29,9 +29,10 @@ from ..vocab import (
     kv_cache_name,
     loss_name,
 )
-from .configs import resolve_config
+from .configs import hub_repo, resolve_config
 from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
 from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
+from .hub_headers import header_rows, read_hub_headers
 from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
 from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
@@ -160,7 +161,8 @@ def estimate(
     """Predict the GPU memory of ``model`` loaded with ``load`` and used as described.
 
     Args:
-        model: hub id (only its config.json is read), short name or hub id of a shipped config
+        model: hub id (its config.json is read, and for a config that does not ship, the headers of its
+            safetensors files: exact weight bytes before download), short name or hub id of a shipped config
             (``helpers/data/configs``, offline), local folder, config.json path, config object or loaded model.
         load: fp32, fp16, bf16, int8 (LLM.int8), nf4 or fp4 (bitsandbytes 4-bit); "auto" (default) picks
             the widest that fits ``device``, or a pre-quantized checkpoint's own mode (bnb, GPTQ, AWQ).
@@ -201,10 +203,7 @@ def estimate(
         raise EstimateError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)} (or 'auto')")
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
-    if load in PACKED_METHODS:
-        rows = packed_rows(lay, repo, b)
-    else:
-        rows = weight_rows(lay, load, b, double_quant, skip_modules)
+    rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)
     if training is None:
         shape = Generation(batch_size, prompt_tokens, max_new_tokens, b, cdtype, dev, load, double_quant,
                            skip_modules, sampling, inputs["kv_cache"])  # fmt: skip
@@ -224,13 +223,44 @@ def estimate(
         approximate=lay.approximate,
         warnings=_warnings(lay, config, load, cdtype, dev, inputs)
         + _moe_warning(rows, load)
-        + _family_warnings(config, rows, training),
+        + _family_warnings(config, rows, training)
+        + header_notes,
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
         context=_context(config),
         host_rows=host,
     )
+
+
+def _weights(model, lay, load: str, b: int, repo, double_quant: bool, skip_modules) -> tuple[list[EstimateRow], list]:
+    """The weight rows and their notes: from the safetensors headers of a hub repo whose config is not
+    shipped, where they can be read (every tensor's dtype and shape: exact before any download) and the
+    load keeps the checkpoint's layout (a pre-quantized repo, or a 16/32-bit load); else from the config."""
+    # an int8/4-bit load of an ordinary checkpoint is laid out by bitsandbytes from the shapes the config
+    # gives as well: the headers would add requests, not precision
+    keeps_layout = repo is not None or load in DTYPE_BYTES
+    repo_id = hub_repo(model) if keeps_layout else None
+    headers, why = read_hub_headers(repo_id) if repo_id is not None else (None, None)
+    notes = [f"weights counted from the config, not the checkpoint: {why}"] if why else []
+    if headers is not None:
+        rows = header_rows(headers, lay, load, b, prequantized=repo is not None)
+        return rows, notes + _count_note(headers, lay, repo)
+    if load in PACKED_METHODS:
+        return packed_rows(lay, repo, b), notes
+    return weight_rows(lay, load, b, double_quant, skip_modules), notes
+
+
+def _count_note(headers, lay, repo) -> list[str]:
+    """An ordinary checkpoint whose headers hold another parameter count than the architecture builds
+    (a tied lm_head stored twice, leftover tensors transformers skips): say so, the headers are what is read."""
+    if repo is not None:
+        return []
+    stored = sum(t.numel for t in headers.entries.values())
+    if stored == lay.params:
+        return []
+    return [f"the checkpoint's headers hold {stored:,} values, the architecture {lay.params:,} parameters: "
+            "the weights row counts the checkpoint's tensors (transformers drops unused ones, ties shared ones)"]  # fmt: skip
 
 
 def _use_rows(config, lay, g: Generation, extra: dict) -> list[EstimateRow]:
