@@ -76,6 +76,7 @@ bench: setup $(TINY)
 # docs/benchmarks.md and the README's results table, rendered from bench/results/*.json; the guides'
 # example outputs, rendered by running their commands.
 docs: setup
+	$(BIN)/python scripts/gpu_reestimate.py
 	$(BIN)/python scripts/render_benchmarks.py
 	$(BIN)/python scripts/render_guides.py
 

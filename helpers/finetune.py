@@ -1064,17 +1064,7 @@ def train(
     finished = point.checkpoint is not None and point.step >= total
     changed = stamp_changes(read_stamp(point.checkpoint), stamp) if point.checkpoint else []
     if changed:
-        then = (
-            "it had finished, so nothing trains on the new ones: its adapter is loaded as it is"
-            if finished
-            else "training continues from it with the new ones"
-        )
-        warnings.warn(
-            f"{point.checkpoint.name} in {out} was written with other settings or data: {'; '.join(changed)}. "
-            f"{then.capitalize()}; pass resume=False to train from scratch (the old checkpoints are kept, renamed)",
-            CheckpointWarning,
-            stacklevel=2,
-        )
+        _warn_changed(point.checkpoint, out, changed, finished)
     if finished:  # Trainer would run one step past max_steps and rotate an older checkpoint out
         _load_checkpoint_weights(trainer, point.checkpoint)
         history = json.loads((point.checkpoint / "trainer_state.json").read_text(encoding="utf-8")).get(
@@ -1090,6 +1080,21 @@ def train(
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
                        time.perf_counter() - started, history, point.skipped, aside, changed,
                        progress=shown.last if shown is not None else None)  # fmt: skip
+
+
+def _warn_changed(checkpoint: Path, out: Path, changed: list[str], finished: bool) -> None:
+    """Resuming from a checkpoint written with other settings or data: say which, and what happens now."""
+    then = (
+        "it had finished, so nothing trains on the new ones: its adapter is loaded as it is"
+        if finished
+        else "training continues from it with the new ones"
+    )
+    warnings.warn(
+        f"{checkpoint.name} in {out} was written with other settings or data: {'; '.join(changed)}. "
+        f"{then.capitalize()}; pass resume=False to train from scratch (the old checkpoints are kept, renamed)",
+        CheckpointWarning,
+        stacklevel=3,  # the caller of train()
+    )
 
 
 _SHAPE_KEYS = ("model", "r", "targets")  # stamped settings that decide the adapter's and optimizer's shapes

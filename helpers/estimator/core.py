@@ -210,21 +210,26 @@ def estimate(
         rows += _use_rows(config, lay, shape, family_inputs)
     else:
         rows += training_rows(lay, config, load, b, training)[0]
+    warnings = (_warnings(lay, config, load, cdtype, dev, inputs), header_notes)
+    return _assembled(model, str(name), load, rows, lay, config, (label, dev, device), inputs, warnings, repo)
+
+
+def _assembled(model, name: str, load: str, rows: list[EstimateRow], lay, config, where: tuple, inputs: dict,
+               warnings: tuple[list, list], repo) -> MemoryEstimate:  # fmt: skip
+    """The estimate from its rows: host rows set apart, the allocator and CUDA overheads added."""
+    (label, dev, device), (first, notes) = where, warnings
     host = [r for r in rows if r.group == HOST]
     rows = [r for r in rows if r.group != HOST]
     rows += _overhead_rows(rows, len(lay.entries), workspace=cublas_workspace(device, dev))
     return MemoryEstimate(
-        model=str(name),
+        model=name,
         load=load,
         rows=rows,
         params=lay.params,
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=_warnings(lay, config, load, cdtype, dev, inputs)
-        + _moe_warning(rows, load)
-        + _family_warnings(config, rows, training)
-        + header_notes,
+        warnings=first + _moe_warning(rows, load) + _family_warnings(config, rows, inputs["training"]) + notes,
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
