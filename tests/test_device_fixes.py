@@ -164,3 +164,11 @@ def test_this_machine_with_two_gpus_gets_the_split(fp16, monkeypatch):
     assert v.device == "Tesla T4 (GPU 0 of 2)"
     (split,) = device_fixes(v)
     assert split.kind == "split" and "layers 16-31" in split.where
+
+
+def test_the_cli_takes_a_machine_and_prints_the_split(capsys):
+    from helpers.cli import estimate_main
+
+    assert estimate_main([LLAMA3, "--load", "fp16", "--device", "kaggle-2xt4"]) == 1  # GPU 0 alone: no
+    out = capsys.readouterr().out
+    assert "on t4 (GPU 0 of kaggle-2xt4)" in out and "use both GPUs: LoadPlan(..., gpus=2)" in out
