@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from .devices import DEFAULT_DEVICE, DEVICES
+from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
 from .environment import preflight
 from .estimator import EstimateError, FullTraining, LoraTraining, estimate, fit
 from .sources import shipped_configs
@@ -130,11 +130,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--lora", metavar="K=V,...", help="estimate a LoRA training step, e.g. r=16,seq_len=1024")
     parser.add_argument("--full", action="store_true", help="estimate a full fine-tuning step")
-    parser.add_argument("--device", default=DEFAULT_DEVICE, help=f"{', '.join(DEVICES)}, current, or bytes like 24GiB")
+    parser.add_argument(
+        "--device",
+        default=DEFAULT_DEVICE,
+        help=f"{', '.join(DEVICES)}, a machine ({', '.join(DEVICE_SETS)}), current, or bytes like 24GiB",
+    )
     parser.add_argument("--json", action="store_true", help="print the breakdown and verdict as JSON")
     args = parser.parse_args(argv)
     try:
         device: Any = args.device
+        machine = device if device_set(device) else None  # estimated on its first card, fit() splits over all
+        device = device_set(device)[0] if machine else device
         if device.lower() not in DEVICES and device.lower() not in ("current", "cpu"):
             try:
                 device = parse_bytes(device)
@@ -146,7 +152,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
         est = estimate(args.model, load=args.load, double_quant=not args.no_double_quant,
                        compute_dtype=args.compute_dtype, batch_size=args.batch, prompt_tokens=args.prompt_tokens,
                        max_new_tokens=args.max_new_tokens, training=training, device=device)  # fmt: skip
-        verdict = fit(est, device) if est.capacity else None
+        verdict = fit(est, machine or device) if est.capacity else None
     except (EstimateError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ __all__ = [
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_HOPPER",
     "CUBLAS_WORKSPACE_HOPPER_MAJORS", "DeviceError", "resolve_device",
     "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype", "DEVICE_SETS", "resolve_devices",
-    "capacity_range",
+    "capacity_range", "device_set",
 ]  # fmt: skip
 
 DEVICES: dict[str, dict[str, Any]] = {
@@ -188,6 +188,14 @@ def _current_gpus() -> list[tuple[str, dict]]:
     return out
 
 
+def device_set(name: Any) -> tuple[str, ...] | None:
+    """The presets of a machine named in ``DEVICE_SETS`` (``"kaggle-2xt4"``, ``"Kaggle_2×T4"``); None for
+    anything else (one preset, a size, a list)."""
+    if not isinstance(name, str):
+        return None
+    return DEVICE_SETS.get(name.lower().replace("_", "-").replace("×", "x"))
+
+
 def resolve_devices(devices: Any) -> list[tuple[str, dict]]:
     """One ``(label, {'name', 'capacity', 'bf16'})`` per GPU, in index order, for a set of devices.
 
@@ -197,8 +205,8 @@ def resolve_devices(devices: Any) -> list[tuple[str, dict]]:
     """
     if isinstance(devices, str) and devices.lower().replace("_", "-") == "current":
         return _current_gpus()
-    if isinstance(devices, str) and devices.lower().replace("_", "-").replace("×", "x") in DEVICE_SETS:
-        devices = list(DEVICE_SETS[devices.lower().replace("_", "-").replace("×", "x")])
+    if device_set(devices) is not None:
+        devices = list(device_set(devices))
     if isinstance(devices, dict):
         if sorted(devices) != list(range(len(devices))) or not devices:
             raise DeviceError(f"a device dict is keyed 0, 1, ... (GPU indices), got keys {list(devices)}")

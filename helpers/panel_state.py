@@ -107,7 +107,7 @@ class PanelState:
 
     def _short(self) -> str:
         """Said after a top fix that does not make the plan fit by itself (no single change does)."""
-        after = verdict(self.suggestion.estimate.total, self.capacity)
+        after = self.suggestion.verdict_on(self.capacity)  # a split or an offload: as its placement decided
         return "" if after == FITS else f"; still {after}: not enough alone"
 
     def bar_html(self, width: int = 420) -> str:

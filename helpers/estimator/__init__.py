@@ -23,7 +23,15 @@ from __future__ import annotations
 from .configs import resolve_config
 from .core import FRAGMENTATION, MemoryEstimate, estimate
 from .families import FAMILIES, auto_class, family
-from .fitting import FitVerdict, Suggestion, fit, format_params, max_batch_that_fits, max_new_tokens_that_fit
+from .fitting import (
+    DeviceSuggestion,
+    FitVerdict,
+    Suggestion,
+    fit,
+    format_params,
+    max_batch_that_fits,
+    max_new_tokens_that_fit,
+)
 from .footprint import footprint, footprint_by_device
 from .layout import kv_cache_bytes, quantization_skip_modules, weight_rows
 from .rows import ROW_GROUPS, EstimateError, EstimateRow
@@ -31,7 +39,7 @@ from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
     "estimate", "fit", "footprint", "footprint_by_device", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
-    "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "LoraTraining", "FullTraining",
+    "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "DeviceSuggestion", "LoraTraining", "FullTraining",
     "OPTIMIZERS", "FRAGMENTATION", "ROW_GROUPS", "kv_cache_bytes", "weight_rows", "format_params",
     "FAMILIES", "family", "auto_class", "quantization_skip_modules",
 ]  # fmt: skip

@@ -8,7 +8,7 @@ from html import escape
 from typing import Any
 
 from ..arguments import flag, whole_number
-from ..devices import DEFAULT_DEVICE, capacity_range, resolve_device
+from ..devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
 from ..html import badge, bar, table
 from ..reducers import kv_cache_available, liger_available
 from ..sources import shipped_configs
@@ -20,7 +20,7 @@ from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
-    "Suggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
+    "Suggestion", "DeviceSuggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
     "fix_margin",
 ]  # fmt: skip
 
@@ -51,9 +51,53 @@ class Suggestion:
     estimate: MemoryEstimate
     cost: str = ""  # what a memory reducer costs besides memory: host RAM, time per step or token
 
+    @property
+    def total(self) -> int:
+        """What the fix leaves on the card (for a split or an offload: on the fullest card)."""
+        return self.estimate.total
+
+    def verdict_on(self, capacity: int) -> str:
+        """ "fits", "tight" or "does not fit" once the fix is made, on a card of ``capacity`` bytes."""
+        return verdict(self.total, capacity)
+
+    @property
+    def detail(self) -> str:
+        """The change, and for a fix that places the model elsewhere, where everything goes and what it costs."""
+        return self.change
+
     def __str__(self) -> str:
         cost = f"; costs {self.cost}" if self.cost else ""
         return f"{self.change}: saves {format_bytes(self.saving)} (total {format_bytes(self.estimate.total)}{cost})"
+
+
+@dataclass
+class DeviceSuggestion(Suggestion):
+    """A fix that keeps every setting and places the model past one card: split over several GPUs
+    (``kind="split"``) or with some decoder layers in CPU RAM (``kind="offload"``), as
+    :func:`helpers.plan_devices` places it (``plan``, its :class:`helpers.placement.DevicePlan`; ``where``
+    its split in words). ``kwargs`` are :class:`helpers.LoadPlan` fields, not ``estimate()`` ones;
+    ``saving`` and :attr:`total` are the fullest GPU's share."""
+
+    kind: str = "split"
+    where: str = ""
+    plan: Any = field(default=None, repr=False)
+
+    @property
+    def total(self) -> int:
+        return max((s.total for s in self.plan.gpus), default=0)
+
+    def verdict_on(self, capacity: int) -> str:
+        # the placement decided it: each card's share already keeps room for its KV cache, activations,
+        # context and a margin, so an offload that fills a card to 90 % is not "tight" the way an estimate is
+        return FITS if self.plan.fits else DOES_NOT_FIT
+
+    @property
+    def detail(self) -> str:
+        return f"{self.change}: {self.where}" + (f"; costs {self.cost}" if self.cost else "")
+
+    def __str__(self) -> str:
+        cost = f"; costs {self.cost}" if self.cost else ""
+        return f"{self.change}: {self.where} (saves {format_bytes(self.saving)} on the fullest card{cost})"
 
 
 @dataclass
@@ -75,7 +119,7 @@ class FitVerdict:
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
-                                 "total": s.estimate.total, "cost": s.cost} for s in self.suggestions],
+                                 "total": s.total, "cost": s.cost, **_placed(s)} for s in self.suggestions],
                 **({"note": self.note} if self.note else {})}  # fmt: skip
 
     def __str__(self) -> str:
@@ -100,10 +144,10 @@ class FitVerdict:
             rows = [
                 [
                     i,
-                    s.change,
+                    s.detail,
                     format_bytes(s.saving),
-                    format_bytes(s.estimate.total),
-                    verdict(s.estimate.total, self.capacity) + _fit_remark(s, self.capacity, short=True),
+                    format_bytes(s.total),
+                    s.verdict_on(self.capacity) + _fit_remark(s, self.capacity, short=True),
                 ]
                 for i, s in enumerate(self.suggestions, 1)
             ]
@@ -111,11 +155,18 @@ class FitVerdict:
         return html
 
 
+def _placed(s: Suggestion) -> dict:
+    """A split's or an offload's kind and placement in words, for ``to_dict``."""
+    return {"kind": s.kind, "where": s.where} if isinstance(s, DeviceSuggestion) else {}
+
+
 def _fit_remark(s: Suggestion, capacity: int, short: bool = False) -> str:
     """What a fix leaves: nothing to say when it fits with the margin, else how little or that it falls short."""
-    after = verdict(s.estimate.total, capacity)
+    after = s.verdict_on(capacity)
     if after != FITS:
         return "" if short else f": still {after}, not enough alone"
+    if isinstance(s, DeviceSuggestion):
+        return ""  # the placement kept each card's margin (see DeviceSuggestion.verdict_on)
     spare = int(capacity * TIGHT_FRACTION) - s.estimate.total
     if spare >= fix_margin(capacity):
         return ""
@@ -134,11 +185,18 @@ def _jsonable(kw: dict) -> dict:
     return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in kw.items()}
 
 
-def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> FitVerdict:
+def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None) -> FitVerdict:
     """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
 
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
-    fit and by how much they save, each computed by re-estimating.
+    fit and by how much they save, each computed by re-estimating. For a machine (a preset, a set such
+    as ``"kaggle-2xt4"``, a list of presets, ``"current"``) they also say what :func:`helpers.plan_devices`
+    places past one card: split over the machine's GPUs, else some layers offloaded to CPU RAM.
+
+    Args:
+        device: the verdict is on one card: a set's or a list's first, ``"current"``'s GPU 0.
+        gpus: how many of these cards a split may use: ``"t4", gpus=2`` plans for two T4s; for a set or
+            ``"current"``, at most this many of theirs. ``None``: every GPU the device names.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
@@ -148,6 +206,7 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
         )
     if device is None:
         device = est.inputs.get("device") or DEFAULT_DEVICE
+    device, cards, of = _target(device, gpus)
     label, dev = resolve_device(device)
     if dev is None:
         raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
@@ -155,10 +214,42 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True) -> Fit
         est = est.replace(device=device)  # compute dtype, attention kernel and cuBLAS workspace follow the device
     cap = dev["capacity"]
     result = verdict(est.total, cap)
-    out = FitVerdict(result, cap - est.total, cap, label, est, note=_capacity_note(est.total, dev))
+    out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
+        out.suggestions += _device_fixes(est, cards, host_ram=None if device == "current" else HOST_RAM)
+        out.suggestions.sort(key=lambda s: _rank(s, est, cap))
     return out
+
+
+def _target(device: Any, gpus: int | None) -> tuple[Any, list | None, str]:
+    """``(the card the verdict is on, the cards a fix may place the model over, what the label adds)``.
+    A byte count or a described GPU gets no cards: it is a budget a caller computed (free memory, cards
+    added up), not a machine whose GPUs and RAM are known, so no split or offload is suggested for it."""
+    whole_number("gpus", gpus, none_ok=True, error=EstimateError)
+    named, here = device_set(device), isinstance(device, str) and device.strip().lower() == "current"
+    if isinstance(device, list | tuple) or named is not None or here:
+        many = list(named or device) if not here else [d for _, d in resolve_devices("current")] or ["current"]
+        if not many:
+            raise EstimateError("fit() got an empty list of devices: pass a preset such as 't4' or ['t4', 't4']")
+        if gpus is not None and gpus > len(many):
+            raise EstimateError(f"gpus={gpus}, and {device!r} has {len(many)} GPU(s)")
+        cards = many[: gpus or len(many)]
+        first = "current" if here else many[0]
+        return first, cards, f" (GPU 0 of {device if named else len(many)})" if len(many) > 1 else ""
+    if isinstance(device, str):
+        return device, [device] * (gpus or 1), f" (one of {gpus})" if gpus and gpus > 1 else ""
+    return device, None, ""
+
+
+def _device_fixes(est: MemoryEstimate, cards: list | None, host_ram: int | None) -> list[Suggestion]:
+    """Splitting over ``cards`` or offloading layers to CPU RAM, as the placement decides (none for a
+    budget in bytes, or for training: several GPUs there is DDP or FSDP, see ``helpers.launch_config``)."""
+    if not cards or est.inputs.get("training") is not None:
+        return []
+    from ..device_fixes import device_fixes  # lazy: it places with helpers.placement, which imports this package
+
+    return device_fixes(est, cards, host_ram=host_ram)
 
 
 def _capacity_note(total: int, dev: dict) -> str:
@@ -327,16 +418,28 @@ def _suggestions(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[Su
     return out
 
 
-def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, bool, int]:
+def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool, bool, bool, bool, int]:
     """Changes that fit with the margin and a little more first, then those that fit with less, then
     the rest by saving. Among those that fit: the user's model before another, changes that keep the
     user's inputs (batch size, load mode, most of the new tokens) before truncating them, a memory
     reducer (which keeps every setting: its cost is listed) before a change of settings, then the
-    least drastic (smallest saving)."""
-    total = s.estimate.total
-    tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
+    least drastic (smallest saving).
+
+    Past one card: a split over several GPUs ranks after the same-card fixes that keep the inputs (a
+    model that fits one card leaves the other free for a second model or DDP, and skips the pipeline
+    hop: load() itself keeps such a model on GPU 0) and before those that truncate them or change the
+    model. An offload fits but makes every token several times slower (its weights cross PCIe each
+    forward), so it ranks after every fix that fits the GPU at full speed, before those that do not fit."""
+    total = s.total
+    if isinstance(s, DeviceSuggestion):
+        tier = 0 if s.verdict_on(cap) == FITS else 2
+    else:
+        tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
+    slow = isinstance(s, DeviceSuggestion) and s.kind == "offload"
+    split = isinstance(s, DeviceSuggestion) and s.kind == "split"
     reducer = s.change in _SPEED or s.change.startswith(("kv_cache=", "offload_activations"))
-    return tier, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), not reducer, s.saving if tier < 2 else -s.saving
+    return (max(tier, 1) if slow else tier, slow, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), split,
+            not reducer, s.saving if tier < 2 else -s.saving)  # fmt: skip
 
 
 def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
