@@ -23,8 +23,9 @@ _API: dict[str, str] = {
     **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "reclaim"),
     **dict.fromkeys(["PreflightReport", "preflight"], "environment"),
     **dict.fromkeys(
-        ["estimate", "fit", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
+        ["estimate", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
          "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
+    **dict.fromkeys(["fit"], "device_fixes"),  # the estimator's verdict with the fixes past one card
     **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
     **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),

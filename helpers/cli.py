@@ -12,9 +12,10 @@ import json
 import sys
 from typing import Any
 
+from .device_fixes import fit
 from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
 from .environment import preflight
-from .estimator import EstimateError, FullTraining, LoraTraining, estimate, fit
+from .estimator import EstimateError, FullTraining, LoraTraining, estimate
 from .sources import shipped_configs
 from .units import parse_bytes
 from .vocab import LOAD_MODES

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from .estimator import MemoryEstimate, Suggestion, fit
+from .device_fixes import fit
+from .estimator import MemoryEstimate, Suggestion
 from .html import LEVEL_FILLS, STYLE, color_attrs
 from .units import format_bytes
 from .vocab import FITS, VERDICT_STATUS, verdict

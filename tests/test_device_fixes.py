@@ -9,8 +9,9 @@ import re
 import pytest
 
 from helpers import device_fixes as device_fixes_module
+from helpers import fit
 from helpers.devices import DEVICES, OFFLOAD_RAM_SHARE
-from helpers.estimator import DeviceSuggestion, EstimateError, LoraTraining, estimate, fit, fitting
+from helpers.estimator import DeviceSuggestion, EstimateError, LoraTraining, estimate, fitting
 from helpers.estimator.reducers import HOST_RAM
 from helpers.placement import plan_devices
 from helpers.units import GiB

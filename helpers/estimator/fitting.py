@@ -185,7 +185,9 @@ def _jsonable(kw: dict) -> dict:
     return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in kw.items()}
 
 
-def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None) -> FitVerdict:
+def fit(
+    est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None
+) -> FitVerdict:
     """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
 
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
@@ -197,6 +199,9 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: 
         device: the verdict is on one card: a set's or a list's first, ``"current"``'s GPU 0.
         gpus: how many of these cards a split may use: ``"t4", gpus=2`` plans for two T4s; for a set or
             ``"current"``, at most this many of theirs. ``None``: every GPU the device names.
+        place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
+            (:func:`helpers.device_fixes.fit`) passes ``device_fixes``, which places with
+            ``helpers.placement``, a layer above this one. ``None``: same-card fixes only.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
@@ -217,7 +222,8 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: 
     out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
-        out.suggestions += _device_fixes(est, cards, host_ram=None if device == "current" else HOST_RAM)
+        if place is not None and cards and est.inputs.get("training") is None:  # training: DDP/FSDP's ground
+            out.suggestions += place(est, cards, host_ram=None if device == "current" else HOST_RAM)
         out.suggestions.sort(key=lambda s: _rank(s, est, cap))
     return out
 
@@ -240,16 +246,6 @@ def _target(device: Any, gpus: int | None) -> tuple[Any, list | None, str]:
     if isinstance(device, str):
         return device, [device] * (gpus or 1), f" (one of {gpus})" if gpus and gpus > 1 else ""
     return device, None, ""
-
-
-def _device_fixes(est: MemoryEstimate, cards: list | None, host_ram: int | None) -> list[Suggestion]:
-    """Splitting over ``cards`` or offloading layers to CPU RAM, as the placement decides (none for a
-    budget in bytes, or for training: several GPUs there is DDP or FSDP, see ``helpers.launch_config``)."""
-    if not cards or est.inputs.get("training") is not None:
-        return []
-    from ..device_fixes import device_fixes  # lazy: it places with helpers.placement, which imports this package
-
-    return device_fixes(est, cards, host_ram=host_ram)
 
 
 def _capacity_note(total: int, dev: dict) -> str:
