@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .vocab import KV_CACHE_BITS, ReducerError, kv_cache_name
+from .vocab import KV_CACHE_BITS, KV_CACHES, LOSSES, ReducerError, kv_cache_name, loss_name
 
 __all__ = [
     "installed", "liger_available", "kv_quant_backend", "fp8_kv_available", "kv_cache_available",
-    "kv_cache_kwargs", "use_kv_cache", "loss_chunk_tokens", "chunked_cross_entropy", "chunked_lm_loss", "offload_activations",
+    "kv_cache_kwargs", "use_kv_cache", "loss_available", "loss_choices", "kv_cache_choices", "loss_chunk_tokens", "chunked_cross_entropy", "chunked_lm_loss", "offload_activations",
     "KV_RESIDUAL_TOKENS", "KV_GROUP",
 ]  # fmt: skip
 
@@ -72,6 +72,29 @@ def kv_cache_available(kind: str, *, cuda: bool = True) -> tuple[bool, str]:
     return True, ""
 
 
+def loss_available(loss: str) -> tuple[bool, str]:
+    """Whether training loss ``loss`` runs here (its library is installed), and if not, why."""
+    if loss_name(loss) == "fused" and not liger_available():
+        return False, (
+            "loss='fused' needs liger-kernel (pip install liger-kernel) and a CUDA GPU; "
+            "'chunked' saves about as much in plain PyTorch"
+        )
+    return True, ""
+
+
+UNAVAILABLE = " (not here)"  # appended to a panel option that cannot run on this machine; a note says why
+
+
+def loss_choices() -> tuple[tuple[str, str], ...]:
+    """A dropdown's (label, value) per training loss; one that cannot run here says so in its label."""
+    return tuple((v if loss_available(v)[0] else v + UNAVAILABLE, v) for v in LOSSES)
+
+
+def kv_cache_choices(*, cuda: bool = True) -> tuple[tuple[str, str], ...]:
+    """A dropdown's (label, value) per KV cache kind; one that cannot run here says so in its label."""
+    return tuple((k if kv_cache_available(k, cuda=cuda)[0] else k + UNAVAILABLE, k) for k in KV_CACHES)
+
+
 def kv_cache_kwargs(kind: Any) -> dict:
     """``generate()`` keyword arguments for KV cache ``kind`` ({} for the default dynamic cache).
 
@@ -92,10 +115,13 @@ def kv_cache_kwargs(kind: Any) -> dict:
 
 
 def use_kv_cache(model, kind: Any) -> dict:
-    """Make ``kind`` the KV cache of every ``model.generate()`` call (its generation config); returns
-    the settings applied ({} for the default dynamic cache)."""
+    """Make ``kind`` the KV cache of every ``model.generate()`` call (its generation config), replacing
+    one a previous call set; returns the settings applied ({} for the default dynamic cache)."""
     kwargs = kv_cache_kwargs(kind)
     config = getattr(model, "generation_config", None)
+    if config is not None and getattr(config, "cache_implementation", None) in ("quantized", "offloaded"):
+        config.cache_implementation = None  # a previous call's kind (a model's own, e.g. Gemma-2's, stays)
+        config.cache_config = None
     if config is not None:
         for key, value in kwargs.items():
             setattr(config, key, value)

@@ -1,4 +1,4 @@
-"""The training panel: choose QLoRA's load mode, rank, sequence length and micro-batch with widgets.
+"""The training panel: choose QLoRA's load mode, rank, sequence length, micro-batch and memory reducers.
 
 ``TrainPanel(plan)`` shows the controls of a :class:`~helpers.finetune.TrainPlan` that decide the
 memory of a training step; every change re-estimates that step on the target device (a T4 by
@@ -6,7 +6,9 @@ default) and states the verdict and the top fix, as :class:`~helpers.widgets.Loa
 inference. ``panel.plan`` is the plan the following cells load, prepare and train with. A
 micro-batch chosen here is the most :func:`~helpers.finetune.find_micro_batch` tries: it measures
 that a real step fits and takes a smaller divisor of the effective batch when it does not; "auto"
-leaves the choice to the measurement.
+leaves the choice to the measurement. The memory reducers (``loss``: plain, chunked or fused
+cross-entropy; ``offload_activations``) are controls too: an option this machine cannot run (fused
+without liger-kernel) is labelled "(not here)" and a note under the verdict says why.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 from .devices import resolve_device
 from .finetune import TrainPlan
+from .reducers import loss_available, loss_choices
 from .vocab import FOUR_BIT, LOAD_MODES
-from .widgets import Control, Panel
+from .widgets import Control, Panel, host_note
 
 __all__ = ["TrainPanel"]
 
@@ -37,7 +40,8 @@ def divisors(n: int) -> tuple[int, ...]:
 
 class TrainPanel(Panel):
     """Widgets over a :class:`TrainPlan`: load mode, double quant, gradient checkpointing, LoRA rank,
-    sequence length and micro-batch, with the training-step estimate against ``device``.
+    sequence length, micro-batch, loss and activation offload, with the training-step estimate
+    against ``device``.
 
     Args:
         plan: the starting plan (the notebook's parameters); every other field is kept as is.
@@ -71,6 +75,8 @@ class TrainPanel(Panel):
                 "dropdown",
                 (("auto (measure)", None), *((str(d), d) for d in divisors(plan.batch_size))),
             ),
+            Control("loss", "Loss", "dropdown", loss_choices()),
+            Control("offload_activations", "Offload activations", "checkbox"),
         )
         values = {
             "load": plan.load,
@@ -79,6 +85,8 @@ class TrainPanel(Panel):
             "r": plan.r,
             "seq_len": plan.seq_len,
             "micro_batch": plan.micro_batch,
+            "loss": plan.loss,
+            "offload_activations": plan.offload_activations,
         }
         super().__init__(plan.model, device, values, widgets)
 
@@ -98,6 +106,11 @@ class TrainPanel(Panel):
         return tuple(v[c.key] for c in self.CONTROLS)
 
     def notes(self) -> list[str]:
+        """Why a chosen reducer cannot run here, and how the estimate's device trains otherwise than this runtime."""
+        ok, why = loss_available(self.values["loss"])
+        return ([] if ok else [why]) + host_note(self.state.estimate) + self._device_notes()
+
+    def _device_notes(self) -> list[str]:
         """Say so when the estimate's device trains otherwise than this runtime (the plan's text shows this one's)."""
         _, dev = resolve_device(self.estimate_device)
         if dev is None:

@@ -16,9 +16,11 @@ On one GPU that is half of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan
 says whether the set would hold it.
 
 DOM hooks for browser tests: every control has a stable ``description`` ("Load mode", "Double
-quant", "max_new_tokens", "Batch size", "Prompt tokens", "GPUs" over several, button "Load") and CSS classes
-``oomkit-panel``, ``oomkit-estimate`` (the bar), ``oomkit-verdict`` (verdict + fix text, with
-``data-verdict``), ``oomkit-load`` (button) and ``oomkit-report`` (output after loading). Over several
+quant", "max_new_tokens", "Batch size", "Prompt tokens", "KV cache", "GPUs" over several, button "Load") and CSS
+classes ``oomkit-panel``, ``oomkit-estimate`` (the bar), ``oomkit-verdict`` (verdict + fix text, with
+``data-verdict``), ``oomkit-notes`` (``oomkit-panel-note`` lines: why a chosen option cannot run here),
+``oomkit-load`` (button) and ``oomkit-report`` (output after loading). A KV cache kind this machine cannot
+run (int4 without optimum-quanto or hqq) is labelled "(not here)" in its dropdown. Over several
 GPUs the estimate holds ``oomkit-gpu-bar`` (``data-gpu``) per GPU and ``oomkit-left-over`` lines, the
 verdict ``data-gpus`` and ``oomkit-note``; a single GPU's hint is ``oomkit-alternative``.
 """
@@ -35,6 +37,7 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
+from .estimator.reducers import host_cost
 from .gpu_split import spill_fix, spill_why, stays_on_first  # load()'s rule for GPU 0 alone
 from .knobs import KNOBS, register_control
 from .loading import LoadError, LoadPlan, load
@@ -55,9 +58,10 @@ from .panel_gpus import (
 from .panel_state import SEGMENTS, PanelState, judgement
 from .placement import DevicePlan, bnb_prequantized, plan_devices
 from .reclaim import unload
+from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from .session import enable_colab_widgets
 from .units import GiB, format_bytes
-from .vocab import DOES_NOT_FIT, FOUR_BIT, LOAD_MODES, verdict
+from .vocab import DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES, verdict
 
 __all__ = [
     "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
@@ -66,6 +70,7 @@ __all__ = [
 
 # the plan fields plan_devices takes: a fix changing anything else (another model) is not tried on the split
 SPLIT_KNOBS = frozenset({"load", "double_quant", "max_new_tokens", "batch_size", "prompt_tokens"})
+NOT_SPLIT = "the split across GPUs is planned with the default dynamic KV cache"
 MAX_FIX_TRIES = 4  # candidate fixes planned across the GPUs (~5 ms each, ~0.1 s for a new load mode)
 MAX_NEW_TOKENS_RANGE = (16, 4096, 16)  # min, max, step: every multiple of 16, so 16/32/64 are reachable
 PROMPT_TOKENS_RANGE = (16, 8192, 16)
@@ -81,8 +86,8 @@ def _ipywidgets():
 
 
 def _weights_key(plan: LoadPlan) -> LoadPlan:
-    """The plan without its generation budget: what decides the loaded weights."""
-    return dataclasses.replace(plan, max_new_tokens=0, batch_size=1, prompt_tokens=1)
+    """The plan without its generation budget and KV cache: what decides the loaded weights."""
+    return dataclasses.replace(plan, max_new_tokens=0, batch_size=1, prompt_tokens=1, kv_cache="dynamic")
 
 
 def widgets_available() -> bool:
@@ -121,6 +126,19 @@ class Control:
     description: str
     kind: str  # "dropdown", "checkbox" or "slider"
     choices: tuple = ()  # the dropdown's options, or a slider's (min, max, step)
+
+
+def notes_html(notes: list[str]) -> str:
+    """A panel's notes (why a chosen option cannot run here, ...) as escaped HTML lines; "" for none."""
+    return "".join(
+        f"<div class='oomkit-panel-note' style='font-family:monospace'>note: {escape(n)}</div>" for n in notes
+    )
+
+
+def host_note(est: MemoryEstimate) -> list[str]:
+    """The host RAM (and PCIe time) an offloading reducer of ``est`` asks for, as a panel note; [] for none."""
+    cost = host_cost(est.host_rows)
+    return [f"offloaded: {cost}"] if cost else []
 
 
 def _resolve_panel_device(device: Any) -> tuple[int, str, Any]:
@@ -234,9 +252,10 @@ class Panel:
         c = {control.key: self._control_widget(w, control) for control in self.CONTROLS}
         for widget in c.values():
             widget.observe(self._on_change, names="value")
-        c["estimate"], c["verdict"] = w.HTML(), w.HTML()
+        c["estimate"], c["verdict"], c["notes"] = w.HTML(), w.HTML(), w.HTML()
         c["estimate"].add_class("oomkit-estimate")
         c["verdict"].add_class("oomkit-verdict")
+        c["notes"].add_class("oomkit-notes")
         rows, pending = [], []  # a checkbox sits beside the dropdown before it
         for control in self.CONTROLS:
             if control.kind == "checkbox" and pending:
@@ -249,7 +268,7 @@ class Panel:
             rows.append(w.HBox(pending) if len(pending) > 1 else pending[0])
         title = w.HTML(f"<b>{escape(self.TITLE)}</b>: {escape(self.model)}")
         extra = self.extra_widgets(w)
-        c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], *extra])
+        c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], c["notes"], *extra])
         c["box"].add_class("oomkit-panel")
         return c
 
@@ -317,6 +336,7 @@ class Panel:
         started = time.perf_counter()
         cached = self.cache_key() in self._cache
         state = self.compute()
+        self.state = state  # before the notes, which may look at it
         if self.controls is not None:
             c = self.controls
             off = self.disabled()
@@ -324,9 +344,9 @@ class Panel:
                 c[control.key].disabled = control.key in off
             c["estimate"].value = state.bar_html()
             c["verdict"].value = state.verdict_html()
+            c["notes"].value = notes_html(self.notes())
         state.cached = cached
         state.seconds = time.perf_counter() - started
-        self.state = state
         return state
 
     # -- display ----------------------------------------------------------------------------------
@@ -349,7 +369,10 @@ class Panel:
             return {**widget_bundle(self.controls["box"], include, exclude), "text/plain": self.summary()}
         html = (
             f"<div style='font-family:monospace'><b>{escape(self.TITLE)}</b>: {escape(self.model)}<br>"
-            f"{escape(str(self.plan))}</div>" + self.state.bar_html() + self.state.verdict_html()
+            f"{escape(str(self.plan))}</div>"
+            + self.state.bar_html()
+            + self.state.verdict_html()
+            + notes_html(self.notes())
         )
         return {"text/plain": self.summary(), "text/html": html}
 
@@ -397,8 +420,8 @@ class LoadPanel(Panel):
             ``"kaggle-2xt4"``, a list such as ``["t4", "t4"]`` or ``{0: bytes, 1: bytes}``. Over several
             GPUs the panel shows one bar per GPU, placing the plan as ``load()`` does on such a machine:
             GPU 0 alone when it fits there, else the ``device_map="auto"`` split (``gpus`` is a control).
-        load, double_quant, max_new_tokens, batch_size, prompt_tokens: starting values (from the
-            notebook's parameters cell, which decides when there is no widget front end).
+        load, double_quant, max_new_tokens, batch_size, prompt_tokens, kv_cache: starting values (from
+            the notebook's parameters cell, which decides when there is no widget front end).
         **plan_fields: any other :class:`LoadPlan` field (``adapter``, ``device_map``, ...).
 
     ``panel.plan`` is the current plan; ``panel.set(load="int8")`` changes values from code;
@@ -416,6 +439,7 @@ class LoadPanel(Panel):
         Control("max_new_tokens", "max_new_tokens", "slider", MAX_NEW_TOKENS_RANGE),
         Control("batch_size", "Batch size", "slider", BATCH_RANGE),
         Control("prompt_tokens", "Prompt tokens", "slider", PROMPT_TOKENS_RANGE),
+        Control("kv_cache", "KV cache", "dropdown", KV_CACHES),
     )
 
     def __init__(
@@ -428,6 +452,7 @@ class LoadPanel(Panel):
         max_new_tokens: int = 256,
         batch_size: int = 1,
         prompt_tokens: int = 512,
+        kv_cache: str = "dynamic",
         widgets: bool | None = None,
         **plan_fields,
     ):
@@ -437,6 +462,7 @@ class LoadPanel(Panel):
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
             "prompt_tokens": prompt_tokens,
+            "kv_cache": kv_cache,
         }
         self._base = LoadPlan(str(model), **values, **plan_fields)
         self.loaded: tuple | None = None  # (model, tokenizer, report) after Load
@@ -445,12 +471,16 @@ class LoadPanel(Panel):
         self._gpus = split_gpus(device)
         self._pair = None if self._gpus is not None else multi_gpu_set(device)
         self._placements: dict[tuple, DevicePlan] = {}
+        self.CONTROLS = tuple(  # each KV cache kind labelled with whether it runs here
+            Control(c.key, c.description, c.kind, kv_cache_choices()) if c.key == "kv_cache" else c
+            for c in type(self).CONTROLS
+        )
         if self._gpus is not None:  # how many of them load() may use: a control of its own
             self._specs = gpu_specs(device, self._gpus)
             values["gpus"] = self._base.gpus
             self._base = self._base.replace(gpus=None)
             choices = (("auto", None), *((str(n), n) for n in range(1, len(self._gpus) + 1)))
-            self.CONTROLS = (*type(self).CONTROLS, Control("gpus", "GPUs", "dropdown", choices))
+            self.CONTROLS = (*self.CONTROLS, Control("gpus", "GPUs", "dropdown", choices))
         super().__init__(model, device, values, widgets)
 
     def target(self, device: Any) -> tuple[int, str, Any]:
@@ -467,6 +497,15 @@ class LoadPanel(Panel):
 
     def disabled(self) -> set[str]:
         return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
+
+    def notes(self) -> list[str]:
+        """Why the chosen KV cache cannot run here (its backend, or no CUDA GPU), and that a split ignores it."""
+        kind = self._values["kv_cache"]
+        ok, why = kv_cache_available(kind, cuda=self.estimate_device != "cpu")
+        notes = ([] if ok else [why]) + host_note(self.state.estimate)
+        if kind != "dynamic" and isinstance(self.state, SplitState):
+            notes.append(NOT_SPLIT)
+        return notes
 
     # -- several GPUs ----------------------------------------------------------------------------
 
@@ -579,7 +618,7 @@ class LoadPanel(Panel):
     def cache_key(self) -> tuple:
         v = self._values
         dq = v["double_quant"] if v["load"] in FOUR_BIT else None
-        key = (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"])
+        key = (v["load"], dq, v["max_new_tokens"], v["batch_size"], v["prompt_tokens"], v["kv_cache"])
         return key if self._gpus is None else (*key, v["gpus"])
 
     def extra_widgets(self, w) -> list:
@@ -626,11 +665,12 @@ class LoadPanel(Panel):
     # -- loading -------------------------------------------------------------------------------
 
     def load(self, **load_kwargs):
-        """``load(panel.plan)``. The generation budget (``max_new_tokens``, batch, prompt length) needs no
+        """``load(panel.plan)``. The generation budget (``max_new_tokens``, batch, prompt length, KV cache) needs no
         reload: the loaded model is kept. A new load mode frees the loaded model first, so two models are
         never on the card at once (which would only fit by a slow CPU offload)."""
         plan = self.plan
         if self.loaded is not None and _weights_key(self._loaded_plan) == _weights_key(plan):
+            use_kv_cache(self.loaded[0], plan.kv_cache)  # another KV cache needs no reload either
             self._loaded_plan = plan
             return self.loaded
         if self.loaded is not None:

@@ -174,3 +174,20 @@ def test_unknown_reducers_are_refused_with_the_choices():
         else:
             raise ReducerError("CUDA")
     assert LoadPlan("Qwen/Qwen2.5-0.5B", load="fp16", kv_cache="fp8").estimate("t4").row("kv_cache").kind == "formula"
+
+
+def test_use_kv_cache_replaces_a_previous_kind_and_keeps_a_models_own():
+    from types import SimpleNamespace
+
+    from helpers.reducers import fp8_kv_available, use_kv_cache
+
+    if not fp8_kv_available():
+        pytest.skip("this transformers has no fp8 QuantizedCache backend")
+    model = SimpleNamespace(generation_config=SimpleNamespace(cache_implementation=None, cache_config=None))
+    assert use_kv_cache(model, "fp8")["cache_implementation"] == "quantized"
+    assert model.generation_config.cache_config == {"backend": "fp8"}
+    assert use_kv_cache(model, "dynamic") == {}  # the load panel's dropdown back to the default: no reload
+    assert (model.generation_config.cache_implementation, model.generation_config.cache_config) == (None, None)
+    model.generation_config.cache_implementation = "hybrid"  # Gemma-2's own: not oomkit's to undo
+    use_kv_cache(model, "dynamic")
+    assert model.generation_config.cache_implementation == "hybrid"

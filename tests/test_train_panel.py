@@ -145,3 +145,79 @@ def test_summary_says_how_the_target_trains_when_this_runtime_differs(panel):
     text = str(panel)
     assert "adamw_torch, fp32" in text
     assert "estimated as it trains on t4: paged_adamw_8bit, fp16" in text
+
+
+# -- memory reducers: the loss and activation offload are controls like the others ------------------
+
+LLAMA3 = "meta-llama/Llama-3.1-8B"  # shipped config, 128k vocabulary: the loss's buffers are a large part of a step
+
+
+def _changed_rows(a, b) -> set[str]:
+    """Keys of the GPU rows whose bytes differ between estimates ``a`` and ``b``."""
+    before, after = {r.key: r.bytes for r in a.rows}, {r.key: r.bytes for r in b.rows}
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+
+
+def test_chunked_loss_lowers_the_estimate_by_the_loss_rows_and_flips_the_verdict():
+    plan = TrainPlan(LLAMA3, seq_len=2048, batch_size=16, micro_batch=2)
+    panel = TrainPanel(plan, device="t4", widgets=True)
+    c = panel.controls
+    assert c["loss"].description == "Loss" and [v for _, v in c["loss"].options] == ["plain", "chunked", "fused"]
+    before = panel.state
+    assert before.verdict == "does not fit" and panel.plan.loss == "plain"
+    c["loss"].value = "chunked"
+    after = panel.state
+    assert panel.plan.loss == "chunked" and after.verdict == "fits"
+    assert "data-verdict='fits'" in c["verdict"].value
+    plain, chunked = plan.estimate("t4"), plan.replace(loss="chunked").estimate("t4")
+    assert (before.estimate.total, after.estimate.total) == (plain.total, chunked.total)
+    # only the loss's peak (and the fragmentation counted on it) moved: the saving is the loss row's
+    assert _changed_rows(plain, chunked) == {"activations.backward_peak", "overhead.fragmentation"}
+    saved = plain.row("activations.backward_peak").bytes - chunked.row("activations.backward_peak").bytes
+    frag = plain.row("overhead.fragmentation").bytes - chunked.row("overhead.fragmentation").bytes
+    assert saved > 4 * 2**30 and plain.total - chunked.total == saved + frag
+
+
+def test_offload_activations_moves_the_saved_activations_to_ram():
+    plan = TrainPlan(SEVEN_B, seq_len=1024, batch_size=16, micro_batch=1, gradient_checkpointing=False)
+    panel = TrainPanel(plan, device="t4", widgets=True)
+    c = panel.controls
+    assert c["offload_activations"].description == "Offload activations" and c["offload_activations"].value is False
+    before = panel.state
+    assert before.verdict == "does not fit"
+    c["offload_activations"].value = True
+    after = panel.state
+    assert panel.plan.offload_activations is True and after.verdict == "fits"
+    want = plan.replace(offload_activations=True).estimate("t4")
+    assert after.estimate.total == want.total and want.host_total > 0
+    saved = before.estimate.row("activations.saved").bytes - want.row("activations.saved").bytes
+    assert before.estimate.total - after.estimate.total >= saved > 0  # + the fragmentation counted on them
+    assert sum(dict(after.segments()).values()) == after.estimate.total  # host RAM is not in the GPU bar
+    assert "offloaded: +" in c["notes"].value and "host RAM" in str(panel)  # where they went, and its cost
+
+
+def test_panel_plan_carries_the_reducers_and_set_validates_them(panel):
+    panel.set(loss="chunked", offload_activations=True)
+    assert (panel.plan.loss, panel.plan.offload_activations) == ("chunked", True)
+    assert (panel.controls["loss"].value, panel.controls["offload_activations"].value) == ("chunked", True)
+    with pytest.raises(FinetuneError, match="unknown loss"):
+        panel.set(loss="sparse")
+    assert panel.plan.loss == "chunked"
+    start = TrainPanel(TrainPlan(SEVEN_B, loss="chunked", offload_activations=True), widgets=False)
+    assert start.values["loss"] == "chunked" and start.values["offload_activations"] is True
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_fused_loss_says_why_it_cannot_run_here(monkeypatch, installed):
+    import helpers.reducers as reducers
+
+    monkeypatch.setattr(reducers, "liger_available", lambda: installed)
+    panel = TrainPanel(TrainPlan(LLAMA3, seq_len=2048, batch_size=16, micro_batch=2), device="t4", widgets=True)
+    labels = dict((v, label) for label, v in panel.controls["loss"].options)
+    assert labels["fused"] == ("fused" if installed else "fused (not here)") and labels["chunked"] == "chunked"
+    panel.controls["loss"].value = "fused"  # still estimated: the plan may be for another machine
+    assert panel.plan.loss == "fused" and panel.state.verdict == "fits"
+    notes = panel.controls["notes"].value
+    assert ("pip install liger-kernel" in notes) is not installed
+    assert ("loss=&#x27;fused&#x27; needs liger-kernel" in notes) is not installed  # escaped
+    assert ("needs liger-kernel" in str(panel)) is not installed

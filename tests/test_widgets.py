@@ -482,3 +482,48 @@ def test_a_panel_given_a_config_object_says_how_to_pass_it():
 
     with pytest.raises(TypeError, match="save_pretrained"):
         LoadPanel(reference_configs()["Llama-2-7b"], device="t4", widgets=False)
+
+
+# -- the KV cache kind: a control like the others ---------------------------------------------------
+
+
+def test_kv_cache_dropdown_changes_the_estimate_and_the_plan():
+    from helpers.loading import LoadPlan
+
+    kw = dict(load="nf4", batch_size=8, max_new_tokens=4096, prompt_tokens=4096)
+    panel = LoadPanel(BIG, device="t4", widgets=True, **kw)
+    c = panel.controls
+    assert c["kv_cache"].description == "KV cache" and panel.plan.kv_cache == "dynamic"
+    assert [v for _, v in c["kv_cache"].options] == ["dynamic", "fp8", "int4", "int2", "offload"]
+    dynamic = panel.state.estimate
+    c["kv_cache"].value = "offload"
+    assert panel.plan.kv_cache == "offload" and panel.state.estimate.load == "nf4"
+    want = LoadPlan(BIG, kv_cache="offload", **kw).estimate("t4")
+    assert panel.state.estimate.total == want.total < dynamic.total
+    assert panel.state.estimate.row("kv_cache").bytes < dynamic.row("kv_cache").bytes
+    assert "offloaded: +" in c["notes"].value  # the cache in RAM, and what it costs per token
+    panel.set(kv_cache="dynamic")
+    assert panel.state.cached and panel.state.estimate is dynamic
+    assert LoadPanel(BIG, device="t4", kv_cache="offload", widgets=False).plan.kv_cache == "offload"
+
+
+def test_a_kv_cache_that_cannot_run_here_says_why(tiny_llama, monkeypatch):
+    import helpers.reducers as reducers
+
+    real = reducers.installed
+    monkeypatch.setattr(reducers, "installed", lambda m: False if m in ("optimum.quanto", "hqq") else real(m))
+    panel = LoadPanel(str(tiny_llama), device="t4", load="nf4", widgets=True)
+    labels = {v: label for label, v in panel.controls["kv_cache"].options}
+    assert labels["int4"] == "int4 (not here)" and labels["dynamic"] == "dynamic"
+    assert panel.controls["notes"].value == ""
+    panel.controls["kv_cache"].value = "int4"  # estimated all the same, with the reason beside it
+    assert panel.plan.kv_cache == "int4" and panel.state.estimate.row("kv_cache.residual") is not None
+    assert "needs optimum-quanto or hqq" in panel.controls["notes"].value and "optimum-quanto" in str(panel)
+    cpu = LoadPanel(str(tiny_llama), device="cpu", load="fp32", kv_cache="offload", widgets=False)
+    assert "there is no CUDA GPU here" in str(cpu)  # compared with this machine's RAM: nothing to offload to
+
+
+def test_kv_cache_on_a_split_says_the_split_plans_the_default_cache():
+    panel = LoadPanel(BIG, device="kaggle-2xt4", widgets=False, **SPLIT_FP16)
+    panel.set(kv_cache="fp8")
+    assert panel.placement is not None and widgets_mod.NOT_SPLIT in str(panel)
