@@ -12,11 +12,12 @@ from typing import Any
 
 from .device_fixes import fit
 from .estimator import MemoryEstimate, Suggestion
-from .html import LEVEL_FILLS, STYLE, color_attrs
+from .estimator.reducers import host_cost
+from .html import LEVEL_FILLS, STYLE, color_attrs, table
 from .units import format_bytes
 from .vocab import FITS, VERDICT_STATUS, verdict
 
-__all__ = ["SEGMENTS", "PanelState", "judgement", "stacked_bar"]
+__all__ = ["SEGMENTS", "PanelState", "ReducerTable", "judgement", "stacked_bar", "REDUCER_SPEED"]
 
 SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
     ("weights", ("weights",), 1.0),
@@ -156,3 +157,49 @@ def judgement(est: MemoryEstimate, capacity: int, target: Any) -> tuple[str, Sug
         return result, None
     sugg = fit(est, target).suggestions
     return result, (sugg[0] if sugg else None)
+
+
+REDUCER_SPEED = {  # what a memory reducer costs in time, besides the PCIe copies its host RAM row states
+    "loss=plain": "-",
+    "loss=chunked": "the output layer's matmul once more per step (a few %)",
+    "loss=fused": "none (Liger's kernel is as fast or faster)",
+    "offload_activations=True": "activations copied to RAM and back each step (PCIe)",
+    "kv_cache=dynamic": "-",
+    "kv_cache=fp8": "a layer dequantized per token; outputs may differ slightly",
+    "kv_cache=int4": "a layer dequantized per token; outputs may differ",
+    "kv_cache=int2": "a layer dequantized per token; outputs differ more",
+    "kv_cache=offload": "the cache crosses PCIe twice per token",
+}
+
+
+@dataclass
+class ReducerTable:
+    """One plan's estimate with each memory reducer (a row per setting) against one device."""
+
+    title: str
+    capacity: int
+    rows: list[tuple[str, MemoryEstimate, str]]  # (setting, its estimate, why it cannot run here or "")
+
+    def cells(self) -> list[list[str]]:
+        """Setting, GPU total, saving against the first row, verdict, host RAM and speed cost per row."""
+        base = self.rows[0][1].total if self.rows else 0
+        out = []
+        for change, est, why in self.rows:
+            speed = " + ".join(REDUCER_SPEED.get(part, "") for part in change.split(" + ")).strip(" +")
+            out.append([change, format_bytes(est.total), format_bytes(base - est.total), verdict(est.total, self.capacity),
+                        (host_cost(est.host_rows) if est.host_total else "") or "-", f"not here: {why}" if why else speed])  # fmt: skip
+        return out
+
+    HEADER = ("setting", "GPU total", "saves", "verdict", "host RAM", "speed cost")
+
+    def __str__(self) -> str:
+        rows = [list(self.HEADER), *self.cells()]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [self.title] + ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True))
+                                + ("  " + r[5] if r[5] != "-" else "") for r in rows]  # fmt: skip
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return table(self.HEADER, self.cells(), title=self.title)

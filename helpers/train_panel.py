@@ -17,6 +17,7 @@ from typing import Any
 
 from .devices import resolve_device
 from .finetune import TrainPlan
+from .panel_state import ReducerTable
 from .reducers import loss_available, loss_choices
 from .vocab import FOUR_BIT, LOAD_MODES
 from .widgets import Control, Panel, host_note
@@ -104,6 +105,25 @@ class TrainPanel(Panel):
         if v["load"] not in FOUR_BIT:
             v["double_quant"] = None
         return tuple(v[c.key] for c in self.CONTROLS)
+
+    def reducers(self) -> ReducerTable:
+        """The current plan's step estimate with each loss and with activation offload, on the panel's device."""
+        plan = self.plan
+        settings = (
+            ("loss=plain", {"loss": "plain", "offload_activations": False}),
+            ("loss=chunked", {"loss": "chunked", "offload_activations": False}),
+            ("loss=fused", {"loss": "fused", "offload_activations": False}),
+            ("offload_activations=True", {"loss": "plain", "offload_activations": True}),
+            ("loss=chunked + offload_activations=True", {"loss": "chunked", "offload_activations": True}),
+        )
+        rows = [
+            (change, self.estimate_plan(plan.replace(**kw)), loss_available(kw["loss"])[1]) for change, kw in settings
+        ]
+        title = (
+            f"{self.model}: {plan.load}, seq {plan.seq_len}, micro-batch {plan.micro_batch or 1}, checkpointing "
+            f"{'on' if plan.gradient_checkpointing else 'off'}, on {self.device_label}"
+        )
+        return ReducerTable(title, self.state.capacity, rows)
 
     def notes(self) -> list[str]:
         """Why a chosen reducer cannot run here, and how the estimate's device trains otherwise than this runtime."""

@@ -55,7 +55,7 @@ from .panel_gpus import (
     split_target,
     split_verdict,
 )
-from .panel_state import SEGMENTS, PanelState, judgement
+from .panel_state import SEGMENTS, PanelState, ReducerTable, judgement
 from .placement import DevicePlan, bnb_prequantized, plan_devices
 from .reclaim import unload
 from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
@@ -137,8 +137,7 @@ def notes_html(notes: list[str]) -> str:
 
 def host_note(est: MemoryEstimate) -> list[str]:
     """The host RAM (and PCIe time) an offloading reducer of ``est`` asks for, as a panel note; [] for none."""
-    cost = host_cost(est.host_rows)
-    return [f"offloaded: {cost}"] if cost else []
+    return [f"offloaded: {host_cost(est.host_rows)}"] if est.host_total else []
 
 
 def _resolve_panel_device(device: Any) -> tuple[int, str, Any]:
@@ -506,6 +505,20 @@ class LoadPanel(Panel):
         if kind != "dynamic" and isinstance(self.state, SplitState):
             notes.append(NOT_SPLIT)
         return notes
+
+    def reducers(self) -> ReducerTable:
+        """The current plan's estimate with each KV cache kind, on the panel's device (the first GPU of several)."""
+        plan = self.plan
+        cuda = self.estimate_device != "cpu"
+        rows = [
+            (f"kv_cache={k}", self.estimate_plan(plan.replace(kv_cache=k)), kv_cache_available(k, cuda=cuda)[1])
+            for k in KV_CACHES
+        ]
+        title = (
+            f"{self.model}: {plan.load}, batch {plan.batch_size} x ({plan.prompt_tokens} prompt + "
+            f"{plan.max_new_tokens} new tokens), on {self.device_label}"
+        )
+        return ReducerTable(title, self.state.capacity, rows)
 
     # -- several GPUs ----------------------------------------------------------------------------
 

@@ -221,3 +221,15 @@ def test_fused_loss_says_why_it_cannot_run_here(monkeypatch, installed):
     assert ("pip install liger-kernel" in notes) is not installed
     assert ("loss=&#x27;fused&#x27; needs liger-kernel" in notes) is not installed  # escaped
     assert ("needs liger-kernel" in str(panel)) is not installed
+
+
+def test_reducers_table_prices_each_loss_and_offload_for_the_current_plan():
+    plan = TrainPlan(SEVEN_B, seq_len=2048, batch_size=16, micro_batch=1, gradient_checkpointing=False)
+    table = TrainPanel(plan, device="t4", widgets=False).reducers()
+    rows = {change: est for change, est, _ in table.rows}
+    assert rows["loss=chunked"].total == plan.replace(loss="chunked").estimate("t4").total < rows["loss=plain"].total
+    assert rows["offload_activations=True"].host_total > 0 and rows["loss=plain"].host_total == 0
+    cells = {c[0]: c for c in table.cells()}
+    assert cells["loss=plain"][3] == "does not fit" and cells["offload_activations=True"][3] == "fits"
+    assert "host RAM" in cells["offload_activations=True"][4] and "loss=chunked" in str(table)
+    assert "<table" in table._repr_html_() and "&#x27;" not in table._repr_html_().split("<table")[0]

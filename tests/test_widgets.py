@@ -527,3 +527,12 @@ def test_kv_cache_on_a_split_says_the_split_plans_the_default_cache():
     panel = LoadPanel(BIG, device="kaggle-2xt4", widgets=False, **SPLIT_FP16)
     panel.set(kv_cache="fp8")
     assert panel.placement is not None and widgets_mod.NOT_SPLIT in str(panel)
+
+
+def test_reducers_table_prices_each_kv_cache_kind():
+    panel = LoadPanel(BIG, device="t4", load="nf4", batch_size=4, max_new_tokens=4096, widgets=False)
+    table = panel.reducers()
+    totals = {change: est.total for change, est, _ in table.rows}
+    assert list(totals) == [f"kv_cache={k}" for k in ("dynamic", "fp8", "int4", "int2", "offload")]
+    assert totals["kv_cache=dynamic"] == panel.state.estimate.total > totals["kv_cache=fp8"] > totals["kv_cache=int4"]
+    assert "PCIe" in str(table) and "<table" in table._repr_html_()
