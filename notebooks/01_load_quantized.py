@@ -172,6 +172,18 @@ for prompt, text in zip(PROMPTS, outputs, strict=True):
 snapshot()
 
 # %% [markdown]
+# ### Long generations: a smaller KV cache
+# The KV cache grows with batch x (prompt + new tokens); for long generations it can outgrow the
+# weights. `LoadPlan(kv_cache=...)` (the panel's **KV cache** dropdown) changes what `generate()` keeps:
+# `"fp8"` stores a byte per value (transformers' own backend), `"int4"` / `"int2"` fewer bits
+# (needs optimum-quanto or hqq; outputs may differ), each dequantizing one layer per token, and
+# `"offload"` keeps one layer's cache on the GPU and the rest in CPU RAM, crossing PCIe every token.
+# The panel's current plan with each kind (a kind this machine cannot run says why):
+
+# %%
+panel.reducers()
+
+# %% [markdown]
 # ## When `device_map="auto"` offloading is a trap
 # If the model does not fit the GPU, `device_map="auto"` puts the remaining layers in CPU RAM (and
 # then on disk). The load "works", but every generated token copies those layers over PCIe again:

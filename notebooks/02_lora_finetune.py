@@ -142,6 +142,23 @@ print(plan)
 panel.state.estimate
 
 # %% [markdown]
+# ### When it does not fit: memory reducers
+# Two settings cut a step's memory without changing what is learned (the panel has both):
+# - **`loss="chunked"`** computes the output layer and the cross-entropy a chunk of tokens at a time,
+#   so the fp32 scores of every token x the whole vocabulary never exist at once; it costs the output
+#   layer's matmul once more per step. It matters most for large vocabularies (Llama-3, Qwen2.5,
+#   Gemma) and long sequences. `"fused"` (Liger Kernel, where liger-kernel is installed) saves a
+#   little more at no speed cost.
+# - **`offload_activations=True`** keeps what the forward pass saves for backward in pinned CPU RAM
+#   instead of on the GPU, copied over PCIe each step. It replaces gradient checkpointing (which
+#   already keeps one hidden state per layer): with checkpointing on it saves almost nothing.
+#
+# The current plan with each of them, against `DEVICE`:
+
+# %%
+panel.reducers()
+
+# %% [markdown]
 # ## 3. Load the base model in 4 bits
 # Checked before any weight is read (model exists, bitsandbytes works, it fits, RAM suffices).
 
