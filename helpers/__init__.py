@@ -40,9 +40,10 @@ _API: dict[str, str] = {
     **dict.fromkeys(["load_prompts"], "prompts"),
     **dict.fromkeys(["safe_generate", "EvalReport"], "evaluate"),
     **dict.fromkeys(["simulated_budget"], "testing"),
-    **dict.fromkeys(
-        ["TrainPlan", "prepare_qlora", "find_micro_batch", "train", "save_adapter", "merge_adapter",
-         "load_instructions", "build_dataset", "answer", "FinetuneError"], "finetune"),
+    **dict.fromkeys(["TrainPlan", "FinetuneError"], "train_plan"),
+    **dict.fromkeys(["prepare_qlora", "save_adapter", "merge_adapter"], "adapters"),
+    **dict.fromkeys(["load_instructions", "build_dataset", "answer"], "training_data"),
+    **dict.fromkeys(["find_micro_batch", "train"], "finetune"),
     **dict.fromkeys(["CheckpointError"], "checkpoints"),
     **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
     **dict.fromkeys(["TrainView", "TrainProgress"], "train_view"),

@@ -31,7 +31,7 @@ LAYERS = [
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split", "fits_view"},
     {"retry", "generation", "loading", "device_fixes"},
-    {"batch_size", "eval_batching", "environment", "train_view"},
+    {"batch_size", "eval_batching", "environment", "train_view", "train_plan", "training_data", "adapters"},
     {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats", "launch_config"},
     {"cli", "__main__", "__init__"},
