@@ -28,7 +28,10 @@ _API: dict[str, str] = {
     **dict.fromkeys(["fit"], "device_fixes"),  # the estimator's verdict with the fixes past one card
     **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
-    **dict.fromkeys(["LoadPlan", "LoadReport", "load", "check_plan", "generate_batched"], "loading"),
+    **dict.fromkeys(["LoadPlan"], "load_plan"),
+    **dict.fromkeys(["check_plan"], "load_checks"),
+    **dict.fromkeys(["LoadReport"], "load_report"),
+    **dict.fromkeys(["load", "generate_batched"], "loading"),
     **dict.fromkeys(["plan_devices", "DevicePlan", "fits_table", "FitsTable", "ModelFits"], "placement"),
     **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
     **dict.fromkeys(["write_launch_config", "launch_plan", "LaunchConfig"], "launch_config"),

@@ -30,7 +30,7 @@ LAYERS = [
     {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "gpu_split", "fits_view"},
-    {"retry", "generation", "loading", "device_fixes"},
+    {"retry", "generation", "loading", "load_plan", "load_checks", "load_report", "device_fixes"},
     {"batch_size", "eval_batching", "environment", "train_view", "train_plan", "training_data", "adapters"},
     {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
     {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats", "launch_config"},
