@@ -11,7 +11,6 @@ LoadReport)`` (:mod:`helpers.load_report`).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 import warnings
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 
-from . import generation
 from .attention import keep_attention_fused
 from .devices import (
     device_kind,
@@ -33,6 +31,7 @@ from .estimator import (
     quantization_skip_modules,
     resolve_config,
 )
+from .generation import generate_batched  # the one batched generation; re-exported for the notebook API's readers
 from .gpu_split import (
     map_strategy,
     spill_fix,
@@ -354,40 +353,3 @@ def keep_4bit_layout(model: torch.nn.Module) -> int:
             )
             restored += 1
     return restored
-
-
-@torch.inference_mode()
-def generate_batched(
-    model,
-    tokenizer,
-    prompts: list[str],
-    *,
-    max_new_tokens: int = 32,
-    batch_size: int = 4,
-    progress: bool = True,
-    stream: bool = False,
-    **generate_kwargs,
-) -> list[str]:
-    """Generate for ``prompts`` in batches of ``batch_size`` with a tqdm bar; returns only the new text.
-
-    ``stream=True`` prints the first prompt's answer token by token while its batch runs."""
-    # the arguments are checked by generation.generate_batched; int8 with fp32 compute (CPU) casts to fp16 inside every layer and logs it on every call
-    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
-    quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
-    bnb_log.addFilter(quiet)
-    try:
-        return generation.generate_batched(
-            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress,
-            stream=stream, **generate_kwargs,
-        )  # fmt: skip
-    finally:
-        bnb_log.removeFilter(quiet)
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
