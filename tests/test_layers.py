@@ -29,7 +29,7 @@ LAYERS = [
     {"memory", "session", "compat", "runtime", "attention", "reducers"},
     {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
-    {"oom_diagnosis", "oom", "placement", "gpu_split", "fits_view"},
+    {"oom_diagnosis", "oom", "placement", "device_plan", "gpu_split", "fits_view"},
     {"retry", "generation", "loading", "load_plan", "load_checks", "load_report", "device_fixes"},
     {
         "batch_size",
