@@ -438,8 +438,10 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     write ``rank<N>.json`` to ``out_dir``. Everything is imported and loaded here, inside the process."""
     from accelerate import Accelerator
 
-    from .finetune import TrainPlan, build_dataset, collate, load_instructions, prepare_qlora
+    from .adapters import prepare_qlora
     from .loading import load as load_model
+    from .train_plan import TrainPlan
+    from .training_data import build_dataset, collate, load_instructions
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     if acc.device.type == "cpu":

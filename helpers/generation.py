@@ -5,13 +5,14 @@
 strings or token ids already computed (``encode``), so a caller that needed the lengths first does
 not tokenize twice. Padding is done here, on the left (every prompt ends where generation starts),
 whatever the tokenizer's ``padding_side``; the pad id is the tokenizer's, else its end-of-sequence
-token. ``generate_batched`` loops over fixed-size chunks with a progress bar (``loading`` and
-``finetune`` use it); ``safe_generate`` calls ``generate_batch`` through ``helpers.retry.attempt``.
+token. ``generate_batched`` loops over fixed-size chunks with a progress bar (the notebook API's, and
+``training_data.answer``'s); ``safe_generate`` calls ``generate_batch`` through ``helpers.retry.attempt``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,6 +268,7 @@ def check_generate_kwargs(kwargs: dict, error: type[Exception] = ValueError) -> 
         raise error(f"generate setting top_p is a probability in (0, 1], got {kwargs['top_p']!r}")
 
 
+@torch.inference_mode()
 def generate_batched(
     model,
     tokenizer,
@@ -274,7 +276,7 @@ def generate_batched(
     *,
     max_new_tokens: int = 32,
     batch_size: int = 4,
-    progress: bool = False,
+    progress: bool = True,
     add_special_tokens: bool = True,
     desc: str = "generating",
     stream: bool = False,
@@ -290,7 +292,20 @@ def generate_batched(
     ``over_context``: a prompt whose tokens plus ``max_new_tokens`` exceed the model's context
     (:func:`context_length`) raises :class:`ContextLengthError` (``"refuse"``); ``"cap"`` gives each
     batch the new tokens its longest prompt leaves room for (a prompt that fills the context is refused).
+    bitsandbytes' int8 note (fp32 compute on a CPU casts to fp16 inside every layer) is not logged on every call.
     """
+    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+    quiet = _DropMessage("MatMul8bitLt: inputs will be cast")
+    bnb_log.addFilter(quiet)
+    try:
+        return _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, progress, add_special_tokens,
+                                 desc, stream, over_context, generate_kwargs)  # fmt: skip
+    finally:
+        bnb_log.removeFilter(quiet)
+
+
+def _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, progress, add_special_tokens, desc,
+                      stream, over_context, generate_kwargs) -> list[str]:  # fmt: skip
     from tqdm.auto import tqdm
 
     if isinstance(prompts, str):
@@ -324,3 +339,14 @@ def generate_batched(
                 **generate_kwargs,
             ).texts
     return out
+
+
+class _DropMessage(logging.Filter):
+    """A logging filter that drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)

@@ -1,5 +1,5 @@
 """Past one card with the engine the user already runs: the accelerate config (and, for ZeRO, the DeepSpeed JSON)
-that realise a :class:`~helpers.finetune.TrainPlan` on several GPUs, and ``accelerate launch`` on it.
+that realise a :class:`~helpers.train_plan.TrainPlan` on several GPUs, and ``accelerate launch`` on it.
 
 oomkit never re-implements distribution. :func:`write_launch_config` writes what ``accelerate config`` would have
 written for this plan (``distributed_type`` MULTI_GPU for DDP, FSDP, or DEEPSPEED with a ``deepspeed_config_file``),
@@ -32,7 +32,7 @@ from .distributed import DistributedError, TrainingMemory, run_streaming, traini
 from .units import format_bytes
 
 if TYPE_CHECKING:
-    from .finetune import TrainPlan
+    from .train_plan import TrainPlan
 
 __all__ = ["LAUNCH_STRATEGIES", "OFFLOADS", "LaunchConfig", "write_launch_config", "launch_plan"]
 

@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import estimator, tensors
+from . import estimator
 from .knobs import knob_fixes
 from .oom_causes import CAUSES
 from .oom_messages import is_oom_text, parse_message
 from .runtime import ALLOC_CONF, EXPANDABLE, cuda_initialized, needs_restart_for
 from .session import user_namespace
+from .tensors import largest_tensors  # the one walk; re-exported for the OOM report's readers
 from .units import format_bytes
 
 __all__ = ["CAUSES", "OOMReport", "explain_oom", "largest_tensors"]
@@ -369,19 +370,6 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
     except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
         return []
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
-
-
-def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
-    """The ``n`` largest live tensors as (name, bytes, description), counting shared storage once.
-
-    Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames) and the
-    notebook's namespace; the walk is :func:`helpers.tensors.largest_tensors`.
-    """
-    names = dict(names or {})
-    for var, value in list(user_namespace().items()):
-        if isinstance(value, torch.Tensor) and not var.startswith("_"):
-            names.setdefault(id(value), var)
-    return tensors.largest_tensors(n, names)
 
 
 def _traceback_names(tb) -> dict[int, str]:

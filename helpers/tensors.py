@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .session import user_namespace
+
 __all__ = [
     "LiveStorage",
     "live_storages",
@@ -187,9 +189,15 @@ def tensor_bytes() -> int:
 
 
 def largest_tensors(n: int = 5, names: dict[int, str] | None = None) -> list[tuple[str, int, str]]:
-    """The ``n`` largest live storages as ``(name, bytes, "shape dtype device")``, each counted once;
-    names from ``names`` (``id(tensor) -> name``), else ``"(unnamed)"``."""
-    names = names or {}
+    """The ``n`` largest live storages as ``(name, bytes, "shape dtype device")``, each counted once.
+
+    Names come from ``names`` (``id(tensor) -> name``, e.g. from a traceback's frames), then the
+    notebook's namespace (its variables; none outside IPython), else ``"(unnamed)"``.
+    """
+    names = dict(names or {})
+    for var, value in list(user_namespace().items()):
+        if isinstance(value, torch.Tensor) and not var.startswith("_"):
+            names.setdefault(id(value), var)
     found = []
     for live in live_storages().values():
         t = live.tensor

@@ -1,6 +1,6 @@
 """The training panel: choose QLoRA's load mode, rank, sequence length, micro-batch and memory reducers.
 
-``TrainPanel(plan)`` shows the controls of a :class:`~helpers.finetune.TrainPlan` that decide the
+``TrainPanel(plan)`` shows the controls of a :class:`~helpers.train_plan.TrainPlan` that decide the
 memory of a training step; every change re-estimates that step on the target device (a T4 by
 default) and states the verdict and the top fix, as :class:`~helpers.widgets.LoadPanel` does for
 inference. ``panel.plan`` is the plan the following cells load, prepare and train with. A
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from .devices import resolve_device
-from .finetune import TrainPlan
 from .panel_state import ReducerTable
 from .reducers import loss_available, loss_choices
+from .train_plan import TrainPlan
 from .vocab import FOUR_BIT, LOAD_MODES
 from .widgets import Control, Panel, host_note
 

@@ -132,10 +132,10 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
 
 def test_answer_refuses_a_bare_string_as_generate_batched_does(tiny_llama, monkeypatch):
     """A string is a sequence of characters: answer() ran one prompt per character and returned that many."""
-    import helpers.finetune as finetune
+    import helpers.training_data as training_data
 
     calls = []
-    monkeypatch.setattr(finetune, "generate_batched", lambda model, tok, prompts, **kw: calls.append(prompts))
+    monkeypatch.setattr(training_data, "generate_batched", lambda model, tok, prompts, **kw: calls.append(prompts))
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     with pytest.raises(TypeError, match=r"got one string \('What is 2\+2\?'\): pass \[instruction\]"):
         answer(None, tok, "What is 2+2?")

@@ -4,6 +4,7 @@ plan stays on GPU 0, when and how it is split, what is refused, and what the loa
 import pytest
 import torch
 
+import helpers.load_plan as load_plan
 import helpers.loading as loading
 from helpers import gpu_split
 from helpers.estimator import estimate
@@ -237,11 +238,13 @@ def test_the_split_is_what_from_pretrained_gets(tiny_llama, monkeypatch):
     plan = LoadPlan(str(tiny_llama), load="int8", gpus=2, compute_dtype="fp16")  # no GPU here to ask
     checked = check_plan(plan, snapshot=kaggle(), bnb=BNB_OK, estimate=est)
     monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(load_plan, "device_kind", lambda: "cuda")
     kwargs, _ = loading._run_kwargs(plan, checked)
     assert kwargs["device_map"] == checked.split.device_map
     assert kwargs["max_memory"] == checked.split.max_memory
     assert kwargs["quantization_config"].llm_int8_enable_fp32_cpu_offload is False  # nothing spills
     monkeypatch.setattr(loading, "device_kind", lambda: "cpu")
+    monkeypatch.setattr(load_plan, "device_kind", lambda: "cpu")
     kwargs, _ = loading._run_kwargs(plan, checked)  # a split planned for a simulated machine loads on the CPU
     assert kwargs["device_map"] is None and "max_memory" not in kwargs
 
@@ -338,6 +341,7 @@ def test_each_device_map_strategy_is_split_as_transformers_places_it(tiny_llama,
     layers = [s.layers for s in seq.split.gpus]
     assert seq.split.fits and layers[0] > layers[1] > 0 and sum(layers) == 32  # GPU 0 filled first
     monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(load_plan, "device_kind", lambda: "cuda")
     kwargs, _ = loading._run_kwargs(seq.plan, seq)
     assert kwargs["device_map"] == seq.split.device_map and kwargs["max_memory"] == seq.split.max_memory
     # within caps of the user's, as the repro of the review had it

@@ -9,6 +9,9 @@ import torch
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+import helpers.load_checks as load_checks
+import helpers.load_plan as load_plan
+import helpers.load_report as load_report
 import helpers.loading as loading
 import helpers.sources as sources
 from helpers import gpu_split
@@ -59,7 +62,7 @@ def test_device_map_auto_never_asks_bitsandbytes_to_offload(mode, monkeypatch):
     """Under device_map="auto" llm_int8_enable_fp32_cpu_offload would keep the layers transformers offloads
     quantized in RAM (it keeps them unquantized only along a dict map), where accelerate's offload hook
     cannot run 4-bit ones. An offload the checks accept loads their map instead, which sets the flag."""
-    monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(load_plan, "device_kind", lambda: "cuda")
     config = LoadPlan("org/model", load=mode, compute_dtype="fp16", allow_offload=True).quantization_config()
     assert config.llm_int8_enable_fp32_cpu_offload is False
     # a device map of your own that names the CPU is transformers' documented offload: the flag goes with it
@@ -205,12 +208,12 @@ def test_unknown_model_id_offline_says_so(monkeypatch):
 
 
 def test_unknown_model_id_online(monkeypatch):
-    monkeypatch.setattr(loading, "hub_offline_reason", lambda: None)
+    monkeypatch.setattr(load_checks, "hub_offline_reason", lambda: None)
 
     def missing(model, token):
         raise hub_error(RepositoryNotFoundError, 404)
 
-    monkeypatch.setattr(loading, "_hub_access", missing)
+    monkeypatch.setattr(load_checks, "_hub_access", missing)
     with pytest.raises(ModelNotFoundError, match="Unknown model id 'nobody-xyz/no-such-model'") as e:
         load(LoadPlan("nobody-xyz/no-such-model", load="fp32"))
     assert "spelling" in e.value.fix
@@ -218,13 +221,13 @@ def test_unknown_model_id_online(monkeypatch):
 
 @pytest.mark.parametrize("token", [None, "hf_SECRETsecret"])
 def test_gated_model_explains_hf_token_and_never_prints_it(monkeypatch, token):
-    monkeypatch.setattr(loading, "hub_offline_reason", lambda: None)
-    monkeypatch.setattr(loading, "_find_token", lambda: None)
+    monkeypatch.setattr(load_checks, "hub_offline_reason", lambda: None)
+    monkeypatch.setattr(load_checks, "find_token", lambda: None)
 
     def gated(model, tok):
         raise hub_error(GatedRepoError, 403)
 
-    monkeypatch.setattr(loading, "_hub_access", gated)
+    monkeypatch.setattr(load_checks, "_hub_access", gated)
     with pytest.raises(LoadRefused, match="meta-llama/Llama-2-7b-hf is a gated model") as e:
         load(LoadPlan("meta-llama/Llama-2-7b-hf", load="nf4", token=token))
     msg = str(e.value)
@@ -234,8 +237,8 @@ def test_gated_model_explains_hf_token_and_never_prints_it(monkeypatch, token):
 
 
 def test_bitsandbytes_missing_gives_the_install_line(tiny_llama, monkeypatch):
-    real = loading.importlib.util.find_spec
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n))
+    real = load_checks.importlib.util.find_spec
+    monkeypatch.setattr(load_checks.importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n))
     with pytest.raises(LoadRefused, match="needs bitsandbytes, which is not installed") as e:
         load(LoadPlan(str(tiny_llama), load="nf4"))
     assert "pip install -U bitsandbytes" in str(e.value)
@@ -310,6 +313,7 @@ def test_one_card_offload_is_sized_as_bitsandbytes_leaves_it_unquantized(tiny_ll
     assert warning.startswith("about 7.96 GiB of weights will be offloaded to CPU RAM"), warning
     # ...and it loads the map that was sized: along a dict map transformers keeps those layers unquantized
     monkeypatch.setattr(loading, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(load_plan, "device_kind", lambda: "cuda")
     kwargs, _ = loading._run_kwargs(plan.replace(load="int8", compute_dtype="fp16"), checked)
     assert kwargs["device_map"] == checked.split.device_map and "cpu" in set(kwargs["device_map"].values())
     assert kwargs["quantization_config"].llm_int8_enable_fp32_cpu_offload is True
@@ -324,7 +328,7 @@ def test_without_a_placement_bitsandbytes_is_not_offloaded_and_fp16_is_counted(t
     def unplaceable(*args, **kwargs):
         raise PlacementError("cannot build this architecture on the meta device")
 
-    monkeypatch.setattr(loading, "split_plan", unplaceable)
+    monkeypatch.setattr(load_checks, "split_plan", unplaceable)
     snap = machine(free=4 * GiB)
     est = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
     with pytest.raises(LoadRefused, match="placement cannot be built"):
@@ -459,18 +463,18 @@ def test_max_memory_keeps_room_for_the_kv_cache():
     mm = max_memory_for(est, snap)
     context = est.row("overhead.cuda_context").bytes  # already paid when free memory was read
     runtime = est.total - est.weights
-    assert mm[0] == snap.gpu.free + context - runtime - loading.GPU_MARGIN
-    assert mm[0] == snap.gpu.free - (runtime - context) - loading.GPU_MARGIN  # KV cache etc. still get room
+    assert mm[0] == snap.gpu.free + context - runtime - load_checks.GPU_MARGIN
+    assert mm[0] == snap.gpu.free - (runtime - context) - load_checks.GPU_MARGIN  # KV cache etc. still get room
     assert mm["cpu"] == int(11 * GiB * 0.8)
     assert max_memory_for(est, machine(gpu=False)) is None
 
 
 def test_offload_warnings_say_how_slow():
-    (cpu,) = loading._offload_warnings({"cuda:0": 10 * GiB, "cpu": 2 * GiB})
+    (cpu,) = load_report.offload_warnings({"cuda:0": 10 * GiB, "cpu": 2 * GiB})
     assert "2.00 GiB" in cpu and "ms per token" in cpu and "Quantize" in cpu
-    (disk,) = loading._offload_warnings({"cuda:0": 10 * GiB, "disk": 3 * GiB})
+    (disk,) = load_report.offload_warnings({"cuda:0": 10 * GiB, "disk": 3 * GiB})
     assert "s per generated token" in disk
-    assert loading._offload_warnings({"cuda:0": GiB}) == []
+    assert load_report.offload_warnings({"cuda:0": GiB}) == []
 
 
 def test_placement_sums_modules_per_device():

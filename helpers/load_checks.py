@@ -1,0 +1,484 @@
+"""The checks :func:`helpers.loading.load` runs before touching any weights: the model and adapter exist,
+bitsandbytes can run, the estimate fits (on one GPU, split, or offloaded), RAM can hold the largest weight
+file; :func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError`
+with the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .arguments import ArgumentError
+from .checks import Check
+from .devices import (
+    GPU_MARGIN,
+    bitsandbytes_status,
+)
+from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
+from .estimator import (
+    fit,
+)
+from .gpu_split import (
+    decide_gpus,
+    first_fix,
+    gpu_device,
+    gpu_room,
+    held_hint,
+    map_gpu,
+    map_strategy,
+    offload_ram,
+    offloaded_bytes,
+    other_gpus_note,
+    spill_fix,
+    spill_why,
+    split_plan,
+    unquantized_note,
+)
+from .load_plan import LoadPlan
+from .memory import MemorySnapshot
+from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
+from .sources import (
+    SourceError,
+    checkpoint_size,
+    drive_hint,
+    hub_offline_reason,
+    looks_like_path,
+    memory_mapped,
+    nearest_existing,
+    read_json,
+)
+from .units import format_bytes
+from .vocab import DOES_NOT_FIT, QUANTIZED
+
+__all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "check_fit",
+           "check_offload", "ram_for_loading", "check_ram_for_loading", "placement_spill",
+           "check_prequantized_map", "max_memory_for", "find_token"]  # fmt: skip
+
+BNB_INSTALL = "pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)"
+TOKEN_HELP = (
+    "Accept the model's licence on its Hugging Face page, then give this runtime a token: in Colab, "
+    "add a secret named HF_TOKEN (key icon in the left bar) and allow notebook access; elsewhere set the "
+    "HF_TOKEN environment variable or run `huggingface-cli login`"
+)
+# torch.load of a .bin shard holds it whole plus part of a copy while tensors are moved.
+PICKLE_LOAD_FACTOR = 1.2
+
+
+def _missing_path_error(kind: str, path: str, what: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"{kind} file not found: {path} does not exist ({what}).{nearest_existing(path)}{drive_hint(path)}",
+        f"Pass the directory that holds {what}, or a hub id such as 'org/name'",
+    )
+
+
+def check_model_source(model: str, token: str | None = None) -> str:
+    """Where ``model`` comes from (``"local"``, ``"cache"``, ``"hub"``); raises :class:`LoadError` if unusable."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            raise ModelNotFoundError(
+                f"Model file not found: {p} has no config.json, so it is not a saved model "
+                f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+                "Point at the folder written by save_pretrained() (it has config.json)",
+            )
+        return "local"
+    if looks_like_path(model):
+        raise _missing_path_error("Model", model, "config.json and the weight files")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return "cache"
+    except Exception:  # an invalid repo id: the hub check below says so
+        pass
+    return _check_hub(model, token)
+
+
+def _hub_access(model: str, token: str | None) -> None:
+    from huggingface_hub import auth_check
+
+    auth_check(model, token=token)
+
+
+def _check_hub(model: str, token: str | None) -> str:
+    offline = hub_offline_reason()
+    if offline:
+        raise ModelNotFoundError(
+            f"{model!r} is not a local path and is not in the Hugging Face cache, and this machine is offline "
+            f"({offline}), so the hub cannot be asked whether the model exists",
+            "Pass a local directory with config.json and the weights, or go online once to download it",
+        )
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        _hub_access(model, token)
+    except GatedRepoError:
+        have = "the token this runtime has is not allowed" if token else "no Hugging Face token was found"
+        raise LoadRefused(f"{model} is a gated model and {have}", TOKEN_HELP) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"Unknown model id {model!r}: the Hugging Face Hub has no such model (or it is private)",
+            "Check the spelling (org/name, case-sensitive) on huggingface.co; for a private model, log in: "
+            + TOKEN_HELP,
+        ) from None
+    except HFValidationError as e:
+        raise ModelNotFoundError(
+            f"{model!r} is neither an existing path nor a valid hub id: {e}",
+            "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory",
+        ) from None
+    return "hub"
+
+
+def check_adapter(adapter: str) -> None:
+    """Raise :class:`ModelNotFoundError` unless ``adapter`` is a PEFT adapter directory."""
+    p = Path(adapter).expanduser()
+    if not p.exists():
+        if not looks_like_path(adapter) and "/" in adapter:
+            return  # a hub adapter id; PEFT resolves it
+        raise _missing_path_error("Adapter", adapter, "adapter_config.json and adapter_model.safetensors")
+    if not p.is_dir():
+        raise ModelNotFoundError(f"Adapter {p} is a file, not a folder", ADAPTER_FIX)
+    if not (p / "adapter_config.json").exists():
+        raise ModelNotFoundError(
+            f"Adapter file not found: {p} has no adapter_config.json "
+            f"(it holds: {', '.join(sorted(c.name for c in p.iterdir())[:8]) or 'nothing'})",
+            ADAPTER_FIX,
+        )
+    _check_adapter_config(p / "adapter_config.json")
+    _check_adapter_weights(p)
+
+
+ADAPTER_FIX = "Point at the folder written by model.save_pretrained() (or save_adapter()) after LoRA training"
+
+
+def _check_adapter_config(path: Path) -> None:
+    """The adapter's config must be a JSON object naming a known PEFT type, with a positive rank."""
+    from peft import PeftType
+
+    try:
+        cfg = read_json(path, "adapter_config.json")
+    except SourceError as e:
+        raise LoadError(f"Adapter config unreadable: {e}", ADAPTER_FIX) from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"Adapter config {path} holds a JSON {type(cfg).__name__}, not an object", ADAPTER_FIX)
+    if cfg.get("peft_type") not in PeftType.__members__:
+        raise LoadError(
+            f"Adapter config {path}: peft_type {cfg.get('peft_type')!r} is not a PEFT adapter type (e.g. 'LORA')",
+            ADAPTER_FIX,
+        )
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise LoadError(f"Adapter config {path}: {key} is {value!r}, not a positive number", ADAPTER_FIX)
+
+
+def _check_adapter_weights(folder: Path) -> None:
+    """The adapter's weight file must exist and (safetensors) have a readable header."""
+    safe, bin_ = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if not safe.exists() and not bin_.exists():
+        raise ModelNotFoundError(
+            f"Adapter weights not found: {folder} has adapter_config.json but no adapter_model.safetensors "
+            "(nor adapter_model.bin); the save was cut short or the file was not copied",
+            ADAPTER_FIX,
+        )
+    if safe.exists():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(safe), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:  # noqa: BLE001 - any failure to read the header means the same thing
+            raise LoadError(
+                f"Adapter weights {safe} are not a readable safetensors file ({str(e)[:120]})", ADAPTER_FIX
+            ) from None
+        if not names:
+            raise LoadError(f"Adapter weights {safe} hold no tensors", ADAPTER_FIX)
+
+
+def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None = None) -> None:
+    """Refuse 8-bit/4-bit when bitsandbytes is missing or cannot run on ``device``."""
+    if load not in QUANTIZED:
+        return
+    if status is None:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            status = (False, "bitsandbytes is not installed")
+        else:
+            status = bitsandbytes_status(device)
+    ok, why = status
+    if ok:
+        return
+    bits = "8-bit" if load == "int8" else "4-bit"
+    if "not installed" in why:
+        raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, which is not installed", BNB_INSTALL)
+    raise LoadRefused(
+        f"{load} ({bits}) loading needs bitsandbytes, but it cannot run here: {why}",
+        "Use a CUDA GPU runtime (Colab: Runtime > Change runtime type > T4 GPU) and "
+        f"{BNB_INSTALL}; or load in fp16/bf16 instead",
+    )
+
+
+UNPLACED_BNB_OFFLOAD = (
+    "bitsandbytes layers are offloaded only along a device map oomkit has checked, and this architecture's "
+    "placement cannot be built (transformers' own would keep 4-bit layers quantized in RAM, where they cannot run)"
+)
+
+
+def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> tuple[list[str], DevicePlan | None]:
+    """Refuse plans that cannot fit; return warnings for plans that only fit by offloading, with the checked
+    placement (GPU and CPU) such a plan loads with, so what was sized is what loads.
+
+    On a GPU the estimate must fit the free GPU memory, or (with ``device_map="auto"``) what
+    does not fit must fit in RAM. Without a GPU everything lives in RAM.
+    """
+    warnings: list[str] = []
+    ram = snap.ram.available
+    g = _mapped_gpu(plan, snap)
+    if g is None:
+        if estimate.total > ram:
+            verdict = fit(estimate, device=ram)
+            raise LoadRefused(
+                f"the estimate ({format_bytes(estimate.total)}) is more than the "
+                f"{format_bytes(ram)} of RAM available: the process would be killed",
+                first_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
+            )
+        return warnings, None
+    room = gpu_room(estimate, g)
+    verdict = fit(estimate, device=gpu_device(g, room))
+    if verdict.verdict != DOES_NOT_FIT:
+        return placement_spill(plan, estimate, g, room, snap)
+    fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
+    if map_strategy(plan.device_map) is None:
+        raise LoadRefused(
+            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}",
+            fix,
+        )
+    runtime = estimate.total - estimate.weights
+    if runtime > room:
+        raise LoadRefused(
+            f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
+            f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
+            fix,
+        )
+    return check_offload(plan, estimate, g, room, snap, fix)
+
+
+def check_offload(
+    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, fix: str
+) -> tuple[list[str], DevicePlan | None]:
+    """The estimate does not fit GPU ``g``: what ``device_map="auto"`` would offload, sized as the split over
+    several GPUs sizes it (transformers' placement for the card, offloaded bitsandbytes layers counted
+    unquantized: a Llama-2-13B nf4 3.4 GiB over a T4's free memory puts 15.7 GiB into RAM, as
+    tests/test_loading.py checks). Refused when that does not fit the RAM offload may take, or without
+    ``allow_offload``; else a warning, and the placement to load with: a device map naming the CPU is what
+    makes transformers keep the offloaded bitsandbytes layers unquantized, as they were sized."""
+    too_big = f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
+    if bnb_prequantized(estimate):
+        raise LoadRefused(
+            f"{too_big}, and {PREQUANTIZED_OFFLOAD}{held_hint(g)}", f"{fix}; or {PREQUANTIZED_OFFLOAD_FIX}"
+        )
+    ram, share = snap.ram.available, offload_ram(snap)
+    try:
+        placed = split_plan(estimate, [gpu_device(g, room)], ram=share, offload=True, disk=bool(plan.offload_folder),
+                            offload_folder=plan.offload_folder)  # fmt: skip
+        on_cpu, on_disk, reason = placed.offloaded("cpu"), placed.offloaded("disk"), next(iter(placed.reasons), None)
+    except PlacementError:  # an architecture the meta device cannot build: the estimate's overflow, at RAM width
+        if estimate.load in QUANTIZED:
+            raise LoadRefused(f"{too_big}, and {UNPLACED_BNB_OFFLOAD}{held_hint(g)}", fix) from None
+        placed = None
+        on_cpu = offloaded_bytes(estimate, estimate.total - room, g.supports_bf16)
+        on_disk, reason = 0, None
+        if on_cpu > share and plan.offload_folder:  # what RAM cannot take goes to the folder
+            on_cpu, on_disk = share, on_cpu - share
+    offload = on_cpu + on_disk
+    if on_cpu > share or (on_disk and not plan.offload_folder):
+        raise LoadRefused(
+            f"{too_big}, and the {format_bytes(offload)} of weights that would be offloaded"
+            f"{unquantized_note(estimate, g.supports_bf16)} do not fit the {format_bytes(ram)} of RAM available "
+            f"either (offload may take {format_bytes(share)}){held_hint(g)}",
+            fix,
+        )
+    if reason is not None:  # 4-bit weights to disk, a card without room for its runtime
+        raise LoadRefused(f"{too_big}, and {reason}{held_hint(g)}", fix)
+    where = "disk" if on_disk else "CPU RAM"
+    if not plan.allow_offload:
+        raise LoadRefused(
+            f"{too_big}: loading would offload about {format_bytes(offload)} of weights to {where}, and every "
+            f"generated token would be much slower{held_hint(g)}",
+            f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
+        )
+    warning = (f"about {format_bytes(offload)} of weights will be offloaded to {where}: generation will be much "
+               f"slower. Better: {fix}")  # fmt: skip
+    return [warning], placed
+
+
+def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
+    """Whether RAM can hold the largest weight file while loading (the Colab kernel dies silently if not)."""
+    avail = snap.ram.available
+    if total is None:
+        return Check(
+            "RAM for loading", "info", f"{format_bytes(avail)} RAM available; checkpoint size unknown: {source}"
+        )
+    # A .bin shard is unpickled whole into the process's memory (and briefly copied): a shard larger
+    # than free RAM kills a Colab kernel without a message. safetensors are read through a memory map,
+    # one tensor at a time: measured on CPU, loading a single 509 MiB fp16 shard took 213 MiB of
+    # process memory (tests/test_loading.py measures it), so only a shard past all free RAM is a risk.
+    need = largest if memory_mapped(source) else int(largest * PICKLE_LOAD_FACTOR)
+    data = {"available": avail, "checkpoint": total, "largest_shard": largest}
+    if avail < need:
+        return Check(
+            "RAM for loading",
+            "fail",
+            f"{format_bytes(avail)} RAM available, the largest weight file is "
+            f"{format_bytes(largest)}: the kernel would die while loading",
+            "Use a checkpoint with smaller shards (e.g. a -sharded variant), free RAM (helpers.cleanup()), "
+            "or a High-RAM runtime",
+            data,
+        )
+    if avail < total:
+        return Check(
+            "RAM for loading",
+            "warn",
+            f"{format_bytes(avail)} RAM available, checkpoint is "
+            f"{format_bytes(total)}: fine for GPU loading, but offloading layers to CPU will not fit",
+            "Keep device_map on the GPU; quantize instead of offloading",
+            data,
+        )
+    return Check(
+        "RAM for loading",
+        "pass",
+        f"{format_bytes(avail)} RAM available for a {format_bytes(total)} checkpoint ({source})",
+        data=data,
+    )
+
+
+def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
+    """Refuse when the largest weight file does not fit in RAM (the Colab kernel would die silently)."""
+    check = ram_for_loading(snap, *checkpoint_size(model))  # a hub id: sizes from the hub's file list
+    if check.status == "fail":
+        raise LoadRefused(check.summary, check.fix)
+
+
+def placement_spill(
+    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
+) -> tuple[list[str], DevicePlan | None]:
+    """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
+    (``spill_why``: accelerate keeps room for the largest layer; for int8/4-bit bitsandbytes keeps 10 % of the
+    card's ``max_memory`` for its buffers). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
+    before loading, or warn with ``allow_offload`` and load the placement that was checked; never offload
+    silently, never into too little RAM."""
+    if map_strategy(plan.device_map) is None or plan.max_memory is not None:
+        return [], None
+    ram = offload_ram(snap)
+    try:
+        placed = split_plan(estimate, [gpu_device(g, room)], ram=ram, offload=True)
+    except PlacementError:  # an architecture the meta device cannot build: the estimate decided
+        return [], None
+    spill = placed.offloaded("cpu") + placed.offloaded("disk")
+    if not spill:
+        return [], None
+    fix = spill_fix(estimate)
+    why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
+           f"{spill_why(estimate)} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
+    if not placed.fits:
+        raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
+    if not plan.allow_offload:
+        raise LoadRefused(f"{why}: every generated token would be much slower",
+                          f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip
+    return [f"{why}: generation will be much slower. Better: {fix}"], placed
+
+
+def check_prequantized_map(plan: LoadPlan, estimate) -> None:
+    """Refuse a ``device_map`` of the user's that offloads part of a checkpoint saved quantized by bitsandbytes:
+    transformers cannot load it so (``PREQUANTIZED_OFFLOAD``). Every module on the CPU is no offload."""
+    if not bnb_prequantized(estimate) or not isinstance(plan.device_map, dict):
+        return
+    places = {str(v) for v in plan.device_map.values()}
+    offloaded = sorted(places & {"cpu", "disk"})
+    if offloaded and places != {"cpu"}:
+        raise LoadRefused(
+            f"the device_map puts part of {plan.model} on {' and '.join(offloaded)}, and {PREQUANTIZED_OFFLOAD}",
+            "put every module on the GPU (device_map={'': 0}) with a smaller batch or max_new_tokens; "
+            f"or {PREQUANTIZED_OFFLOAD_FIX}",
+        )
+
+
+def _mapped_gpu(plan: LoadPlan, snap: MemorySnapshot):
+    """The GPU a one-card ``device_map`` names (``{"": 1}``, ``"cuda:1"``), GPU 0 otherwise; None without one."""
+    index = map_gpu(plan.device_map) or 0
+    if snap.gpus and index >= len(snap.gpus):
+        raise LoadRefused(
+            f"the device_map puts the model on GPU {index} and this machine has {len(snap.gpus)} GPU(s)",
+            "device_map='auto' (GPU 0 first), or {'': 0}",
+        )
+    return snap.gpus[index] if snap.gpus else None
+
+
+def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
+    """``max_memory`` for ``device_map="auto"`` that keeps room on the GPU for KV cache and activations."""
+    g = snap.gpu
+    if g is None:
+        return None
+    runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
+    gpu_cap = max(0, gpu_room(estimate, g) - runtime - GPU_MARGIN)
+    return {g.index: gpu_cap, "cpu": offload_ram(snap)}
+
+
+@dataclass
+class PlanCheck:
+    """The outcome of :func:`check_plan`: the estimate, where the model comes from, warnings."""
+
+    plan: LoadPlan
+    source: str
+    estimate: Any = None
+    warnings: list[str] = field(default_factory=list)
+    max_memory: dict | None = None
+    split: DevicePlan | None = None  # the checked placement loaded as is: over several GPUs, or one card + CPU
+    notes: list[str] = field(default_factory=list)
+
+
+def check_plan(
+    plan: LoadPlan, *, snapshot: MemorySnapshot | None = None, bnb: tuple[bool, str] | None = None, estimate=None
+) -> PlanCheck:
+    """Every check :func:`load` runs before loading; raises :class:`LoadError` with the reason and fix.
+
+    ``snapshot``, ``bnb`` (``(usable, why)``) and ``estimate`` replace what would be measured,
+    so tests can simulate a T4 or a machine without bitsandbytes.
+    """
+    from .memory import snapshot as take_snapshot
+
+    if not isinstance(plan, LoadPlan):
+        raise ArgumentError(f"check_plan() checks a LoadPlan, got {plan!r:.60}: e.g. check_plan(LoadPlan('org/name'))")
+    token = plan.token or find_token()
+    source = check_model_source(plan.model, token)
+    if plan.adapter:
+        check_adapter(plan.adapter)
+    snap = snapshot if snapshot is not None else take_snapshot()
+    device = "cuda" if snap.backend == "cuda" else ("mps" if snap.backend == "mps" else "cpu")
+    check_bitsandbytes(plan.load, device, bnb)
+    check_ram_for_loading(plan.model, snap)
+    est = estimate if estimate is not None else plan.estimate("current")
+    check_prequantized_map(plan, est)
+    checked = PlanCheck(plan=plan, source=source, estimate=est, max_memory=plan.max_memory)
+    decision = decide_gpus(plan, est, snap)  # None: one GPU (or none) decides, as below
+    if decision is not None:
+        checked.split, checked.warnings, checked.notes = decision.split, decision.warnings, decision.notes
+        checked.max_memory = decision.max_memory if decision.max_memory is not None else plan.max_memory
+        return checked
+    checked.warnings, checked.split = check_fit(plan, est, snap)  # split: a one-card offload's GPU/CPU map
+    checked.notes = other_gpus_note(plan, snap)
+    if checked.max_memory is None and map_strategy(plan.device_map) is not None:
+        checked.max_memory = max_memory_for(est, snap)
+    return checked
+
+
+def find_token() -> str | None:
+    """The Hugging Face token this runtime has (HF_TOKEN, the login file, a Colab secret), or None."""
+    try:
+        from huggingface_hub import get_token  # reads HF_TOKEN, the login file and Colab secrets
+
+        return get_token()
+    except Exception:
+        return None
