@@ -17,7 +17,7 @@ from .html import LEVEL_FILLS, STYLE, color_attrs, table
 from .units import format_bytes
 from .vocab import FITS, VERDICT_STATUS, verdict
 
-__all__ = ["SEGMENTS", "PanelState", "ReducerTable", "judgement", "stacked_bar", "REDUCER_SPEED"]
+__all__ = ["SEGMENTS", "PanelState", "ReducerTable", "judgement", "stacked_bar", "REDUCER_SPEED", "host_note", "notes_html"]
 
 SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
     ("weights", ("weights",), 1.0),
@@ -203,3 +203,15 @@ class ReducerTable:
 
     def _repr_html_(self) -> str:
         return table(self.HEADER, self.cells(), title=self.title)
+
+
+def notes_html(notes: list[str]) -> str:
+    """A panel's notes (why a chosen option cannot run here, ...) as escaped HTML lines; "" for none."""
+    return "".join(
+        f"<div class='oomkit-panel-note' style='font-family:monospace'>note: {escape(n)}</div>" for n in notes
+    )
+
+
+def host_note(est: MemoryEstimate) -> list[str]:
+    """The host RAM (and PCIe time) an offloading reducer of ``est`` asks for, as a panel note; [] for none."""
+    return [f"offloaded: {host_cost(est.host_rows)}"] if est.host_total else []

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from .devices import resolve_device
-from .panel_state import ReducerTable
+from .panel_state import ReducerTable, host_note
 from .reducers import loss_available, loss_choices
 from .train_plan import TrainPlan
 from .vocab import FOUR_BIT, LOAD_MODES
-from .widgets import Control, Panel, host_note
+from .widgets import Control, Panel
 
 __all__ = ["TrainPanel"]
 

@@ -37,7 +37,6 @@ from typing import Any
 from .devices import DEVICE_SETS, resolve_device
 from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
-from .estimator.reducers import host_cost
 from .gpu_split import spill_fix, spill_why, stays_on_first  # load()'s rule for GPU 0 alone
 from .knobs import KNOBS, register_control
 from .loading import LoadError, LoadPlan, load
@@ -55,7 +54,7 @@ from .panel_gpus import (
     split_target,
     split_verdict,
 )
-from .panel_state import SEGMENTS, PanelState, ReducerTable, judgement
+from .panel_state import SEGMENTS, PanelState, ReducerTable, host_note, judgement, notes_html
 from .placement import DevicePlan, bnb_prequantized, plan_devices
 from .reclaim import unload
 from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
@@ -126,18 +125,6 @@ class Control:
     description: str
     kind: str  # "dropdown", "checkbox" or "slider"
     choices: tuple = ()  # the dropdown's options, or a slider's (min, max, step)
-
-
-def notes_html(notes: list[str]) -> str:
-    """A panel's notes (why a chosen option cannot run here, ...) as escaped HTML lines; "" for none."""
-    return "".join(
-        f"<div class='oomkit-panel-note' style='font-family:monospace'>note: {escape(n)}</div>" for n in notes
-    )
-
-
-def host_note(est: MemoryEstimate) -> list[str]:
-    """The host RAM (and PCIe time) an offloading reducer of ``est`` asks for, as a panel note; [] for none."""
-    return [f"offloaded: {host_cost(est.host_rows)}"] if est.host_total else []
 
 
 def _resolve_panel_device(device: Any) -> tuple[int, str, Any]:
