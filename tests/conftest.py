@@ -144,16 +144,22 @@ def ipython_shell():
     shell.reset(new_session=False)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks set here
 def pytest_collection_modifyitems(config, items):
     skips = {}
     if not torch.cuda.is_available():
         skips["cuda"] = pytest.mark.skip(reason="needs a CUDA GPU")
     if importlib.util.find_spec("bitsandbytes") is None:  # Colab does not preinstall it (the matrix's colab column)
         skips["bnb"] = pytest.mark.skip(reason="needs bitsandbytes, which is not installed")
+    xdist = config.pluginmanager.hasplugin("xdist")  # not a requirement: its marker exists only with it
     for item in items:
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+        if xdist and {"wheel", "wheel_notebooks"} & set(getattr(item, "fixturenames", ())):
+            # under pytest-xdist (-n 2 --dist loadgroup): the tests of the built wheel share one worker,
+            # so the wheel is built and the notebooks run once, not once per worker
+            item.add_marker(pytest.mark.xdist_group("wheel"))
 
 
 class FakeCuda:
