@@ -39,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,20 +107,30 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "helpers")  # what the wheel is built from
+
+
 def build_wheel(dest: Path, python: str = sys.executable) -> Path:
-    """``pip wheel --no-deps --no-build-isolation .`` into ``dest``; the path of the oomkit wheel."""
+    """``pip wheel --no-deps --no-build-isolation`` into ``dest``; the path of the oomkit wheel.
+
+    Built from a private copy of the sources: setuptools' build/ and egg-info never land in the
+    checkout (a stale build/lib would put deleted modules into the wheel), and builds running at the
+    same time (test workers, the matrix) cannot remove each other's files mid-build."""
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("oomkit-*.whl"):
         old.unlink()
-    build = REPO / "build"
-    if build.exists():  # a stale build/lib would put deleted modules into the wheel
-        shutil.rmtree(build)
-    run(
-        [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO), "-w", dest],
-        cwd=dest,
-        stdout=subprocess.DEVNULL,
-    )
-    shutil.rmtree(build, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="oomkit-wheel-src-") as tmp:
+        src = Path(tmp)
+        for name in WHEEL_SOURCES:
+            if (REPO / name).is_dir():
+                shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(REPO / name, src / name)
+        run(
+            [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", dest],
+            cwd=dest,
+            stdout=subprocess.DEVNULL,
+        )
     (wheel,) = dest.glob("oomkit-*.whl")
     return wheel
 
