@@ -29,7 +29,7 @@ LAYERS = [
     {"memory", "session", "compat", "runtime", "attention", "reducers"},
     {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
-    {"oom_diagnosis", "oom", "placement", "gpu_split", "fits_view"},
+    {"oom_diagnosis", "oom", "placement", "gpu_split", "fits_view", "model_parts"},
     {"retry", "generation", "loading", "device_fixes"},
     {"batch_size", "eval_batching", "environment", "train_view"},
     {"evaluate", "finetune", "checkpoints", "checkpoint_proof", "distributed", "monitor", "leaks", "testing"},
