@@ -24,6 +24,7 @@ LAYERS = [
         "oom_causes",
         "oom_messages",
         "fingerprint",
+        "phases",
     },
     {"devices", "checks"},
     {"memory", "session", "compat", "runtime", "attention", "reducers"},
