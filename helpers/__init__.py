@@ -25,6 +25,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(
         ["estimate", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
          "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
+    **dict.fromkeys(["module_memory", "ModuleMemory"], "model_parts"),
     **dict.fromkeys(["fit"], "device_fixes"),  # the estimator's verdict with the fixes past one card
     **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),

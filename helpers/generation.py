@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import phases
 from .arguments import number, whole_number
 from .errors import ContextLengthError
 
@@ -39,6 +40,7 @@ __all__ = [
     "generate_batched",
     "first_prompt_streamer",
     "can_stream",
+    "PhaseSteps",
 ]
 
 
@@ -175,6 +177,7 @@ def generate_batch(
     add_special_tokens: bool = True,
     stop: set[int] | None = None,
     watch=None,
+    monitor: phases.PhaseRecorder | None = None,
     **generate_kwargs: Any,
 ) -> Generated:
     """Generate for ``prompts`` in one left-padded ``model.generate`` call.
@@ -186,6 +189,8 @@ def generate_batch(
         stop: end-of-sequence ids for the counts (default: :func:`stop_token_ids`).
         watch: a :class:`helpers.retry.Watch`; the input tensor is added to it, so an OOM retry can
             tell whether the failed call is gone.
+        monitor: a :class:`helpers.MemoryMonitor` (any :class:`helpers.phases.PhaseRecorder`) to record the
+            ``"prefill"`` and ``"decode"`` phases in; default every running monitor (none: nothing added).
         generate_kwargs: passed to ``model.generate`` (e.g. ``do_sample=False``).
     """
     if isinstance(prompts, str):
@@ -197,13 +202,51 @@ def generate_batch(
     enc = pad_left(ids, pad, model_device(model))
     if watch is not None:
         watch.add(enc["input_ids"])
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
+    steps = PhaseSteps(monitor) if phases.recorders(monitor) else None
+    if steps is not None:
+        generate_kwargs = steps.added_to(generate_kwargs)
+    try:
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
+    finally:
+        if steps is not None:
+            steps.close()
     new = out[:, enc["input_ids"].shape[1] :].cpu()
     del out, enc
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     stop = stop_token_ids(model, tokenizer) if stop is None else stop
     return Generated(texts, new, [count_new_tokens(row, stop) for row in new])
+
+
+class PhaseSteps:
+    """A logits processor that splits one ``generate`` call into phases: ``"prefill"`` from its start
+    to the first step's logits (the prompt's forward pass), ``"decode"`` from there to :meth:`close`.
+    It returns the scores unchanged."""
+
+    def __init__(self, recorder: phases.PhaseRecorder | None = None) -> None:
+        self.recorder = recorder
+        self.current = "prefill"
+        self._opened = phases.begin("prefill", recorder)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.current == "prefill":
+            phases.end(self._opened)
+            self.current, self._opened = "decode", phases.begin("decode", self.recorder)
+        return scores
+
+    def added_to(self, generate_kwargs: dict) -> dict:
+        """``generate_kwargs`` with this processor after the caller's own ``logits_processor``s."""
+        from transformers import LogitsProcessorList
+
+        return {
+            **generate_kwargs,
+            "logits_processor": LogitsProcessorList([*(generate_kwargs.get("logits_processor") or []), self]),
+        }
+
+    def close(self) -> None:
+        """End the open phase (an exception in ``generate`` included)."""
+        phases.end(self._opened)
+        self._opened, self.current = [], None
 
 
 def first_prompt_streamer(tokenizer, header: str | None = "streaming the first prompt's answer:"):
@@ -281,6 +324,7 @@ def generate_batched(
     desc: str = "generating",
     stream: bool = False,
     over_context: str = "refuse",
+    monitor: phases.PhaseRecorder | None = None,
     **generate_kwargs: Any,
 ) -> list[str]:
     """Generate for ``prompts`` in chunks of ``batch_size`` (a tqdm bar when ``progress``): the new text only.
@@ -292,6 +336,8 @@ def generate_batched(
     ``over_context``: a prompt whose tokens plus ``max_new_tokens`` exceed the model's context
     (:func:`context_length`) raises :class:`ContextLengthError` (``"refuse"``); ``"cap"`` gives each
     batch the new tokens its longest prompt leaves room for (a prompt that fills the context is refused).
+    ``monitor``: a :class:`helpers.MemoryMonitor` to record each chunk in (an ``"eval batch"`` phase
+    holding its ``"prefill"`` and ``"decode"``); default every running monitor.
     bitsandbytes' int8 note (fp32 compute on a CPU casts to fp16 inside every layer) is not logged on every call.
     """
     bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
@@ -299,13 +345,13 @@ def generate_batched(
     bnb_log.addFilter(quiet)
     try:
         return _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, progress, add_special_tokens,
-                                 desc, stream, over_context, generate_kwargs)  # fmt: skip
+                                 desc, stream, over_context, generate_kwargs, monitor)  # fmt: skip
     finally:
         bnb_log.removeFilter(quiet)
 
 
 def _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, progress, add_special_tokens, desc,
-                      stream, over_context, generate_kwargs) -> list[str]:  # fmt: skip
+                      stream, over_context, generate_kwargs, monitor=None) -> list[str]:  # fmt: skip
     from tqdm.auto import tqdm
 
     if isinstance(prompts, str):
@@ -329,15 +375,17 @@ def _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, pro
     with _eval_mode(model):
         for n, i in enumerate(tqdm(starts, desc=desc, unit="batch", disable=not progress)):
             streamer = {"streamer": first_prompt_streamer(tokenizer)} if stream and n == 0 else {}
-            out += generate_batch(
-                model,
-                tokenizer,
-                ids[i : i + batch_size],
-                max_new_tokens=min(new[i : i + batch_size]),
-                stop=stop,
-                **streamer,
-                **generate_kwargs,
-            ).texts
+            with phases.phase("eval batch", monitor):
+                out += generate_batch(
+                    model,
+                    tokenizer,
+                    ids[i : i + batch_size],
+                    max_new_tokens=min(new[i : i + batch_size]),
+                    stop=stop,
+                    monitor=monitor,
+                    **streamer,
+                    **generate_kwargs,
+                ).texts
     return out
 
 

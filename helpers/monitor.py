@@ -3,7 +3,9 @@
 ``MemoryMonitor`` samples every GPU (PyTorch allocated/reserved, and the driver's view through NVML),
 the process RSS and the machine's RAM every ``interval`` seconds in a background thread; on a
 machine with two cards (a model split over Kaggle's 2×T4) each card is kept and judged on its own. ``mark()``
-puts named events on the timeline, ``plot()`` draws it, ``to_csv()`` keeps it. When usage crosses
+puts named events on the timeline and ``phase()`` named spans (load, prefill, decode, train step,
+eval batch: oomkit's own code emits these into a running monitor through :mod:`helpers.phases`);
+``plot()`` draws it with each phase shaded and labelled, ``to_csv()`` keeps it. When usage crosses
 ``threshold`` of a card (of the RAM without a GPU) it warns once per crossing, naming the card and
 the largest live tensors at that moment.
 
@@ -14,6 +16,7 @@ peak since the last log, RAM) and says so when memory grows steadily from one lo
 from __future__ import annotations
 
 import bisect
+import contextlib
 import csv
 import io
 import math
@@ -22,6 +25,7 @@ import operator
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -29,11 +33,13 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from . import phases as phase_hub
 from .arguments import ArgumentError, flag, whole_number
 from .memory import nvml_handle, reset_peak_allocated
 from .units import MiB, format_bytes
 
-__all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "ThresholdCrossing", "MemoryMonitor", "MemoryCallback"]  # noqa: F822 (lazy, below)
+__all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "Phase", "ThresholdCrossing", "MemoryMonitor"]
+__all__ += ["MemoryCallback"]  # noqa: F822 (lazy, below)
 
 MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
 PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
@@ -95,6 +101,31 @@ def _merge(pair: list[Sample]) -> Sample:
 class Mark:
     t: float
     label: str
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A named span of the run, ``start`` to ``end`` seconds after the monitor started (``end`` is None
+    while it is still open)."""
+
+    label: str
+    start: float
+    end: float | None = None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    def __str__(self) -> str:
+        end = "…" if self.end is None else f"{self.end:.2f}"
+        return f"{self.label}: {self.start:.2f}-{end} s"
+
+
+# phase fills (areas at low opacity; the label is written in the same hue, readable on white)
+PHASE_COLORS = {"load": "#9334e6", "prefill": "#1a73e8", "decode": "#007b83", "train step": "#188038",
+                "eval batch": "#c26401"}  # fmt: skip
+OTHER_PHASE_COLORS = ("#c5221f", "#5f6368", "#a142f4", "#b06000", "#185abc", "#0d652d")
+MAX_PHASE_SPANS = 400  # more phases than this: consecutive ones of the same label share one span
 
 
 @dataclass
@@ -195,6 +226,8 @@ class MemoryMonitor:
         self._peaks = dict.fromkeys(PEAK_KEYS, 0)
         self._gpu_peaks = {d: dict.fromkeys(GPU_KEYS, 0) for d in self.devices}
         self.marks: list[Mark] = []
+        self.phases: list[Phase] = []  # in start order; nested or overlapping phases are kept as they come
+        self._phase_lock = threading.Lock()
         self.crossings: list[ThresholdCrossing] = []
         self._proc = psutil.Process()
         self._t0 = time.perf_counter()
@@ -333,10 +366,12 @@ class MemoryMonitor:
             self.sample()
             self._thread = threading.Thread(target=self._run, name="oomkit-memory-monitor", daemon=True)
             self._thread.start()
+        phase_hub.register(self)  # oomkit's own phases (prefill, decode, train step...) land here while it runs
         return self
 
     def stop(self) -> MemoryMonitor:
         """Stop the thread and take a last sample."""
+        phase_hub.unregister(self)
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -356,6 +391,66 @@ class MemoryMonitor:
         self.marks.append(m)
         self.sample()
         return m
+
+    def start_phase(self, label: str) -> int:
+        """Open phase ``label`` now (a sample is taken at its start); returns the handle :meth:`end_phase` takes."""
+        with self._phase_lock:
+            self.phases.append(Phase(str(label), time.perf_counter() - self._t0))
+            handle = len(self.phases) - 1
+        self._sample_quietly()
+        return handle
+
+    def end_phase(self, handle: int) -> Phase:
+        """Close the phase :meth:`start_phase` opened (a sample is taken at its end)."""
+        self._sample_quietly()
+        with self._phase_lock:
+            opened = self.phases[handle]
+            self.phases[handle] = closed = Phase(opened.label, opened.start, time.perf_counter() - self._t0)
+        return closed
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """The block as phase ``label``: shaded and labelled in :meth:`plot`, summed in :meth:`phase_table`.
+
+        >>> with mon.phase("prefill"):  # doctest: +SKIP
+        ...     model(**batch)
+        """
+        handle = self.start_phase(label)
+        try:
+            yield
+        finally:
+            self.end_phase(handle)
+
+    def _sample_quietly(self) -> None:
+        """A sample at a phase boundary; a failed readout is counted, never raised into the caller's run."""
+        try:
+            self.sample()
+        except Exception as e:  # noqa: BLE001 - the run being watched matters more than one reading
+            self.read_errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+
+    def phase_table(self) -> list[tuple[str, int, float, int]]:
+        """(label, count, seconds in all, peak bytes) per phase label, in order of first start; the peak is
+        the highest figure sampled inside any of its spans (GPU allocated, else the process RSS)."""
+        key = "allocated" if self.cuda else "process_rss"
+        samples = list(self.samples)
+        times = [s.t for s in samples]
+        out: dict[str, list] = {}
+        for ph in list(self.phases):
+            end = ph.end if ph.end is not None else (times[-1] if times else ph.start)
+            row = out.setdefault(ph.label, [0, 0.0, 0])
+            inside = samples[bisect.bisect_left(times, ph.start) : bisect.bisect_right(times, end)]
+            row[0] += 1
+            row[1] += end - ph.start
+            row[2] = max([row[2], *(getattr(s, key) or 0 for s in inside)])
+        return [(label, n, secs, peak) for label, (n, secs, peak) in out.items()]
+
+    def timeline(self) -> str:
+        """The run as text (what :meth:`plot` shows, for a terminal or a log): the peaks and each phase."""
+        lines = [str(self)]
+        figure = "GPU allocated" if self.cuda else "process RSS"
+        for label, n, secs, peak in self.phase_table():
+            lines.append(f"  {label:<16} ×{n:<5} {secs:8.2f} s   peak {figure} {format_bytes(peak)}")
+        return "\n".join(lines)
 
     # -- results ---------------------------------------------------------------------------------
     def peak(self, since: float = 0.0) -> dict[str, int]:
@@ -435,13 +530,18 @@ class MemoryMonitor:
         ]
 
     def plot(self, title: str = "memory over time"):
-        """A matplotlib ``Figure``: each figure over time with its peak, the warning threshold and the marks.
+        """A matplotlib ``Figure``: each figure over time with its peak, the warning threshold, the marks
+        and each phase (:meth:`phase`) as a shaded span in its own colour, labelled on the chart and in
+        the legend. Without matplotlib: the run as text (:meth:`timeline`).
 
         The y axis fits the data (GiB, or MiB below 1 GiB); a threshold far above it is named in the
         legend (beside the chart) instead of squashing the lines flat; marks closer than 3 % of the run
         share one label. With several cards each has its own lines.
         """
-        import matplotlib.pyplot as plt
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:  # headless without matplotlib: the same run as text
+            return TextTimeline(self.timeline())
 
         samples = list(self.samples)
         # through pyplot so a notebook shows it as an image; closed so it is shown once, as the cell's result
@@ -464,6 +564,7 @@ class MemoryMonitor:
                 ax.plot([], [], color="#c0392b", ls="--", lw=1, label=f"{label} (above the chart)")
         ax.set_ylim(0, high / scale * 1.12)
         span = (t[-1] - t[0]) if len(t) > 1 else 0.0
+        phase_handles = _shade_phases(ax, list(self.phases), t[-1] if t else 0.0, span)
         for when, text in _grouped_marks(self.marks, span):
             ax.axvline(when, color="grey", lw=0.8, ls=":")
             ax.annotate(text, (when, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
@@ -471,7 +572,9 @@ class MemoryMonitor:
         ax.set_xlabel("seconds")
         ax.set_ylabel(unit)
         ax.set_title(title)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)  # beside, never over a line
+        handles, _ = ax.get_legend_handles_labels()
+        ax.legend(handles=handles + phase_handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+                  frameon=False)  # fmt: skip  # beside, never over a line
         fig.tight_layout()
         return fig
 
@@ -480,7 +583,10 @@ class MemoryMonitor:
             return "MemoryMonitor: no samples yet"
         p = self.peak()
         span = self.samples[-1].t - self.samples[0].t
-        head = f"MemoryMonitor: {len(self.samples)} samples over {span:.1f} s, {len(self.marks)} marks; peaks: "
+        counted = f", {len(self.phases)} phases" if self.phases else ""
+        head = (
+            f"MemoryMonitor: {len(self.samples)} samples over {span:.1f} s, {len(self.marks)} marks{counted}; peaks: "
+        )
         if len(self.devices) > 1:
             head += "".join(
                 f"GPU {d} allocated {format_bytes(g['allocated'])}, reserved {format_bytes(g['reserved'])}; "
@@ -525,8 +631,11 @@ class _MemoryCallback:
     ``trainer.state.log_history``. Growth is judged by a :class:`helpers.leaks.GrowthDetector`
     over the log steps; a leak is reported once, in ``.leaks`` and as a warning.
 
+    Each optimizer step is a ``"train step"`` phase (:mod:`helpers.phases`): in ``monitor`` when one is
+    given, else in every running monitor, so its chart shades the steps.
+
     Args:
-        monitor: a running :class:`MemoryMonitor` to put train/checkpoint marks on and read peaks from.
+        monitor: a running :class:`MemoryMonitor` to put train/checkpoint marks and step phases on and read peaks from.
         warmup, window, min_growth: passed to the ``GrowthDetector`` (in log steps and bytes).
         measure: bytes to watch for growth; default CUDA allocated on every card, or the process RSS
             on a CPU.
@@ -554,6 +663,7 @@ class _MemoryCallback:
         self.detector = GrowthDetector(warmup=warmup, window=window, min_growth=min_growth, measure=self.measure)
         self.leaks: list[str] = []
         self._last_t = 0.0
+        self._step: list = []  # the open "train step" phase (helpers.phases.begin's handles)
 
     def figures(self) -> dict[str, float]:
         """The memory figures of one log line, in MiB (rounded to 0.1)."""
@@ -584,6 +694,17 @@ class _MemoryCallback:
         if self.monitor is not None:
             self.monitor.mark(f"train from step {state.global_step}")
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._end_step()  # a step the Trainer left open (an exception inside it) ends here
+        self._step = phase_hub.begin("train step", self.monitor)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._end_step()
+
+    def _end_step(self) -> None:
+        phase_hub.end(self._step)
+        self._step = []
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         figures = self.figures()
         if logs is not None:
@@ -605,6 +726,7 @@ class _MemoryCallback:
             self.monitor.mark(f"checkpoint {state.global_step}")
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._end_step()
         if self.monitor is not None:
             self.monitor.mark(f"train end (step {state.global_step})")
 
@@ -688,3 +810,55 @@ def _grouped_marks(marks, span: float, share: float = 0.03) -> list[tuple[float,
         else:
             groups.append([m])
     return [(g[0].t, " · ".join(m.label for m in g)) for g in groups]
+
+
+class TextTimeline(str):
+    """:meth:`MemoryMonitor.plot` without matplotlib: the run as text, shown as such in a notebook."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def phase_color(label: str, seen: dict[str, str]) -> str:
+    """The colour of phase ``label`` (kept in ``seen``): oomkit's own phases have fixed ones, any other
+    label takes the next colour of :data:`OTHER_PHASE_COLORS`."""
+    if label not in seen:
+        others = sum(1 for k in seen if k not in PHASE_COLORS)
+        seen[label] = PHASE_COLORS.get(label) or OTHER_PHASE_COLORS[others % len(OTHER_PHASE_COLORS)]
+    return seen[label]
+
+
+def _phase_spans(phases: list[Phase], last: float, span: float) -> list[tuple[str, float, float]]:
+    """(label, start, end) per span to shade: one per phase (open ones end at ``last``); past
+    MAX_PHASE_SPANS, consecutive phases of one label closer than 1 % of the run share a span."""
+    spans = [(p.label, p.start, max(p.start, p.end if p.end is not None else last)) for p in phases]
+    if len(spans) <= MAX_PHASE_SPANS:
+        return spans
+    merged: list[tuple[str, float, float]] = []
+    for label, a, b in spans:
+        if merged and merged[-1][0] == label and a - merged[-1][2] <= 0.01 * span:
+            merged[-1] = (label, merged[-1][1], max(b, merged[-1][2]))
+        else:
+            merged.append((label, a, b))
+    return merged
+
+
+def _shade_phases(ax, phases: list[Phase], last: float, span: float) -> list:
+    """Each phase as a shaded span (gid ``phase:<label>``) with its label at the foot of the chart (a run
+    of same-label phases labelled once, upright where the span is narrow); returns one legend handle per label."""
+    from matplotlib.patches import Patch
+
+    colors: dict[str, str] = {}
+    spans = _phase_spans(phases, last, span)
+    previous = None
+    for i, (label, a, b) in enumerate(spans):
+        first = label not in colors
+        color = phase_color(label, colors)
+        ax.axvspan(a, b, color=color, alpha=0.14, lw=0, gid=f"phase:{label}", zorder=0)
+        if first or (label != previous and b - a >= 0.02 * (span or 1)):
+            depth = sum(1 for j, (_, c, d) in enumerate(spans) if j < i and c <= a and d >= b)  # inside others
+            ax.annotate(label, (a, 0.02 + 0.12 * min(depth, 3)), xycoords=("data", "axes fraction"), fontsize=7,
+                        color=color, ha="left", va="bottom", rotation=90 if b - a < 0.06 * (span or 1) else 0,
+                        gid=f"phase-label:{label}", annotation_clip=True)  # fmt: skip
+        previous = label
+    return [Patch(color=color, alpha=0.35, label=f"phase: {label}") for label, color in colors.items()]

@@ -17,7 +17,16 @@ from .html import LEVEL_FILLS, STYLE, color_attrs, table
 from .units import format_bytes
 from .vocab import FITS, VERDICT_STATUS, verdict
 
-__all__ = ["SEGMENTS", "PanelState", "ReducerTable", "judgement", "stacked_bar", "REDUCER_SPEED", "host_note", "notes_html"]
+__all__ = [
+    "SEGMENTS",
+    "PanelState",
+    "ReducerTable",
+    "judgement",
+    "stacked_bar",
+    "REDUCER_SPEED",
+    "host_note",
+    "notes_html",
+]
 
 SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
     ("weights", ("weights",), 1.0),

@@ -208,7 +208,57 @@ def test_record_allocations_on_cuda(tmp_path):
         kept = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]
     assert path.exists() and rec.sites.total >= 4 * 4 * (1 << 20)
     assert any("test_leaks.py" in s for s, _, _ in rec.sites.sites)
+    assert max(rec.timeline().allocated) >= 4 * 4 * (1 << 20)
+    assert "data:image/png;base64," in rec._repr_html_()
     del kept
+
+
+def _fake_trace_snapshot() -> dict:
+    """device_traces as torch.cuda.memory._snapshot() writes them (see torch/cuda/_memory_viz.py)."""
+    train = [{"filename": "/content/train.py", "line": 12, "name": "step"}]
+    evil = [{"filename": "/content/<b>x</b>.py", "line": 3, "name": "<script>"}]
+    lib = [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"}]
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 21, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 4096, "frames": lib + train},
+        {"action": "alloc", "addr": 4096, "size": 4096, "frames": train},
+        {"action": "alloc", "addr": 8192, "size": 1024, "frames": evil},
+        {"action": "free_requested", "addr": 0, "size": 4096, "frames": []},
+        {"action": "free_completed", "addr": 0, "size": 4096, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 512, "frames": evil},
+    ]
+    return {"segments": [], "device_traces": [[], trace]}
+
+
+def test_allocation_timeline_from_a_fake_snapshot():
+    from helpers.leaks import allocation_timeline
+
+    tl = allocation_timeline(_fake_trace_snapshot())
+    assert tl.device == 1  # the first trace with events
+    assert tl.allocated == [4096, 8192, 9216, 5120, 5632]
+    assert tl.top[0] == ("/content/train.py:12 step", 8192) and tl.top[1][1] == 1536
+    assert tl.sites[3] is None  # a free
+    assert "peak 9.00 KiB" in str(tl)
+    ax = tl.plot().axes[0]
+    gids = [c.get_gid() for c in ax.collections]
+    assert gids == [f"site:{s}" for s, _ in tl.top]
+    assert len({tuple(c.get_facecolor()[0][:3]) for c in ax.collections}) == 2  # one colour per site
+    assert [len(c.get_offsets()) for c in ax.collections] == [2, 2]
+
+
+def test_recording_renders_its_timeline_inline(tmp_path):
+    from helpers.leaks.allocations import _Recording  # noqa: PLC2701 - the object record_allocations yields
+
+    snap = _fake_trace_snapshot()
+    rec = _Recording(tmp_path / "snap.pickle")
+    assert "recording to" in rec._repr_html_()
+    with pytest.raises(RuntimeError, match="after"):
+        rec.plot()
+    rec.snapshot, rec.sites = snap, leaks.top_allocation_sites(snap)
+    html = rec._repr_html_()
+    assert "data:image/png;base64," in html and "<script>" not in html
+    assert "allocation events" in str(rec)
+    assert rec.plot().axes[0].get_xlabel() == "allocation event"
 
 
 def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):

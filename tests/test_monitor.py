@@ -396,3 +396,88 @@ def test_memory_warnings_are_shown_under_pythons_default_filters():
     code = "import warnings\nfrom helpers.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "MemoryWarning: GPU 1 memory crossed" in done.stderr
+
+
+# -- phases ------------------------------------------------------------------------------------------
+
+
+def test_phases_record_order_and_spans():
+    mon = MemoryMonitor(interval=10, warn=False)
+    with mon.phase("load"):
+        time.sleep(0.01)
+    with mon.phase("prefill"):
+        pass
+    with pytest.raises(RuntimeError), mon.phase("decode"):
+        raise RuntimeError("closed all the same")
+    assert [p.label for p in mon.phases] == ["load", "prefill", "decode"]
+    assert all(p.end is not None and p.end >= p.start for p in mon.phases)
+    assert mon.phases[0].duration >= 0.01
+    assert mon.phases[0].end <= mon.phases[1].start <= mon.phases[1].end <= mon.phases[2].start
+    assert len(mon.samples) == 6  # one at each boundary
+    assert [row[:2] for row in mon.phase_table()] == [("load", 1), ("prefill", 1), ("decode", 1)]
+    assert "3 phases" in str(mon) and "prefill" in mon.timeline()
+
+
+def test_plot_shades_one_span_per_phase_with_its_label():
+    mon = MemoryMonitor(interval=10, warn=False)
+    for label in ("load", "prefill", "decode", "train step", "train step", "eval batch", "my step"):
+        with mon.phase(label):
+            time.sleep(0.002)
+    ax = mon.plot().axes[0]
+    spans = [p for p in ax.patches if (p.get_gid() or "").startswith("phase:")]
+    assert [p.get_gid() for p in spans] == [f"phase:{p.label}" for p in mon.phases]
+    colors = {p.get_gid(): p.get_facecolor()[:3] for p in spans}
+    assert len(set(colors.values())) == 6  # one colour per label, the same for both train steps
+    texts = [t.get_text() for t in ax.texts]
+    for label in ("load", "prefill", "decode", "train step", "eval batch", "my step"):
+        assert label in texts
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "phase: prefill" in legend and "phase: my step" in legend
+
+
+def test_plot_without_phases_is_unchanged():
+    mon = MemoryMonitor(interval=10, warn=False)
+    mon.mark("a")
+    ax = mon.plot().axes[0]
+    assert not [p for p in ax.patches if (p.get_gid() or "").startswith("phase:")]
+
+
+def test_plot_without_matplotlib_is_text(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import fails as on a bare machine
+    mon = MemoryMonitor(interval=10, warn=False)
+    with mon.phase("load"):
+        pass
+    out = mon.plot()
+    assert isinstance(out, str) and "load" in out and "MemoryMonitor" in out
+
+
+def test_running_monitor_receives_generation_phases(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers.generation import generate_batched
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    with MemoryMonitor(interval=10, warn=False) as mon:
+        generate_batched(model, tok, ["a", "b", "c"], max_new_tokens=3, batch_size=2)
+    assert [p.label for p in mon.phases] == ["eval batch", "prefill", "decode"] * 2
+    batch, prefill, decode = mon.phases[:3]
+    assert batch.start <= prefill.start <= prefill.end <= decode.start <= decode.end <= batch.end
+    later = MemoryMonitor(interval=10, warn=False)  # not running: records only when passed explicitly
+    generate_batched(model, tok, ["a"], max_new_tokens=2)
+    assert later.phases == []
+    generate_batched(model, tok, ["a"], max_new_tokens=2, monitor=later)
+    assert [p.label for p in later.phases] == ["eval batch", "prefill", "decode"]
+
+
+def test_callback_records_each_train_step_as_a_phase():
+    mon = MemoryMonitor(interval=10, warn=False)
+    cb = MemoryCallback(monitor=mon)
+    args, state, control = None, TrainerState(), TrainerControl()
+    for _ in range(3):
+        cb.on_step_begin(args, state, control)
+        cb.on_step_end(args, state, control)
+    cb.on_step_begin(args, state, control)  # an exception inside the step: closed at train end
+    cb.on_train_end(args, state, control)
+    assert [p.label for p in mon.phases] == ["train step"] * 4
+    assert all(p.end is not None for p in mon.phases)

@@ -32,13 +32,13 @@ from .fitting import (
     max_batch_that_fits,
     max_new_tokens_that_fit,
 )
-from .footprint import footprint, footprint_by_device
+from .footprint import footprint, footprint_by_device, footprint_by_name
 from .layout import kv_cache_bytes, quantization_skip_modules, weight_rows
 from .rows import ROW_GROUPS, EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
-    "estimate", "fit", "footprint", "footprint_by_device", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
+    "estimate", "fit", "footprint", "footprint_by_device", "footprint_by_name", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
     "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "DeviceSuggestion", "LoraTraining", "FullTraining",
     "OPTIMIZERS", "FRAGMENTATION", "ROW_GROUPS", "kv_cache_bytes", "weight_rows", "format_params",
     "FAMILIES", "family", "auto_class", "quantization_skip_modules",

@@ -6,7 +6,7 @@ import torch
 
 from .rows import EstimateError
 
-__all__ = ["footprint", "footprint_by_device"]
+__all__ = ["footprint", "footprint_by_device", "footprint_by_name"]
 
 
 def footprint(model: torch.nn.Module) -> int:
@@ -24,35 +24,59 @@ def footprint(model: torch.nn.Module) -> int:
 
 
 def _held_tensors(model: torch.nn.Module):
-    """Every tensor the model holds: parameters, buffers, int8 ``CB``/``SCB`` (on the weight, or on the
-    layer's ``state`` where bitsandbytes moves ``SCB`` at the first forward) and 4-bit quant states."""
-    for p in model.parameters():
-        yield p
+    """(owner, tensor) for every tensor the model holds: parameters, buffers, int8 ``CB``/``SCB`` (on the
+    weight, or on the layer's ``state`` where bitsandbytes moves ``SCB`` at the first forward) and 4-bit
+    quant states. The owner is the parameter's or buffer's dotted name (quantization state: its weight's;
+    a layer's ``state``: the layer's name)."""
+    for name, p in model.named_parameters():
+        yield name, p
         for attr in ("SCB", "CB"):
-            yield getattr(p, attr, None)
+            yield name, getattr(p, attr, None)
         qs = getattr(p, "quant_state", None)
         while qs is not None:
             for attr in ("absmax", "code", "offset"):
-                yield getattr(qs, attr, None)
+                yield name, getattr(qs, attr, None)
             qs = getattr(qs, "state2", None)
-    for module in model.modules():
+    for name, module in model.named_modules():
         state = getattr(module, "state", None)
         for attr in ("SCB", "CB"):
-            yield getattr(state, attr, None)
-    yield from model.buffers()
+            yield f"{name}.state.{attr}" if name else f"state.{attr}", getattr(state, attr, None)
+    yield from model.named_buffers()
 
 
-def footprint_by_device(model: torch.nn.Module) -> dict[str, int]:
-    """:func:`footprint` per device (``"cuda:0"``, ``"cpu"``, ``"meta"`` for weights an offload hook
-    keeps elsewhere), quantization state included; shared storage counted once."""
+def _unique_held(model: torch.nn.Module):
+    """(owner, tensor) per held tensor, storage shared by several counted once (its first owner)."""
     seen: set = set()
-    out: dict[str, int] = {}
-    for t in _held_tensors(model):
+    for name, t in _held_tensors(model):
         if not isinstance(t, torch.Tensor):
             continue
         key = id(t) if t.device.type == "meta" else (t.device, t.data_ptr(), t.numel(), t.dtype)
         if key in seen:
             continue
         seen.add(key)
+        yield name, t
+
+
+def footprint_by_device(model: torch.nn.Module) -> dict[str, int]:
+    """:func:`footprint` per device (``"cuda:0"``, ``"cpu"``, ``"meta"`` for weights an offload hook
+    keeps elsewhere), quantization state included; shared storage counted once."""
+    out: dict[str, int] = {}
+    for _, t in _unique_held(model):
         out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+    return out
+
+
+def footprint_by_name(model: torch.nn.Module) -> dict[str, int]:
+    """:func:`footprint` per owner: bytes by parameter or buffer name (``model.layers.0.mlp.up_proj.weight``,
+    its quantization state included; a layer's int8 ``state`` under ``<layer>.state.SCB``). Shared storage
+    (tied embeddings) is counted once, under its first name; weights on the meta device (an offload hook
+    keeps them elsewhere) are left out, so the values add up to :func:`footprint` exactly."""
+    if not isinstance(model, torch.nn.Module):
+        raise EstimateError(
+            f"footprint_by_name() measures a loaded model (torch.nn.Module), got {type(model).__name__}"
+        )
+    out: dict[str, int] = {}
+    for name, t in _unique_held(model):
+        if t.device.type != "meta":
+            out[name] = out.get(name, 0) + t.numel() * t.element_size()
     return out

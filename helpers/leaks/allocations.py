@@ -7,6 +7,7 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from html import escape
 from pathlib import Path
 
 import torch
@@ -15,7 +16,10 @@ from ..errors import OomkitError
 from ..html import table
 from ..units import format_bytes
 
-__all__ = ["AllocationSites", "SnapshotError", "load_snapshot", "record_allocations", "top_allocation_sites"]
+__all__ = [
+    "AllocationSites", "AllocationTimeline", "SnapshotError", "allocation_timeline", "load_snapshot",
+    "record_allocations", "top_allocation_sites",
+]  # fmt: skip
 
 # --------------------------------------------------------------------------------------------
 # CUDA: allocation history for PyTorch's memory visualizer
@@ -120,13 +124,110 @@ def top_allocation_sites(snapshot: dict | str | Path, n: int = 10, *, trusted: b
     return AllocationSites(sites, total, path)
 
 
+SITE_COLORS = ("#1a73e8", "#e8710a", "#188038", "#9334e6", "#c5221f", "#007b83")  # top sites; the rest grey
+
+
+@dataclass
+class AllocationTimeline:
+    """One device's allocation events from a snapshot's ``device_traces``: the bytes allocated after
+    each event (counted from the start of the recording) and the site of each allocation."""
+
+    allocated: list[int]  # after each alloc/free event
+    sites: list[str | None]  # the allocating site of each event (None for a free)
+    top: list[tuple[str, int]]  # (site, bytes allocated in all), largest first
+    device: int = 0
+
+    def __str__(self) -> str:
+        peak = max(self.allocated, default=0)
+        head = f"device {self.device}: {len(self.allocated)} allocation events, peak {format_bytes(peak)} over the recording"
+        return "\n".join([head, *(f"{format_bytes(b):>11}  {s}" for s, b in self.top)])
+
+    def plot(self, title: str = "CUDA allocations over the recording"):
+        """A matplotlib ``Figure``: allocated bytes after each event, each top site's allocations in its colour."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10.5, 3.4))
+        plt.close(fig)  # shown once, as the cell's result
+        peak = max(self.allocated, default=0) or 1
+        scale, unit = (2**30, "GiB") if peak >= 2**30 else (2**20, "MiB")
+        xs = range(len(self.allocated))
+        ax.step(xs, [a / scale for a in self.allocated], where="post", color="#5f6368", lw=1, label="allocated")
+        colors = {site: SITE_COLORS[i % len(SITE_COLORS)] for i, (site, _) in enumerate(self.top)}
+        for site, color in colors.items():
+            hits = [i for i, s in enumerate(self.sites) if s == site]
+            ax.scatter(hits, [self.allocated[i] / scale for i in hits], s=10, color=color, zorder=3,
+                       label=_short(site), gid=f"site:{site}")  # fmt: skip
+        ax.set_xlabel("allocation event")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+        fig.tight_layout()
+        return fig
+
+
+def _short(site: str, width: int = 60) -> str:
+    return site if len(site) <= width else "…" + site[-(width - 1) :]
+
+
+def allocation_timeline(snapshot: dict, device: int | None = None, top: int = 5) -> AllocationTimeline:
+    """The allocation timeline of ``torch.cuda.memory._snapshot()``'s ``device_traces``: ``alloc`` adds a
+    block's size, ``free_completed`` takes it off (the allocator's own segment events are left out); the
+    ``top`` sites by bytes allocated are named. ``device``: the trace to read (default the first with events)."""
+    traces = snapshot.get("device_traces") or []
+    if device is None:
+        device = next((i for i, t in enumerate(traces) if t), 0)
+    events = traces[device] if device < len(traces) else []
+    allocated, sites, now = [], [], 0
+    by_site: dict[str, int] = {}
+    for e in events:
+        action, size = e.get("action"), int(e.get("size", 0))
+        if action not in ("alloc", "free_completed"):
+            continue
+        site = _site(e.get("frames") or []) if action == "alloc" else None
+        now += size if action == "alloc" else -size
+        allocated.append(now)
+        sites.append(site)
+        if site is not None:
+            by_site[site] = by_site.get(site, 0) + size
+    ranked = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+    return AllocationTimeline(allocated, sites, ranked, device)
+
+
 @dataclass
 class _Recording:
     path: Path
     sites: AllocationSites | None = None
+    snapshot: dict | None = None  # what was dumped (None until the block ends)
 
     def __str__(self) -> str:
-        return str(self.sites) if self.sites is not None else f"recording to {self.path}"
+        if self.sites is None:
+            return f"recording to {self.path}"
+        return "\n".join(filter(None, [str(self.sites), str(self.timeline()) if self.snapshot else ""]))
+
+    def timeline(self) -> AllocationTimeline | None:
+        """The recorded allocations over time (None before the block ends)."""
+        return allocation_timeline(self.snapshot) if self.snapshot is not None else None
+
+    def plot(self):
+        """PyTorch's own allocation history drawn in the cell (:meth:`AllocationTimeline.plot`)."""
+        if self.snapshot is None:
+            raise RuntimeError("nothing recorded yet: plot() after the `with record_allocations()` block ends")
+        return self.timeline().plot()
+
+    def _repr_html_(self) -> str:
+        if self.sites is None:
+            return f"<pre>recording to {escape(str(self.path))}</pre>"
+        return self.sites._repr_html_() + (_figure_html(self.plot()) if self.snapshot else "")
+
+
+def _figure_html(fig) -> str:
+    """A matplotlib figure as an inline PNG ``<img>`` (an ``_repr_html_`` cannot return a Figure)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return f"<img alt='allocation timeline' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
 
 
 @contextmanager
@@ -139,6 +240,7 @@ def record_allocations(
     >>> with record_allocations("leak.pickle") as rec:   # doctest: +SKIP
     ...     for _ in range(20): train_step()
     >>> print(rec.sites)                                  # doctest: +SKIP
+    >>> rec.plot()  # the allocation timeline in the cell  # doctest: +SKIP
     """
     if not torch.cuda.is_available():
         raise RuntimeError("record_allocations() needs a CUDA GPU; on CPU use census() and watch()")
@@ -149,6 +251,8 @@ def record_allocations(
     finally:
         try:
             torch.cuda.memory._dump_snapshot(str(rec.path))
-            rec.sites = top_allocation_sites(rec.path, top, trusted=True)  # the file this call just wrote
+            rec.snapshot = load_snapshot(rec.path, trusted=True)  # the file this call just wrote
+            rec.sites = top_allocation_sites(rec.snapshot, top)
+            rec.sites.path = rec.path
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
