@@ -52,7 +52,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["load_instructions", "build_dataset", "answer"], "training_data"),
     **dict.fromkeys(["find_micro_batch", "train"], "finetune"),
     **dict.fromkeys(["CheckpointError"], "checkpoints"),
-    **dict.fromkeys(["MemoryMonitor", "MemoryCallback"], "monitor"),
+    **dict.fromkeys(["MemoryMonitor"], "monitor"),
+    **dict.fromkeys(["MemoryCallback"], "memory_callback"),
     **dict.fromkeys(["TrainView", "TrainProgress"], "train_view"),
     **dict.fromkeys(
         ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),

@@ -35,11 +35,11 @@ import torch
 
 from . import phases as phase_hub
 from .arguments import ArgumentError, flag, whole_number
-from .memory import nvml_handle, reset_peak_allocated
-from .units import MiB, format_bytes
+from .memory import nvml_handle
+from .monitor_chart import TextTimeline, annotate_peak, grouped_marks, shade_phases
+from .units import format_bytes
 
 __all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "Phase", "ThresholdCrossing", "MemoryMonitor"]
-__all__ += ["MemoryCallback"]  # noqa: F822 (lazy, below)
 
 MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
 PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
@@ -119,13 +119,6 @@ class Phase:
     def __str__(self) -> str:
         end = "…" if self.end is None else f"{self.end:.2f}"
         return f"{self.label}: {self.start:.2f}-{end} s"
-
-
-# phase fills (areas at low opacity; the label is written in the same hue, readable on white)
-PHASE_COLORS = {"load": "#9334e6", "prefill": "#1a73e8", "decode": "#007b83", "train step": "#188038",
-                "eval batch": "#c26401"}  # fmt: skip
-OTHER_PHASE_COLORS = ("#c5221f", "#5f6368", "#a142f4", "#b06000", "#185abc", "#0d652d")
-MAX_PHASE_SPANS = 400  # more phases than this: consecutive ones of the same label share one span
 
 
 @dataclass
@@ -555,7 +548,7 @@ class MemoryMonitor:
         scale, unit = (2**30, "GiB") if high >= 2**30 else (2**20, "MiB")
         for label, ys in plotted:
             (line,) = ax.plot(t, [y / scale for y in ys], label=label)
-            _annotate_peak(ax, t, ys, scale, line.get_color())
+            annotate_peak(ax, t, ys, scale, line.get_color())
         for limit, label, shown in limits:
             label = f"{label} = {format_bytes(limit)}"
             if shown:
@@ -564,8 +557,8 @@ class MemoryMonitor:
                 ax.plot([], [], color="#c0392b", ls="--", lw=1, label=f"{label} (above the chart)")
         ax.set_ylim(0, high / scale * 1.12)
         span = (t[-1] - t[0]) if len(t) > 1 else 0.0
-        phase_handles = _shade_phases(ax, list(self.phases), t[-1] if t else 0.0, span)
-        for when, text in _grouped_marks(self.marks, span):
+        phase_handles = shade_phases(ax, list(self.phases), t[-1] if t else 0.0, span)
+        for when, text in grouped_marks(self.marks, span):
             ax.axvline(when, color="grey", lw=0.8, ls=":")
             ax.annotate(text, (when, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
                         va="top", ha="right", color="grey")  # fmt: skip
@@ -620,130 +613,6 @@ class MemoryMonitor:
         return table(["peak", "bytes"], rows, title=f"{len(self.samples)} samples, {len(self.marks)} marks")
 
 
-class _MemoryCallback:
-    """Add memory figures to the Trainer's logs and detect steady growth between log steps.
-
-    Each log gets ``mem_allocated_mib``, ``mem_reserved_mib``, ``mem_peak_mib`` (peak allocated
-    since the previous log; this resets CUDA's peak counters) on a GPU, and ``ram_rss_mib`` (and
-    ``ram_peak_mib`` when a ``monitor`` samples in between). With more than one GPU the first three
-    add every card up and each card's peak follows (``mem_gpu1_peak_mib``): that is the figure to
-    hold against one card's capacity. The same figures go into
-    ``trainer.state.log_history``. Growth is judged by a :class:`helpers.leaks.GrowthDetector`
-    over the log steps; a leak is reported once, in ``.leaks`` and as a warning.
-
-    Each optimizer step is a ``"train step"`` phase (:mod:`helpers.phases`): in ``monitor`` when one is
-    given, else in every running monitor, so its chart shades the steps.
-
-    Args:
-        monitor: a running :class:`MemoryMonitor` to put train/checkpoint marks and step phases on and read peaks from.
-        warmup, window, min_growth: passed to the ``GrowthDetector`` (in log steps and bytes).
-        measure: bytes to watch for growth; default CUDA allocated on every card, or the process RSS
-            on a CPU.
-    """
-
-    def __init__(
-        self,
-        monitor: MemoryMonitor | None = None,
-        *,
-        warmup: int = 2,
-        window: int = 6,
-        min_growth: int = 1 * MiB,
-        measure=None,
-    ) -> None:
-        from .leaks import GrowthDetector
-
-        if monitor is not None and not isinstance(monitor, MemoryMonitor):
-            raise ArgumentError(f"monitor must be a MemoryMonitor (or None), got {monitor!r:.60}")
-        self.monitor = monitor
-        self.cuda = torch.cuda.is_available()
-        # every visible card, not the monitor's: a monitor may watch another card than the one training
-        self.devices = tuple(range(torch.cuda.device_count())) if self.cuda else ()
-        self._proc = psutil.Process()
-        self.measure = measure or (self._allocated if self.cuda else lambda: self._proc.memory_info().rss)
-        self.detector = GrowthDetector(warmup=warmup, window=window, min_growth=min_growth, measure=self.measure)
-        self.leaks: list[str] = []
-        self._last_t = 0.0
-        self._step: list = []  # the open "train step" phase (helpers.phases.begin's handles)
-
-    def figures(self) -> dict[str, float]:
-        """The memory figures of one log line, in MiB (rounded to 0.1)."""
-        out = {}
-        if self.cuda:
-            peaks = {d: torch.cuda.max_memory_allocated(d) for d in self.devices}
-            out["mem_allocated_mib"] = self._allocated() / MiB
-            out["mem_reserved_mib"] = sum(torch.cuda.memory_reserved(d) for d in self.devices) / MiB
-            out["mem_peak_mib"] = sum(peaks.values()) / MiB  # several cards: their peaks' sum, an upper bound
-            if len(self.devices) > 1:
-                out.update({f"mem_gpu{d}_peak_mib": peak / MiB for d, peak in peaks.items()})
-            self._reset_peaks()
-        out["ram_rss_mib"] = self._proc.memory_info().rss / MiB
-        if self.monitor is not None and self.monitor.samples:
-            out["ram_peak_mib"] = max(out["ram_rss_mib"], self.monitor.peak(self._last_t)["process_rss"] / MiB)
-            self._last_t = self.monitor.samples[-1].t
-        return {k: round(v, 1) for k, v in out.items()}
-
-    def _allocated(self) -> int:
-        return sum(torch.cuda.memory_allocated(d) for d in self.devices)
-
-    def _reset_peaks(self) -> None:
-        reset_peak_allocated("all")  # every card: reset_peak_memory_stats() alone resets the current one
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.cuda:
-            self._reset_peaks()
-        if self.monitor is not None:
-            self.monitor.mark(f"train from step {state.global_step}")
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._end_step()  # a step the Trainer left open (an exception inside it) ends here
-        self._step = phase_hub.begin("train step", self.monitor)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._end_step()
-
-    def _end_step(self) -> None:
-        phase_hub.end(self._step)
-        self._step = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        figures = self.figures()
-        if logs is not None:
-            logs.update(figures)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(figures)
-        if self.detector.record() and not self.leaks:
-            report = self.detector.report()
-            message = (
-                f"step {state.global_step}: {report.verdict}. Something keeps tensors alive across steps "
-                "(a list of losses without .item(), outputs kept for later, a growing cache); "
-                "see notebooks/04_leak_hunting."
-            )
-            self.leaks.append(message)
-            warnings.warn(message, MemoryWarning, stacklevel=2)
-
-    def on_save(self, args, state, control, **kwargs):
-        if self.monitor is not None:
-            self.monitor.mark(f"checkpoint {state.global_step}")
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._end_step()
-        if self.monitor is not None:
-            self.monitor.mark(f"train end (step {state.global_step})")
-
-
-def __getattr__(name: str):
-    # MemoryCallback subclasses transformers' TrainerCallback, whose import pulls the Trainer, peft and
-    # bitsandbytes (seconds): built on first use, so `import helpers.monitor` stays cheap
-    if name == "MemoryCallback":
-        from transformers import TrainerCallback
-
-        cls = type("MemoryCallback", (_MemoryCallback, TrainerCallback), {"__module__": __name__})
-        cls.__doc__ = _MemoryCallback.__doc__
-        globals()["MemoryCallback"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 MAX_READ_FAILURES = 5  # failed readouts in a row before the sampling thread gives up (and says so)
 
 
@@ -792,73 +661,3 @@ def _device_index(d, count: int, asked) -> int:
             "(1, 'cuda:1'), a list of them, or None for every GPU"
         )
     return index
-
-
-def _annotate_peak(ax, t: list[float], ys: list[int], scale: int, color) -> None:
-    i = max(range(len(ys)), key=ys.__getitem__)
-    late = i > len(ys) / 2  # label to the left of a late peak, so it stays inside the axes
-    ax.annotate(f"peak {format_bytes(ys[i])}", (t[i], ys[i] / scale), textcoords="offset points",
-                xytext=(-4 if late else 4, 4), ha="right" if late else "left", fontsize=8, color=color)  # fmt: skip
-
-
-def _grouped_marks(marks, span: float, share: float = 0.03) -> list[tuple[float, str]]:
-    """(time, label) per group of marks closer than ``share`` of the run: one line, labels joined."""
-    groups: list[list] = []
-    for m in sorted(marks, key=lambda m: m.t):
-        if groups and m.t - groups[-1][-1].t <= share * span:
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return [(g[0].t, " · ".join(m.label for m in g)) for g in groups]
-
-
-class TextTimeline(str):
-    """:meth:`MemoryMonitor.plot` without matplotlib: the run as text, shown as such in a notebook."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def phase_color(label: str, seen: dict[str, str]) -> str:
-    """The colour of phase ``label`` (kept in ``seen``): oomkit's own phases have fixed ones, any other
-    label takes the next colour of :data:`OTHER_PHASE_COLORS`."""
-    if label not in seen:
-        others = sum(1 for k in seen if k not in PHASE_COLORS)
-        seen[label] = PHASE_COLORS.get(label) or OTHER_PHASE_COLORS[others % len(OTHER_PHASE_COLORS)]
-    return seen[label]
-
-
-def _phase_spans(phases: list[Phase], last: float, span: float) -> list[tuple[str, float, float]]:
-    """(label, start, end) per span to shade: one per phase (open ones end at ``last``); past
-    MAX_PHASE_SPANS, consecutive phases of one label closer than 1 % of the run share a span."""
-    spans = [(p.label, p.start, max(p.start, p.end if p.end is not None else last)) for p in phases]
-    if len(spans) <= MAX_PHASE_SPANS:
-        return spans
-    merged: list[tuple[str, float, float]] = []
-    for label, a, b in spans:
-        if merged and merged[-1][0] == label and a - merged[-1][2] <= 0.01 * span:
-            merged[-1] = (label, merged[-1][1], max(b, merged[-1][2]))
-        else:
-            merged.append((label, a, b))
-    return merged
-
-
-def _shade_phases(ax, phases: list[Phase], last: float, span: float) -> list:
-    """Each phase as a shaded span (gid ``phase:<label>``) with its label at the foot of the chart (a run
-    of same-label phases labelled once, upright where the span is narrow); returns one legend handle per label."""
-    from matplotlib.patches import Patch
-
-    colors: dict[str, str] = {}
-    spans = _phase_spans(phases, last, span)
-    previous = None
-    for i, (label, a, b) in enumerate(spans):
-        first = label not in colors
-        color = phase_color(label, colors)
-        ax.axvspan(a, b, color=color, alpha=0.14, lw=0, gid=f"phase:{label}", zorder=0)
-        if first or (label != previous and b - a >= 0.02 * (span or 1)):
-            depth = sum(1 for j, (_, c, d) in enumerate(spans) if j < i and c <= a and d >= b)  # inside others
-            ax.annotate(label, (a, 0.02 + 0.12 * min(depth, 3)), xycoords=("data", "axes fraction"), fontsize=7,
-                        color=color, ha="left", va="bottom", rotation=90 if b - a < 0.06 * (span or 1) else 0,
-                        gid=f"phase-label:{label}", annotation_clip=True)  # fmt: skip
-        previous = label
-    return [Patch(color=color, alpha=0.35, label=f"phase: {label}") for label, color in colors.items()]

@@ -28,7 +28,8 @@ from helpers.finetune import (
     train,
 )  # fmt: skip
 from helpers.loading import LoadPlan, load
-from helpers.monitor import MemoryCallback, MemoryMonitor
+from helpers.memory_callback import MemoryCallback
+from helpers.monitor import MemoryMonitor
 
 ROWS = load_instructions()[:48]
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from helpers.monitor import Mark, MemoryCallback, MemoryMonitor, MemoryWarning, Sample
+from helpers.memory_callback import MemoryCallback
+from helpers.monitor import Mark, MemoryMonitor, MemoryWarning, Sample
 from helpers.units import MiB
 
 
