@@ -143,7 +143,10 @@ class PanelView:
     def __init__(self, page):
         self.page = page
         self.root = page.locator(".oomkit-panel").first
-        self.dropdown = self.root.locator(".widget-dropdown select")
+        # the load-mode dropdown by its label: the panel has others (KV cache, GPUs on a multi-GPU machine)
+        self.dropdown = self.root.locator(".widget-dropdown", has=page.locator("label", has_text="Load mode")).locator(
+            "select"
+        )
         self.slider = self.root.locator(".widget-hslider", has=page.locator("label", has_text="max_new_tokens"))
         # ipywidgets 8 draws its slider with noUiSlider, 7.x with jQuery UI
         self.handle = self.slider.locator(".noUi-handle, .ui-slider-handle")
