@@ -34,10 +34,11 @@ demo: setup $(TINY)
 	$(BIN)/python scripts/run_notebooks.py
 
 # Two workers, one torch thread each (tests/conftest.py): both cores busy without oversubscription; the
-# built-wheel tests share one worker (--dist loadgroup). TEST_WORKERS=0 runs them in this process.
+# tests of one module share a worker (--dist loadscope --no-loadscope-reorder), so the built wheel (tests/test_wheel.py) is built
+# and its notebooks run once. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: setup $(TINY)
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 # The compatibility matrix: the built wheel in fresh virtualenvs cached in ~/.cache/oomkit-compat
 # (OOMKIT_COMPAT_CACHE; kept between runs and clones, rebuilt when their requirements change): the

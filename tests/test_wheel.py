@@ -1,0 +1,97 @@
+"""The package as Colab installs it: the built wheel, away from the repository.
+
+- it holds the package data the notebooks read (``importlib.resources``);
+- installed in a fresh virtualenv, it runs every notebook from an empty directory, once per session
+  (the ``wheel_notebooks`` fixture), and each planned run ends without an error (slow);
+- installing it beside a torch of another version leaves that torch alone (``pip --dry-run --report``, slow).
+
+Every test of the wheel lives in this one module: under pytest-xdist (``--dist loadscope``) a module
+runs on one worker, so the wheel is built and the notebooks run once, not once per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+import run_notebooks
+from conftest import compat_script
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_holds_the_package_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "helpers/compat.py" in names and "helpers/runtime.py" in names
+    assert any(n.startswith("helpers/data/configs/") and n.endswith(".json") for n in names)
+    assert {"helpers/data/instructions.jsonl", "helpers/data/eval_prompts.jsonl"} <= set(names)
+
+
+@pytest.mark.slow
+def test_wheel_runs_every_notebook_from_an_empty_directory(wheel_notebooks):
+    """The way Colab runs them (the session's one notebook execution, shared with test_notebook_executes)."""
+    runs = compat_script().notebook_runs(None, REPO, wheel_notebooks.work)
+    assert len(wheel_notebooks.lines) == len(runs), wheel_notebooks.output
+    assert all(ln.startswith("ok ") and f"helpers from {wheel_notebooks.target}" in ln
+               for ln in wheel_notebooks.lines.values()), wheel_notebooks.output  # fmt: skip
+    assert sorted(
+        p.name for p in wheel_notebooks.work.glob("[!.]*.ipynb") if not p.name.endswith(".out.ipynb")
+    ) == sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+
+
+def _fake_torch_wheel(directory: Path, version: str) -> Path:
+    """A wheel named torch with no code: stands for the torch a Colab runtime already has."""
+    dist = f"torch-{version}.dist-info"
+    path = directory / f"torch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(
+            f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: oomkit-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{dist}/RECORD", f"{dist}/METADATA,,\n{dist}/WHEEL,,\n{dist}/RECORD,,\n")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("colab_torch", ["2.5.1"])
+def test_installing_beside_another_torch_leaves_it_alone(wheel, tmp_path, colab_torch):
+    venv_dir = tmp_path / "colab"
+    subprocess.run([sys.executable, "-m", "venv", venv_dir], check=True)
+    pip = [venv_dir / "bin" / "python", "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", "--no-deps", _fake_torch_wheel(tmp_path, colab_torch)], check=True)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [*pip, "install", "--dry-run", "--quiet", "--report", report, wheel],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    installs = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
+    assert "transformers" in installs, "the resolver did not run over oomkit's dependencies"
+    assert "torch" not in installs, f"pip would replace Colab's torch {colab_torch} with {installs.get('torch')}"
+    assert not any(n.startswith("nvidia-") and n != "nvidia-ml-py" for n in installs), "pip would pull CUDA wheels"
+
+
+RUNS = run_notebooks.planned_runs()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS, ids=[r.label for r in RUNS])
+def test_notebook_executes(run, wheel_notebooks):
+    """Each planned run (what `make demo` runs), executed once per session from the installed wheel."""
+    key = f"{run.notebook.stem}[{run.name}]"
+    line = wheel_notebooks.lines.get(key)
+    assert line is not None, f"{key} did not run: {wheel_notebooks.output}"
+    assert line.startswith("ok "), line
+    executed = nbformat.read(wheel_notebooks.work / f"{run.notebook.stem}-{run.name}.out.ipynb", as_version=4)
+    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]  # fmt: skip
+    assert not errors
