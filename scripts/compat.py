@@ -24,7 +24,7 @@ cannot be set up here (no Python 3.13, the index unreachable, no disk) is report
 ``python scripts/compat.py notebooks DIR [NAME ...]`` copies ``notebooks/*.ipynb`` into the empty
 directory ``DIR`` and executes them there with this interpreter (the tiny model as a parameter, as
 ``tests/notebook_params`` says), then checks that ``helpers`` came from an installed package. The
-installed-wheel tests (``tests/test_wheel.py``) uses it too.
+installed-wheel tests (``tests/test_wheel.py``) use it too.
 """
 
 from __future__ import annotations
