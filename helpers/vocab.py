@@ -6,24 +6,88 @@ here, so a new mode or a reworded verdict is one edit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import OomkitError
 
 __all__ = [
-    "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "LoadMode", "MODES", "LoadModeError", "load_mode", "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "DEFAULT_BATCH_SIZE", "DEFAULT_PROMPT_TOKENS", "DEFAULT_NEW_TOKENS", "DEFAULT_SEQ_LEN", "DEFAULT_MICRO_BATCH",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
     "LOSSES", "KV_CACHES", "KV_CACHE_BITS", "ReducerError", "loss_name", "kv_cache_name",
 ]  # fmt: skip
 
+
+@dataclass(frozen=True)
+class LoadMode:
+    """One load mode: what its weights are and how transformers is asked for it. Code asks these
+    fields instead of comparing mode names, so a new mode is one row of :data:`MODES`."""
+
+    name: str
+    bits: int  # bits per weight of a quantized Linear; the dtype's bits for an unquantized load
+    bnb: dict | None  # BitsAndBytesConfig keywords (bitsandbytes modes), None for a plain dtype load
+    smaller: str | None  # the next mode down when a plan does not fit (about half the weight bytes)
+    text: str  # what it is, for help texts and errors
+
+    @property
+    def quantized(self) -> bool:
+        """Weights quantized by bitsandbytes (Linear layers only: norms and embeddings stay 16-bit)."""
+        return self.bnb is not None
+
+    @property
+    def four_bit(self) -> bool:
+        return self.quantized and self.bits == 4
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes per weight of a quantized Linear (int8: 1, 4-bit: 0.5) or per parameter of a dtype load."""
+        return self.bits / 8
+
+    @property
+    def dtype(self) -> str | None:
+        """The torch dtype name of a plain load (``"fp16"``...); None when bitsandbytes quantizes."""
+        return None if self.quantized else self.name
+
+
 # Widest first: the order users read them in (dropdowns, CLI help, error messages).
-LOAD_MODES = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
-QUANTIZED = ("int8", "nf4", "fp4")  # bitsandbytes: LLM.int8 and the two 4-bit data types
-# The next load mode down when a plan does not fit: about half the weight bytes each step.
-SMALLER_LOAD = {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}
-FOUR_BIT = ("nf4", "fp4")
-HALF = ("fp16", "bf16")
+MODES: dict[str, LoadMode] = {
+    m.name: m
+    for m in (
+        LoadMode("fp32", 32, None, "fp16", "full precision"),
+        LoadMode("fp16", 16, None, "int8", "16-bit floats (every GPU)"),
+        LoadMode("bf16", 16, None, "int8", "16-bit bfloat (Ampere and newer)"),
+        LoadMode("int8", 8, {"load_in_8bit": True}, "nf4", "bitsandbytes LLM.int8"),
+        LoadMode("nf4", 4, {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, None, "bitsandbytes 4-bit NormalFloat (QLoRA)"),
+        LoadMode("fp4", 4, {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, None, "bitsandbytes 4-bit float"),
+    )
+}  # fmt: skip
+LOAD_MODES = tuple(MODES)
+QUANTIZED = tuple(n for n, m in MODES.items() if m.quantized)  # bitsandbytes: LLM.int8 and the two 4-bit data types
+SMALLER_LOAD = {n: m.smaller for n, m in MODES.items() if m.smaller}
+FOUR_BIT = tuple(n for n, m in MODES.items() if m.four_bit)
+HALF = tuple(n for n, m in MODES.items() if m.dtype and m.bits == 16)
+
+
+class LoadModeError(OomkitError, ValueError):
+    """A load mode oomkit does not know; the message lists the accepted ones."""
+
+
+def load_mode(value: Any, *, error: type[Exception] = LoadModeError) -> LoadMode:
+    """The :class:`LoadMode` named ``value`` (any case); else ``error`` naming the accepted modes (callers
+    pass their own error class, so a bad mode reads the same everywhere but raises what each API raises)."""
+    mode = MODES.get(value.strip().lower()) if isinstance(value, str) else None
+    if mode is None:
+        text = str(value).strip().lower()
+        four, eight = "4-bit is 'nf4' or 'fp4'", "8-bit is 'int8'"
+        hint = {"int4": four, "4bit": four, "4-bit": four, "8bit": eight, "8-bit": eight, "float16": "that is 'fp16'",
+                "half": "that is 'fp16'", "bfloat16": "that is 'bf16'", "float32": "that is 'fp32'"}.get(text)  # fmt: skip
+        said = f" ({hint})" if hint else ""
+        raise error(f"unknown load mode {value!r}{said}; use nf4 (4-bit, QLoRA), fp4, int8, or fp16/bf16/fp32")
+    return mode
+
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 # Every spelling users write for a dtype (transformers, BitsAndBytesConfig, torch) -> our name.
@@ -63,6 +127,16 @@ def auto_load_order(bf16: bool) -> tuple[str, ...]:
     else nf4. int8 is not an automatic choice: LLM.int8's mixed decomposition generates several times
     slower than nf4, and QLoRA trains on 4-bit, so every notebook and preflight recommend the same."""
     return ("bf16" if bf16 else "fp16", "nf4")
+
+
+# The sizes a plan, an estimate and a panel start from when the user sets none (a chat-sized request:
+# one sequence, a 512-token prompt, 256 new tokens; training at 512 tokens, micro-batch 1). One home, so
+# the notebooks, the CLI, preflight and the estimator answer the same question by default.
+DEFAULT_BATCH_SIZE = 1
+DEFAULT_PROMPT_TOKENS = 512
+DEFAULT_NEW_TOKENS = 256
+DEFAULT_SEQ_LEN = 512
+DEFAULT_MICRO_BATCH = 1
 
 
 # Fit verdicts: an estimate against a device's capacity.
