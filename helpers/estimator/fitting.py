@@ -13,7 +13,7 @@ from ..html import badge, bar, table
 from ..reducers import kv_cache_available, liger_available
 from ..sources import shipped_configs
 from ..units import MiB, format_bytes
-from ..vocab import DOES_NOT_FIT, FITS, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
+from ..vocab import DOES_NOT_FIT, FITS, FOUR_BIT, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
 from .core import MemoryEstimate, cublas_workspace, estimate
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
@@ -290,7 +290,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
                 )
                 continue
             cands.append((f"load={load}", {"load": load}))
-    if est.load in ("nf4", "fp4") and not inp.get("double_quant"):
+    if est.load in FOUR_BIT and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
     cands += _reducer_candidates(inp, tr)
     room = _comfortable(cap)  # a fix leaves the margin a "fits" verdict needs and a little more, not 7 MiB

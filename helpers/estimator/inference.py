@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from ..units import format_bytes
+from ..vocab import MODES
 from .layout import Layout, dims, kv_cache_bytes, largest_quantized_linear
 from .reducers import kv_cache_rows
 from .rows import EstimateRow
@@ -157,14 +158,15 @@ def dequantizes_4bit(rows: int, cdtype: str, capability: tuple[int, int] | None)
 
 def _matmul_extra(d: dict, lay: Layout, g: Generation) -> _Extra | None:
     """bitsandbytes on CUDA: a 4-bit weight dequantized for a long input, or LLM.int8's int32 product."""
-    if g.dev is None or g.load not in ("nf4", "fp4", "int8"):
+    mode = MODES.get(g.load)
+    if g.dev is None or mode is None or not mode.quantized:
         return None
     shape = largest_quantized_linear(lay, g.skip_modules)
     if shape is None:
         return None
     out, inp = shape
     t = g.tokens
-    if g.load == "int8":
+    if mode.bits == 8:
         # int8_vectorwise_quant's int8 copy of the input and row scales, int8_linear_matmul's int32
         # out x tokens product (alive with the dequantized output), an fp16 copy of a bf16/fp32 input
         extra = t * (inp + 4 * out + 4) + (2 * t * inp if g.cdtype != "fp16" else 0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..vocab import QUANTIZED
+from ..vocab import MODES, QUANTIZED
 from .families import auto_class, vision_modules
 from .rows import EstimateError, EstimateRow
 
@@ -231,7 +231,7 @@ def largest_quantized_linear(lay: Layout, skip_modules: list[str] | None = None)
 
 def _quantized_bytes(e: Param, load: str, double_quant: bool, blocksize: int) -> tuple[int, int]:
     """(weight bytes, quantization-state bytes) of one linear layer in bitsandbytes' layout."""
-    if load == "int8":
+    if MODES[load].bits == 8:
         return e.numel, 4 * e.linear[0]  # int8 matrix (CB shares its storage); SCB: one fp32 scale per row
     blocks = math.ceil(e.numel / blocksize)
     state = 16 * 4  # the 16-entry fp32 code of nf4/fp4, one per layer
@@ -275,12 +275,13 @@ def weight_rows(
         else:
             plain += e.numel * (4 if any(k in e.name for k in lay.keep_fp32) else half)
     rows = []
-    label = {"int8": "int8", "nf4": "4-bit nf4", "fp4": "4-bit fp4"}.get(load)
+    mode = MODES.get(load)
+    label = (load if mode.bits == 8 else f"{mode.bits}-bit {load}") if mode is not None and mode.quantized else None
     if label:
         rows.append(
             EstimateRow("weights.quantized", f"weights: {label} linear layers", q_bytes, "exact", f"{n_q} layers")
         )
-        what = "row scales" if load == "int8" else ("absmax, nested absmax" if double_quant else "fp32 absmax")
+        what = "row scales" if mode.bits == 8 else ("absmax, nested absmax" if double_quant else "fp32 absmax")
         rows.append(EstimateRow("weights.quant_state", "weights: quantization state", state_bytes, "exact", what))
     if experts:
         rows.append(EstimateRow("weights.moe_experts", "weights: MoE experts, not quantized", experts, "exact",
