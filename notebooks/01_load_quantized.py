@@ -155,6 +155,17 @@ report
 report.estimate
 
 # %% [markdown]
+# Where those bytes sit in the model: embeddings, each decoder layer, `lm_head` and the rest, with
+# bitsandbytes' quantization state counted with its layer (the parts add up to `footprint(model)`).
+# In 4-bit the decoder layers shrink about four-fold while the embeddings and `lm_head` stay 16-bit:
+# on a small model they can be most of what is left.
+
+# %%
+from helpers import module_memory
+
+module_memory(model)
+
+# %% [markdown]
 # ## 5. A short batched generation
 # With the panel's current `max_new_tokens` and batch size: move the sliders and re-run this cell (a
 # new generation budget needs no reload; a new load mode reloads here, freeing the old model first). The
