@@ -51,6 +51,7 @@ from .load_checks import (
 from .load_plan import ATTENTION_IMPLEMENTATIONS, LoadPlan, auto_compute_dtype, check_fields
 from .load_report import LoadReport, offload_warnings, placement
 from .memory import MemorySnapshot, allocated
+from .phases import phase
 from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
 from .reducers import use_kv_cache
 from .sources import (
@@ -162,14 +163,15 @@ def load(
     cuda = torch.cuda.is_available()
     before = allocated("all") if cuda else 0
     started = time.perf_counter()
-    model = _from_pretrained(plan.model, kwargs, est)
-    keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
-    use_kv_cache(model, plan.kv_cache)
-    attention = keep_attention_fused(model)
-    tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
-    measured = footprint(model)
-    where = placement(model)
-    model, adapter_bytes = _with_adapter(model, plan.adapter, measured)
+    with phase("load"):  # shaded on a running MemoryMonitor's chart
+        model = _from_pretrained(plan.model, kwargs, est)
+        keep_4bit_layout(model)  # what footprint() measures now is what generation and training see
+        use_kv_cache(model, plan.kv_cache)
+        attention = keep_attention_fused(model)
+        tokenizer = AutoTokenizer.from_pretrained(plan.model, token=token, trust_remote_code=plan.trust_remote_code)
+        measured = footprint(model)
+        where = placement(model)
+        model, adapter_bytes = _with_adapter(model, plan.adapter, measured)
     seconds = time.perf_counter() - started
     note = setup_tokenizer(tokenizer, model)
     model.eval()

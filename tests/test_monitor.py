@@ -471,6 +471,15 @@ def test_running_monitor_receives_generation_phases(tiny_llama):
     assert [p.label for p in later.phases] == ["eval batch", "prefill", "decode"]
 
 
+def test_load_is_a_phase_on_a_running_monitor(tiny_llama):
+    from helpers.loading import load
+
+    with MemoryMonitor(interval=10, warn=False) as mon:
+        model, _, report = load(tiny_llama, load="fp32")
+        assert [(p.label, p.end is not None) for p in mon.phases] == [("load", True)]  # closed when load() returns
+    assert report.measured_weights > 0
+
+
 def test_callback_records_each_train_step_as_a_phase():
     mon = MemoryMonitor(interval=10, warn=False)
     cb = MemoryCallback(monitor=mon)
