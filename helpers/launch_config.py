@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,10 @@ import yaml
 
 from .devices import auto_compute_dtype, resolve_devices
 from .distributed import DistributedError, TrainingMemory, run_streaming, training_memory
+from .memory import ram_readout
+from .rank_ram import MACHINE_RAM, RankRam, rank_ram
 from .units import format_bytes
+from .vocab import QUANTIZED  # a frozen quantized base: training_memory's QLoRA count
 
 if TYPE_CHECKING:
     from .train_plan import TrainPlan
@@ -39,7 +42,6 @@ __all__ = ["LAUNCH_STRATEGIES", "OFFLOADS", "LaunchConfig", "write_launch_config
 # what accelerate calls each strategy oomkit writes a config for
 LAUNCH_STRATEGIES = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
 OFFLOADS = ("optimizer", "params")
-QUANTIZED = ("nf4", "fp4", "int8")  # a frozen quantized base: training_memory's QLoRA count
 TAIL_LINES = 400  # lines of the launch's stderr kept for the error of a failed run
 
 
@@ -60,6 +62,7 @@ class LaunchConfig:
     on_cpu: bool = False
     notes: list[str] = field(default_factory=list)
     offloads: tuple[str, ...] = ()
+    host_ram: RankRam | None = None  # the processes of one machine against its RAM (checked again at launch)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -107,6 +110,10 @@ class LaunchConfig:
             lines.insert(
                 3, f"  and {format_bytes(self.offloaded_bytes)} per process in CPU RAM ({' and '.join(self.offloads)})"
             )
+        if self.host_ram is not None:
+            lines.append(f"host RAM: {self.host_ram.check().summary}")
+            if self.host_ram.fix:
+                lines.append(f"  fix: {self.host_ram.fix}")
         if self.num_machines > 1:
             lines.append("  on every machine, with its own --machine_rank (0 on the main one, at the address written)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -321,8 +328,11 @@ def write_launch_config(
         )
     if plan.load not in QUANTIZED:
         notes.append("per-GPU memory counts full fine-tuning of the base (LoRA on it needs less)")
-    return LaunchConfig(strategy, config_file, ds_file, num_machines, per_machine, mixed, micro, accumulation,
-                        memory, gpus is None, notes, offloads)  # fmt: skip
+    config = LaunchConfig(strategy, config_file, ds_file, num_machines, per_machine, mixed, micro, accumulation,
+                          memory, gpus is None, notes, offloads)  # fmt: skip
+    machine = devices if isinstance(devices, str) and devices in MACHINE_RAM else "current"
+    config.host_ram = rank_ram(plan.model, per_machine, machine=machine, offloaded=config.offloaded_bytes)
+    return config
 
 
 def launch_plan(
@@ -343,6 +353,11 @@ def launch_plan(
     if config.deepspeed_file is not None and importlib.util.find_spec("deepspeed") is None:
         raise DistributedError(f"{config.strategy} runs on DeepSpeed, which is not installed here: pip install deepspeed "
                                "(it builds its CUDA ops on first use), or write the config with strategy='fsdp'")  # fmt: skip
+    if config.host_ram is not None:  # written for another machine, perhaps: against this one's RAM now
+        here = replace(config.host_ram, available=ram_readout().total, machine="this machine")
+        if not here.fits:
+            raise DistributedError(f"not launched: {here.check().summary} (every rank loads its own copy before "
+                                   f"sharding). Fix: {here.fix}")  # fmt: skip
     run = run_streaming(config.command(module, args), timeout=timeout, tail_lines=TAIL_LINES)
     if run.timed_out:
         raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped")

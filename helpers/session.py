@@ -16,6 +16,11 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
+def in_kaggle() -> bool:
+    """True inside a Kaggle notebook session (where only /kaggle/working outlives the session)."""
+    return "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+
+
 def enable_colab_widgets() -> bool:
     """Turn on Colab's custom widget manager; True when it was turned on.
 

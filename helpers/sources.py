@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OomkitError
-from .session import in_colab
+from .session import in_colab, in_kaggle
 
 __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
@@ -96,12 +96,14 @@ def read_json(path: Path, what: str = "JSON") -> Any:
 
 
 DRIVE = Path("/content/drive/MyDrive")
+KAGGLE_WORKING = Path("/kaggle/working")  # kept as the notebook's output when a session ends (20 GB at most)
 
 
 def persistent_path(name: str | Path, *, default_dir: str | Path = ".") -> Path:
     """Where a file that must survive a Colab runtime reset goes: ``MyDrive/oomkit/<name>`` when Drive is
-    mounted in Colab (files under /content vanish with the runtime), else ``default_dir/<name>``.
-    An absolute ``name`` is kept as given."""
+    mounted in Colab (files under /content vanish with the runtime), ``/kaggle/working/<name>`` on Kaggle
+    (the one folder kept as the notebook's output), else ``default_dir/<name>``. An absolute ``name`` is
+    kept as given."""
     for arg, value in (("name", name), ("default_dir", default_dir)):
         if not isinstance(value, str | os.PathLike) or not str(value).strip():
             raise SourceError(f"persistent_path(): {arg} must be a file or folder name, got {value!r:.60}")
@@ -110,6 +112,8 @@ def persistent_path(name: str | Path, *, default_dir: str | Path = ".") -> Path:
         return name
     if in_colab() and DRIVE.exists():
         return DRIVE / "oomkit" / name
+    if in_kaggle() and Path(default_dir) == Path("."):
+        return KAGGLE_WORKING / name
     return Path(default_dir) / name
 
 

@@ -246,3 +246,14 @@ def test_the_no_config_help_names_the_model_and_every_shipped_config():
     text = no_config_help("someone/Unshipped-7B")
     assert text.startswith("No estimate for 'someone/Unshipped-7B'") and "local folder holding config.json" in text
     assert all(hub_id in text for hub_id in shipped_configs())
+
+
+def test_persistent_files_go_to_kaggle_working_on_kaggle(monkeypatch, tmp_path):
+    import helpers.sources as sources
+
+    monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
+    assert sources.persistent_path("adapter") == Path("adapter")
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")  # what Kaggle's notebook sessions set
+    assert sources.persistent_path("adapter") == Path("/kaggle/working/adapter")
+    assert sources.persistent_path("adapter", default_dir=tmp_path) == tmp_path / "adapter"  # a chosen folder wins
+    assert sources.persistent_path(tmp_path / "mine.jsonl") == tmp_path / "mine.jsonl"
