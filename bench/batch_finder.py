@@ -95,10 +95,12 @@ def _result(case: dict, log: list, handed: int) -> dict:
     }
 
 
-def run_ours(case: dict, **kw) -> dict:
+def run_ours(case: dict, default_limit: bool = False, **kw) -> dict:
+    """``find_max_batch_size`` told the dataset size (``limit=``), or with its default limit (none)."""
     log: list = []
-    s = find_max_batch_size(workload(case, log), limit=case["limit"], **kw)
-    assert s.max_ok == _result(case, log, 0)["found"]
+    limit = {} if default_limit else {"limit": case["limit"]}
+    s = find_max_batch_size(workload(case, log), **limit, **kw)
+    assert min(s.max_ok, case["limit"]) == _result(case, log, 0)["found"]  # past the limit a batch is the dataset
     return _result(case, log, s.batch_size)
 
 
@@ -140,6 +142,18 @@ def lightning_binsearch():
         return _run_binsearch_scaling, f"pytorch_lightning {pytorch_lightning.__version__} (real code)"
     except ImportError:
         return None, "port of pytorch_lightning 2.6 _run_binsearch_scaling (Lightning not importable)"
+
+
+def lightning_power():
+    """Lightning's real ``_run_power_scaling``, the mode ``scale_batch_size`` uses by default (no port: the
+    row is left out when Lightning cannot be imported)."""
+    try:
+        from pytorch_lightning.tuner.batch_size_scaling import _run_power_scaling
+    except ImportError:
+        return None
+    return lambda trainer, init, name, trials, params, margin, max_val: _run_power_scaling(
+        trainer, init, name, trials, params, max_val
+    )  # power mode has no margin: the size that last ran is what it hands back
 
 
 def _ported_binsearch(step, dataset_length: int, new_size=2, max_trials=25, margin=0.05, max_val=8192) -> int:
@@ -326,13 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     cases = [make_case(rng) for _ in range(args.cases)]
     binsearch, lightning_source = lightning_binsearch()
+    power = lightning_power()
     print(f"Lightning: {lightning_source}")
     contenders = {  # name -> (margin in words, runner)
         OURS: ("0.9 (default)", lambda c: run_ours(c)),
+        "oomkit find_max_batch_size, no limit= (its default)": ("0.9 (default)", lambda c: run_ours(c, True)),
         "oomkit, tolerance=0.92 (the old default)": ("0.9 (default)", lambda c: run_ours(c, tolerance=0.92)),
         "oomkit @adaptive_batch (1st call, start=limit)": ("none", run_ours_decorator),
         TEXTBOOK: ("0.05 (default)", lambda c: run_lightning(c, binsearch)),
         TEXTBOOK_SIZED: ("0.05 (default)", lambda c: run_lightning(c, binsearch, sized=True)),
+        **(
+            {"Lightning power (scale_batch_size's default mode)": ("none", lambda c: run_lightning(c, power))}
+            if power is not None
+            else {}
+        ),
         "accelerate, start 128 (its default)": ("none", lambda c: run_accelerate(c, 128)),
         "accelerate, start 2x true max": ("none", lambda c: run_accelerate(c, 2 * c["true_max"])),
         "accelerate, start 1.2x true max": (
