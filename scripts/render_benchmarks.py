@@ -238,6 +238,8 @@ def batch_finder(d: dict) -> str:
     acc12 = s["accelerate, start 1.2x true max"]
     acc2 = s["accelerate, start 2x true max"]
     acclim = s["accelerate, start at the limit"]
+    nolimit = s.get("oomkit find_max_batch_size, no limit= (its default)")
+    power = s.get("Lightning power (scale_batch_size's default mode)")
     v = d["vs_textbook"]
     cases = d["per_case"]
     quadratic = sum("q*b^2" in c["kind"] for c in cases)
@@ -273,6 +275,7 @@ batch at least the dataset's size runs out of memory, its `_adjust_batch_size` k
 size (the stub ends each after 100 tries; that row's other figures leave them out). The old oomkit
 default (`tolerance=0.92`) needed fewer tries ({tries(old)}) but stopped short in
 {d["cases"] - old["exact"]} cases (worst {pct(old["worst_fraction"])}), and handed back a median {pct(old["median_handed_back"])} after the margin.
+{_batch_defaults(nolimit, power, book, tries, d["cases"])}
 
 accelerate never grows: from its default start of 128 it hands back at most 128 (worst
 {pct(acc128["worst_fraction"])} of the maximum) after {tries(acc128)} tries; started at 2x the maximum it needs
@@ -280,6 +283,20 @@ accelerate never grows: from its default start of 128 it hands back at most 128 
 {pct(acc12["median_fraction"])}: told roughly where the edge is, it wins on tries. From the limit it needs {tries(acclim)}.
 `@adaptive_batch`'s first call (started at the limit) settles for a size that runs (median
 {pct(deco["median_fraction"])} of the maximum); its later calls probe upward and converge. {cuda}"""
+
+
+def _batch_defaults(nolimit: dict | None, power: dict | None, book: dict, tries, cases: int) -> str:
+    """The two rows a skeptic asks for: oomkit without ``limit=``, and Lightning's default mode."""
+    lines = []
+    if nolimit:
+        lines.append(f"Without `limit=` (its default: it grows until a step fails or 4096) oomkit needs {tries(nolimit)} "
+                     f"tries, against Lightning binsearch's {tries(book)}: the fewer tries hold only when it is told "
+                     f"the dataset size; it is still exact in {nolimit['exact']} of {cases}.")  # fmt: skip
+    if power:
+        lines.append(f"Lightning's default mode, `power` (doubling only, no bisection), needs {tries(power)} tries "
+                     f"and {power['total_ooms']} OOMs in total but is exact in only {power['exact']} of {cases} "
+                     f"(median {pct(power['median_fraction'])} of the maximum, worst {pct(power['worst_fraction'])}).")  # fmt: skip
+    return ("\n" + " ".join(lines) + "\n") if lines else ""
 
 
 def panel_latency(d: dict) -> str:
