@@ -45,7 +45,7 @@ from .estimator import FRAGMENTATION, auto_class, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .html import Markup, table
 from .units import format_bytes, parse_bytes
-from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, SMALLER_LOAD, torch_dtype
+from .vocab import DTYPE_BYTES, FOUR_BIT, MODES, QUANTIZED, SMALLER_LOAD, load_mode_name, torch_dtype
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
@@ -263,7 +263,7 @@ def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Mod
 
 def element_sizes(load: str, quantized: set[int]):
     """Bytes per element as transformers' bitsandbytes quantizers count them (0.5 for 4-bit, 1 for int8)."""
-    q = 1 if load == "int8" else 0.5
+    q = MODES[load].weight_bytes if load in MODES else 0.5
 
     class _Sizes:  # the two methods transformers' placement asks a quantizer for
         def param_element_size(self, model, name, param):
@@ -280,7 +280,7 @@ def _special_dtypes(model, load: str, quantized: set[int]) -> dict | None:
 
     if load not in QUANTIZED:
         return None
-    target = torch.int8 if load == "int8" else CustomDtype.INT4
+    target = torch.int8 if MODES[load].bits == 8 else CustomDtype.INT4
     return {n: target for n, p in model.named_parameters() if id(p) in quantized}
 
 
@@ -452,8 +452,7 @@ def plan_devices(
             or ``"sequential"``. With the automatic headroom and no ``max_memory`` of yours, a strategy that
             stacks layers on one card (the last two) gets that card's cap lowered until its KV cache fits.
     """
-    if load not in LOAD_MODES:
-        raise PlacementError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)}")
+    load = load_mode_name(load, error=PlacementError)
     if strategy not in DEVICE_MAP_STRATEGIES:
         raise PlacementError(f"unknown strategy {strategy!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)}")
     flag("cpu_offload", cpu_offload, error=PlacementError)
@@ -605,7 +604,7 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool, 
     if disk and not disk_offload:
         plan.reasons.append(f"{format_bytes(disk)} of weights do not fit the GPUs and the CPU RAM offered")
         plan.fixes.append("disk_offload=True (seconds per token), more GPUs, or a 4-bit load")
-    if disk and plan.load in ("nf4", "fp4"):
+    if disk and plan.load in FOUR_BIT:
         plan.reasons.append("bitsandbytes 4-bit weights cannot be offloaded to disk")
         plan.fixes.append("give the CPU enough RAM (cpu_memory) for the offloaded layers, add GPUs, or load int8/fp16")
     if plan.load in QUANTIZED and spill:

@@ -36,12 +36,12 @@ from .units import GiB, MiB, format_bytes
 from .vocab import (
     DOES_NOT_FIT,
     FITS,
-    LOAD_MODES,
     QUANTIZED,
     STATUS_ORDER,
     TIGHT,
     VERDICT_STATUS,
     auto_load_order,
+    load_mode_name,
     verdict,
 )
 
@@ -631,8 +631,7 @@ def _check_arguments(model: Any, load: Any, max_new_tokens: Any, batch_size: Any
         whole_number(name, value, minimum=least)
     if model is not None and (not isinstance(model, str | os.PathLike) or not str(model).strip()):
         raise ArgumentError(f"model must be a hub id such as 'org/name', a local folder, or None; got {model!r}")
-    if load not in ("auto", *LOAD_MODES):
-        raise ArgumentError(f"unknown load mode {load!r}; use auto, {', '.join(LOAD_MODES)}")
+    load_mode_name(load, auto=True, error=ArgumentError)
 
 
 def _check_stand_ins(snapshot: Any, package_versions: Any, bnb: Any, colab: Any) -> None:

@@ -30,7 +30,7 @@ from .placement import (
     plan_devices,
 )
 from .units import MiB, format_bytes
-from .vocab import FITS, QUANTIZED, SMALLER_LOAD
+from .vocab import FITS, MODES, QUANTIZED, SMALLER_LOAD
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
@@ -98,7 +98,7 @@ def split_plan(
     Raises :class:`PlacementError` when the architecture cannot be planned (the caller falls back
     to transformers' own placement), :class:`DeviceMapError` when the map or caps are wrong."""
     inputs = estimate.inputs
-    if estimate.load not in ("fp32", "fp16", "bf16", "int8", "nf4", "fp4") or estimate.source is None:
+    if estimate.load not in MODES or estimate.source is None:
         raise PlacementError(f"no placement for a {estimate.load} checkpoint")
     return plan_devices(
         estimate.source, load=estimate.load, devices=devices, cpu_offload=offload, disk_offload=disk,

@@ -51,7 +51,7 @@ from .sources import (
     read_json,
 )
 from .units import format_bytes
-from .vocab import DOES_NOT_FIT, QUANTIZED
+from .vocab import DOES_NOT_FIT, MODES, QUANTIZED
 
 __all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "check_fit",
            "check_offload", "ram_for_loading", "check_ram_for_loading", "placement_spill",
@@ -210,7 +210,7 @@ def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None =
     ok, why = status
     if ok:
         return
-    bits = "8-bit" if load == "int8" else "4-bit"
+    bits = f"{MODES[load].bits}-bit"
     if "not installed" in why:
         raise LoadRefused(f"{load} ({bits}) loading needs bitsandbytes, which is not installed", BNB_INSTALL)
     raise LoadRefused(

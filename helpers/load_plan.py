@@ -25,7 +25,17 @@ from .estimator import estimate as estimate_memory
 from .gpu_split import (
     check_strategy,
 )
-from .vocab import DTYPE_BYTES, LOAD_MODES, QUANTIZED, dtype_name, kv_cache_name, torch_dtype
+from .vocab import (
+    DTYPE_BYTES,
+    FOUR_BIT,
+    LOAD_MODES,
+    MODES,
+    QUANTIZED,
+    dtype_name,
+    kv_cache_name,
+    load_mode_name,
+    torch_dtype,
+)
 
 # what transformers' attn_implementation takes (a hub kernel "org/name" too)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -92,9 +102,7 @@ class LoadPlan:
                 f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}"
             )
         self.model = str(self.model)
-        if self.load not in (*LOAD_MODES, "auto"):
-            hint = " (4-bit is 'nf4' or 'fp4')" if str(self.load).lower() in ("int4", "4bit", "4-bit") else ""
-            raise ValueError(f"unknown load mode {self.load!r}{hint}; valid: {', '.join(LOAD_MODES)}")
+        self.load = load_mode_name(self.load, auto=True, error=ValueError)
         try:
             self.compute_dtype = dtype_name(self.compute_dtype)  # torch.float16, "float16", "half" ... -> "fp16"
         except ValueError as e:
@@ -183,12 +191,12 @@ class LoadPlan:
         # keeps those layers unquantized. Under device_map="auto" it would keep them quantized in RAM, where
         # accelerate's offload hook cannot run 4-bit ones
         offload = isinstance(self.device_map, dict) and bool({"cpu", "disk"} & set(map(str, self.device_map.values())))
-        if self.load == "int8":
-            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
+        mode = MODES[self.load]
+        if not mode.four_bit:
+            return BitsAndBytesConfig(**mode.bnb, llm_int8_enable_fp32_cpu_offload=offload)
         return BitsAndBytesConfig(
-            load_in_4bit=True,
+            **mode.bnb,
             llm_int8_enable_fp32_cpu_offload=offload,
-            bnb_4bit_quant_type=self.load,
             bnb_4bit_use_double_quant=self.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(self.resolved_compute_dtype(device)),
         )
@@ -251,7 +259,7 @@ class LoadPlan:
         return "auto"  # a preset or a byte count: the estimator picks fp16 or bf16 for that GPU
 
     def __str__(self) -> str:
-        dq = " + double quant" if self.load in ("nf4", "fp4") and self.double_quant else ""
+        dq = " + double quant" if self.load in FOUR_BIT and self.double_quant else ""
         return (
             f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
             f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "

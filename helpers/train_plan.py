@@ -23,7 +23,16 @@ from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
 from .loading import LoadPlan
 from .reducers import liger_available
 from .sources import persistent_path
-from .vocab import LOAD_MODES, QUANTIZED, DtypeError, ReducerError, dtype_name, loss_name, supports_bf16
+from .vocab import (
+    MODES,
+    QUANTIZED,
+    DtypeError,
+    ReducerError,
+    dtype_name,
+    load_mode_name,
+    loss_name,
+    supports_bf16,
+)
 
 __all__ = ["TrainPlan", "FinetuneError", "check_optimizer", "target_modules", "need_model", "need_plan",
            "need_tokenizer"]  # fmt: skip
@@ -112,8 +121,7 @@ class TrainPlan:
         if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
             raise FinetuneError(f"TrainPlan.model must be a hub id or a local folder, got {self.model!r}")
         self.model = str(self.model)
-        if self.load not in LOAD_MODES:
-            raise FinetuneError(f"unknown load mode {self.load!r}; use nf4 (QLoRA), fp4, int8, or fp16/bf16/fp32")
+        self.load = load_mode_name(self.load, error=FinetuneError)
         if isinstance(self.targets, str) and self.targets not in ("all-linear", ""):
             self.targets = [self.targets]  # one module name; list("q_proj") would be its letters
         self._check_numbers()
@@ -213,7 +221,7 @@ class TrainPlan:
         """The :class:`helpers.loading.LoadPlan` that loads the base model for this run."""
 
         prec = self.resolved_precision()
-        compute = "auto" if self.load in ("fp16", "bf16", "fp32") else prec
+        compute = prec if MODES[self.load].quantized else "auto"
         return LoadPlan(self.model, load=self.load, double_quant=self.double_quant, compute_dtype=compute,
                         batch_size=self.micro_batch or 1, prompt_tokens=self.seq_len, max_new_tokens=0,
                         **changes)  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import OomkitError
 
 __all__ = [
-    "LoadMode", "MODES", "LoadModeError", "load_mode", "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
     "DEFAULT_BATCH_SIZE", "DEFAULT_PROMPT_TOKENS", "DEFAULT_NEW_TOKENS", "DEFAULT_SEQ_LEN", "DEFAULT_MICRO_BATCH",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
@@ -77,15 +77,21 @@ class LoadModeError(OomkitError, ValueError):
 def load_mode(value: Any, *, error: type[Exception] = LoadModeError) -> LoadMode:
     """The :class:`LoadMode` named ``value`` (any case); else ``error`` naming the accepted modes (callers
     pass their own error class, so a bad mode reads the same everywhere but raises what each API raises)."""
-    mode = MODES.get(value.strip().lower()) if isinstance(value, str) else None
-    if mode is None:
-        text = str(value).strip().lower()
-        four, eight = "4-bit is 'nf4' or 'fp4'", "8-bit is 'int8'"
-        hint = {"int4": four, "4bit": four, "4-bit": four, "8bit": eight, "8-bit": eight, "float16": "that is 'fp16'",
-                "half": "that is 'fp16'", "bfloat16": "that is 'bf16'", "float32": "that is 'fp32'"}.get(text)  # fmt: skip
-        said = f" ({hint})" if hint else ""
-        raise error(f"unknown load mode {value!r}{said}; use nf4 (4-bit, QLoRA), fp4, int8, or fp16/bf16/fp32")
-    return mode
+    return MODES[load_mode_name(value, error=error)]
+
+
+def load_mode_name(value: Any, *, auto: bool = False, error: type[Exception] = LoadModeError) -> str:
+    """``value`` as a load-mode name (``"auto"`` too where ``auto``), the one check of a load mode every
+    public function runs; an unknown one raises ``error`` saying what to pass."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in MODES or (auto and text == "auto"):
+        return text
+    four, eight = "4-bit is 'nf4' or 'fp4'", "8-bit is 'int8'"
+    hint = {"int4": four, "4bit": four, "4-bit": four, "8bit": eight, "8-bit": eight, "float16": "that is 'fp16'",
+            "half": "that is 'fp16'", "bfloat16": "that is 'bf16'", "float32": "that is 'fp32'"}.get(text or "")  # fmt: skip
+    said = f" ({hint})" if hint else ""
+    also = ", or 'auto' (the first that fits)" if auto else ""
+    raise error(f"unknown load mode {value!r}{said}; use nf4 (4-bit, QLoRA), fp4, int8, or fp16/bf16/fp32{also}")
 
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}

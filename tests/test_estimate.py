@@ -285,13 +285,13 @@ def test_cli_text_lora_and_bad_input(capsys):
     assert "FITS" in capsys.readouterr().out.upper()
     assert "1 it does not fit" in " ".join(_cli_help(capsys).split())
     assert estimate_main(["Llama-2-7b-hf", "--load", "int3"]) == 2
-    assert "fp32, fp16, bf16, int8, nf4, fp4" in capsys.readouterr().err
+    assert "use nf4 (4-bit, QLoRA), fp4, int8, or fp16/bf16/fp32" in capsys.readouterr().err
     assert estimate_main(["Llama-2-7b-hf", "--max-new-tokens", "-5"]) == 2
     assert estimate_main(["Llama-2-7b-hf", "--lora", "rank"]) == 2
 
 
 def test_bad_inputs_have_clear_messages(tmp_path, monkeypatch):
-    with pytest.raises(EstimateError, match="fp32, fp16, bf16, int8, nf4, fp4"):
+    with pytest.raises(EstimateError, match=r"use nf4 \(4-bit, QLoRA\), fp4, int8, or fp16/bf16/fp32"):
         estimate("Llama-2-7b-hf", load="int3")
     with pytest.raises(EstimateError, match="max_new_tokens must be a whole number"):
         estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=-1)

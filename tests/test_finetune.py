@@ -91,7 +91,7 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     for bad, match in (
-        (dict(load="int4"), "unknown load mode 'int4'; use nf4"),
+        (dict(load="int4"), "unknown load mode 'int4' .4-bit is 'nf4' or 'fp4'.; use nf4"),
         (dict(micro_batch="4"), "micro_batch must be a whole number.*got '4'"),
         (dict(max_steps=0, epochs="1"), "epochs must be a number, got '1'"),
         (dict(dropout=2), r"dropout is a probability in \[0, 1\)"),

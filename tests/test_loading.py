@@ -91,7 +91,7 @@ def test_auto_compute_dtype_follows_the_device(monkeypatch):
 
 
 def test_bad_plan_values_list_the_valid_ones():
-    with pytest.raises(ValueError, match="valid: fp32, fp16, bf16, int8, nf4, fp4"):
+    with pytest.raises(ValueError, match=r"use nf4 \(4-bit, QLoRA\), fp4, int8, or fp16/bf16/fp32, or .auto."):
         LoadPlan("m", load="int4")
     with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 0"):
         LoadPlan("m", max_new_tokens=-1)

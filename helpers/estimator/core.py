@@ -21,12 +21,12 @@ from ..html import Markup, bar, table
 from ..units import format_bytes
 from ..vocab import (
     DTYPE_BYTES,
-    LOAD_MODES,
     TIGHT_FRACTION,
     ReducerError,
     auto_load_order,
     dtype_name,
     kv_cache_name,
+    load_mode_name,
     loss_name,
 )
 from .configs import hub_repo, resolve_config
@@ -199,8 +199,9 @@ def estimate(
         inputs.update(load=load, double_quant=double_quant)
     elif load == "auto":
         return _auto(model, inputs)
-    elif load not in LOAD_MODES:
-        raise EstimateError(f"unknown load mode {load!r}; use one of {', '.join(LOAD_MODES)} (or 'auto')")
+    else:
+        load = load_mode_name(load, error=EstimateError)
+        inputs.update(load=load)
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
     rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)

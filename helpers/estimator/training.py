@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arguments import flag, number, whole_number
-from ..vocab import QUANTIZED
+from ..vocab import MODES, QUANTIZED
 from .layout import Layout, dims, should_convert
 from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
@@ -150,7 +150,7 @@ def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[E
     if load in QUANTIZED:
         raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
     trainable = lay.params
-    pb = 4 if load == "fp32" else b
+    pb = 4 if MODES[load].bits == 32 else b  # an fp32 load trains in fp32, a 16-bit one in its dtype
     rows.append(EstimateRow("training.gradients", f"gradients ({load})", pb * trainable, "exact"))
     per_param = OPTIMIZERS.get(tr.optimizer)
     opt = 2 * pb * trainable if per_param is None else per_param * trainable
@@ -163,7 +163,7 @@ def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[E
             "torch AdamW: 2 states in the parameter dtype",
         )
     )
-    if tr.master_weights and load != "fp32":
+    if tr.master_weights and MODES[load].bits != 32:
         rows.append(EstimateRow("training.master_weights", "fp32 master weights", 4 * trainable, "exact"))
     return rows, trainable
 
