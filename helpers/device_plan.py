@@ -45,7 +45,7 @@ from .estimator import FRAGMENTATION, auto_class, estimate, resolve_config
 from .estimator.layout import Layout, dims, layout, should_convert, weight_rows
 from .html import Markup, table
 from .units import format_bytes, parse_bytes
-from .vocab import DTYPE_BYTES, FOUR_BIT, MODES, QUANTIZED, SMALLER_LOAD, load_mode_name, torch_dtype
+from .vocab import DEFAULTS, DTYPE_BYTES, FOUR_BIT, MODES, QUANTIZED, SMALLER_LOAD, load_mode_name, torch_dtype
 
 __all__ = [
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
@@ -425,9 +425,9 @@ def plan_devices(
     cpu_memory: int | None = None,
     compute_dtype: str = "auto",
     double_quant: bool = True,
-    batch_size: int = 1,
-    prompt_tokens: int = 512,
-    max_new_tokens: int = 256,
+    batch_size: int = DEFAULTS.batch_size,
+    prompt_tokens: int = DEFAULTS.prompt_tokens,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
     offload_folder: str = "offload",
     device_map: dict | None = None,
     max_memory: dict | None = None,

@@ -45,6 +45,7 @@ from .estimator import FullTraining, LoraTraining, estimate, resolve_config
 from .estimator.layout import layout
 from .html import table
 from .units import format_bytes
+from .vocab import DEFAULTS
 
 __all__ = [
     "STRATEGIES", "TrainingMemory", "training_memory", "DistributedError", "launch", "ddp_qlora_worker",
@@ -159,8 +160,8 @@ def training_memory(
     optimizer: str = "adamw",
     mixed_precision: bool = True,
     quant_storage_sharded: bool = False,
-    seq_len: int = 512,
-    micro_batch: int = 1,
+    seq_len: int = DEFAULTS.seq_len,
+    micro_batch: int = DEFAULTS.micro_batch,
     r: int = 16,
     device: Any = None,
 ) -> TrainingMemory:

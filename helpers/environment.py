@@ -34,6 +34,7 @@ from .session import in_colab
 from .sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
 from .units import GiB, MiB, format_bytes
 from .vocab import (
+    DEFAULTS,
     DOES_NOT_FIT,
     FITS,
     QUANTIZED,
@@ -398,8 +399,8 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
     return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
 
 
-def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = 256, snapshot=None, batch_size: int = 1,
-               prompt_tokens: int = 512) -> list[Check]:  # fmt: skip
+def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS.max_new_tokens, snapshot=None, batch_size: int = DEFAULTS.batch_size,
+               prompt_tokens: int = DEFAULTS.prompt_tokens) -> list[Check]:  # fmt: skip
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
     (as ``device_map="auto"`` splits it), or (without a GPU) a T4? Generating ``batch_size`` sequences of
     ``prompt_tokens`` + ``max_new_tokens`` tokens (a :class:`helpers.LoadPlan`'s budget, which sizes the KV cache)."""
@@ -651,10 +652,10 @@ def _check_stand_ins(snapshot: Any, package_versions: Any, bnb: Any, colab: Any)
 def preflight(
     model: str | None = None,
     load: str = "auto",
-    max_new_tokens: int = 256,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
     *,
-    batch_size: int = 1,
-    prompt_tokens: int = 512,
+    batch_size: int = DEFAULTS.batch_size,
+    prompt_tokens: int = DEFAULTS.prompt_tokens,
     snapshot: MemorySnapshot | None = None,
     package_versions: dict[str, str | None] | None = None,
     bnb: tuple[bool, str] | None = None,

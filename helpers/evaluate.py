@@ -58,7 +58,7 @@ from .results_file import ResultsFile, ResultsWriteError
 from .retry import Attempt, Watch, attempt
 from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
 from .units import format_bytes
-from .vocab import ReducerError
+from .vocab import DEFAULTS, ReducerError
 
 __all__ = [
     "EvalError",
@@ -120,7 +120,7 @@ def safe_generate(
     tokenizer,
     prompts: Any,
     *,
-    max_new_tokens: int = 256,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
     batch_size: int | str = "auto",
     results: str | os.PathLike = "eval_results.jsonl",
     resume: bool = True,

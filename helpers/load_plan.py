@@ -26,6 +26,7 @@ from .gpu_split import (
     check_strategy,
 )
 from .vocab import (
+    DEFAULTS,
     DTYPE_BYTES,
     FOUR_BIT,
     LOAD_MODES,
@@ -81,9 +82,9 @@ class LoadPlan:
     load: str = "nf4"
     double_quant: bool = True
     compute_dtype: str = "auto"
-    max_new_tokens: int = 256
-    batch_size: int = 1
-    prompt_tokens: int = 512
+    max_new_tokens: int = DEFAULTS.max_new_tokens
+    batch_size: int = DEFAULTS.batch_size
+    prompt_tokens: int = DEFAULTS.prompt_tokens
     device_map: str | dict | None = "auto"
     max_memory: dict | None = None
     offload_folder: str | None = None

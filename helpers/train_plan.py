@@ -24,6 +24,7 @@ from .loading import LoadPlan
 from .reducers import liger_available
 from .sources import persistent_path
 from .vocab import (
+    DEFAULTS,
     MODES,
     QUANTIZED,
     DtypeError,
@@ -98,7 +99,7 @@ class TrainPlan:
     alpha: int = 32
     dropout: float = 0.05
     targets: str | list[str] = "all-linear"
-    seq_len: int = 512
+    seq_len: int = DEFAULTS.seq_len
     packing: bool = False
     batch_size: int = 16
     micro_batch: int | None = None

@@ -13,7 +13,7 @@ from .errors import OomkitError
 
 __all__ = [
     "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
-    "DEFAULT_BATCH_SIZE", "DEFAULT_PROMPT_TOKENS", "DEFAULT_NEW_TOKENS", "DEFAULT_SEQ_LEN", "DEFAULT_MICRO_BATCH",
+    "RequestSizes", "DEFAULTS",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
     "LOSSES", "KV_CACHES", "KV_CACHE_BITS", "ReducerError", "loss_name", "kv_cache_name",
@@ -138,11 +138,18 @@ def auto_load_order(bf16: bool) -> tuple[str, ...]:
 # The sizes a plan, an estimate and a panel start from when the user sets none (a chat-sized request:
 # one sequence, a 512-token prompt, 256 new tokens; training at 512 tokens, micro-batch 1). One home, so
 # the notebooks, the CLI, preflight and the estimator answer the same question by default.
-DEFAULT_BATCH_SIZE = 1
-DEFAULT_PROMPT_TOKENS = 512
-DEFAULT_NEW_TOKENS = 256
-DEFAULT_SEQ_LEN = 512
-DEFAULT_MICRO_BATCH = 1
+@dataclass(frozen=True)
+class RequestSizes:
+    """The sizes of a request when the user names none."""
+
+    batch_size: int = 1
+    prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    seq_len: int = 512  # training
+    micro_batch: int = 1  # training
+
+
+DEFAULTS = RequestSizes()
 
 
 # Fit verdicts: an estimate against a device's capacity.

@@ -60,7 +60,7 @@ from .reclaim import unload
 from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from .session import enable_colab_widgets
 from .units import GiB, format_bytes
-from .vocab import DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES, verdict
+from .vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES, verdict
 
 __all__ = [
     "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
@@ -435,9 +435,9 @@ class LoadPanel(Panel):
         *,
         load: str = "nf4",
         double_quant: bool = True,
-        max_new_tokens: int = 256,
-        batch_size: int = 1,
-        prompt_tokens: int = 512,
+        max_new_tokens: int = DEFAULTS.max_new_tokens,
+        batch_size: int = DEFAULTS.batch_size,
+        prompt_tokens: int = DEFAULTS.prompt_tokens,
         kv_cache: str = "dynamic",
         widgets: bool | None = None,
         **plan_fields,

@@ -60,6 +60,18 @@ def test_callers_raise_their_own_error_class_with_the_same_words():
         load_mode(None)
 
 
-def test_default_sizes_are_a_chat_sized_request():
-    assert (vocab.DEFAULT_BATCH_SIZE, vocab.DEFAULT_PROMPT_TOKENS, vocab.DEFAULT_NEW_TOKENS) == (1, 512, 256)
-    assert (vocab.DEFAULT_SEQ_LEN, vocab.DEFAULT_MICRO_BATCH) == (512, 1)
+def test_default_sizes_are_one_value_every_entry_point_starts_from():
+    import inspect
+
+    import helpers
+    from helpers.estimator import LoraTraining
+
+    d = vocab.DEFAULTS
+    assert (d.batch_size, d.prompt_tokens, d.max_new_tokens, d.seq_len, d.micro_batch) == (1, 512, 256, 512, 1)
+    for fn in (helpers.estimate, helpers.preflight, helpers.plan_devices, helpers.LoadPlan, helpers.LoadPanel):
+        params = inspect.signature(fn).parameters
+        for name in ("batch_size", "prompt_tokens", "max_new_tokens"):
+            assert params[name].default == getattr(d, name), (fn, name)
+    assert inspect.signature(helpers.safe_generate).parameters["max_new_tokens"].default == d.max_new_tokens
+    assert (LoraTraining().seq_len, LoraTraining().micro_batch) == (d.seq_len, d.micro_batch)
+    assert helpers.TrainPlan("m").seq_len == d.seq_len

@@ -20,6 +20,7 @@ from ..devices import (
 from ..html import Markup, bar, table
 from ..units import format_bytes
 from ..vocab import (
+    DEFAULTS,
     DTYPE_BYTES,
     TIGHT_FRACTION,
     ReducerError,
@@ -145,9 +146,9 @@ def estimate(
     load: str = "auto",
     double_quant: bool = True,
     compute_dtype: str = "auto",
-    batch_size: int = 1,
-    prompt_tokens: int = 512,
-    max_new_tokens: int = 256,
+    batch_size: int = DEFAULTS.batch_size,
+    prompt_tokens: int = DEFAULTS.prompt_tokens,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
     training: LoraTraining | FullTraining | None = None,
     device: Any = None,
     skip_modules: list[str] | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arguments import flag, number, whole_number
-from ..vocab import MODES, QUANTIZED
+from ..vocab import DEFAULTS, MODES, QUANTIZED
 from .layout import Layout, dims, should_convert
 from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
@@ -42,8 +42,8 @@ class LoraTraining:
     targets: str | list[str] = "all-linear"
     optimizer: str = "paged_adamw_8bit"
     gradient_checkpointing: bool = True
-    seq_len: int = 512
-    micro_batch: int = 1
+    seq_len: int = DEFAULTS.seq_len
+    micro_batch: int = DEFAULTS.micro_batch
     lora_dropout: float = 0.05
     loss: str = "plain"
     offload_activations: bool = False
@@ -75,8 +75,8 @@ class FullTraining:
 
     optimizer: str = "adamw_torch"
     gradient_checkpointing: bool = True
-    seq_len: int = 512
-    micro_batch: int = 1
+    seq_len: int = DEFAULTS.seq_len
+    micro_batch: int = DEFAULTS.micro_batch
     master_weights: bool = False
     loss: str = "plain"
     offload_activations: bool = False
