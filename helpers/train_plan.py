@@ -19,7 +19,7 @@ import torch
 from .arguments import flag, number, whole_number
 from .devices import cuda_capability
 from .errors import OomkitError
-from .estimator import OPTIMIZERS, EstimateRow, LoraTraining, estimate
+from .estimator import OPTIMIZERS, LoraTraining, estimate
 from .loading import LoadPlan
 from .reducers import liger_available
 from .sources import persistent_path
@@ -250,7 +250,7 @@ class TrainPlan:
         if device == "current" and not torch.cuda.is_available():
             device = "cpu"
         compute = prec if self.load in QUANTIZED else "auto"
-        est = estimate(
+        return estimate(
             self.model if model is None else model,
             load=self.load,
             double_quant=self.double_quant,
@@ -258,21 +258,6 @@ class TrainPlan:
             training=self.lora_training(gpu=device != "cpu"),
             device=device,
         )
-        if self.load in QUANTIZED and compute != "fp32":
-            # prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms, lm_head)
-            # to fp32 for training: those weights take twice the room they took after loading
-            plain = est.row("weights.unquantized")
-            est.rows.insert(
-                est.rows.index(plain) + 2,
-                EstimateRow(
-                    "training.fp32_upcast",
-                    "fp32 upcast of unquantized weights",
-                    plain.bytes,
-                    "exact",
-                    "prepare_model_for_kbit_training trains around fp32 norms and embeddings",
-                ),
-            )
-        return est
 
     def lora_config(self, model: torch.nn.Module | None = None):
         """peft ``LoraConfig``; with ``model``, ``"all-linear"`` becomes the explicit module list."""

@@ -211,7 +211,8 @@ def estimate(
                            skip_modules, sampling, inputs["kv_cache"])  # fmt: skip
         rows += _use_rows(config, lay, shape, family_inputs)
     else:
-        rows += training_rows(lay, config, load, b, training)[0]
+        unquantized = next((r.bytes for r in rows if r.key == "weights.unquantized"), 0)
+        rows += training_rows(lay, config, load, b, training, unquantized)[0]
     warnings = (_warnings(lay, config, load, cdtype, dev, inputs), header_notes)
     return _assembled(model, str(name), load, rows, lay, config, (label, dev, device), inputs, warnings, repo)
 

@@ -257,11 +257,17 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
     return rows
 
 
-def training_rows(lay: Layout, config, load: str, b: int, tr) -> tuple[list[EstimateRow], int]:
-    """The rows of one training step and the number of trainable parameters."""
+def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int = 0) -> tuple[list[EstimateRow], int]:
+    """The rows of one training step and the number of trainable parameters (``unquantized``: the bytes of
+    the weights a quantized load keeps in 16 bits, which QLoRA's preparation casts to fp32)."""
     d = dims(config)
     if isinstance(tr, LoraTraining):
         rows, trainable, per_tok_lora = _lora_rows(lay, d, b, tr)
+        if load in QUANTIZED and b < 4:
+            # peft's prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms,
+            # lm_head) to fp32 for training: those weights take twice the room they took after loading
+            rows.insert(0, EstimateRow("training.fp32_upcast", "fp32 upcast of unquantized weights", unquantized,
+                                       "exact", "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))  # fmt: skip
     else:
         (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
     rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
