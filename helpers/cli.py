@@ -1,6 +1,7 @@
 """``python -m helpers COMMAND ...``: the oomkit command line; every command's arguments are parsed here.
 
-Commands import what they run only when called, so ``--help`` stays fast.
+Commands import what they run (torch, transformers) only when called, so ``python -m helpers --help``
+costs about what ``import torch`` does (tests/test_cli.py holds it to that), as accelerate's CLI does.
 """
 
 from __future__ import annotations
@@ -9,23 +10,18 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
-from .device_fixes import fit
-from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
-from .environment import preflight
-from .estimator import EstimateError, FullTraining, LoraTraining, estimate
-from .sources import shipped_configs
-from .units import parse_bytes
-from .vocab import LOAD_MODES
+from .vocab import DEFAULTS, LOAD_MODES
 
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS = {
     "preflight": ("helpers.cli:preflight_main", "check the GPUs, RAM, disk and versions before loading a model"),
     "estimate": ("helpers.cli:estimate_main", "estimate the memory a model needs and whether it fits"),
-    "explain": ("helpers.oom:main", "explain an out-of-memory message (stdin or a file)"),
+    "explain": ("helpers.cli:explain_main", "explain an out-of-memory message (stdin or a file)"),
     "fits": ("helpers.cli:fits_main", "what fits for a model: every load mode on a T4, 2xT4, L4, A100 and this GPU"),
 }
 
@@ -59,11 +55,15 @@ def preflight_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", help="hub id or local path of the model you plan to load")
     parser.add_argument("--load", default="auto", help=f"load mode: auto, {', '.join(LOAD_MODES)}")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1, help="sequences generated at once (sizes the KV cache)")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    parser.add_argument(
+        "--batch", type=int, default=DEFAULTS.batch_size, help="sequences generated at once (sizes the KV cache)"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=DEFAULTS.prompt_tokens, help="prompt length in tokens")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    from .environment import preflight
+
     if args.max_new_tokens < 0:
         parser.error("--max-new-tokens must be >= 0")
     if args.batch < 1 or args.prompt_tokens < 1:
@@ -80,7 +80,10 @@ def preflight_main(argv: list[str] | None = None) -> int:
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 
 
-def _parse_lora(text: str) -> LoraTraining:
+def _parse_lora(text: str):
+    """``--lora r=16,seq_len=1024`` as a :class:`~helpers.estimator.LoraTraining`."""
+    from .estimator import EstimateError, LoraTraining
+
     kw: dict[str, Any] = {}
     for part in filter(None, text.split(",")):
         if "=" not in part:
@@ -115,6 +118,9 @@ def _parse_lora(text: str) -> LoraTraining:
 
 
 def estimate_main(argv: list[str] | None = None) -> int:
+    from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
+    from .sources import shipped_configs
+
     parser = argparse.ArgumentParser(
         prog="python -m helpers estimate",
         description="Estimate the GPU memory a model needs and whether it fits (reads only config.json).",
@@ -126,9 +132,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", default="auto", help=f"{', '.join(LOAD_MODES)} or auto (default)")
     parser.add_argument("--no-double-quant", action="store_true", help="4-bit without double quantization")
     parser.add_argument("--compute-dtype", default="auto")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=DEFAULTS.batch_size)
+    parser.add_argument("--prompt-tokens", type=int, default=DEFAULTS.prompt_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--lora", metavar="K=V,...", help="estimate a LoRA training step, e.g. r=16,seq_len=1024")
     parser.add_argument("--full", action="store_true", help="estimate a full fine-tuning step")
     parser.add_argument(
@@ -138,6 +144,10 @@ def estimate_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the breakdown and verdict as JSON")
     args = parser.parse_args(argv)
+    from .device_fixes import fit
+    from .estimator import EstimateError, FullTraining, estimate
+    from .units import parse_bytes
+
     try:
         device: Any = args.device
         machine = device if device_set(device) else None  # estimated on its first card, fit() splits over all
@@ -170,6 +180,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
 
 def fits_main(argv: list[str] | None = None) -> int:
     """``python -m helpers fits MODEL [--tokens N] [--batch B] [--markdown | --json]``."""
+    from .sources import shipped_configs
+
     parser = argparse.ArgumentParser(
         prog="python -m helpers fits",
         description="Every load mode's weights, KV cache and total, and whether it fits a T4, Kaggle's 2xT4, an L4, "
@@ -178,10 +190,11 @@ def fits_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
     parser.add_argument("--tokens", type=int, default=768, help="tokens per sequence, prompt + answer (default 768)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=DEFAULTS.batch_size)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
+    from .estimator import EstimateError
     from .placement import fits_table
 
     try:
@@ -194,3 +207,48 @@ def fits_main(argv: list[str] | None = None) -> int:
     else:
         print(table.markdown() if args.markdown else table)
     return 0
+
+
+def _message(source: str | None) -> str | None:
+    """The OOM text ``explain`` was given: a file's contents, the message pasted as the argument, or stdin;
+    None (after saying why on stderr) when a named file cannot be read."""
+    if source and source != "-" and not os.path.exists(source):
+        from .oom_messages import is_oom_text
+
+        if " " in source or is_oom_text(source):
+            return source  # the message pasted as the argument, not a file name
+    if source and source != "-":
+        try:
+            with open(source, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError as e:
+            print(f"cannot read {source}: {e.strerror}. Pass a file holding the message, the message itself in "
+                  "quotes, or pipe it in: ... | python -m helpers explain", file=sys.stderr)  # fmt: skip
+            return None
+    if sys.stdin.isatty():
+        print("paste the error message, then Ctrl-D", file=sys.stderr)
+    return sys.stdin.read()
+
+
+def explain_main(argv: list[str] | None = None) -> int:
+    """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file, the argument or stdin.
+    Exit status 0 when the message was read as an OOM form, 1 when not, 2 on bad input."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers explain", description="Explain an out-of-memory message: cause, figures, fixes."
+    )
+    parser.add_argument(
+        "file", nargs="?", help="a file holding the message or log, or the message itself in quotes (default: stdin)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    text = _message(args.file)
+    if text is None:
+        return 2
+    if not text.strip():
+        print("no message given: pass a file or pipe the error text in", file=sys.stderr)
+        return 2
+    from .oom_diagnosis import explain_oom
+
+    report = explain_oom(text)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0 if report.form != "unknown" else 1

@@ -3,15 +3,12 @@
 Recognizing an OOM and reading its message lives in :mod:`helpers.oom_messages`, the diagnosis
 (``explain_oom``, ``OOMReport``) in :mod:`helpers.oom_diagnosis`; both are re-exported here, so
 ``from helpers.oom import X`` works for every name in ``__all__``. This module holds what a user
-runs: the IPython handler (``install``, ``%load_ext helpers.oom``) and ``python -m helpers explain``
-(``main``).
+runs: the IPython handler (``install``, ``%load_ext helpers.oom``); ``python -m helpers explain`` is
+parsed in :mod:`helpers.cli` and calls ``explain_oom``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import traceback
 
@@ -20,7 +17,7 @@ import torch
 from .cuda_errors import BrokenContext, broken_context
 from .oom_diagnosis import CAUSES as CAUSES
 from .oom_diagnosis import OOMReport, explain_oom, largest_tensors
-from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text, oom_in
+from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, oom_in
 from .units import format_bytes
 
 __all__ = [
@@ -32,47 +29,7 @@ __all__ = [
     "largest_tensors",
     "install",
     "uninstall",
-    "main",
 ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file or stdin."""
-    parser = argparse.ArgumentParser(
-        prog="python -m helpers explain", description="Explain an out-of-memory message: cause, figures, fixes."
-    )
-    parser.add_argument(
-        "file", nargs="?", help="a file holding the message or log, or the message itself in quotes (default: stdin)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    if (
-        args.file
-        and args.file != "-"
-        and not os.path.exists(args.file)
-        and (" " in args.file or is_oom_text(args.file))
-    ):
-        text = args.file  # the message pasted as the argument, not a file name
-    elif args.file and args.file != "-":
-        try:
-            text = open(args.file, encoding="utf-8", errors="replace").read()
-        except OSError as e:
-            print(
-                f"cannot read {args.file}: {e.strerror}. Pass a file holding the message, the message itself in "
-                "quotes, or pipe it in: ... | python -m helpers explain",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        if sys.stdin.isatty():
-            print("paste the error message, then Ctrl-D", file=sys.stderr)
-        text = sys.stdin.read()
-    if not text.strip():
-        print("no message given: pass a file or pipe the error text in", file=sys.stderr)
-        return 2
-    report = explain_oom(text)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
-    return 0 if report.form != "unknown" else 1
 
 
 # ---------------------------------------------------------------------------------------------

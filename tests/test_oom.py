@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import io
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers.oom import explain_oom, install, is_oom, main, uninstall
+from helpers.oom import explain_oom, install, is_oom, uninstall
 from helpers.units import GiB, MiB
 
 CUDA_NOW = (
@@ -251,21 +246,6 @@ def test_real_cpu_oom_live_report():
     assert r.form == "cpu" and r.cause == "system_ram" and r.requested == (1 << 45) * 4
     assert r.snapshot is not None
     assert r.tensors[0][0] == "_hold_and_fail().big" and r.tensors[0][1] == 16 * MiB
-
-
-def test_cli(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "log.txt"
-    path.write_text("some training log\n" + CUDA_FRAGMENTED + "\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "helpers", "explain", str(path), "--json"], capture_output=True, text=True, check=True
-    ).stdout
-    assert json.loads(out)["cause"] == "fragmentation"
-    monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
-    assert main([]) == 0 and "system RAM" in capsys.readouterr().out
-    assert main([str(tmp_path / "missing")]) == 2 and "cannot read" in capsys.readouterr().err
-    # the message pasted as the argument is read as the message, not as a file name
-    assert main([CUDA_FRAGMENTED]) == 0 and "Out of memory" in capsys.readouterr().out
-    assert main(["oom.txt"]) == 2 and "the message itself in quotes, or pipe it in" in capsys.readouterr().err
 
 
 def test_ipython_handler_in_process(ipython_shell, capsys):

@@ -1,0 +1,70 @@
+"""``python -m helpers``: every command parsed in helpers/cli.py; ``--help`` imports nothing heavy."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+from test_oom import CPU, CUDA_FRAGMENTED
+
+from helpers.cli import COMMANDS, explain_main, main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True)
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    probe = ("import runpy, sys; sys.argv = ['helpers', '--help']\ntry: runpy.run_module('helpers', run_name='__main__')\n"
+             "except SystemExit: pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")  # fmt: skip
+    out = _run("-c", probe).stdout
+    assert "python -m helpers COMMAND" in out and "HEAVY []" in out
+
+
+def test_help_costs_no_more_than_importing_torch():
+    """As accelerate checks its CLI: ``--help`` within ``import torch`` + 20 % (median of interleaved runs)."""
+    help_s, torch_s = [], []
+    for _ in range(3):
+        for cmd, into in ((["-m", "helpers", "--help"], help_s), (["-c", "import torch"], torch_s)):
+            started = time.perf_counter()
+            _run(*cmd)
+            into.append(time.perf_counter() - started)
+    assert statistics.median(help_s) <= 1.2 * statistics.median(torch_s), (help_s, torch_s)
+
+
+@pytest.mark.parametrize(("command", "option"), [("preflight", "--model"), ("estimate", "--lora"),
+                                                 ("explain", "--json"), ("fits", "--tokens")])  # fmt: skip
+def test_each_command_lists_its_options(command, option, capsys):
+    assert command in COMMANDS
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0 and option in capsys.readouterr().out
+
+
+def test_an_unknown_command_or_option_says_what_to_do(capsys):
+    assert main(["estmate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'estmate'" in err and "estimate" in err
+    with pytest.raises(SystemExit) as done:
+        main(["fits", "Llama-2-7b-hf", "--tokns", "5"])
+    assert done.value.code == 2 and "unrecognized arguments: --tokns" in capsys.readouterr().err
+
+
+def test_explain_reads_a_file_the_argument_or_stdin(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "log.txt"
+    path.write_text("some training log\n" + CUDA_FRAGMENTED + "\n")
+    out = _run("-m", "helpers", "explain", str(path), "--json").stdout
+    assert json.loads(out)["cause"] == "fragmentation"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(CPU))
+    assert explain_main([]) == 0 and "system RAM" in capsys.readouterr().out
+    assert explain_main([str(tmp_path / "missing")]) == 2 and "cannot read" in capsys.readouterr().err
+    # the message pasted as the argument is read as the message, not as a file name
+    assert explain_main([CUDA_FRAGMENTED]) == 0 and "Out of memory" in capsys.readouterr().out
+    assert explain_main(["oom.txt"]) == 2 and "the message itself in quotes, or pipe it in" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("   "))
+    assert explain_main([]) == 2 and "no message given" in capsys.readouterr().err
