@@ -263,7 +263,8 @@ class LoadPlan:
         dq = " + double quant" if self.load in FOUR_BIT and self.double_quant else ""
         return (
             f"LoadPlan({self.model}: {self.load}{dq}, compute {self.resolved_compute_dtype()}, "
-            f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens), "
+            f"batch {self.batch_size} x ({self.prompt_tokens} prompt + {self.max_new_tokens} new tokens)"
+            f"{'' if self.kv_cache in (None, 'dynamic') else f', KV cache {self.kv_cache}'}, "
             f"device_map={self.device_map!r}{'' if self.gpus is None else f', gpus={self.gpus}'})"
         )
 

@@ -309,11 +309,14 @@ class TrainPlan:
     def __str__(self) -> str:
         mb = "? (find_micro_batch)" if self.micro_batch is None else str(self.micro_batch)
         steps = f"{self.max_steps} steps" if self.max_steps else f"{self.epochs:g} epochs"
+        reducers = (f", loss {self.loss}" if self.loss != "plain" else "") + (
+            ", activations offloaded to RAM" if self.offload_activations else ""
+        )  # the memory reducers, when one is on
         return (
             f"TrainPlan({self.model}: {self.load}, LoRA r={self.r} alpha={self.alpha} on {self.targets}, "
             f"seq {self.seq_len}, batch {self.batch_size} = micro {mb} x accumulation "
             f"{self.gradient_accumulation if self.micro_batch else '?'}, {self.resolved_optimizer()}, "
-            f"{self.resolved_precision()}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+            f"{self.resolved_precision()}, checkpointing {'on' if self.gradient_checkpointing else 'off'}{reducers}, "
             f"{steps}, save every {self.save_steps} to {self.resolved_output_dir()})"
         )
 

@@ -191,3 +191,14 @@ def test_use_kv_cache_replaces_a_previous_kind_and_keeps_a_models_own():
     model.generation_config.cache_implementation = "hybrid"  # Gemma-2's own: not oomkit's to undo
     use_kv_cache(model, "dynamic")
     assert model.generation_config.cache_implementation == "hybrid"
+
+
+def test_printed_plans_show_the_reducers_that_are_on():
+    from helpers import LoadPlan, TrainPlan
+
+    on = str(TrainPlan("m", loss="chunked", offload_activations=True))
+    assert "loss chunked" in on and "activations offloaded to RAM" in on
+    off = str(TrainPlan("m"))
+    assert "loss" not in off.split("checkpointing")[1].split(",")[1] and "offloaded" not in off
+    assert "KV cache int4" in str(LoadPlan("m", kv_cache="int4"))
+    assert "KV cache" not in str(LoadPlan("m"))
