@@ -89,18 +89,20 @@ def load_mode(model) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, "fp16")
 
 
-def batch_cache_key(model, max_new_tokens: int) -> tuple:
+def batch_cache_key(model, max_new_tokens: int, kv_cache: str | None = None) -> tuple:
     """The ``find_max_batch_size`` cache key ``safe_generate(batch_size="auto")`` starts from.
 
     Search once with ``find_max_batch_size(step, key=batch_cache_key(model, 256))`` and every later
     ``safe_generate`` of that model and length starts at the size found (and learns from each run).
     """
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return ("safe_generate", str(name), max_new_tokens, str(model_device(model)))
+    key = ("safe_generate", str(name), max_new_tokens, str(model_device(model)))
+    # a smaller KV cache fits a larger batch: its sizes are remembered apart from the default cache's
+    return key if kv_cache in (None, "dynamic") else (*key, f"kv_cache={kv_cache}")
 
 
 def start_size(
-    model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int
+    model, batch_size, *, key: tuple, prompt_tokens: int, max_new_tokens: int, limit: int, kv_cache: str | None = None
 ) -> tuple[int, str]:
     """(start, where it came from): an int given, find_max_batch_size's cache, the estimator, or a first guess."""
     if isinstance(batch_size, BatchSearch):
@@ -125,6 +127,7 @@ def start_size(
                 limit=limit,
                 prompt_tokens=prompt_tokens,
                 max_new_tokens=max_new_tokens,
+                kv_cache=kv_cache,  # the estimate prices the cache kind asked for
             )
             if predicted > 0:
                 return min(predicted, limit), "estimate"

@@ -232,6 +232,7 @@ def _prepare(
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
+    run.kv_cache = kv_cache
     keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
     return items, ids, run
 
@@ -414,6 +415,7 @@ class _Run:
     stop: set[int] = field(default_factory=set)
     model_id: dict = field(default_factory=dict)
     stream: bool = False  # print the first batch's first answer as it is generated
+    kv_cache: str | None = None  # the KV cache kind asked for: sizes the estimate's start and the cache key
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
@@ -445,11 +447,12 @@ def _plan_batches(
     """The token budget the first batch starts from, and the cache key it is remembered under."""
     if run.device.type == "cuda":
         reset_peak_allocated("all")
-    key = batch_cache_key(run.model, run.max_new_tokens)
+    key = batch_cache_key(run.model, run.max_new_tokens, run.kv_cache)
     limit = max(1, min(max_batch_size, pending or 1))
     start, source = start_size(
-        run.model, batch_size, key=key, prompt_tokens=longest, max_new_tokens=run.max_new_tokens, limit=limit
-    )
+        run.model, batch_size, key=key, prompt_tokens=longest, max_new_tokens=run.max_new_tokens, limit=limit,
+        kv_cache=run.kv_cache,
+    )  # fmt: skip
     budget = TokenBudget(start, limit)
     report.started_from = f"{start} ({source})"
     cached = remembered_batch(key) if batch_size == "auto" else None

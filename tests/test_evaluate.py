@@ -100,6 +100,23 @@ def test_injected_ooms_never_lose_or_change_a_result(tiny, reference, tmp_path):
     assert retries >= 50  # the runs really went through the OOM path
 
 
+def test_a_kv_cache_kind_runs_through_to_generate_and_is_remembered_apart(tiny, reference, tmp_path):
+    """safe_generate(kv_cache="fp8"): transformers' 8-bit cache in every batch (greedy tokens equal on the
+    tiny model, as tests/test_reducers.py checks), the kind in the recorded settings, and the batch size
+    it learned remembered under its own key."""
+    from helpers.batch_size import remembered_batch
+    from helpers.eval_batching import batch_cache_key
+
+    model, tok = tiny
+    report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "fp8.jsonl", progress=False,
+                           kv_cache="fp8")  # fmt: skip
+    assert report.done == len(PROMPTS)
+    assert {r["id"]: r["output"] for r in report.records} == reference
+    settings = json.dumps(_lines(tmp_path / "fp8.jsonl")[0])
+    assert "fp8" in settings  # recorded with the generation settings, so a resume with another cache re-runs
+    assert remembered_batch(batch_cache_key(model, NEW, "fp8")) is not None
+
+
 def test_adapts_instead_of_halving_and_grows_back(tiny, tmp_path):
     model, tok = tiny
     bs.clear_cache()
