@@ -432,6 +432,7 @@ def plan_devices(
     device_map: dict | None = None,
     max_memory: dict | None = None,
     strategy: str = "auto",
+    kv_cache: str = "dynamic",
 ) -> DevicePlan:
     """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map=strategy)`` places it.
 
@@ -451,6 +452,8 @@ def plan_devices(
         strategy: the ``device_map`` string to place as: ``"auto"`` (= ``"balanced"``), ``"balanced_low_0"``
             or ``"sequential"``. With the automatic headroom and no ``max_memory`` of yours, a strategy that
             stacks layers on one card (the last two) gets that card's cap lowered until its KV cache fits.
+        kv_cache: the KV cache ``generate()`` keeps (``LoadPlan(kv_cache=...)``): a quantized or offloaded
+            one leaves each GPU more room for layers, as the estimate prices it.
     """
     load = load_mode_name(load, error=PlacementError)
     if strategy not in DEVICE_MAP_STRATEGIES:
@@ -463,7 +466,8 @@ def plan_devices(
     cd = _compute_dtype(load, compute_dtype, gpus)
     b = DTYPE_BYTES[cd]
     est = estimate(config, load=load, double_quant=double_quant, compute_dtype=cd, batch_size=batch_size,
-                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, device=None)  # fmt: skip
+                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
+                   device=None)  # fmt: skip
     rt = _runtime(est, len(gpus))
     room = _headroom(headroom, rt["headroom"])
     ram = int(psutil.virtual_memory().available * OFFLOAD_RAM_SHARE) if cpu_memory is None else int(cpu_memory)

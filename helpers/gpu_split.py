@@ -30,7 +30,7 @@ from .placement import (
     plan_devices,
 )
 from .units import MiB, format_bytes
-from .vocab import FITS, MODES, QUANTIZED, SMALLER_LOAD
+from .vocab import DEFAULTS, FITS, MODES, QUANTIZED, SMALLER_LOAD
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
@@ -104,9 +104,11 @@ def split_plan(
         estimate.source, load=estimate.load, devices=devices, cpu_offload=offload, disk_offload=disk,
         cpu_memory=ram, compute_dtype=_compute_dtype(estimate, all(d["bf16"] for d in devices)),
         double_quant=inputs.get("double_quant", True),
-        batch_size=inputs.get("batch_size", 1), prompt_tokens=inputs.get("prompt_tokens", 512),
-        max_new_tokens=inputs.get("max_new_tokens", 256), device_map=device_map, max_memory=max_memory,
-        offload_folder=offload_folder or "offload", strategy=strategy,
+        batch_size=inputs.get("batch_size", DEFAULTS.batch_size),
+        prompt_tokens=inputs.get("prompt_tokens", DEFAULTS.prompt_tokens),
+        max_new_tokens=inputs.get("max_new_tokens", DEFAULTS.max_new_tokens), device_map=device_map,
+        max_memory=max_memory, offload_folder=offload_folder or "offload", strategy=strategy,
+        kv_cache=inputs.get("kv_cache", "dynamic"),
     )  # fmt: skip
 
 

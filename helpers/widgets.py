@@ -520,12 +520,12 @@ class LoadPanel(Panel):
         devices = self._specs if devices is None else devices
         dq = plan.double_quant if plan.load in FOUR_BIT else None
         key = (hashable_devices(devices), plan.load, dq, plan.compute_dtype, plan.max_new_tokens, plan.batch_size,
-               plan.prompt_tokens)  # fmt: skip
+               plan.prompt_tokens, plan.kv_cache)  # fmt: skip
         if key not in self._placements:
             self._placements[key] = plan_devices(
                 self.config, load=plan.load, devices=devices, compute_dtype=plan.compute_dtype,
                 double_quant=plan.double_quant, batch_size=plan.batch_size, prompt_tokens=plan.prompt_tokens,
-                max_new_tokens=plan.max_new_tokens,
+                max_new_tokens=plan.max_new_tokens, kv_cache=plan.kv_cache,
             )  # fmt: skip
         return self._placements[key]
 

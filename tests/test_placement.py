@@ -139,6 +139,16 @@ def test_kv_cache_follows_the_layers_and_sums_to_the_estimate():
     assert set(plan.max_memory) == {0, 1} and plan.from_pretrained_kwargs()["device_map"] == plan.device_map
 
 
+def test_a_smaller_kv_cache_leaves_the_cards_more_room_as_the_estimate_prices_it():
+    model = "meta-llama/Llama-2-7b-hf"
+    plain = plan_devices(model, load="fp16", devices="kaggle-2xt4", max_new_tokens=4096)
+    fp8 = plan_devices(model, load="fp16", devices="kaggle-2xt4", max_new_tokens=4096, kv_cache="fp8")
+    est = estimate(model, load="fp16", max_new_tokens=4096, kv_cache="fp8")
+    assert sum(s.kv_cache for s in fp8.gpus) == est.group_bytes("kv_cache")
+    assert sum(s.kv_cache for s in fp8.gpus) < sum(s.kv_cache for s in plain.gpus)
+    assert max(s.total for s in fp8.gpus) < max(s.total for s in plain.gpus)
+
+
 def test_overflow_without_offload_is_refused_with_a_fix():
     plan = plan_devices("meta-llama/Llama-2-7b-hf", load="fp16", devices=["t4"], max_new_tokens=4096)
     assert not plan.fits and "do not fit" in plan.reasons[0]
