@@ -341,6 +341,20 @@ def test_two_real_steps_train_save_and_rerun_as_finished(tiny_llama, tmp_path):
     assert again.global_step == 2 and again.finished_before
 
 
+def test_reducers_through_the_trainer_train_as_the_plain_loss(tiny_llama, tmp_path):
+    """TrainPlan(loss="chunked", offload_activations=True) through train()'s Trainer: the same losses step by
+    step as the plain path (same seed, same data), so the reducers change memory, not the training."""
+    losses = {}
+    for name, reducers in (("plain", {}), ("reduced", {"loss": "chunked", "offload_activations": True})):
+        plan = _plan(tiny_llama, tmp_path / name, micro_batch=2, max_steps=2, save_steps=2, dropout=0.0, **reducers)
+        torch.manual_seed(0)
+        model, tok, _ = _prepared(plan)
+        ds = build_dataset(tok, ROWS[:8], plan.seq_len)
+        losses[name] = [x for _, x in train(model, tok, plan, ds).losses]
+    assert len(losses["plain"]) == 2
+    assert losses["reduced"] == pytest.approx(losses["plain"], rel=1e-4)
+
+
 @pytest.mark.cuda
 def test_cuda_qlora_step_peak_is_reported(tiny_llama):
     import importlib.util
