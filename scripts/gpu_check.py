@@ -1,7 +1,8 @@
 """``make gpu-check``: prove every CUDA path on a real GPU capped to a T4, and measure the estimator.
 
 Stages (each resumable from a state folder, since one command on a lent GPU machine may run at most
-10 minutes): env, weights, generate, qlora, context, recovery, pytest_cuda, notebooks. A real run
+10 minutes): env, weights, generate, qlora, context, recovery, attention, reducers (scripts/gpu_reducers.py),
+pytest_cuda, notebooks. A real run
 writes ``bench/results/gpu/<stage>.json`` (``<stage>.error.json`` when a stage fails: the others go
 on) and ``bench/results/gpu/summary.md``, built from every result present. ``--out DIR`` (default
 ``$OUT/gpu`` when ``$OUT`` is set) gets a copy of the small result files after every row, so a call
@@ -37,13 +38,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import gpu_reducers  # noqa: E402
 import gpu_stages  # noqa: E402
 import torch  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu"
 # most valuable first (issue 29): one lent call of at most 9 minutes measures them in this order and
 # writes each row as it is measured, so a call cut off keeps what it got
-STAGES = ("env", "context", "generate", "qlora", "recovery", "attention", "weights", "pytest_cuda", "notebooks")
+STAGES = (
+    "env",
+    "context",
+    "generate",
+    "qlora",
+    "recovery",
+    "attention",
+    "reducers",
+    "weights",
+    "pytest_cuda",
+    "notebooks",
+)
 # a lent machine gives 15 minutes in all and 10 a command: `timeout -s INT 540` around the one call,
 # and stages stop starting new rows after this many seconds from process start (imports included)
 STAGE_BUDGET_S = float(os.environ.get("OOMKIT_GPU_BUDGET_S", 480))
@@ -200,7 +213,8 @@ def run_stage(run: Run, stage: str, fresh: bool) -> dict | None:
     print(f"== {stage}")
     started = time.perf_counter()
     try:
-        result = getattr(gpu_stages, f"stage_{stage}")(run)
+        module = gpu_reducers if stage == "reducers" else gpu_stages
+        result = getattr(module, f"stage_{stage}")(run)
     except Exception as e:  # one stage's failure must not cost the others (KeyboardInterrupt goes up)
         from helpers.environment import versions
 

@@ -72,7 +72,7 @@ def _cell(v) -> str:
     return "-" if v is None else str(v)
 
 
-def _sync_peak_reset() -> None:
+def sync_peak_reset() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -83,11 +83,11 @@ def _allocated() -> int | None:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
 
 
-def _peak() -> int | None:
+def peak_allocated() -> int | None:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
-def _without_context(est) -> int:
+def without_context(est) -> int:
     """The estimate minus what lives outside PyTorch's allocator (compared with allocator figures)."""
     return est.total - sum(r.bytes for r in est.rows if r.key == "overhead.cuda_context")
 
@@ -163,7 +163,7 @@ def build_random_model(hub_id: str, root: Path, layers: int | None = None) -> Pa
             AutoTokenizer.from_pretrained(TINY).save_pretrained(folder)  # any tokenizer: ids stay below the vocab
         finally:
             del model
-            _sync_peak_reset()
+            sync_peak_reset()
         info = {"hub_id": hub_id, "layers": config.num_hidden_layers, "of_layers": full,
                 "build_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         (folder / BUILD_INFO).write_text(json.dumps(info) + "\n")
@@ -208,13 +208,13 @@ def model_note(path: Path) -> list[str]:
     return [f"model: {info['hub_id']} with random weights, {cut}; built and saved in {info['build_seconds']} s"]
 
 
-def _plan(path: Path, load_mode: str, run, double_quant: bool = True) -> LoadPlan:
+def plan_for(path: Path, load_mode: str, run, double_quant: bool = True) -> LoadPlan:
     compute = "fp32" if run.dry else "fp16"  # a T4 computes in fp16; the CPU in fp32
     return LoadPlan(str(path), load=load_mode, double_quant=double_quant, compute_dtype=compute,
                     device_map={"": 0} if not run.dry else None)  # fmt: skip
 
 
-def _partial(run, stage: str) -> list[dict]:
+def partial_rows(run, stage: str) -> list[dict]:
     """The rows an earlier call of this run kind saved, on this card under this cap only."""
     path = run.partial(stage)
     rows = json.loads(path.read_text()) if path.exists() else []
@@ -222,7 +222,7 @@ def _partial(run, stage: str) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in stamp.items())]
 
 
-def _save_partial(run, stage: str, rows: list[dict]) -> None:
+def save_partial(run, stage: str, rows: list[dict]) -> None:
     path = run.partial(stage)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rows, default=str))
@@ -236,7 +236,7 @@ def _t4() -> int:
     return DEVICES["t4"]["capacity"]
 
 
-def _bnb_skipped(run, what: str) -> dict | None:
+def bnb_skipped(run, what: str) -> dict | None:
     ok, why = run.bnb()
     if ok:
         return None
@@ -252,7 +252,7 @@ def _order(cells: list, estimates: dict) -> tuple[list, list]:
     return fit + over[:1], over[1:]
 
 
-def _incomplete(rows: list[dict], wanted: int, notes: list[str] | None = None) -> dict:
+def incomplete(rows: list[dict], wanted: int, notes: list[str] | None = None) -> dict:
     incomplete = len(rows) < wanted
     return {"rows": rows, "incomplete": incomplete,
             "notes": [*(notes or []), *(["time ran out: run again"] if incomplete else [])]}  # fmt: skip
@@ -278,7 +278,7 @@ def stage_env(run) -> dict:
 
 def stage_weights(run) -> dict:
     """estimate().weights vs footprint(model) vs the allocator's growth during the load, per model and mode."""
-    rows = _partial(run, "weights")
+    rows = partial_rows(run, "weights")
     modes = MODES if not run.dry else (("fp32", True), ("int8", True), ("nf4", True), ("nf4", False))
     for name in run.models:
         label_of = {(mode, dq): mode + ("" if dq or mode != "nf4" else " (no dq)") for mode, dq in modes}
@@ -296,23 +296,23 @@ def stage_weights(run) -> dict:
             else:
                 path = path or model_path(name, run)
                 rows.append({**row, **_weights_row(path, mode, dq, row["mode"], run)})
-            _save_partial(run, "weights", rows)
+            save_partial(run, "weights", rows)
         if all((name, label_of[m, dq]) in {(r["name"], r["mode"]) for r in rows} for m, dq in modes):
             drop_model(name, run)
-    return _incomplete(rows, len(run.models) * len(modes))
+    return incomplete(rows, len(run.models) * len(modes))
 
 
 def _weights_row(path: Path, mode: str, dq: bool, label: str, run) -> dict:
     est = estimate(str(path), load=mode, double_quant=dq, compute_dtype="fp32" if run.dry else "fp16",
                    device="current")  # fmt: skip
-    _sync_peak_reset()
+    sync_peak_reset()
     before = _allocated()
     row = {"model": path.name, "mode": label, "estimate": est.weights}
     history = not run.dry
     if history:  # every block's allocating stack: what the allocator holds beyond the model gets a name
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        model, _, _ = load(_plan(path, mode, run, dq), check=False)
+        model, _, _ = load(plan_for(path, mode, run, dq), check=False)
     except torch.OutOfMemoryError as e:
         if history:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -398,7 +398,7 @@ def _unaccounted(model, top: int = 6) -> list[str]:
 
 def stage_generate(run) -> dict:
     """Peak memory of generate() over batch x prompt x new tokens vs the estimate's total."""
-    if skipped := _bnb_skipped(run, "the generate stage (7B in nf4)"):
+    if skipped := bnb_skipped(run, "the generate stage (7B in nf4)"):
         return skipped
     if run.dry:
         grid = [(1, 16, 8), (2, 16, 8)]
@@ -406,14 +406,14 @@ def stage_generate(run) -> dict:
         grid = [(b, p, n) for b in (1, 4, 8) for p in (512, 2048) for n in (256, 1024)]
     else:  # issue 29's cells: what one lent call can measure
         grid = [(b, p, 256) for b in (1, 4) for p in (512, 2048)]
-    rows = _partial(run, "generate")
+    rows = partial_rows(run, "generate")
     done = {(r["batch"], r["prompt"], r["new"]) for r in rows}
     path = big_model(run)
     ests = {c: _generate_estimate(path, *c, run) for c in grid}
     to_run, not_run = _order(grid, {c: e.total for c, e in ests.items()})
     for b, p, n in not_run:
         if (b, p, n) not in done:
-            rows.append({"batch": b, "prompt": p, "new": n, "estimate": _without_context(ests[b, p, n]),
+            rows.append({"batch": b, "prompt": p, "new": n, "estimate": without_context(ests[b, p, n]),
                          "measured": None, "error_pct": None, **run.stamp(),
                          "note": "not run: predicted over the T4 (one such cell runs as the confirmation)"})  # fmt: skip
     model = tokenizer = None
@@ -421,12 +421,12 @@ def stage_generate(run) -> dict:
         if (b, p, n) in done or run.time_left() < 90:
             continue
         if model is None:
-            model, tokenizer, _ = load(_plan(path, "nf4", run), check=False)
+            model, tokenizer, _ = load(plan_for(path, "nf4", run), check=False)
         rows.append({**_generate_row(model, tokenizer, ests[b, p, n], b, p, n), **run.stamp()})
-        _save_partial(run, "generate", rows)
+        save_partial(run, "generate", rows)
     if model is not None:
         unload(model)
-    return _incomplete(rows, len(grid), model_note(path))
+    return incomplete(rows, len(grid), model_note(path))
 
 
 def _generate_estimate(path: Path, b: int, p: int, n: int, run):
@@ -436,17 +436,17 @@ def _generate_estimate(path: Path, b: int, p: int, n: int, run):
 
 def _generate_row(model, tokenizer, est, b: int, p: int, n: int) -> dict:
     ids = torch.randint(3, min(1000, tokenizer.vocab_size), (b, p), device=model.device)
-    _sync_peak_reset()
-    row = {"batch": b, "prompt": p, "new": n, "estimate": _without_context(est), "predicted_fit": est.total <= _t4()}
+    sync_peak_reset()
+    row = {"batch": b, "prompt": p, "new": n, "estimate": without_context(est), "predicted_fit": est.total <= _t4()}
     try:
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     except torch.OutOfMemoryError:
         del ids
-        _sync_peak_reset()
+        sync_peak_reset()
         return {**row, "measured": None, "error_pct": None, "note": "OOM under the T4 cap"}
-    peak = _peak()
+    peak = peak_allocated()
     return {**row, "measured": peak, "reserved": torch.cuda.max_memory_reserved() if peak else None,
             "error_pct": error_pct(row["estimate"], peak)}  # fmt: skip
 
@@ -455,7 +455,7 @@ def stage_qlora(run) -> dict:
     """One QLoRA step's peak vs TrainPlan(...).estimate(), over micro-batch, checkpointing and optimizer."""
     from helpers.finetune import TrainPlan
 
-    if skipped := _bnb_skipped(run, "the qlora stage (7B in nf4)"):
+    if skipped := bnb_skipped(run, "the qlora stage (7B in nf4)"):
         return skipped
     if run.dry:
         cells = [(1, True, "adamw_torch"), (2, True, "adamw_torch")]
@@ -465,7 +465,7 @@ def stage_qlora(run) -> dict:
         ]
     else:  # issue 29's cells, with the optimizer TrainPlan picks on CUDA
         cells = [(1, True, "paged_adamw_8bit"), (2, True, "paged_adamw_8bit")]
-    rows = _partial(run, "qlora")
+    rows = partial_rows(run, "qlora")
     done = {(r["micro_batch"], r["checkpointing"], r["optimizer"]) for r in rows}
     path = big_model(run)
     plans = {(mb, gc, opt): TrainPlan(str(path), load="nf4", micro_batch=mb, batch_size=mb, gradient_checkpointing=gc,
@@ -477,37 +477,37 @@ def stage_qlora(run) -> dict:
     for c in not_run:
         if c not in done:
             rows.append({"micro_batch": c[0], "checkpointing": c[1], "optimizer": c[2],
-                         "estimate": _without_context(ests[c]), "measured": None, "error_pct": None, **run.stamp(),
+                         "estimate": without_context(ests[c]), "measured": None, "error_pct": None, **run.stamp(),
                          "note": "not run: predicted over the T4 (one such cell runs as the confirmation)"})  # fmt: skip
     base = None
     for c in to_run:
         if c in done or run.time_left() < 120:
             continue
         if base is None:  # loaded once: every cell gets the same base model back, its adapters removed
-            base, tokenizer, _ = load(_plan(path, "nf4", run), check=False)
-        row, base = _qlora_row(plans[c], ests[c], base, tokenizer, run)
+            base, tokenizer, _ = load(plan_for(path, "nf4", run), check=False)
+        row, base = qlora_row(plans[c], ests[c], base, tokenizer, run)
         rows.append({**row, **run.stamp()})
-        _save_partial(run, "qlora", rows)
+        save_partial(run, "qlora", rows)
     if base is not None:
         unload(base)
-    return _incomplete(rows, len(cells), model_note(path))
+    return incomplete(rows, len(cells), model_note(path))
 
 
-def _qlora_row(plan, est, base, tokenizer, run):
+def qlora_row(plan, est, base, tokenizer, run):
     """One cell on ``base``; returns the row and the base model to use next (reloaded if it could not be
     taken back from the adapters)."""
     from helpers.finetune import build_dataset, load_instructions, make_trainer, prepare_qlora
 
     row = {"micro_batch": plan.micro_batch, "checkpointing": plan.gradient_checkpointing,
-           "optimizer": plan.optimizer, "estimate": _without_context(est), "predicted_fit": est.total <= _t4()}  # fmt: skip
+           "optimizer": plan.optimizer, "estimate": without_context(est), "predicted_fit": est.total <= _t4()}  # fmt: skip
     model, _ = prepare_qlora(base, plan)
     data = build_dataset(tokenizer, load_instructions()[: 8 * plan.micro_batch], plan.seq_len, packing=True)
     trainer = None
-    _sync_peak_reset()
+    sync_peak_reset()
     try:
         trainer = make_trainer(model, tokenizer, plan, data, report_to=[])
         trainer.train()
-        peak = _peak()
+        peak = peak_allocated()
         row.update(measured=peak, error_pct=error_pct(row["estimate"], peak))
     except torch.OutOfMemoryError:
         row.update(measured=None, error_pct=None, note="OOM under the T4 cap")
@@ -524,10 +524,10 @@ def _qlora_row(plan, est, base, tokenizer, run):
     except Exception as e:  # cannot take it back: load it again
         print(f"  note: reloading the base model ({type(e).__name__}: {e})")
         unload(model)
-        base, _, _ = load(_plan(Path(plan.model), "nf4", run), check=False)
+        base, _, _ = load(plan_for(Path(plan.model), "nf4", run), check=False)
     del model
     gc.collect()
-    _sync_peak_reset()
+    sync_peak_reset()
     return row, base
 
 
@@ -549,7 +549,7 @@ def _saved_census(model, plan, est, run) -> dict:
     ids = torch.randint(3, 1000, (plan.micro_batch, plan.seq_len), device=model.device)
     dtype = torch.float16 if not run.dry else torch.bfloat16
     model.train()
-    _sync_peak_reset()
+    sync_peak_reset()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(model.device.type, dtype):
             out = model(input_ids=ids, labels=ids)
@@ -633,7 +633,7 @@ def stage_attention(run) -> dict:
     path = model_path("tinyllama", run) if not run.dry else TINY
     est = estimate(str(path), load=mode, batch_size=1, prompt_tokens=prompt, max_new_tokens=1,
                    compute_dtype=mode, device="cpu" if run.dry else "current")  # fmt: skip
-    model, tokenizer, _ = load(_plan(path, mode, run), check=False)
+    model, tokenizer, _ = load(plan_for(path, mode, run), check=False)
     keep_gqa_off_math_kernel()  # load() applies it where no fused GQA kernel exists; the dry run too
     fixed = sdpa_attention.use_gqa_in_sdpa
     shipped = getattr(fixed, "__wrapped__", fixed)
@@ -664,7 +664,7 @@ def _last_logits(model, prompt: int):
         with torch.inference_mode():
             return model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().cpu()
     except torch.OutOfMemoryError:
-        _sync_peak_reset()
+        sync_peak_reset()
         return None
 
 
@@ -679,7 +679,7 @@ def stage_recovery(run) -> dict:
     Each check is saved as it ends; a call cut off continues with the next one."""
     import gpu_recovery
 
-    rows = _partial(run, "recovery")
+    rows = partial_rows(run, "recovery")
     done = {r.get("name") for r in rows}
     model = tokenizer = None
     try:
@@ -691,18 +691,18 @@ def stage_recovery(run) -> dict:
             else:
                 if name in NEEDS_MODEL and model is None:
                     mode = "fp32" if run.dry else "nf4"
-                    model, tokenizer, _ = load(_plan(big_model(run), mode, run), check=False)
+                    model, tokenizer, _ = load(plan_for(big_model(run), mode, run), check=False)
                 elif name not in NEEDS_MODEL and model is not None:
                     unload(model)  # the other checks want the card to themselves
                     model = None
                 fn = getattr(gpu_recovery, name)
                 row = fn(model, tokenizer, run) if name in NEEDS_MODEL else fn(run)
             rows.append({**row, "name": name, **run.stamp()})
-            _save_partial(run, "recovery", rows)
+            save_partial(run, "recovery", rows)
     finally:
         if model is not None:
             unload(model)
-    return _incomplete(rows, len(RECOVERY_CHECKS))
+    return incomplete(rows, len(RECOVERY_CHECKS))
 
 
 def _cuda_test_files() -> list[str]:

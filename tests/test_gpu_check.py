@@ -32,7 +32,7 @@ def test_dry_run_runs_every_stage_and_resumes(tmp_path, tiny_llama):
     assert all(n.endswith((".json", ".md")) for n in copied) and not list((export / "state").rglob("*.json"))
     stages = json.loads((out / "env.json").read_text())
     assert stages["machine"]["dry_run"] is True and stages["machine"]["cuda"] is None  # never claims a GPU
-    for stage in ("weights", "generate", "qlora", "context", "recovery", "pytest_cuda", "notebooks"):
+    for stage in ("weights", "generate", "qlora", "context", "recovery", "reducers", "pytest_cuda", "notebooks"):
         result = json.loads((out / f"{stage}.json").read_text())
         for row in result["rows"]:
             if "estimate" in row:
@@ -42,6 +42,10 @@ def test_dry_run_runs_every_stage_and_resumes(tmp_path, tiny_llama):
     assert all(abs(r["error_pct"]) <= 0.5 for r in weights)  # exact on the tiny model, CPU too
     recovery = json.loads((out / "recovery.json").read_text())["rows"]
     assert all(r["met"] for r in recovery), recovery
+    reducers = {r["cell"]: r for r in json.loads((out / "reducers.json").read_text())["rows"]}
+    chunked = reducers["loss=chunked, offload=off, checkpointing=on"]
+    assert chunked["saved_estimated"] >= 0 and "saved_measured" not in chunked  # priced; measured on a GPU only
+    assert {"kv_cache=dynamic", "kv_cache=fp8"} <= reducers.keys() and "kv_cache=offload" not in reducers
     assert "DRY RUN" in (out / "summary.md").read_text()
     assert sorted((REPO / "bench" / "results" / "gpu").glob("*.json")) == gpu_results  # nothing written there
 
@@ -97,9 +101,9 @@ def test_each_row_reaches_the_out_folder_and_only_rows_of_this_card_resume(tmp_p
     run = harness.Run(dry=True, state=tmp_path / "dry", out=tmp_path / "dry", export=tmp_path / "out")
     run.state.mkdir()
     rows = [{"name": "tiny", "mode": "fp32", **run.stamp()}, {"name": "tiny", "mode": "int8", "gpu": "NVIDIA H200"}]
-    gpu_stages._save_partial(run, "weights", rows)
+    gpu_stages.save_partial(run, "weights", rows)
     assert json.loads((tmp_path / "out" / "state" / "dry" / "weights.partial.json").read_text()) == rows
-    assert gpu_stages._partial(run, "weights") == rows[:1]  # another card's row is never merged
+    assert gpu_stages.partial_rows(run, "weights") == rows[:1]  # another card's row is never merged
 
 
 def test_an_interrupted_model_build_is_never_reused(tmp_path, monkeypatch):
