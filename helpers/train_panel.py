@@ -39,6 +39,11 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+# The micro-batch dropdown's "let find_micro_batch measure it" choice. Not None: ipywidgets reads a None
+# value as "nothing selected" and showed the dropdown blank.
+AUTO = "auto"
+
+
 class TrainPanel(Panel):
     """Widgets over a :class:`TrainPlan`: load mode, double quant, gradient checkpointing, LoRA rank,
     sequence length, micro-batch, loss and activation offload, with the training-step estimate
@@ -74,7 +79,7 @@ class TrainPanel(Panel):
                 "micro_batch",
                 "Micro-batch",
                 "dropdown",
-                (("auto (measure)", None), *((str(d), d) for d in divisors(plan.batch_size))),
+                (("auto (measure)", AUTO), *((str(d), d) for d in divisors(plan.batch_size))),
             ),
             Control("loss", "Loss", "dropdown", loss_choices()),
             Control("offload_activations", "Offload activations", "checkbox"),
@@ -85,14 +90,21 @@ class TrainPanel(Panel):
             "gradient_checkpointing": plan.gradient_checkpointing,
             "r": plan.r,
             "seq_len": plan.seq_len,
-            "micro_batch": plan.micro_batch,
+            "micro_batch": AUTO if plan.micro_batch is None else plan.micro_batch,
             "loss": plan.loss,
             "offload_activations": plan.offload_activations,
         }
         super().__init__(plan.model, device, values, widgets)
 
     def plan_for(self, values: dict) -> TrainPlan:
-        return self._base.replace(**values)
+        micro = values["micro_batch"]
+        return self._base.replace(**{**values, "micro_batch": None if micro in (AUTO, None) else micro})
+
+    def set(self, **values):
+        """As :meth:`Panel.set`; ``micro_batch=None`` is the "auto (measure)" choice."""
+        if "micro_batch" in values and values["micro_batch"] is None:
+            values["micro_batch"] = AUTO
+        return super().set(**values)
 
     def estimate_plan(self, plan: TrainPlan):
         return plan.estimate(self.estimate_device, model=self.config)

@@ -23,7 +23,9 @@ def panel(tmp_path):
 def test_widgets_drive_the_plan_and_its_estimate(panel):
     assert panel.plan.micro_batch is None  # none in the plan: "auto", find_micro_batch decides (margin kept)
     options = [value for _, value in panel.controls["micro_batch"].options]
-    assert options == [None, 1, 2, 4, 8, 16]  # auto, then exact accumulation only
+    assert options == ["auto", 1, 2, 4, 8, 16]  # auto, then exact accumulation only
+    shown = panel.controls["micro_batch"]
+    assert (shown.index, shown.label) == (0, "auto (measure)")  # a None value showed the dropdown blank
     assert panel.state.verdict == "fits"
     # moving the controls as a user does: the plan and the estimate follow, and the bar redraws
     panel.controls["micro_batch"].value = 16
@@ -62,6 +64,9 @@ def test_set_validates_before_changing_anything(panel):
     with pytest.raises(TypeError, match="unknown panel value"):
         panel.set(max_new_tokens=64)
     assert panel.plan.micro_batch is None
+    panel.set(micro_batch=4)
+    panel.set(micro_batch=None)  # back to "auto (measure)", shown as such
+    assert panel.plan.micro_batch is None and panel.controls["micro_batch"].label == "auto (measure)"
 
 
 def test_a_model_name_instead_of_a_plan_is_a_clear_error():
