@@ -390,6 +390,25 @@ def placement_spill(
     return [f"{why}: generation will be much slower. Better: {fix}"], placed
 
 
+# What transformers needs to load a GPTQ or AWQ checkpoint (transformers/quantizers/quantizer_gptq.py and
+# quantizer_awq.py): optimum's GPTQ quantizer and gptqmodel's kernels (CPU ones too), gptqmodel for AWQ.
+PREQUANTIZED_BACKENDS = {"gptq": ("optimum", "gptqmodel"), "awq": ("gptqmodel",)}
+
+
+def check_prequantized_backend(plan: LoadPlan) -> None:
+    """Refuse a GPTQ/AWQ checkpoint this environment cannot load, before any weight is read, naming what to
+    install (transformers would raise its ImportError only once the download is under way)."""
+    needs = PREQUANTIZED_BACKENDS.get(plan.load, ())
+    missing = [name for name in needs if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LoadRefused(
+            f"{plan.model} is saved quantized with {plan.load.upper()}: loading it needs {' and '.join(missing)}, "
+            "which is not installed",
+            f"pip install {' '.join(missing)} (then restart the runtime); or load the original, unquantized model "
+            "with load='nf4' (bitsandbytes quantizes it while loading)",
+        )
+
+
 def check_prequantized_map(plan: LoadPlan, estimate) -> None:
     """Refuse a ``device_map`` of the user's that offloads part of a checkpoint saved quantized by bitsandbytes:
     transformers cannot load it so (``PREQUANTIZED_OFFLOAD``). Every module on the CPU is no offload."""
@@ -459,6 +478,7 @@ def check_plan(
     device = "cuda" if snap.backend == "cuda" else ("mps" if snap.backend == "mps" else "cpu")
     check_bitsandbytes(plan.load, device, bnb)
     check_ram_for_loading(plan.model, snap)
+    check_prequantized_backend(plan)
     est = estimate if estimate is not None else plan.estimate("current")
     check_prequantized_map(plan, est)
     checked = PlanCheck(plan=plan, source=source, estimate=est, max_memory=plan.max_memory)

@@ -31,6 +31,7 @@ from .vocab import (
     FOUR_BIT,
     LOAD_MODES,
     MODES,
+    PREQUANTIZED,
     QUANTIZED,
     dtype_name,
     kv_cache_name,
@@ -103,7 +104,9 @@ class LoadPlan:
                 f"model must be a hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder, got {self.model!r}"
             )
         self.model = str(self.model)
-        self.load = load_mode_name(self.load, auto=True, error=ValueError)
+        if not (isinstance(self.load, str) and self.load.lower() in PREQUANTIZED):  # a GPTQ/AWQ repo loads as saved
+            self.load = load_mode_name(self.load, auto=True, error=ValueError)
+        self.load = self.load.lower()
         try:
             self.compute_dtype = dtype_name(self.compute_dtype)  # torch.float16, "float16", "half" ... -> "fp16"
         except ValueError as e:
@@ -156,9 +159,7 @@ class LoadPlan:
                 f"load='auto' picks the widest load mode that fits this machine, which needs the config of "
                 f"{self.model!r}: {e}. Or pass load= one of {', '.join(LOAD_MODES)}"
             ) from None
-        if chosen not in LOAD_MODES:  # a pre-quantized checkpoint (GPTQ, AWQ): not a mode LoadPlan sets
-            raise ValueError(f"load='auto': {self.model!r} is pre-quantized ({chosen}); pass load= explicitly")
-        return chosen
+        return chosen  # a load mode, or a GPTQ/AWQ checkpoint's own ("gptq", "awq"): it loads as saved
 
     @property
     def quantized(self) -> bool:

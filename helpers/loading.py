@@ -42,6 +42,7 @@ from .load_checks import (
     check_bitsandbytes,
     check_model_source,
     check_plan,
+    check_prequantized_backend,
     check_prequantized_map,
     check_ram_for_loading,
     find_token,
@@ -194,7 +195,7 @@ def load(
 
 
 def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) -> PlanCheck:
-    """The pre-load checks (all of them, or with ``check=False`` only paths, adapter and bitsandbytes)."""
+    """The pre-load checks (all of them, or with ``check=False`` only paths, adapter and the quantization backends)."""
     if check:
         return check_plan(plan, snapshot=snapshot, bnb=bnb)
     token = plan.token or find_token()
@@ -202,6 +203,7 @@ def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) 
     if plan.adapter:
         check_adapter(plan.adapter)
     check_bitsandbytes(plan.load, device_kind(), bnb)
+    check_prequantized_backend(plan)
     check_prequantized_map(plan, checked.estimate)  # a certain failure, not a risk to accept
     return checked
 

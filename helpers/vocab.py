@@ -12,7 +12,7 @@ from typing import Any
 from .errors import OomkitError
 
 __all__ = [
-    "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "PREQUANTIZED", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
     "RequestSizes", "DEFAULTS",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
@@ -64,6 +64,9 @@ MODES: dict[str, LoadMode] = {
     )
 }  # fmt: skip
 LOAD_MODES = tuple(MODES)
+# Checkpoints saved quantized by GPTQ or AWQ (int32-packed weights, fp16 scales per group): they load as
+# saved, with the kernels of their own backend, so they are a plan's load mode only for such a repo.
+PREQUANTIZED = ("gptq", "awq")
 QUANTIZED = tuple(n for n, m in MODES.items() if m.quantized)  # bitsandbytes: LLM.int8 and the two 4-bit data types
 SMALLER_LOAD = {n: m.smaller for n, m in MODES.items() if m.smaller}
 FOUR_BIT = tuple(n for n, m in MODES.items() if m.four_bit)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..vocab import PREQUANTIZED
 from .layout import Layout, should_convert, tied_note
 from .rows import EstimateError, EstimateRow
 
 __all__ = ["RepoQuantization", "repo_quantization", "packed_rows", "PACKED_METHODS"]
 
-PACKED_METHODS = ("gptq", "awq")  # int32-packed weights with fp16 scales per group, estimated here only
+PACKED_METHODS = PREQUANTIZED  # int32-packed weights with fp16 scales per group
 
 
 @dataclass
