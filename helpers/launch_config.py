@@ -29,8 +29,8 @@ import yaml
 
 from .devices import auto_compute_dtype, resolve_devices
 from .distributed import DistributedError, TrainingMemory, run_streaming, training_memory
+from .host_ram import MACHINE_RAM, RankRam, rank_ram
 from .memory import ram_readout
-from .rank_ram import MACHINE_RAM, RankRam, rank_ram
 from .units import format_bytes
 from .vocab import QUANTIZED  # a frozen quantized base: training_memory's QLoRA count
 

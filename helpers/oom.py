@@ -17,12 +17,13 @@ import torch
 from .cuda_errors import BrokenContext, broken_context
 from .oom_diagnosis import CAUSES as CAUSES
 from .oom_diagnosis import OOMReport, explain_oom, largest_tensors
-from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, oom_in
+from .oom_messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text, oom_in
 from .units import format_bytes
 
 __all__ = [
     "OOM_SIGNATURES",
     "is_oom",
+    "is_oom_text",
     "OOM_FORMS",
     "OOMReport",
     "explain_oom",

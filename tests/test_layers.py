@@ -41,7 +41,7 @@ LAYERS = [
         "train_plan",
         "training_data",
         "adapters",
-        "rank_ram",
+        "host_ram",
     },
     {
         "evaluate",

@@ -6,7 +6,7 @@ import pytest
 
 import helpers
 from helpers.distributed import DistributedError
-from helpers.rank_ram import MACHINE_RAM, PROCESS_RUNTIME_RAM, RankRamError, rank_ram
+from helpers.host_ram import MACHINE_RAM, PROCESS_RUNTIME_RAM, RankRamError, rank_ram
 from helpers.units import GiB, MiB
 
 
