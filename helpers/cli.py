@@ -26,6 +26,13 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose error is one line, what is wrong and where the options are, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def usage() -> str:
     lines = ["usage: python -m helpers COMMAND [options]", "", "commands:"]
     lines += [f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -47,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def preflight_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m helpers preflight",
         description="Check every GPU, RAM, disk and versions before loading a model; with --model, whether it "
         "fits one GPU or, on a machine with several (Kaggle's 2×T4), split across them as device_map='auto' "
@@ -121,7 +128,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
     from .sources import shipped_configs
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m helpers estimate",
         description="Estimate the GPU memory a model needs and whether it fits (reads only config.json).",
         epilog="Exit status: 0 it fits (or is tight) on the device, or no device to fit against; 1 it does not "
@@ -182,7 +189,7 @@ def fits_main(argv: list[str] | None = None) -> int:
     """``python -m helpers fits MODEL [--tokens N] [--batch B] [--markdown | --json]``."""
     from .sources import shipped_configs
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m helpers fits",
         description="Every load mode's weights, KV cache and total, and whether it fits a T4, Kaggle's 2xT4, an L4, "
         "an A100 40/80 GB and this GPU (reads only config.json).",
@@ -233,7 +240,7 @@ def _message(source: str | None) -> str | None:
 def explain_main(argv: list[str] | None = None) -> int:
     """``python -m helpers explain [FILE] [--json]``: explain an OOM message from a file, the argument or stdin.
     Exit status 0 when the message was read as an OOM form, 1 when not, 2 on bad input."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m helpers explain", description="Explain an out-of-memory message: cause, figures, fixes."
     )
     parser.add_argument(

@@ -52,7 +52,9 @@ def test_an_unknown_command_or_option_says_what_to_do(capsys):
     assert "unknown command 'estmate'" in err and "estimate" in err
     with pytest.raises(SystemExit) as done:
         main(["fits", "Llama-2-7b-hf", "--tokns", "5"])
-    assert done.value.code == 2 and "unrecognized arguments: --tokns" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "unrecognized arguments: --tokns" in err
+    assert err.count("\n") == 1 and "see python -m helpers fits --help" in err  # one line, not the usage block
 
 
 def test_explain_reads_a_file_the_argument_or_stdin(tmp_path, monkeypatch, capsys):
