@@ -396,7 +396,9 @@ def cublas_workspace(device: Any, dev: dict | None) -> int:
 
 def _overhead_rows(rows: list[EstimateRow], n_tensors: int, *, workspace: int) -> list[EstimateRow]:
     """``workspace`` is the cuBLAS workspace's bytes, 0 on CPU (no CUDA context either)."""
-    transient = sum(r.bytes for r in rows if r.group != "weights")
+    # the weights, and QLoRA's fp32 copy of the unquantized ones (allocated once, held for the whole run),
+    # are not transient: the GPU check's QLoRA cells were measured against estimates that left it out
+    transient = sum(r.bytes for r in rows if r.group != "weights" and r.key != "training.fp32_upcast")
     out = [
         EstimateRow("overhead.rounding", "allocator rounding", n_tensors * 256, "formula",
                     "512-byte blocks, ~256 B lost per tensor"),
