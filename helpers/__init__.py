@@ -37,7 +37,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["plan_devices", "DevicePlan"], "device_plan"),
     **dict.fromkeys(["fits_table", "FitsTable", "ModelFits"], "placement"),
     **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
-    **dict.fromkeys(["write_launch_config", "launch_plan", "LaunchConfig"], "launch_config"),
+    **dict.fromkeys(["write_launch_config", "launch_plan", "launch_qlora", "LaunchConfig"], "launch_config"),
     **dict.fromkeys(["rank_ram", "RankRam"], "host_ram"),
     **dict.fromkeys(["LoadPanel"], "widgets"),
     **dict.fromkeys(["TrainPanel"], "train_panel"),

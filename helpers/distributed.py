@@ -49,6 +49,7 @@ from .vocab import DEFAULTS
 
 __all__ = [
     "STRATEGIES", "TrainingMemory", "training_memory", "DistributedError", "launch", "ddp_qlora_worker",
+    "worker_args", "collect_ranks", "clear_ranks",
     "RankReport", "DDPRun", "run_ddp_qlora", "largest_layer_params", "choose_launcher", "other_threads",
 ]  # fmt: skip
 
@@ -513,13 +514,8 @@ class DDPRun:
                      title=escape(str(self).splitlines()[0]))  # fmt: skip
 
 
-def run_ddp_qlora(
-    model: str, out_dir: str | Path, *, num_processes: int = 2, via: str = "auto", **worker_kwargs
-) -> DDPRun:
-    """Launch :func:`ddp_qlora_worker` on ``num_processes`` processes and collect their reports."""
-    out = Path(out_dir)
-    for old in out.glob("rank*.json"):
-        old.unlink()
+def worker_args(model: str, out_dir: str | Path, **worker_kwargs) -> tuple:
+    """:func:`ddp_qlora_worker`'s arguments, its defaults filled in (tiny-model sized: 8 steps of 64 tokens)."""
     kwargs = {
         "steps": 8,
         "seq_len": 64,
@@ -529,11 +525,34 @@ def run_ddp_qlora(
         "load": "nf4",
         **worker_kwargs,
     }
-    launch(ddp_qlora_worker, (str(model), str(out), *kwargs.values()), num_processes=num_processes, via=via)
-    files = sorted(out.glob("rank*.json"))
+    return (str(model), str(out_dir), *kwargs.values())
+
+
+def collect_ranks(out_dir: str | Path, num_processes: int) -> DDPRun:
+    """The reports the ranks of a DDP QLoRA run wrote to ``out_dir``; an error when one is missing."""
+    files = sorted(Path(out_dir).glob("rank*.json"))
     if len(files) != num_processes:
-        raise DistributedError(f"{len(files)} of {num_processes} ranks wrote a report to {out}; see the output above")
+        raise DistributedError(
+            f"{len(files)} of {num_processes} ranks wrote a report to {out_dir}; see the output above"
+        )
     return DDPRun([RankReport(**json.loads(f.read_text())) for f in files])
+
+
+def clear_ranks(out_dir: str | Path) -> Path:
+    """``out_dir`` without an earlier run's rank reports (a rank that fails must not be read from an old file)."""
+    out = Path(out_dir)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    return out
+
+
+def run_ddp_qlora(
+    model: str, out_dir: str | Path, *, num_processes: int = 2, via: str = "auto", **worker_kwargs
+) -> DDPRun:
+    """Launch :func:`ddp_qlora_worker` on ``num_processes`` processes and collect their reports."""
+    out = clear_ranks(out_dir)
+    launch(ddp_qlora_worker, worker_args(model, out, **worker_kwargs), num_processes=num_processes, via=via)
+    return collect_ranks(out, num_processes)
 
 
 def _main(argv: list[str]) -> None:

@@ -28,7 +28,16 @@ import torch
 import yaml
 
 from .devices import auto_compute_dtype, resolve_devices
-from .distributed import DistributedError, TrainingMemory, run_streaming, training_memory
+from .distributed import (
+    DDPRun,
+    DistributedError,
+    TrainingMemory,
+    clear_ranks,
+    collect_ranks,
+    run_streaming,
+    training_memory,
+    worker_args,
+)
 from .host_ram import MACHINE_RAM, RankRam, rank_ram
 from .memory import ram_readout
 from .units import format_bytes
@@ -37,7 +46,7 @@ from .vocab import QUANTIZED  # a frozen quantized base: training_memory's QLoRA
 if TYPE_CHECKING:
     from .train_plan import TrainPlan
 
-__all__ = ["LAUNCH_STRATEGIES", "OFFLOADS", "LaunchConfig", "write_launch_config", "launch_plan"]
+__all__ = ["LAUNCH_STRATEGIES", "OFFLOADS", "LaunchConfig", "write_launch_config", "launch_plan", "launch_qlora"]
 
 # what accelerate calls each strategy oomkit writes a config for
 LAUNCH_STRATEGIES = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
@@ -367,3 +376,14 @@ def launch_plan(
         last = "\n".join(f"  {line}" for line in list(tail)[-8:])
         raise DistributedError(f"accelerate launch of {module} ({config.strategy}, {config.world_size} processes) "
                                f"exited with status {code}: {'; '.join(errors)}\nthe last lines:\n{last}")  # fmt: skip
+
+
+def launch_qlora(config: LaunchConfig, model: str, out_dir: str | Path, *, timeout: float | None = None,
+                 **worker_kwargs) -> DDPRun:  # fmt: skip
+    """The DDP QLoRA run of :func:`helpers.distributed.run_ddp_qlora`, launched through the accelerate config
+    :func:`write_launch_config` wrote (``accelerate launch --config_file ...``): one process per GPU it names
+    (CPU processes joined by gloo without one), each rank's report collected."""
+    out = clear_ranks(out_dir)
+    worker = ["helpers.distributed:ddp_qlora_worker", json.dumps(worker_args(model, out, **worker_kwargs))]
+    launch_plan(config, "helpers.distributed", worker, timeout=timeout)
+    return collect_ranks(out, config.world_size)

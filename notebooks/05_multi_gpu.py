@@ -123,10 +123,18 @@ fits_table()
 # the KV cache (by the layers placed there) and of the activations.
 
 # %%
-from helpers import plan_devices
+from helpers import estimate, fit, plan_devices
 from helpers.placement import reference_configs
 
 big = reference_configs()[BIG_MODEL]
+fit(estimate(big, load="fp16", device="t4"), DEVICES)  # not on GPU 0 alone: the fixes, both GPUs among them
+
+# %% [markdown]
+# `fit()` ranks the ways out: a smaller load mode, a shorter generation, and past one card the split over
+# Kaggle's two T4s (or layers offloaded to CPU RAM, with their cost per token). The split it proposes is
+# this plan:
+
+# %%
 plan_devices(big, load="fp16", devices=DEVICES)
 
 # %% [markdown]
@@ -240,6 +248,25 @@ n = min(DDP_PROCESSES, torch.cuda.device_count()) if gpus else DDP_PROCESSES
 run = run_ddp_qlora(MODEL, OUTPUT_DIR, num_processes=n, steps=DDP_STEPS, seq_len=SEQ_LEN, learning_rate=LEARNING_RATE)
 print(run)
 run
+
+# %% [markdown]
+# ### The same run from an accelerate config
+# Outside a notebook (a script, a Kaggle "Save & Run", several machines) the run goes through
+# `accelerate launch`. `write_launch_config` writes the config that realises a `TrainPlan` on these
+# GPUs (DDP here; FSDP or DeepSpeed ZeRO-2/3 with its JSON by `strategy=`), with the memory per GPU
+# and the host RAM every process needs while it loads (each rank loads its own copy);
+# `launch_qlora` launches the same DDP QLoRA worker through it and collects the ranks' reports.
+# Without a GPU the config asks for CPU processes joined by gloo.
+
+# %%
+from helpers import TrainPlan, launch_qlora, write_launch_config
+
+train_plan = TrainPlan(MODEL, load=LOAD, batch_size=2 * n, micro_batch=2, seq_len=SEQ_LEN)
+config = write_launch_config(train_plan, f"{OUTPUT_DIR}/launch", devices=n if not gpus else "current", strategy="ddp")
+print(config)
+launched = launch_qlora(config, MODEL, f"{OUTPUT_DIR}/accelerate", steps=DDP_STEPS, seq_len=SEQ_LEN,
+                        learning_rate=LEARNING_RATE, load=LOAD)
+launched
 
 # %% [markdown]
 # ## 8. Cleanup

@@ -18,7 +18,7 @@ from conftest import retry_gloo_connect  # noqa: E402
 
 from helpers.distributed import DistributedError, RankReport
 from helpers.finetune import TrainPlan
-from helpers.launch_config import launch_plan, write_launch_config
+from helpers.launch_config import launch_plan, launch_qlora, write_launch_config
 
 MODEL = "meta-llama/Llama-2-7b-hf"
 
@@ -194,12 +194,10 @@ def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[R
     plan = TrainPlan(str(tiny_llama), load=load, batch_size=4, micro_batch=2, seq_len=32, r=8)
     written = write_launch_config(plan, tmp_path / "config", devices=2, strategy=strategy)
     assert written.on_cpu and _accelerate(written.config_file).num_processes == 2
-    out = tmp_path / "ranks"
-    worker = ["helpers.distributed:ddp_qlora_worker", json.dumps([str(tiny_llama), str(out), 4, 32, 2, 8, 1e-3, load])]
     started = time.perf_counter()
-    retry_gloo_connect(lambda: launch_plan(written, "helpers.distributed", worker, timeout=120))
-    files = sorted(out.glob("rank*.json"))
-    return [RankReport(**json.loads(f.read_text())) for f in files], time.perf_counter() - started
+    run = retry_gloo_connect(lambda: launch_qlora(written, str(tiny_llama), tmp_path / "ranks", timeout=120, steps=4,
+                                                  seq_len=32, micro_batch=2, r=8, learning_rate=1e-3, load=load))  # fmt: skip
+    return run.ranks, time.perf_counter() - started
 
 
 @pytest.mark.slow
