@@ -40,6 +40,7 @@ LAYERS = [
         "train_view",
         "train_plan",
         "training_data",
+        "family_data",
         "adapters",
     },
     {
