@@ -41,6 +41,7 @@ LAYERS = [
         "train_plan",
         "training_data",
         "family_data",
+        "eval_inputs",
         "adapters",
     },
     {
