@@ -51,6 +51,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["TrainPlan", "FinetuneError"], "train_plan"),
     **dict.fromkeys(["prepare_qlora", "save_adapter", "merge_adapter"], "adapters"),
     **dict.fromkeys(["load_instructions", "build_dataset", "answer"], "training_data"),
+    **dict.fromkeys(["load_processor", "build_family_dataset"], "family_data"),
     **dict.fromkeys(["find_micro_batch", "train"], "finetune"),
     **dict.fromkeys(["CheckpointError"], "checkpoints"),
     **dict.fromkeys(["MemoryMonitor"], "monitor"),

@@ -37,6 +37,7 @@ from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError, ScoreError
 from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
+from .eval_inputs import batch_media, prompt_inputs
 from .eval_report import EvalReport
 from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
@@ -44,7 +45,6 @@ from .generation import (
     can_stream,
     check_generate_kwargs,
     context_length,
-    encode,
     first_prompt_streamer,
     generate_batch,
     model_device,
@@ -135,9 +135,11 @@ def safe_generate(
     """Generate for every prompt without losing a result to an OOM or a crash.
 
     Args:
-        model, tokenizer: a loaded causal LM and its tokenizer (``helpers.loading.load`` sets up padding).
+        model, tokenizer: a loaded model and its tokenizer (``helpers.loading.load`` sets up padding); for
+            Whisper or a VLM, its processor (``helpers.load_processor``).
         prompts: a list of strings, a list of dicts with ``prompt`` (optional ``id``, ``reference``),
-            a JSONL path, or a ``datasets.Dataset``.
+            a JSONL path, or a ``datasets.Dataset``; for Whisper dicts with ``audio`` (or ``input_features``),
+            for a VLM with ``image`` and ``prompt`` (see :mod:`helpers.eval_inputs`).
         max_new_tokens: new tokens per prompt (fewer only when the context or memory forces it; recorded).
         batch_size: ``"auto"`` (find_max_batch_size's cached value, else the estimator's prediction
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
@@ -202,7 +204,7 @@ def _open_results(prompts: Any, results: str | os.PathLike, resume) -> tuple[Res
 
 def _prepare(
     model,
-    tokenizer,
+    processor,
     prompts,
     max_new_tokens,
     results,
@@ -214,6 +216,7 @@ def _prepare(
     kv_cache,
 ) -> tuple[list[dict], list[list[int]], _Run]:
     """Every check that needs no results file (all before any generation): the prompts, their token ids, the run."""
+    tokenizer = getattr(processor, "tokenizer", processor)  # Whisper's or a VLM's processor: its tokenizer decodes
     gen_kwargs = _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generation_kwargs)
     if kv_cache is not None:
         try:
@@ -221,12 +224,11 @@ def _prepare(
         except ReducerError as e:
             raise EvalError(f"kv_cache: {e}") from None
     _check_results_arguments(results, resume)
-    items = load_prompts(prompts)
+    # token ids once (the lengths: sorting, context limits; and the batches), audio and images too
+    items, ids = prompt_inputs(prompts, processor)
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
     scorer = resolve_scorer(score)
-    # token ids once: the lengths (sorting, context limits) and the batches themselves
-    ids = encode(tokenizer, [it["prompt"] for it in items])
     context = context_length(model, tokenizer)
     _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
@@ -524,6 +526,7 @@ class _Loop:
             run.model,
             run.tokenizer,
             [row for _, row in batch],
+            media=batch_media([it for it, _ in batch]),
             max_new_tokens=new,
             stop=run.stop,
             watch=watch,

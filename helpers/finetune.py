@@ -217,11 +217,12 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
             "the dataset is empty: nothing to train on (check the data file and build_dataset's seq_len)"
         )
     first = dataset[0]
-    if not isinstance(first, dict) or "input_ids" not in first or "labels" not in first:
+    if not isinstance(first, dict) or "labels" not in first or not {"input_ids", "input_features"} & set(first):
         raise FinetuneError(
             "the dataset holds raw rows, not tokenized examples: pass "
             "build_dataset(tokenizer, rows, plan.seq_len) (it adds input_ids and labels)"
         )
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     args = plan.training_arguments(**overrides)
     stamp = run_stamp(plan, args, dataset)
@@ -241,12 +242,17 @@ def dataset_hash(dataset) -> str:
     h = hashlib.sha256()
     for example in dataset:
         for key in ("input_ids", "labels"):
+            if key not in example:  # Whisper's examples are audio features (hashed below) and labels
+                continue
             values = list(example[key])
             h.update(len(values).to_bytes(8, "little"))  # so [1, 2] + [3] differs from [1] + [2, 3]
             try:
                 h.update(array.array("q", values).tobytes())
             except (TypeError, OverflowError):  # tensors, numpy ints: their text is still the same each time
                 h.update(repr([int(v) for v in values]).encode())
+        for key in ("input_features", "pixel_values"):  # what the encoder of Whisper or a VLM sees
+            if key in example:
+                h.update(torch.as_tensor(example[key]).float().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -370,6 +376,7 @@ def train(
 
     need_model(model, "train")
     need_plan(plan, "train")
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     need_tokenizer(tokenizer, "train")
     if not isinstance(dataset, list | tuple) or not dataset or not all(isinstance(e, dict) for e in dataset):
         raise FinetuneError(f"dataset must be build_dataset()'s non-empty list of examples, got {dataset!r:.60}")

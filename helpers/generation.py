@@ -178,6 +178,7 @@ def generate_batch(
     stop: set[int] | None = None,
     watch=None,
     monitor: phases.PhaseRecorder | None = None,
+    media: dict[str, torch.Tensor] | None = None,
     **generate_kwargs: Any,
 ) -> Generated:
     """Generate for ``prompts`` in one left-padded ``model.generate`` call.
@@ -191,6 +192,8 @@ def generate_batch(
             tell whether the failed call is gone.
         monitor: a :class:`helpers.MemoryMonitor` (any :class:`helpers.phases.PhaseRecorder`) to record the
             ``"prefill"`` and ``"decode"`` phases in; default every running monitor (none: nothing added).
+        media: batched model inputs beside the ids: Whisper's ``input_features`` (its prompts have no
+            ids), a VLM's ``pixel_values`` (see :mod:`helpers.eval_inputs`); cast to the model's dtype.
         generate_kwargs: passed to ``model.generate`` (e.g. ``do_sample=False``).
     """
     if isinstance(prompts, str):
@@ -199,9 +202,12 @@ def generate_batch(
     if ids and isinstance(ids[0], str):
         ids = encode(tokenizer, ids, add_special_tokens=add_special_tokens)
     pad = pad_token_id(tokenizer)
-    enc = pad_left(ids, pad, model_device(model))
+    device = model_device(model)
+    enc = pad_left(ids, pad, device) if any(ids) else {}  # Whisper: the audio is the whole prompt
+    dtype = getattr(model, "dtype", torch.float32)  # its first floating-point weights': the encoder's dtype
+    enc.update({k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in (media or {}).items()})
     if watch is not None:
-        watch.add(enc["input_ids"])
+        watch.add(next(iter(enc.values())))
     steps = PhaseSteps(monitor) if phases.recorders(monitor) else None
     if steps is not None:
         generate_kwargs = steps.added_to(generate_kwargs)
@@ -211,7 +217,9 @@ def generate_batch(
     finally:
         if steps is not None:
             steps.close()
-    new = out[:, enc["input_ids"].shape[1] :].cpu()
+    # an encoder-decoder returns the decoder's tokens alone, after its start token
+    start = 1 if getattr(model.config, "is_encoder_decoder", False) else enc["input_ids"].shape[1]
+    new = out[:, start:].cpu()
     del out, enc
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     stop = stop_token_ids(model, tokenizer) if stop is None else stop

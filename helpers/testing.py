@@ -65,6 +65,8 @@ def simulated_budget(model, tokens: int, *, oom_rate: float = 0.0, seed: int = 0
 
     def generate(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and kwargs.get("input_features") is not None:
+            ids = kwargs["input_features"][:, 0, :0]  # Whisper: a batch of audio, no prompt tokens
         batch, prompt = (ids.shape[0], ids.shape[1]) if ids is not None else (1, 0)
         budget.check(batch, prompt + int(kwargs.get("max_new_tokens", 0)))
         return original(*args, **kwargs)

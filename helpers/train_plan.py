@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from .arguments import flag, number, whole_number
 from .devices import cuda_capability
 from .errors import OomkitError
 from .estimator import OPTIMIZERS, LoraTraining, estimate
+from .estimator.families import frozen_modules, lora_task_type
 from .loading import LoadPlan
 from .reducers import liger_available
 from .sources import persistent_path
@@ -264,13 +266,16 @@ class TrainPlan:
         from peft import LoraConfig
 
         targets = target_modules(model, self.targets) if model is not None else self.targets
+        frozen = frozen_modules(model) if model is not None else []
         return LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=targets,
+            # a vision tower's or audio encoder's layers share names with the LM's (q_proj, fc1): excluded by path
+            exclude_modules="|".join(re.escape(f) + r"\..*" for f in frozen) or None,
             bias="none",
-            task_type="CAUSAL_LM",
+            task_type=lora_task_type(getattr(model, "config", None)) if model is not None else "CAUSAL_LM",
         )
 
     def training_arguments(self, **overrides):
@@ -334,12 +339,15 @@ def target_modules(model: torch.nn.Module | None, targets: str | list[str] = "al
 
     kinds = (torch.nn.Linear, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt, Conv1D)
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # a peft model names the base model's modules base_model.model.<name>: strip it to compare with frozen ones
+    frozen = tuple(f + "." for f in frozen_modules(model.get_base_model() if hasattr(model, "peft_config") else model))
     names = {
         # a model with LoRA attached holds each adapted layer as <name>.base_layer: the target is <name>
         name.removesuffix(".base_layer").rsplit(".", 1)[-1]
         for name, mod in model.named_modules()
         if isinstance(mod, kinds) and mod is not out_layer and "lora_" not in name
-    }
+        and not name.removeprefix("base_model.model.").startswith(frozen)
+    }  # fmt: skip
     if not names:
         raise FinetuneError(f"{type(model).__name__} has no linear layer LoRA could adapt")
     if targets != "all-linear":

@@ -210,17 +210,19 @@ def build_dataset(
 
 
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Pad a batch on the right (labels with -100, attention mask with 0)."""
-    n = max(len(e["input_ids"]) for e in examples)
-
-    def pad(key, value):
-        return torch.tensor([e[key] + [value] * (n - len(e[key])) for e in examples])
-
-    return {
-        "input_ids": pad("input_ids", pad_token_id),
-        "attention_mask": pad("attention_mask", 0),
-        "labels": pad("labels", IGNORE),
-    }
+    """Pad a batch on the right (labels with -100, attention mask with 0), each key to its own longest
+    (a T5 example's labels are not as long as its input); arrays (Whisper's mel features, a VLM's
+    pixels) are stacked as they are."""
+    fill = {"input_ids": pad_token_id, "labels": IGNORE}
+    out = {}
+    for key in examples[0]:
+        values = [e[key] for e in examples]
+        if isinstance(values[0], list):
+            n = max(len(v) for v in values)
+            out[key] = torch.tensor([v + [fill.get(key, 0)] * (n - len(v)) for v in values])
+        else:
+            out[key] = torch.stack([torch.as_tensor(v) for v in values])
+    return out
 
 
 @torch.inference_mode()

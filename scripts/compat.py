@@ -161,7 +161,12 @@ def tool_pins() -> list[str]:
 
 def notebook_runs(names: list[str] | None, tiny: Path, runs: Path) -> list[tuple[str, str, dict]]:
     """(notebook stem, run name, parameters) from tests/notebook_params, placeholders filled."""
-    fill = {"tiny_llama": str(tiny / "llama"), "tiny_qwen2": str(tiny / "qwen2"), "runs": str(runs)}
+    fill = {
+        "tiny_llama": str(tiny / "llama"),
+        "tiny_qwen2": str(tiny / "qwen2"),
+        "tiny_whisper": str(tiny / "whisper"),
+        "runs": str(runs),
+    }
 
     def _fill(value):
         if isinstance(value, str):

@@ -2,7 +2,7 @@
 
 Parameters for each notebook come from ``tests/notebook_params/<stem>.json``: a list of runs,
 each ``{"name": ..., "parameters": {...}}`` (one default run when the file is missing).
-Placeholders in string values: ``{tiny_llama}``, ``{tiny_qwen2}``, ``{repo}``, ``{runs}``, ``{data}``.
+Placeholders in string values: ``{tiny_llama}``, ``{tiny_qwen2}``, ``{tiny_whisper}``, ``{repo}``, ``{runs}``, ``{data}``.
 
 Usage: ``python scripts/run_notebooks.py [NAME_SUBSTRING ...]``
 """
@@ -24,6 +24,7 @@ RUNS = REPO / "runs"
 PLACEHOLDERS = {
     "tiny_llama": str(REPO / "data" / "tiny" / "llama"),
     "tiny_qwen2": str(REPO / "data" / "tiny" / "qwen2"),
+    "tiny_whisper": str(REPO / "data" / "tiny" / "whisper"),
     "repo": str(REPO),
     "runs": str(RUNS),
     "data": str(REPO / "data"),

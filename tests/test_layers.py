@@ -40,6 +40,8 @@ LAYERS = [
         "train_view",
         "train_plan",
         "training_data",
+        "family_data",
+        "eval_inputs",
         "adapters",
         "host_ram",
     },

@@ -20,6 +20,8 @@ __all__ = [
     "auto_class",
     "vision_modules",
     "VISION_MODULE_NAMES",
+    "frozen_modules",
+    "lora_task_type",
 ]
 
 CAUSAL, SEQ2SEQ, SPEECH_SEQ2SEQ, IMAGE_TEXT = "causal", "seq2seq", "speech_seq2seq", "image_text"
@@ -78,3 +80,24 @@ def vision_modules(model) -> list[str]:
         if name.rsplit(".", 1)[-1] in VISION_MODULE_NAMES and not any(name.startswith(o + ".") for o in out):
             out.append(name)
     return out
+
+
+def frozen_modules(model) -> list[str]:
+    """Full names of the modules LoRA leaves alone (no adapters, frozen): a VLM's vision tower and projector,
+    Whisper's audio encoder (the decoder learns the new words; the encoder's sound features carry over);
+    ``[]`` for text models, whose every layer adapts."""
+    fam = family(getattr(model, "config", None))
+    if fam == IMAGE_TEXT:
+        return vision_modules(model)
+    if fam == SPEECH_SEQ2SEQ:
+        encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+        return [name for name, m in model.named_modules() if m is encoder][:1]
+    return []
+
+
+def lora_task_type(config) -> str | None:
+    """peft's ``task_type`` for ``config``'s family: ``SEQ_2_SEQ_LM`` for a text encoder-decoder (T5),
+    ``None`` for Whisper (peft's seq2seq wrapper would hand it ``input_ids``; it reads ``input_features``),
+    ``CAUSAL_LM`` for the rest."""
+    fam = family(config)
+    return "SEQ_2_SEQ_LM" if fam == SEQ2SEQ else None if fam == SPEECH_SEQ2SEQ else "CAUSAL_LM"

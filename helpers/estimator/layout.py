@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..vocab import MODES, QUANTIZED
-from .families import auto_class, vision_modules
+from .families import SPEECH_SEQ2SEQ, auto_class, family, frozen_modules
 from .rows import EstimateError, EstimateRow
 
 __all__ = [
@@ -49,7 +49,10 @@ class Layout:
     # else "eager" for an architecture whose class says _supports_sdpa = False, as Gemma-2's does)
     attention: str = "sdpa"
     tied: bool | None = None  # the config's tie_word_embeddings (None: the config does not say)
-    kept: list[str] = field(default_factory=list)  # a VLM's vision tower and projector: never quantized
+    kept: list[str] = field(
+        default_factory=list
+    )  # a VLM's vision tower and projector, Whisper's encoder: never quantized
+    speech: bool = False  # kept is an audio encoder (Whisper), not a vision tower
 
 
 def _config_key(config) -> str:
@@ -120,7 +123,7 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
         not_convert = HfQuantizer.get_modules_to_not_convert(model, None, keep_fp32)
     except Exception:
         not_convert = ["lm_head"]
-    kept = vision_modules(model)
+    kept = frozen_modules(model)  # what LoRA leaves frozen stays 16-bit: it trains around them, as loaded
     not_convert = [*not_convert, *(k for k in kept if k not in not_convert)]
     modules = dict(model.named_modules())
     entries = []
@@ -145,7 +148,17 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
         follows = b.is_floating_point() and b.dtype == torch.bfloat16
         entries.append(Param(name, b.numel(), None if follows else b.element_size(), None, "buffer"))
     n_layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
-    return Layout(total, entries, not_convert, keep_fp32, n_layers, attention=attention, tied=_tied(config), kept=kept)
+    return Layout(
+        total,
+        entries,
+        not_convert,
+        keep_fp32,
+        n_layers,
+        attention=attention,
+        tied=_tied(config),
+        kept=kept,
+        speech=family(config) == SPEECH_SEQ2SEQ,
+    )
 
 
 def _is_bnb_linear(mod) -> bool:
@@ -286,7 +299,11 @@ def weight_rows(
     if experts:
         rows.append(EstimateRow("weights.moe_experts", "weights: MoE experts, not quantized", experts, "exact",
                                 "fused expert tensors are no nn.Linear: bitsandbytes leaves them unquantized"))  # fmt: skip
-    if kept:
+    if kept and lay.speech:
+        rows.append(EstimateRow("weights.audio_encoder", "weights: audio encoder, not quantized", kept, "exact",
+                                f"{', '.join(lay.kept)} stays in 16 bits (quantizing it costs transcripts more "
+                                "than the decoder's)"))  # fmt: skip
+    elif kept:
         rows.append(EstimateRow("weights.vision", "weights: vision tower and projector, not quantized", kept, "exact",
                                 f"{', '.join(lay.kept)} stay in 16 bits (quantizing the image path costs quality)"))  # fmt: skip
     rows.append(
