@@ -35,8 +35,8 @@ from .vocab import QUANTIZED
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
-    "describe_split", "offload_ram", "NO_FIX", "ALLOW_OFFLOAD_FIX", "GpuDecision", "other_gpus_note", "held_hint", "first_fix", "offloaded_bytes",
-    "unquantized_note", "map_strategy", "check_strategy", "check_split", "check_given_split", "check_given_max_memory",
+    "describe_split", "offload_ram", "NO_FIX", "ALLOW_OFFLOAD_FIX", "GpuDecision", "other_gpus_note", "held_hint",
+    "first_fix", "offloaded_bytes", "unquantized_note", "map_strategy", "check_strategy", "check_split", "check_given_split", "check_given_max_memory",
 ]  # fmt: skip
 
 

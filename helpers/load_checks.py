@@ -1,7 +1,8 @@
 """The checks :func:`helpers.loading.load` runs before touching any weights: the model and adapter exist,
-bitsandbytes can run, the estimate fits (on one GPU, split, or offloaded: :func:`helpers.placement_decision.
-decide_placement` decides), RAM can hold the largest weight file; :func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError`
-with the reason and the fix.
+bitsandbytes can run, the model has a place (on one GPU, split, or offloaded, as
+:func:`helpers.placement_decision.decide_placement` decides), RAM can hold the largest weight file;
+:func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError` with the
+reason and the fix.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ from .units import format_bytes
 from .vocab import DOES_NOT_FIT, FITS, QUANTIZED, SMALLER_LOAD, VERDICTS, verdict
 
 __all__ = [
-    "PlacementDecision", "decide_placement", "devices_snapshot", "auto_placing", "spill_why", "spill_fix", "smaller_load_fix",
+    "PlacementDecision", "decide_placement", "devices_snapshot", "auto_placing", "spill_why", "spill_fix",
+    "smaller_load_fix",
     "max_memory_for", "ALONE", "SPLIT", "OFFLOAD", "REFUSE", "ALLOW_OFFLOAD_FIX",
 ]  # fmt: skip
 
@@ -67,7 +68,8 @@ def auto_placing(**changes) -> SimpleNamespace:
 
 @dataclass
 class PlacementDecision:
-    """Where a model goes (see :func:`decide_placement`); ``where`` is ``ALONE``, ``SPLIT``, ``OFFLOAD`` or ``REFUSE``."""
+    """Where a model goes (see :func:`decide_placement`): ``where`` is ``ALONE``, ``SPLIT``, ``OFFLOAD`` or
+    ``REFUSE``; ``str()`` says it in a line or two, with the warnings and notes."""
 
     where: str
     verdict: str  # fits / tight / does not fit, of the fullest GPU where it goes
@@ -136,9 +138,8 @@ def decide_placement(plan, estimate, snapshot: MemorySnapshot) -> PlacementDecis
             if decided is not None:
                 return decided
         return _one_card(plan, estimate, snapshot)
-    except LoadRefused as e:  # the checks of a map or caps the user wrote
-        plan_ = getattr(e, "placement", None)
-        return _refuse(estimate, e.reason, e.fix or "", plan=plan_, gpus=len(snapshot.gpus))
+    except LoadRefused as e:  # the checks of a map or caps the user wrote, and of a split
+        return _refuse(estimate, e.reason, e.fix or "", plan=e.placement, gpus=len(snapshot.gpus))
 
 
 def _refuse(estimate, reason: str, fix: str, **fields) -> PlacementDecision:
@@ -182,7 +183,7 @@ def _over_gpus(plan, est, snap: MemorySnapshot) -> PlacementDecision | None:
     try:
         decided = check_split(plan, est, snap, gpus)
     except LoadRefused as e:
-        return _refuse(est, e.reason, e.fix or "", plan=getattr(e, "placement", None), gpus=len(gpus),
+        return _refuse(est, e.reason, e.fix or "", plan=e.placement, gpus=len(gpus),
                        first_verdict=first_verdict, spill=spill, why=spill_why(est) if spill else "")  # fmt: skip
     out = _from_gpu_decision(est, decided, len(gpus))
     out.first_verdict, out.spill, out.why = first_verdict, spill, spill_why(est) if spill else ""
@@ -204,9 +205,7 @@ def _from_gpu_decision(est, decided, n: int) -> PlacementDecision:
     """gpu_split's checked split (a ``GpuDecision``) as the decision."""
     split = decided.split
     where = OFFLOAD if split is not None and split.offloaded("cpu") + split.offloaded("disk") else SPLIT
-    unplanned = (
-        "" if split is not None else next((s for s in decided.notes if "not checked" in s or "as it is" in s), "")
-    )
+    unplanned = decided.notes[0] if split is None and decided.notes else ""  # why transformers places it
     return _placed(est, where, split, gpus=n, max_memory=decided.max_memory, warnings=list(decided.warnings),
                    notes=list(decided.notes), unplanned=unplanned)  # fmt: skip
 
