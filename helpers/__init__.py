@@ -31,6 +31,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
     **dict.fromkeys(["LoadPlan"], "load_plan"),
     **dict.fromkeys(["check_plan"], "load_checks"),
+    **dict.fromkeys(["decide_placement", "PlacementDecision"], "placement_decision"),
     **dict.fromkeys(["LoadReport"], "load_report"),
     **dict.fromkeys(["load"], "loading"),
     **dict.fromkeys(["generate_batched"], "generation"),

@@ -24,12 +24,13 @@ from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
 from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
-from .gpu_split import held_hint, placement_keeps, spill_fix, spill_why, stays_on_first
+from .gpu_split import held_hint, offload_ram
 from .html import badge, table
 from .loading import ram_for_loading
 from .memory import GPUReadout, MemorySnapshot
 from .memory import snapshot as take_snapshot
-from .placement import PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized, plan_devices
+from .placement import DevicePlan
+from .placement_decision import PlacementDecision, auto_placing, decide_placement, devices_snapshot, spill_why
 from .session import in_colab
 from .sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
 from .units import GiB, MiB, format_bytes
@@ -341,6 +342,7 @@ class _Option:
     plan: DevicePlan | None = None  # a split's placement; None when the weights alone exceed every GPU
     error: str = ""  # why a split could not be planned
     spill: bool = False  # the estimate fits GPU 0, but transformers' placement there leaves weights for the CPU
+    fix: str = ""  # the decision's fix, where it refused
 
 
 def _compute(load: str, half: str) -> str:
@@ -348,43 +350,41 @@ def _compute(load: str, half: str) -> str:
     return half if load in QUANTIZED else "auto"
 
 
-def _split_option(model: Any, est: MemoryEstimate, caps: list[int], budget: dict, half: str) -> _Option:
-    """``est``'s model split across GPUs of ``caps`` bytes, placed as ``from_pretrained(device_map="auto")``
-    places it (:func:`helpers.placement.plan_devices`)."""
-    if est.weights > sum(caps):  # no placement can help: skip building the model on the meta device
-        return _Option(est, DOES_NOT_FIT, split=True)
-    try:
-        # a full GPU still counts as one (1 MiB, the smallest size a device takes): it gets no layer, and the
-        # shares keep their GPU's index
-        devices = [max(c, MiB) for c in caps]
-        plan = plan_devices(model, load=est.load, devices=devices, compute_dtype=_compute(est.load, half),
-                            double_quant=est.inputs.get("double_quant", True), **budget)  # fmt: skip
-    except (OomkitError, ValueError, ImportError) as e:  # an architecture transformers cannot build on meta
-        return _Option(est, DOES_NOT_FIT, split=True, error=str(e).splitlines()[0][:200])
-    if not plan.fits:
-        return _Option(est, DOES_NOT_FIT, True, plan)
-    fullest = max(plan.gpus, key=lambda s: s.total / s.capacity)
-    return _Option(est, verdict(fullest.total, fullest.capacity), True, plan)
+@dataclass
+class _Host:
+    """What preflight decides placements on beside the GPUs' usable memory: their half dtype, RAM to offload to."""
+
+    half: str
+    ram: int = 0
 
 
-def _options(model: Any, ests: list[MemoryEstimate], caps: list[int], budget: dict, half: str):
-    """Ways to run the model, in the order load="auto" prefers them: each load mode on GPU 0 alone, then
-    (with more GPUs, when it does not stay on GPU 0, the rule load() follows) split across all of them. A generator: a split is
-    planned only when the options before it did not fit."""
+def _decide(est: MemoryEstimate, caps: list[int], host: _Host, gpus: int | None = None) -> PlacementDecision:
+    """:func:`decide_placement` of ``est`` on GPUs of ``caps`` usable bytes (a full GPU still counts as one:
+    1 MiB, the smallest size a device takes, so the shares keep their GPU's index)."""
+    devices = [{"name": f"GPU {i}", "capacity": max(c, MiB), "bf16": host.half == "bf16"} for i, c in enumerate(caps)]
+    return decide_placement(auto_placing(gpus=gpus), est, devices_snapshot(est, devices, host.ram))
+
+
+def _split_option(decided: PlacementDecision) -> _Option:
+    """The decision's split across the GPUs as an option (why none could be planned, or the placement)."""
+    est = decided.estimate
+    if decided.plan is None:
+        return _Option(est, DOES_NOT_FIT, split=True, error=decided.unplanned, fix=decided.fix)
+    return _Option(est, decided.verdict, True, decided.plan, fix=decided.fix)
+
+
+def _options(ests: list[MemoryEstimate], caps: list[int], host: _Host):
+    """Ways to run the model, in the order load="auto" prefers them: each load mode on GPU 0 alone, then (where
+    the decision does not keep it on GPU 0) split across all the GPUs. A generator: a load mode is decided only
+    when the options before it did not fit."""
     for e in ests:
-        alone = _Option(e, verdict(e.total, caps[0]))
-        first = {"name": "GPU 0", "capacity": caps[0], "bf16": half == "bf16"}
-        if len(caps) == 1:  # one card: what load() refuses, preflight does not pass
-            stays = True
-            alone.spill = alone.verdict != DOES_NOT_FIT and not placement_keeps(e, first)
-        else:
-            stays = stays_on_first(e, first)
-            alone.spill = alone.verdict == FITS and not stays
+        decided = _decide(e, caps, host)
+        alone = _Option(e, verdict(e.total, caps[0]), spill=decided.spill > 0, fix=decided.fix)
         if alone.spill:
             alone.verdict = DOES_NOT_FIT  # transformers' placement on GPU 0 alone would spill to the CPU
         yield alone
-        if not stays:  # as load() decides: a plan that is not a clean fit on GPU 0 is split
-            yield _split_option(model, e, caps, budget, half)
+        if decided.gpus > 1:
+            yield _split_option(decided)
 
 
 def _choose(options) -> tuple[_Option, list[_Option]]:
@@ -412,19 +412,20 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     half = "bf16" if bf16 else "fp16"
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
     dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
+    host = _Host(half, offload_ram(snapshot) if snapshot is not None and gpus else 0)
     try:
         ests = [estimate(model, load=m, **budget, device=dev_arg, compute_dtype=_compute(m, half)) for m in loads]
-        chosen, seen = _choose(_options(model, ests, caps, budget, half))
+        chosen, seen = _choose(_options(ests, caps, host))
     except EstimateError as e:
         return [_unreadable_model(model, e)]
     if chosen.split:
-        checks = _split_check(model, chosen, ests, gpus, caps, load, budget, half)
+        checks = _split_check(chosen, ests, gpus, caps, load, budget, host)
     else:
-        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, budget, seen, chosen.spill)]
+        checks = [_one_gpu_check(chosen.est, ests, gpus, caps, load, budget, seen, chosen.fix if chosen.spill else "")]
     if any(held_hint(g) for g in gpus) and chosen.verdict != DOES_NOT_FIT:
-        checks[0] = _held_check(checks[0], _load_now(model, chosen, gpus, caps, budget, half), gpus)
+        checks[0] = _held_check(checks[0], _load_now(chosen, gpus, caps, host), gpus)
     if checks[0].status == "fail" and (not gpus or (len(gpus) == 1 and "T4" in gpus[0].name)):
-        checks[0] = _two_t4_hint(checks[0], model, ests, budget)
+        checks[0] = _two_t4_hint(checks[0], ests)
     params = chosen.est.params
     if not gpus and (snapshot is None or snapshot.backend == "cpu") and params >= CPU_PARAMS_LIMIT:
         checks.append(
@@ -435,12 +436,12 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     return checks
 
 
-def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], budget: dict) -> Check:
+def _two_t4_hint(check: Check, ests: list[MemoryEstimate]) -> Check:
     """A plan that does not fit one T4 (Colab's): where Kaggle's free 2×T4 holds it split, the fix says so,
     in the first load mode that fits there (a split keeps fp16 where one card needs a quantized load)."""
     t4 = DEVICES["t4"]["capacity"]
     for e in ests:
-        if _split_option(model, e, [t4, t4], budget, "fp16").verdict != DOES_NOT_FIT:
+        if _split_option(_decide(e, [t4, t4], _Host("fp16"), gpus=2)).verdict != DOES_NOT_FIT:
             hint = (f"Kaggle's free 2×T4 holds it with load={e.load!r}, split across both cards: "
                     f"load(LoadPlan(model, load={e.load!r}, gpus=2)) (notebook 05)")  # fmt: skip
             fix = f"{check.fix}; or {hint}" if check.fix else hint
@@ -449,8 +450,9 @@ def _two_t4_hint(check: Check, model: Any, ests: list[MemoryEstimate], budget: d
 
 
 def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
-                   load: str, budget: dict, seen: list[_Option], spill: bool = False) -> Check:  # fmt: skip
-    """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU."""
+                   load: str, budget: dict, seen: list[_Option], spill: str = "") -> Check:  # fmt: skip
+    """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU; ``spill`` is the decision's fix where
+    transformers' placement on the card would offload part of it."""
     cap = caps[0]
     if not gpus:
         where = f"a T4 ({format_bytes(cap)}; no GPU here, so checked against Colab's)"
@@ -489,7 +491,7 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
             "fit",
             "fail",
             summary,
-            spill_fix(est),
+            spill,
             {**data, "verdict": DOES_NOT_FIT, "placement_spill": True},
         )
     return Check("fit", VERDICT_STATUS[v.verdict], summary, fix, data)
@@ -530,12 +532,11 @@ def _card_note(est: MemoryEstimate, g: GPUReadout, cap: int, now: str) -> tuple[
     return note, {"card_verdict": card, "card_capacity": g.total, "held_elsewhere": others, "free_fix": free_fix}
 
 
-def _load_now(model: Any, chosen: _Option, gpus: list[GPUReadout], caps: list[int], budget: dict,
-              half: str) -> _Option:  # fmt: skip
+def _load_now(chosen: _Option, gpus: list[GPUReadout], caps: list[int], host: _Host) -> _Option:
     """What load() decides for ``chosen``'s load mode now: the usable caps count this process's own tensors
     as free (what unloading gives back), while load() reads the memory free now."""
     now = [cap - g.allocated for cap, g in zip(caps, gpus)]
-    return _choose(_options(model, [chosen.est], now, budget, half))[0]
+    return _choose(_options([chosen.est], now, host))[0]
 
 
 def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
@@ -557,8 +558,8 @@ def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
                  {**(check.data or {}), "held": held_bytes})  # fmt: skip
 
 
-def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int],
-                 load: str, budget: dict, half: str) -> list[Check]:  # fmt: skip
+def _split_check(chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPUReadout], caps: list[int], load: str,
+                 budget: dict, host: _Host) -> list[Check]:  # fmt: skip
     """The fit check for a model split across every GPU (each GPU's share, or why no split fits and the
     fix), and the placement's note on what a split costs."""
     est, plan, n = chosen.est, chosen.plan, len(gpus)
@@ -576,12 +577,12 @@ def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: 
     alone = f"on GPU 0 alone {format_bytes(est.total)}: {verdict(est.total, caps[0])}"
     listing = " [one GPU: " + ", ".join(f"{e.load} {format_bytes(e.total)}" for e in ests) + "]"
     listing = listing if load == "auto" and len(ests) > 1 else ""
-    smaller = _smaller_load(model, est, caps, budget, half, ests) if chosen.verdict != FITS else None
+    smaller = _smaller_load(est, caps, host, ests) if chosen.verdict != FITS else None
     if chosen.verdict == DOES_NOT_FIT:
         weights = f"the weights alone ({format_bytes(est.weights)}) exceed the {n} GPUs together"
-        why = plan.reasons[0] if plan else weights
+        why = weights if plan is None or est.weights > sum(caps) else plan.reasons[0]
         summary = f"{head}: does not fit across {n} GPUs ({format_bytes(sum(caps))} usable): {why} ({alone}){listing}"
-        return [Check("fit", "fail", summary, smaller or _no_split_fix(est, caps), data)]
+        return [Check("fit", "fail", summary, smaller or chosen.fix, data)]
     each = ", ".join(f"GPU {s['index']} {format_bytes(s['total'])} of {format_bytes(s['capacity'])}" for s in shares)
     summary = (f"{head}: {format_bytes(total)} predicted (weights {format_bytes(est.weights)}): {chosen.verdict} "
                f"across {n} GPUs ({each}; {alone}){listing}")  # fmt: skip
@@ -594,29 +595,18 @@ def _split_check(model: Any, chosen: _Option, ests: list[MemoryEstimate], gpus: 
     return checks
 
 
-def _smaller_load(model: Any, est: MemoryEstimate, caps: list[int], budget: dict, half: str,
-                  tried: list[MemoryEstimate]) -> str | None:  # fmt: skip
+def _smaller_load(est: MemoryEstimate, caps: list[int], host: _Host, tried: list[MemoryEstimate]) -> str | None:
     """``"load=nf4: fits GPU 0 alone"`` (or across the GPUs) for the first load mode that load="auto" would
     try, has smaller weights than ``est`` and fits; None when none does."""
-    loads = [m for m in auto_load_order(half == "bf16") if m not in {e.load for e in tried}]
-    others = [est.replace(load=m, compute_dtype=_compute(m, half)) for m in loads]
+    loads = [m for m in auto_load_order(host.half == "bf16") if m not in {e.load for e in tried}]
+    others = [est.replace(load=m, compute_dtype=_compute(m, host.half)) for m in loads]
     smaller = [e for e in others if e.weights < est.weights]
     if not smaller:
         return None
-    alt, _ = _choose(_options(model, smaller, caps, budget, half))
+    alt, _ = _choose(_options(smaller, caps, host))
     if alt.verdict != FITS:
         return None
     return f"load={alt.est.load}: fits " + (f"across {len(caps)} GPUs" if alt.split else "GPU 0 alone")
-
-
-def _no_split_fix(est: MemoryEstimate, caps: list[int]) -> str:
-    """When no load mode fits the GPUs: a change that fits GPU 0 (often a smaller model), and CPU offload."""
-    offload = (f"offload layers to CPU RAM: plan_devices({est.model!r}, load={est.load!r}, devices='current', "
-               "cpu_offload=True) (offloaded layers cross PCIe every token: several times slower)")  # fmt: skip
-    if bnb_prequantized(est):  # saved quantized: it cannot be offloaded
-        offload = PREQUANTIZED_OFFLOAD_FIX
-    fitting = [s for s in fit(est, caps[0]).suggestions if verdict(s.estimate.total, caps[0]) == FITS]
-    return f"{fitting[0].change} (fits GPU 0 alone); or {offload}" if fitting else offload
 
 
 def _pid() -> int:

@@ -39,6 +39,8 @@ class ModelNotFoundError(LoadError, FileNotFoundError):
 class LoadRefused(LoadError):
     """The model exists but loading it as planned would crash (OOM, dead kernel, no bitsandbytes)."""
 
+    placement = None  # the DevicePlan that did not fit, where a split was built (set by gpu_split.check_split)
+
 
 class EvalError(OomkitError, ValueError):
     """Bad input to ``safe_generate`` (raised before any generation).

@@ -5,7 +5,8 @@ the first (and Kaggle's 2×T4 then runs it as a two-stage pipeline, no faster). 
 keeps a model that fits on GPU 0 there, so the other cards stay free, and splits it only when it
 needs them, with the placement :func:`helpers.plan_devices` computes for the GPUs' free memory: the
 same map transformers would compute, checked per card (weights, that card's KV cache, activations,
-context) before any weight is read.
+context) before any weight is read. :mod:`helpers.placement_decision` decides; this module holds the
+pieces (each card's room, :func:`split_plan`) and the checks of a split.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from .placement import (
     plan_devices,
 )
 from .units import MiB, format_bytes
-from .vocab import DEFAULTS, FITS, MODES, QUANTIZED, SMALLER_LOAD
+from .vocab import DEFAULTS, MODES, QUANTIZED
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan",
-    "stays_on_first", "placement_keeps", "describe_split", "offload_ram", "GpuDecision", "decide_gpus",
-    "other_gpus_note", "held_hint", "first_fix", "spill_why", "smaller_load_fix", "spill_fix", "offloaded_bytes", "unquantized_note",
-    "map_strategy", "check_strategy",
+    "describe_split", "offload_ram", "NO_FIX", "ALLOW_OFFLOAD_FIX", "GpuDecision", "other_gpus_note", "held_hint",
+    "first_fix", "offloaded_bytes", "unquantized_note", "map_strategy", "check_strategy", "check_split", "check_given_split", "check_given_max_memory",
 ]  # fmt: skip
 
 
@@ -139,29 +139,6 @@ def offloaded_bytes(estimate, overflow: int, bf16: bool) -> int:
     return -(-overflow * plain // estimate.weights)  # rounded up: a refusal, not a kill, at the boundary
 
 
-def stays_on_first(estimate, first: dict, place=None) -> bool:
-    """Whether a plan stays on GPU 0 alone when it may use more (the rule :func:`helpers.load`, preflight
-    and the panel share): it fits that card with room to spare (a tight plan is split: the other cards
-    give the KV cache room, and a split is no slower), and the placement transformers computes for the
-    card alone (bitsandbytes' 10 % margin, accelerate's largest-layer reserve) keeps every weight there.
-    ``fit()`` alone would say yes to a 13B int8 on a T4 that this placement half-spills to the CPU
-    while GPU 1 sits idle. Where the architecture cannot be built on the meta device, ``fit()`` decides.
-    ``place`` returns that placement instead of computing it (a caller's cache)."""
-    if fit(estimate, device=first, suggest=False).verdict != FITS:
-        return False
-    return placement_keeps(estimate, first, place)
-
-
-def placement_keeps(estimate, device: dict, place=None) -> bool:
-    """Whether the placement transformers computes for ``device`` alone keeps every weight of ``estimate``
-    on it; True where the architecture cannot be built on the meta device (the estimate decides there).
-    ``place`` returns that placement instead of computing it (a caller's cache)."""
-    try:
-        return (place() if place is not None else split_plan(estimate, [device])).fits
-    except PlacementError:
-        return True
-
-
 def map_gpu(device_map: Any) -> int | None:
     """The one GPU a ``device_map`` names (``0``, ``"cuda:1"``, ``torch.device("cuda", 1)``, ``{"": 1}``);
     None when it names none or several (a strategy such as ``"auto"`` names none)."""
@@ -213,35 +190,11 @@ def describe_split(plan: DevicePlan) -> str:
     return "; ".join(parts)
 
 
-# ----------------------------------------------------------------------------- the load decision
+# ----------------------------------------------------------------------------- checks of a split (decide_placement calls them)
 
 HELD_HINT = 512 * MiB  # holding this much GPU memory before a load usually means an earlier model is still loaded
 NO_FIX = "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
-
-
-def spill_why(est) -> str:
-    """Why an estimate that fits one card can still be offloaded in part, said alike by load(), preflight and the
-    panel. transformers applies bitsandbytes' 10 % margin only with a quantizer (an int8/4-bit load: its
-    ``adjust_max_memory``, also on the explicit ``max_memory`` load() passes); accelerate's reserve for the
-    largest layer and the room load() keeps for the KV cache apply to every load."""
-    bnb = ", bitsandbytes 10 % of the card for its buffers" if est.load in QUANTIZED else ""
-    return (f"transformers' placement for it (max_memory keeps room for the KV cache and activations, accelerate for "
-            f"the largest layer{bnb})")  # fmt: skip
-
-
-def smaller_load_fix(load: str) -> str:
-    """The first fix for a plan transformers would partly offload: the next smaller load mode."""
-    smaller = SMALLER_LOAD.get(load)
-    return f"load={smaller!r}" if smaller else "a smaller model"
-
-
-def spill_fix(est) -> str:
-    """The fix for a plan transformers would partly offload: the next smaller load mode; for a checkpoint
-    saved quantized by bitsandbytes (its load mode is the saved one, and it cannot be offloaded), loading
-    the original instead."""
-    if bnb_prequantized(est):
-        return f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
-    return f"{smaller_load_fix(est.load)}, or a smaller batch or max_new_tokens"
+ALLOW_OFFLOAD_FIX = "accept the slowdown: LoadPlan(..., allow_offload=True)"
 
 
 def held_hint(g: GPUReadout) -> str:
@@ -262,40 +215,12 @@ def first_fix(verdict) -> str | None:
 
 @dataclass
 class GpuDecision:
-    """How a load uses a machine's GPUs when it may use more than one (see :func:`decide_gpus`)."""
+    """How a load uses a machine's GPUs when it may use more than one (a piece of :func:`helpers.placement_decision.decide_placement`)."""
 
     split: DevicePlan | None = None  # the checked placement; None where transformers places it
     max_memory: dict | None = None  # what from_pretrained gets (None: the plan's own)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def decide_gpus(plan, est, snap: MemorySnapshot) -> GpuDecision | None:
-    """The multi-GPU part of the pre-load checks of ``plan`` (a :class:`helpers.LoadPlan`); ``None`` when
-    one GPU decides (one card, GPU 0 alone, or none). Raises :class:`LoadRefused` with the fix.
-
-    ``device_map="auto"`` keeps a model that fits GPU 0 there; ``"balanced"``, ``"balanced_low_0"`` and
-    ``"sequential"`` are placed over every usable GPU as transformers places them (the strategy was asked for),
-    and the same map is checked card by card and loaded."""
-    check_strategy(plan.device_map)
-    if not snap.gpus:
-        return None  # a CPU machine (a rehearsal): nothing here to place on
-    if plan.gpus is not None and plan.gpus > len(snap.gpus):
-        raise LoadRefused(
-            f"the plan asks for {plan.gpus} GPUs and this machine has {len(snap.gpus)}",
-            "LoadPlan(..., gpus=None) uses what there is; on Kaggle pick the 'GPU T4 x2' accelerator",
-        )
-    if len(map_gpus(plan.device_map)) > 1:
-        return check_given_split(plan, est, snap)
-    strategy = map_strategy(plan.device_map)
-    if strategy is not None and len(max_memory_gpus(plan.max_memory)) > 1:
-        return check_given_max_memory(plan, est, snap)
-    gpus = usable_gpus(snap, plan.gpus)
-    if strategy is None or plan.max_memory is not None or len(gpus) < 2:
-        return None  # on one card every strategy places alike (transformers balances nothing there)
-    if strategy == "auto" and plan.gpus is None and stays_on_first(est, free_devices(est, gpus[:1])[0]):
-        return None
-    return check_split(plan, est, snap, gpus)
 
 
 def other_gpus_note(plan, snap: MemorySnapshot) -> list[str]:
@@ -342,12 +267,14 @@ def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuD
     if bnb_prequantized(est):
         fix += f"; or {PREQUANTIZED_OFFLOAD_FIX}"
     elif not plan.allow_offload and 0 < spill <= ram:
-        fix += "; or accept the slowdown: LoadPlan(..., allow_offload=True)"
+        fix += f"; or {ALLOW_OFFLOAD_FIX}"
     reason = (offloaded or split).reasons[0]
     free = " + ".join(format_bytes(g.free) for g in gpus)
     asked = f" with device_map={strategy!r}" if strategy != "auto" else ""
-    raise LoadRefused(f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs{asked} ({free} free): "
-                      f"{reason}", _auto_fix(est, gpus, ram, strategy, fix))  # fmt: skip
+    refusal = LoadRefused(f"{est.model} as {est.load} does not fit split across {len(gpus)} GPUs{asked} ({free} free): "
+                          f"{reason}", _auto_fix(est, gpus, ram, strategy, fix))  # fmt: skip
+    refusal.placement = offloaded or split  # the split that did not fit, for the decision to show
+    raise refusal
 
 
 # why a strategy can spill what device_map="auto" keeps on the same cards

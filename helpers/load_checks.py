@@ -1,7 +1,8 @@
 """The checks :func:`helpers.loading.load` runs before touching any weights: the model and adapter exist,
-bitsandbytes can run, the estimate fits (on one GPU, split, or offloaded), RAM can hold the largest weight
-file; :func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError`
-with the reason and the fix.
+bitsandbytes can run, the model has a place (on one GPU, split, or offloaded, as
+:func:`helpers.placement_decision.decide_placement` decides), RAM can hold the largest weight file;
+:func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError` with the
+reason and the fix.
 """
 
 from __future__ import annotations
@@ -13,33 +14,12 @@ from typing import Any
 
 from .arguments import ArgumentError
 from .checks import Check
-from .devices import (
-    GPU_MARGIN,
-    bitsandbytes_status,
-)
+from .devices import bitsandbytes_status
 from .errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
-from .estimator import (
-    fit,
-)
-from .gpu_split import (
-    decide_gpus,
-    first_fix,
-    gpu_device,
-    gpu_room,
-    held_hint,
-    map_gpu,
-    map_strategy,
-    offload_ram,
-    offloaded_bytes,
-    other_gpus_note,
-    spill_fix,
-    spill_why,
-    split_plan,
-    unquantized_note,
-)
 from .load_plan import LoadPlan
 from .memory import MemorySnapshot
-from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
+from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized
+from .placement_decision import PlacementDecision, decide_placement
 from .sources import (
     SourceError,
     checkpoint_size,
@@ -51,11 +31,10 @@ from .sources import (
     read_json,
 )
 from .units import format_bytes
-from .vocab import DOES_NOT_FIT, MODES, QUANTIZED
+from .vocab import MODES, QUANTIZED
 
-__all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "check_fit",
-           "check_offload", "ram_for_loading", "check_ram_for_loading", "placement_spill",
-           "check_prequantized_map", "max_memory_for", "find_token"]  # fmt: skip
+__all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "ram_for_loading",
+           "check_ram_for_loading", "check_prequantized_map", "find_token"]  # fmt: skip
 
 BNB_INSTALL = "pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)"
 TOKEN_HELP = (
@@ -220,100 +199,6 @@ def check_bitsandbytes(load: str, device: str, status: tuple[bool, str] | None =
     )
 
 
-UNPLACED_BNB_OFFLOAD = (
-    "bitsandbytes layers are offloaded only along a device map oomkit has checked, and this architecture's "
-    "placement cannot be built (transformers' own would keep 4-bit layers quantized in RAM, where they cannot run)"
-)
-
-
-def check_fit(plan: LoadPlan, estimate, snap: MemorySnapshot) -> tuple[list[str], DevicePlan | None]:
-    """Refuse plans that cannot fit; return warnings for plans that only fit by offloading, with the checked
-    placement (GPU and CPU) such a plan loads with, so what was sized is what loads.
-
-    On a GPU the estimate must fit the free GPU memory, or (with ``device_map="auto"``) what
-    does not fit must fit in RAM. Without a GPU everything lives in RAM.
-    """
-    warnings: list[str] = []
-    ram = snap.ram.available
-    g = _mapped_gpu(plan, snap)
-    if g is None:
-        if estimate.total > ram:
-            verdict = fit(estimate, device=ram)
-            raise LoadRefused(
-                f"the estimate ({format_bytes(estimate.total)}) is more than the "
-                f"{format_bytes(ram)} of RAM available: the process would be killed",
-                first_fix(verdict) or "Use a smaller model, or a GPU runtime and int8/nf4",
-            )
-        return warnings, None
-    room = gpu_room(estimate, g)
-    verdict = fit(estimate, device=gpu_device(g, room))
-    if verdict.verdict != DOES_NOT_FIT:
-        return placement_spill(plan, estimate, g, room, snap)
-    fix = first_fix(verdict) or "Use int8 or nf4, a smaller batch or max_new_tokens, or a smaller model"
-    if map_strategy(plan.device_map) is None:
-        raise LoadRefused(
-            f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}",
-            fix,
-        )
-    runtime = estimate.total - estimate.weights
-    if runtime > room:
-        raise LoadRefused(
-            f"the KV cache, activations and overheads alone ({format_bytes(runtime)}) need more than "
-            f"the {format_bytes(g.free)} free on {g.name}; offloading weights cannot help",
-            fix,
-        )
-    return check_offload(plan, estimate, g, room, snap, fix)
-
-
-def check_offload(
-    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot, fix: str
-) -> tuple[list[str], DevicePlan | None]:
-    """The estimate does not fit GPU ``g``: what ``device_map="auto"`` would offload, sized as the split over
-    several GPUs sizes it (transformers' placement for the card, offloaded bitsandbytes layers counted
-    unquantized: a Llama-2-13B nf4 3.4 GiB over a T4's free memory puts 15.7 GiB into RAM, as
-    tests/test_loading.py checks). Refused when that does not fit the RAM offload may take, or without
-    ``allow_offload``; else a warning, and the placement to load with: a device map naming the CPU is what
-    makes transformers keep the offloaded bitsandbytes layers unquantized, as they were sized."""
-    too_big = f"the estimate ({format_bytes(estimate.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
-    if bnb_prequantized(estimate):
-        raise LoadRefused(
-            f"{too_big}, and {PREQUANTIZED_OFFLOAD}{held_hint(g)}", f"{fix}; or {PREQUANTIZED_OFFLOAD_FIX}"
-        )
-    ram, share = snap.ram.available, offload_ram(snap)
-    try:
-        placed = split_plan(estimate, [gpu_device(g, room)], ram=share, offload=True, disk=bool(plan.offload_folder),
-                            offload_folder=plan.offload_folder)  # fmt: skip
-        on_cpu, on_disk, reason = placed.offloaded("cpu"), placed.offloaded("disk"), next(iter(placed.reasons), None)
-    except PlacementError:  # an architecture the meta device cannot build: the estimate's overflow, at RAM width
-        if estimate.load in QUANTIZED:
-            raise LoadRefused(f"{too_big}, and {UNPLACED_BNB_OFFLOAD}{held_hint(g)}", fix) from None
-        placed = None
-        on_cpu = offloaded_bytes(estimate, estimate.total - room, g.supports_bf16)
-        on_disk, reason = 0, None
-        if on_cpu > share and plan.offload_folder:  # what RAM cannot take goes to the folder
-            on_cpu, on_disk = share, on_cpu - share
-    offload = on_cpu + on_disk
-    if on_cpu > share or (on_disk and not plan.offload_folder):
-        raise LoadRefused(
-            f"{too_big}, and the {format_bytes(offload)} of weights that would be offloaded"
-            f"{unquantized_note(estimate, g.supports_bf16)} do not fit the {format_bytes(ram)} of RAM available "
-            f"either (offload may take {format_bytes(share)}){held_hint(g)}",
-            fix,
-        )
-    if reason is not None:  # 4-bit weights to disk, a card without room for its runtime
-        raise LoadRefused(f"{too_big}, and {reason}{held_hint(g)}", fix)
-    where = "disk" if on_disk else "CPU RAM"
-    if not plan.allow_offload:
-        raise LoadRefused(
-            f"{too_big}: loading would offload about {format_bytes(offload)} of weights to {where}, and every "
-            f"generated token would be much slower{held_hint(g)}",
-            f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)",
-        )
-    warning = (f"about {format_bytes(offload)} of weights will be offloaded to {where}: generation will be much "
-               f"slower. Better: {fix}")  # fmt: skip
-    return [warning], placed
-
-
 def ram_for_loading(snap: MemorySnapshot, total: int | None, largest: int | None, source: str) -> Check:
     """Whether RAM can hold the largest weight file while loading (the Colab kernel dies silently if not)."""
     avail = snap.ram.available
@@ -361,35 +246,6 @@ def check_ram_for_loading(model: str, snap: MemorySnapshot) -> None:
         raise LoadRefused(check.summary, check.fix)
 
 
-def placement_spill(
-    plan: LoadPlan, estimate, g, room: int, snap: MemorySnapshot
-) -> tuple[list[str], DevicePlan | None]:
-    """The estimate fits ``g``; the placement transformers computes for it may still push weights to the CPU
-    (``spill_why``: accelerate keeps room for the largest layer; for int8/4-bit bitsandbytes keeps 10 % of the
-    card's ``max_memory`` for its buffers). Placed with the RAM the load offers, as ``max_memory_for`` passes it: refuse that
-    before loading, or warn with ``allow_offload`` and load the placement that was checked; never offload
-    silently, never into too little RAM."""
-    if map_strategy(plan.device_map) is None or plan.max_memory is not None:
-        return [], None
-    ram = offload_ram(snap)
-    try:
-        placed = split_plan(estimate, [gpu_device(g, room)], ram=ram, offload=True)
-    except PlacementError:  # an architecture the meta device cannot build: the estimate decided
-        return [], None
-    spill = placed.offloaded("cpu") + placed.offloaded("disk")
-    if not spill:
-        return [], None
-    fix = spill_fix(estimate)
-    why = (f"the estimate ({format_bytes(estimate.total)}) fits the {format_bytes(g.free)} free on {g.name}, but "
-           f"{spill_why(estimate)} leaves {format_bytes(spill)} of weights for CPU RAM")  # fmt: skip
-    if not placed.fits:
-        raise LoadRefused(f"{why}, and {placed.reasons[0]}", fix)
-    if not plan.allow_offload:
-        raise LoadRefused(f"{why}: every generated token would be much slower",
-                          f"{fix}; or accept the slowdown: LoadPlan(..., allow_offload=True)")  # fmt: skip
-    return [f"{why}: generation will be much slower. Better: {fix}"], placed
-
-
 # What transformers needs to load a GPTQ or AWQ checkpoint (transformers/quantizers/quantizer_gptq.py and
 # quantizer_awq.py): optimum's GPTQ quantizer and gptqmodel's kernels (CPU ones too), gptqmodel for AWQ.
 PREQUANTIZED_BACKENDS = {"gptq": ("optimum", "gptqmodel"), "awq": ("gptqmodel",)}
@@ -424,27 +280,6 @@ def check_prequantized_map(plan: LoadPlan, estimate) -> None:
         )
 
 
-def _mapped_gpu(plan: LoadPlan, snap: MemorySnapshot):
-    """The GPU a one-card ``device_map`` names (``{"": 1}``, ``"cuda:1"``), GPU 0 otherwise; None without one."""
-    index = map_gpu(plan.device_map) or 0
-    if snap.gpus and index >= len(snap.gpus):
-        raise LoadRefused(
-            f"the device_map puts the model on GPU {index} and this machine has {len(snap.gpus)} GPU(s)",
-            "device_map='auto' (GPU 0 first), or {'': 0}",
-        )
-    return snap.gpus[index] if snap.gpus else None
-
-
-def max_memory_for(estimate, snap: MemorySnapshot) -> dict | None:
-    """``max_memory`` for ``device_map="auto"`` that keeps room on the GPU for KV cache and activations."""
-    g = snap.gpu
-    if g is None:
-        return None
-    runtime = max(0, estimate.total - estimate.weights)  # KV cache, activations, CUDA context, margins
-    gpu_cap = max(0, gpu_room(estimate, g) - runtime - GPU_MARGIN)
-    return {g.index: gpu_cap, "cpu": offload_ram(snap)}
-
-
 @dataclass
 class PlanCheck:
     """The outcome of :func:`check_plan`: the estimate, where the model comes from, warnings."""
@@ -456,6 +291,7 @@ class PlanCheck:
     max_memory: dict | None = None
     split: DevicePlan | None = None  # the checked placement loaded as is: over several GPUs, or one card + CPU
     notes: list[str] = field(default_factory=list)
+    decision: PlacementDecision | None = None  # where the model goes (decide_placement); None with check=False
 
 
 def check_plan(
@@ -481,17 +317,11 @@ def check_plan(
     check_prequantized_backend(plan)
     est = estimate if estimate is not None else plan.estimate("current")
     check_prequantized_map(plan, est)
-    checked = PlanCheck(plan=plan, source=source, estimate=est, max_memory=plan.max_memory)
-    decision = decide_gpus(plan, est, snap)  # None: one GPU (or none) decides, as below
-    if decision is not None:
-        checked.split, checked.warnings, checked.notes = decision.split, decision.warnings, decision.notes
-        checked.max_memory = decision.max_memory if decision.max_memory is not None else plan.max_memory
-        return checked
-    checked.warnings, checked.split = check_fit(plan, est, snap)  # split: a one-card offload's GPU/CPU map
-    checked.notes = other_gpus_note(plan, snap)
-    if checked.max_memory is None and map_strategy(plan.device_map) is not None:
-        checked.max_memory = max_memory_for(est, snap)
-    return checked
+    decision = decide_placement(plan, est, snap)
+    decision.raise_refusal()
+    return PlanCheck(plan=plan, source=source, estimate=est, warnings=decision.warnings, notes=decision.notes,
+                     max_memory=plan.max_memory if decision.max_memory is None else decision.max_memory,
+                     split=decision.plan, decision=decision)  # fmt: skip
 
 
 def find_token() -> str | None:

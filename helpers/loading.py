@@ -32,10 +32,7 @@ from .estimator import (
     resolve_config,
 )
 from .generation import generate_batched  # the one batched generation; re-exported for the notebook API's readers
-from .gpu_split import (
-    map_strategy,
-    spill_fix,
-)
+from .gpu_split import map_strategy
 from .load_checks import (
     PlanCheck,
     check_adapter,
@@ -46,7 +43,6 @@ from .load_checks import (
     check_prequantized_map,
     check_ram_for_loading,
     find_token,
-    max_memory_for,
     ram_for_loading,
 )
 from .load_plan import ATTENTION_IMPLEMENTATIONS, LoadPlan, auto_compute_dtype, check_fields
@@ -54,6 +50,7 @@ from .load_report import LoadReport, offload_warnings, placement
 from .memory import MemorySnapshot, allocated
 from .phases import phase
 from .placement import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
+from .placement_decision import max_memory_for, spill_fix
 from .reducers import use_kv_cache
 from .sources import (
     SourceError,

@@ -19,11 +19,11 @@ from .html import STYLE, color_attrs
 from .panel_state import SEGMENTS, PanelState, stacked_bar
 from .placement import DevicePlan, DeviceShare
 from .units import format_bytes
-from .vocab import DOES_NOT_FIT, FITS, VERDICT_STATUS, VERDICTS, verdict
+from .vocab import FITS, VERDICT_STATUS, verdict
 
 __all__ = [
     "Alternative", "FirstGpuState", "SplitFix", "SplitState", "gpu_specs", "layer_ranges", "multi_gpu_set",
-    "ranges_text", "split_gpus", "split_target", "split_verdict", "hashable_devices",
+    "ranges_text", "split_gpus", "split_target", "hashable_devices",
 ]  # fmt: skip
 
 SHARE_FIELDS = ("weights", "kv_cache", "activations", "overhead")  # DeviceShare's, in SEGMENTS' order
@@ -125,13 +125,6 @@ def ranges_text(placement: DevicePlan) -> str:
     """``"layers 0-15 on GPU 0, 16-31 on GPU 1"``."""
     spans = [f"{_span(*r)} on {_device_name(d)}" for d, r in layer_ranges(placement).items()]
     return "layers " + ", ".join(spans) if spans else "no decoder layers"
-
-
-def split_verdict(placement: DevicePlan) -> str:
-    """The panel's verdict for a split: does not fit when refused, else the fullest GPU's (fits or tight)."""
-    if not placement.fits:
-        return DOES_NOT_FIT
-    return max((verdict(s.total, s.capacity) for s in placement.gpus), key=VERDICTS.index, default=FITS)
 
 
 def _fullest(placement: DevicePlan) -> DeviceShare:

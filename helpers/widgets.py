@@ -9,8 +9,8 @@ notebook's parameters decide.
 
 Over several GPUs (``device="kaggle-2xt4"``, ``["t4", "t4"]``, or ``"current"`` where torch sees more
 than one) the panel places the plan as :func:`~helpers.loading.load` does there, one bar per GPU: on
-GPU 0 alone when it fits (the others drawn free), else split with
-:func:`~helpers.placement.plan_devices` (planned once per setting; a "GPUs" dropdown sets
+GPU 0 alone when it fits (the others drawn free), else split, as
+:func:`~helpers.placement_decision.decide_placement` decides (once per setting; a "GPUs" dropdown sets
 ``LoadPlan.gpus``), the layer runs in the verdict, and a top fix checked by placing it the same way.
 On one GPU that is half of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan that does not fit
 says whether the set would hold it.
@@ -35,9 +35,7 @@ from html import escape
 from typing import Any
 
 from .devices import DEVICE_SETS, resolve_device
-from .errors import OomkitError
 from .estimator import MemoryEstimate, fit, resolve_config
-from .gpu_split import spill_fix, spill_why, stays_on_first  # load()'s rule for GPU 0 alone
 from .knobs import KNOBS, register_control
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
@@ -52,10 +50,10 @@ from .panel_gpus import (
     multi_gpu_set,
     split_gpus,
     split_target,
-    split_verdict,
 )
 from .panel_state import SEGMENTS, PanelState, ReducerTable, host_note, judgement, notes_html
-from .placement import DevicePlan, bnb_prequantized, plan_devices
+from .placement import DevicePlan, bnb_prequantized
+from .placement_decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot
 from .reclaim import unload
 from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from .session import enable_colab_widgets
@@ -386,7 +384,7 @@ class PlacementSpill:
     spill: int
     fix: str
     can_offload: bool = True  # False for a checkpoint saved quantized by bitsandbytes: it cannot be offloaded
-    why: str = SPILL_DEFAULT  # gpu_split.spill_why of the estimate (bitsandbytes' margin only for int8/4-bit)
+    why: str = SPILL_DEFAULT  # the decision's spill_why (bitsandbytes' margin only for int8/4-bit)
 
     def __str__(self) -> str:
         offload = ", or allow_offload=True (every token slower)" if self.can_offload else ""
@@ -456,7 +454,7 @@ class LoadPanel(Panel):
         self.error: Exception | None = None
         self._gpus = split_gpus(device)
         self._pair = None if self._gpus is not None else multi_gpu_set(device)
-        self._placements: dict[tuple, DevicePlan] = {}
+        self._decisions: dict[tuple, PlacementDecision] = {}
         self.CONTROLS = tuple(  # each KV cache kind labelled with whether it runs here
             Control(c.key, c.description, c.kind, kv_cache_choices()) if c.key == "kv_cache" else c
             for c in type(self).CONTROLS
@@ -514,68 +512,59 @@ class LoadPanel(Panel):
         """The current plan's split across the panel's GPUs (None on one device, or on GPU 0 alone)."""
         return self.state.placement if isinstance(self.state, SplitState) else None
 
-    def placement_for(self, plan: LoadPlan, devices: Any = None) -> DevicePlan:
-        """:func:`~helpers.placement.plan_devices` of ``plan`` on ``devices`` (default: the panel's GPUs), once
-        per setting: the first plan of a load mode builds the model on the meta device (~0.1-2 s), a repeat ~5 ms."""
+    def decision_for(self, plan: LoadPlan, est: MemoryEstimate, devices: Any = None) -> PlacementDecision:
+        """:func:`~helpers.placement_decision.decide_placement` of ``plan`` on ``devices`` (default: the panel's
+        GPUs; no RAM to offload to), once per setting: the first plan of a load mode builds the model on the
+        meta device (~0.1-2 s), a repeat ~5 ms."""
         devices = self._specs if devices is None else devices
         dq = plan.double_quant if plan.load in FOUR_BIT else None
         key = (hashable_devices(devices), plan.load, dq, plan.compute_dtype, plan.max_new_tokens, plan.batch_size,
-               plan.prompt_tokens, plan.kv_cache)  # fmt: skip
-        if key not in self._placements:
-            self._placements[key] = plan_devices(
-                self.config, load=plan.load, devices=devices, compute_dtype=plan.compute_dtype,
-                double_quant=plan.double_quant, batch_size=plan.batch_size, prompt_tokens=plan.prompt_tokens,
-                max_new_tokens=plan.max_new_tokens, kv_cache=plan.kv_cache,
-            )  # fmt: skip
-        return self._placements[key]
+               plan.prompt_tokens, plan.gpus, plan.kv_cache)  # fmt: skip
+        if key not in self._decisions:
+            specs = [resolve_device(d) for d in devices]
+            gpus = [{"name": label, "capacity": d["capacity"], "bf16": d["bf16"]} for label, d in specs]
+            self._decisions[key] = decide_placement(plan, est, devices_snapshot(est, gpus))
+        return self._decisions[key]
 
     def arrangement(self, plan: LoadPlan, est: MemoryEstimate) -> tuple[str, DevicePlan | None]:
-        """(verdict, split) of ``plan`` placed on the panel's GPUs as ``load()`` places it: on GPU 0 alone
-        (split None) when it fits there or ``gpus=1``, else split across ``plan.gpus`` GPUs (default all)."""
-        n = plan.gpus or len(self._gpus)
-        alone = verdict(est.total, self._gpus[0][1]["capacity"])
-        first = self._specs[0]
-        if n == 1 or (plan.gpus is None and stays_on_first(est, first, lambda: self.placement_for(plan, [first]))):
-            return alone, None
-        split = self.placement_for(plan, self._specs[:n])
-        return split_verdict(split), split
+        """(verdict, split) of ``plan`` on the panel's GPUs, as :meth:`decision_for` places it: on GPU 0 alone
+        (split None), or split across ``plan.gpus`` GPUs (default all)."""
+        decided = self.decision_for(plan, est)
+        if decided.gpus < 2 or decided.plan is None:
+            return (DOES_NOT_FIT if decided.spill else verdict(est.total, self._gpus[0][1]["capacity"])), None
+        return decided.verdict, decided.plan
 
     def judge(self, plan: LoadPlan, est: MemoryEstimate) -> PanelState:
         """One device: as :class:`Panel` (and, when it does not fit, whether the GPU's multi-GPU set would hold
-        it). Several: where ``load()`` would put it (:meth:`arrangement`), and the top fix when it does not fit."""
+        it). Several: where ``load()`` would put it (:meth:`decision_for`), and the top fix when it does not fit."""
         if self._gpus is None:
             state = super().judge(plan, est)
             # a device under 2 GiB is a test double (the tiny model's rehearsals): the placement's fixed 256 MiB
             # margin would decide there, not the plan
             if state.verdict != DOES_NOT_FIT and self._est_device != "cpu" and self._capacity >= 2 * GiB:
-                self._mark_spill(state, plan, self.device)
+                self._mark_spill(state, self.decision_for(plan, est, [self.device]))
             if state.verdict == DOES_NOT_FIT and self._pair is not None and state.alternative is None:
                 state.alternative = self._alternative(plan, est, self._pair, f"device={self._pair!r}")
             return state
-        result, split = self.arrangement(plan, est)
-        if split is None:
-            return self._first_gpu_state(plan, est)
-        fix = None if split.fits else self._split_fix(plan, est, split)
+        decided = self.decision_for(plan, est)
+        if decided.gpus < 2 or decided.plan is None:
+            return self._first_gpu_state(plan, est, decided)
+        fix = self._split_fix(plan, est, decided.plan) if decided.refused else None
         return SplitState(
-            plan, est, result, self._capacity, self.device_label, segments_spec=self.SEGMENTS, placement=split,
-            fix=fix,
+            plan, est, decided.verdict, self._capacity, self.device_label, segments_spec=self.SEGMENTS,
+            placement=decided.plan, fix=fix,
         )  # fmt: skip
 
-    def _mark_spill(self, state: PanelState, plan: LoadPlan, device: Any) -> None:
-        """Where the estimate fits the card but transformers' placement for it (``spill_why``: the largest layer
-        needs room; bitsandbytes keeps 10 % for its buffers in int8/4-bit) leaves weights for the CPU, ``load()``
-        refuses: so does the panel, saying why."""
-        try:
-            placed = self.placement_for(plan, [device])
-        except (OomkitError, ValueError):  # an architecture the meta device cannot build: the estimate decides
-            return
-        spill = placed.offloaded("cpu") + placed.offloaded("disk")
-        if spill:
+    @staticmethod
+    def _mark_spill(state: PanelState, decided: PlacementDecision) -> None:
+        """The decision's answer where the estimate fits the card but transformers' placement for it leaves
+        weights for the CPU: ``load()`` refuses, and so does the panel, saying why."""
+        if decided.spill and decided.gpus < 2:
             est = state.estimate
             state.verdict = DOES_NOT_FIT
-            state.alternative = PlacementSpill(spill, spill_fix(est), not bnb_prequantized(est), spill_why(est))
+            state.alternative = PlacementSpill(decided.spill, decided.fix, not bnb_prequantized(est), decided.why)
 
-    def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate) -> FirstGpuState:
+    def _first_gpu_state(self, plan: LoadPlan, est: MemoryEstimate, decided: PlacementDecision) -> FirstGpuState:
         label0, gpu0 = self._gpus[0]
         result, suggestion = judgement(est, gpu0["capacity"], self._est_device)
         state = FirstGpuState(
@@ -583,7 +572,7 @@ class LoadPanel(Panel):
             gpu0=label0, free=[(label, d["capacity"]) for label, d in self._gpus[1:]],
         )  # fmt: skip
         if result != DOES_NOT_FIT:
-            self._mark_spill(state, plan, self._specs[0])  # gpus=1 on a plan transformers would half-offload
+            self._mark_spill(state, decided)  # gpus=1 on a plan transformers would half-offload
         if state.verdict == DOES_NOT_FIT and state.alternative is None and len(self._gpus) > 1:
             # gpus=1 was asked for: would all the GPUs hold it?
             state.alternative = self._alternative(plan, est, self._specs, f"gpus={len(self._gpus)}")
@@ -609,11 +598,8 @@ class LoadPanel(Panel):
         # a split needs at least the whole-model estimate (each GPU adds its own context): skip hopeless plans
         if est.total > sum(resolve_device(d)[1]["capacity"] for d in specs):
             return None
-        try:
-            placement = self.placement_for(plan, devices)
-        except OomkitError:  # oomkit refuses to plan it (an architecture not buildable on meta): no hint
-            return None
-        return Alternative(how, placement) if placement.fits else None
+        decided = self.decision_for(plan.replace(gpus=len(specs)), est, specs)
+        return Alternative(how, decided.plan) if decided.where == SPLIT and decided.plan is not None else None
 
     def cache_key(self) -> tuple:
         v = self._values

@@ -137,15 +137,6 @@ def test_a_max_memory_over_several_gpus_is_placed_within_it_and_checked_per_card
     assert check_plan(plan, snapshot=cpu, bnb=BNB_OK, estimate=llama8b("nf4")).split is None
 
 
-def test_a_13b_int8_that_would_half_spill_from_gpu_0_is_split_instead(tiny_llama):
-    """fit() says a 13B int8 fits a T4, but the placement transformers computes for that card (with
-    bitsandbytes' 10 % margin) sends the last layers to the CPU: on two cards it is split."""
-    est = estimate(reference_configs()["Llama-2-13b"], load="int8", device="t4")
-    one_card = check_plan(LoadPlan(str(tiny_llama), load="int8"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
-    assert one_card.split is not None and one_card.split.offloaded("cpu") == 0
-    assert all(s.layers for s in one_card.split.gpus)
-
-
 def test_an_offload_larger_than_the_ram_is_refused(tiny_llama):
     est = estimate(reference_configs()["Llama-2-70b"], load="nf4", device="t4")
     plan = LoadPlan(str(tiny_llama), load="nf4", allow_offload=True)
@@ -313,22 +304,6 @@ def test_an_architecture_without_a_causal_lm_class_is_an_oomkit_answer_not_a_tra
         assert check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=n), bnb=BNB_OK, estimate=est)
 
 
-def test_a_checkpoint_saved_quantized_is_never_told_to_offload_or_change_its_load_mode():
-    """load(), preflight and the panel share one spill fix: for a *-bnb-4bit checkpoint neither a smaller
-    load mode (its mode is the saved one) nor allow_offload=True (transformers cannot load it so) helps."""
-    import types
-
-    from helpers.gpu_split import spill_fix
-    from helpers.widgets import PlacementSpill
-
-    fresh = types.SimpleNamespace(load="int8", quantized_by=None)
-    saved = types.SimpleNamespace(load="nf4", quantized_by="bitsandbytes")
-    assert spill_fix(fresh) == "load='nf4', or a smaller batch or max_new_tokens"
-    assert "load the original (unquantized) checkpoint" in spill_fix(saved) and "load='fp4'" not in spill_fix(saved)
-    assert "allow_offload=True" in str(PlacementSpill(GiB, spill_fix(fresh)))
-    assert "allow_offload" not in str(PlacementSpill(GiB, spill_fix(saved), can_offload=False))
-
-
 def test_each_device_map_strategy_is_split_as_transformers_places_it(tiny_llama, monkeypatch):
     """device_map="sequential" / "balanced" / "balanced_low_0" on a 2×T4: placed with that strategy over both
     cards (not checked against GPU 0 alone and refused), and the checked map is what from_pretrained gets."""
@@ -380,15 +355,3 @@ def test_a_device_map_string_that_is_no_strategy_nor_device_is_refused(tiny_llam
     assert "'sequential'" in e.value.fix and "'balanced_low_0'" in e.value.fix
     assert check_plan(LoadPlan(str(tiny_llama), load="nf4", device_map="cuda:1"), snapshot=kaggle(), bnb=BNB_OK,
                       estimate=llama8b("nf4")).split is None  # a device is a one-card map  # fmt: skip
-
-
-def test_an_unquantized_spill_is_not_blamed_on_bitsandbytes(tiny_llama):
-    """CodeLlama-7B fp16 at batch 4 fits a T4 by the estimate, and the placement still leaves a layer for the CPU:
-    the reason given is the room kept for the KV cache and the largest layer; bitsandbytes' 10 % margin applies
-    only to an int8/4-bit load (transformers' bitsandbytes quantizer), and is not named for fp16."""
-    est = estimate("codellama/CodeLlama-7b-hf", load="fp16", device="t4", batch_size=4, max_new_tokens=256)
-    with pytest.raises(LoadRefused, match="placement for it .* leaves .* of weights for CPU RAM") as e:
-        check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(n=1), bnb=BNB_OK, estimate=est)
-    assert "bitsandbytes" not in str(e.value) and "accelerate for the largest layer" in str(e.value)
-    assert "bitsandbytes" not in gpu_split.spill_why(est)
-    assert "bitsandbytes 10 %" in gpu_split.spill_why(est.replace(load="nf4"))

@@ -31,7 +31,7 @@ LAYERS = [
     {"sources", "reclaim", "tensors", "object_walk"},
     {"estimator"},
     {"oom_diagnosis", "oom", "placement", "device_plan", "gpu_split", "fits_view", "model_parts"},
-    {"retry", "generation", "loading", "load_plan", "load_checks", "load_report", "device_fixes"},
+    {"retry", "generation", "loading", "load_plan", "load_checks", "load_report", "device_fixes", "placement_decision"},
     {
         "batch_size",
         "eval_batching",

@@ -13,6 +13,7 @@ import helpers.load_checks as load_checks
 import helpers.load_plan as load_plan
 import helpers.load_report as load_report
 import helpers.loading as loading
+import helpers.placement_decision as placement_decision
 import helpers.sources as sources
 from helpers import gpu_split
 from helpers.estimator import estimate
@@ -328,7 +329,7 @@ def test_without_a_placement_bitsandbytes_is_not_offloaded_and_fp16_is_counted(t
     def unplaceable(*args, **kwargs):
         raise PlacementError("cannot build this architecture on the meta device")
 
-    monkeypatch.setattr(load_checks, "split_plan", unplaceable)
+    monkeypatch.setattr(placement_decision, "split_plan", unplaceable)
     snap = machine(free=4 * GiB)
     est = estimate(reference_configs()["Llama-2-13b"], load="nf4", device="t4")
     with pytest.raises(LoadRefused, match="placement cannot be built"):
@@ -463,8 +464,8 @@ def test_max_memory_keeps_room_for_the_kv_cache():
     mm = max_memory_for(est, snap)
     context = est.row("overhead.cuda_context").bytes  # already paid when free memory was read
     runtime = est.total - est.weights
-    assert mm[0] == snap.gpu.free + context - runtime - load_checks.GPU_MARGIN
-    assert mm[0] == snap.gpu.free - (runtime - context) - load_checks.GPU_MARGIN  # KV cache etc. still get room
+    assert mm[0] == snap.gpu.free + context - runtime - placement_decision.GPU_MARGIN
+    assert mm[0] == snap.gpu.free - (runtime - context) - placement_decision.GPU_MARGIN  # KV cache etc. still get room
     assert mm["cpu"] == int(11 * GiB * 0.8)
     assert max_memory_for(est, machine(gpu=False)) is None
 

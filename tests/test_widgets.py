@@ -383,15 +383,16 @@ def test_lists_and_dicts_of_gpus_split_as_the_named_set_does():
 
 def test_slider_moves_plan_each_setting_once(monkeypatch):
     calls = []
-    real = widgets_mod.plan_devices
-    monkeypatch.setattr(widgets_mod, "plan_devices", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = widgets_mod.decide_placement
+    monkeypatch.setattr(widgets_mod, "decide_placement", lambda *a, **k: calls.append(a) or real(*a, **k))
     panel = LoadPanel(BIG, device="kaggle-2xt4", load="nf4", gpus=2, widgets=True)
     first = panel.placement
     slider = panel.controls["max_new_tokens"]
     for value in (512, 1024, 256, 512, 1024, 256):
         slider.value = value
     assert len(calls) == 3 and panel.placement is first and panel.state.cached
-    longer = panel.placement_for(panel.plan.replace(max_new_tokens=1024))
+    plan = panel.plan.replace(max_new_tokens=1024)
+    longer = panel.decision_for(plan, panel.estimate_plan(plan)).plan
     assert [g.kv_cache for g in first.gpus] != [g.kv_cache for g in longer.gpus]
 
 
