@@ -105,6 +105,7 @@ def test_whispers_encoder_stays_16_bit_as_the_estimate_counts_it(family_paths):
     model, _, report = load(family_paths["whisper"], load="nf4", device_map=None)
     encoder = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("model.encoder."))
     assert est.row("weights.audio_encoder").bytes == encoder > 0
+    assert any("audio encoder, kept in 16 bits" in w for w in est.warnings)
     assert report.measured_weights == report.estimated_weights == est.weights
 
 
