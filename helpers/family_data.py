@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from .estimator.families import CAUSAL, IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
 from .train_plan import FinetuneError
 from .training_data import IGNORE, TrainingData
 
-__all__ = ["load_processor", "family_example", "build_family_dataset", "ROW_KEYS", "IMAGE_PROMPT"]
+__all__ = ["load_processor", "family_example", "build_family_dataset", "probe_batch", "ROW_KEYS", "IMAGE_PROMPT"]
 
 # what a row of each family's data holds (the decoder-only family reads instruction rows with build_dataset)
 ROW_KEYS = {
@@ -111,3 +112,39 @@ def build_family_dataset(model, processor, rows: list[dict], seq_len: int) -> Tr
     start = getattr(config, "decoder_start_token_id", None)
     examples = [family_example(processor, fam, row, seq_len, decoder_start=start) for row in rows]
     return TrainingData(examples, rows=len(rows), cut=0, dropped=0, seq_len=seq_len, cut_answers="keep_eos")
+
+
+def probe_batch(model, batch: int, seq_len: int, device: Any = None) -> dict[str, torch.Tensor]:
+    """Random inputs for one training step at full length, as :func:`helpers.finetune.find_micro_batch` measures
+    it: ``seq_len`` tokens in and out (a T5's input and labels), Whisper's full 30 s window of mel frames, a
+    VLM's image (its tokens counted as the estimator counts them) at the front of ``seq_len`` tokens."""
+    from .estimator.family_rows import image_tokens
+
+    config = model.config
+    fam = family(config)
+    vocab = model.get_input_embeddings().num_embeddings
+    dtype = getattr(model, "dtype", torch.float32)
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    if fam == CAUSAL:
+        return {"input_ids": ids, "labels": ids}
+    if fam == SEQ2SEQ:
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if fam == SPEECH_SEQ2SEQ:
+        frames = 2 * config.max_source_positions  # the conv front end halves the padded window
+        features = torch.randn(batch, config.num_mel_bins, frames, device=device, dtype=dtype)
+        return {"input_features": features, "labels": ids}
+    vc = config.vision_config
+    if getattr(vc, "spatial_merge_size", None) or getattr(config, "scale_factor", None):
+        raise FinetuneError(
+            f"find_micro_batch cannot make up {config.model_type}'s image inputs (tiles of native resolution): "
+            "set TrainPlan.micro_batch by hand (plan.estimate() shows what a micro-batch costs)"
+        )
+    n = image_tokens(config)[0]
+    if n >= seq_len:
+        raise FinetuneError(f"an image takes {n} tokens, seq_len is {seq_len}: raise TrainPlan.seq_len above {n}")
+    ids[:, :n] = config.image_token_id
+    labels = ids.clone()
+    labels[:, :n] = IGNORE
+    size = vc.image_size
+    pixels = torch.randn(batch, getattr(vc, "num_channels", 3), size, size, device=device, dtype=dtype)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "pixel_values": pixels}

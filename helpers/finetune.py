@@ -42,6 +42,7 @@ from .checkpoints import (
     set_aside,
     set_aside_all,
 )
+from .family_data import probe_batch
 from .loading import keep_4bit_layout
 from .reducers import chunked_lm_loss, offload_activations
 from .train_plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer, target_modules
@@ -111,7 +112,6 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     need_plan(plan, "find_micro_batch")
     number("margin", margin, low=0, high=1, low_open=True, error=FinetuneError)
 
-    vocab = model.get_input_embeddings().num_embeddings
     device = next(p for p in model.parameters()).device
     was_training = model.training
     model.train()
@@ -126,10 +126,10 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     )
 
     def step(b: int) -> None:
-        ids = torch.randint(0, vocab, (b, plan.seq_len), device=device)
+        inputs = probe_batch(model, b, plan.seq_len, device)  # the family's inputs: mel frames, an image
         try:
             with autocast:
-                loss = training_loss(model, {"input_ids": ids, "labels": ids}, plan)
+                loss = training_loss(model, inputs, plan)
             loss.backward()
         finally:
             model.zero_grad(set_to_none=True)

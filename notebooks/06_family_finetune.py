@@ -30,7 +30,8 @@
 # before and after training, each result on disk as it comes, so an OOM or a disconnect loses nothing.
 #
 # Steps: preflight -> plan and estimate (the audio encoder's rows) -> load -> data -> transcripts
-# before -> prepare QLoRA -> train (resumable) -> transcripts after -> save the adapter -> cleanup.
+# before -> prepare QLoRA -> measure the micro-batch -> train (resumable) -> transcripts after ->
+# save the adapter -> cleanup.
 
 # %%
 # Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
@@ -67,8 +68,8 @@ LOAD = "nf4"  # @param {type:"string"}
 SEQ_LEN = 64  # @param {type:"integer"}
 # effective batch: micro-batch x gradient accumulation
 BATCH_SIZE = 16  # @param {type:"integer"}
-# clips per forward pass (a divisor of BATCH_SIZE); 8 fits whisper-small on a T4
-MICRO_BATCH = 8  # @param {type:"integer"}
+# None: measured, up to BATCH_SIZE; or the most to try (a divisor of BATCH_SIZE)
+MICRO_BATCH = None  # @param {type:"raw"}
 # LoRA rank and scale
 R = 16  # @param {type:"integer"}
 ALPHA = 32  # @param {type:"integer"}
@@ -166,6 +167,7 @@ print(f"{len(rows)} training clips, {len(heldout)} held out")
 # `safe_generate` takes the processor and audio prompts: each clip's mel frames are computed once, its
 # result goes to the JSONL file as soon as its batch ends (the recorded prompt names a hash of the
 # audio, so a resume never mixes up clips), and a batch that runs out of memory is retried smaller.
+# Rerun after a disconnect, it skips the clips already transcribed (`FRESH = True` starts the files over).
 
 # %%
 from helpers import safe_generate
@@ -173,7 +175,7 @@ from helpers import safe_generate
 out = plan.resolved_output_dir()
 out.mkdir(parents=True, exist_ok=True)
 before = safe_generate(model, processor, heldout, max_new_tokens=MAX_NEW_TOKENS, results=out / "before.jsonl",
-                       resume=False, score="contains", progress=False)  # fmt: skip
+                       resume=not FRESH, score="contains", progress=False)  # fmt: skip
 before
 
 # %% [markdown]
@@ -188,7 +190,19 @@ model, trainable = prepare_qlora(model, plan)
 print(trainable)
 
 # %% [markdown]
-# ## 7. Train
+# ## 7. Find the micro-batch
+# Real forward + backward passes on full 30 s windows and `SEQ_LEN`-token transcripts, growing the
+# batch until it runs out of memory (caught) or reaches `MICRO_BATCH` (the effective batch when None).
+
+# %%
+from helpers import find_micro_batch
+
+micro = find_micro_batch(model, plan)
+plan = plan.replace(micro_batch=micro.micro_batch)
+micro
+
+# %% [markdown]
+# ## 8. Train
 # `build_family_dataset` turns rows into mel frames + transcript labels; the collator pads the labels
 # (-100) and stacks the frames. Checkpoints every `SAVE_STEPS` steps: **after a disconnect, rerun the
 # notebook** and training continues from the last one.
@@ -201,18 +215,18 @@ result = train(model, processor, plan, data, resume=not FRESH)
 print(result)
 
 # %% [markdown]
-# ## 8. Transcripts after training
+# ## 9. Transcripts after training
 
 # %%
 after = safe_generate(model, processor, heldout, max_new_tokens=MAX_NEW_TOKENS, results=out / "after.jsonl",
-                      resume=False, score="contains", progress=False)  # fmt: skip
+                      resume=not FRESH, score="contains", progress=False)  # fmt: skip
 for old, new in zip(sorted(before.records, key=lambda r: r["id"]), sorted(after.records, key=lambda r: r["id"]),
                     strict=True):  # fmt: skip
     print(f"{old['reference']!r:14} before: {old['output'].strip()[:60]!r:40} after: {new['output'].strip()[:60]!r}")
 print(f"contains the word: {before.scores} before, {after.scores} after")
 
 # %% [markdown]
-# ## 9. Save the adapter, clean up
+# ## 10. Save the adapter, clean up
 
 # %%
 from helpers import format_bytes, save_adapter, unload

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.estimator import EstimateError, estimate
+from helpers.estimator import EstimateError, estimate, family
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
 
@@ -127,3 +127,26 @@ def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_t5, tin
     est = estimate(str(tiny_t5), load="nf4", device="t4", training=LoraTraining())
     assert any("decoder-only formulas" in w for w in est.warnings)
     assert not any("decoder-only formulas" in w for w in estimate(str(tiny_llama), training=LoraTraining()).warnings)
+
+
+def test_fit_suggests_fewer_images_and_a_shorter_encoder_input(tiny_vlm, tiny_t5):
+    from helpers.estimator import fit
+
+    for model, inputs, change in [
+        (tiny_vlm, {"images": 8, "prompt_tokens": 64}, {"images": 4}),
+        (tiny_t5, {"encoder_tokens": 512}, {"encoder_tokens": 256}),
+    ]:
+        est = estimate(str(model), load="fp32", device="cpu", batch_size=8, max_new_tokens=8, **inputs)
+        verdict = fit(est, device=int(est.total * 0.97))
+        fix = next(s for s in verdict.suggestions if s.kwargs == change)
+        assert all(fix.estimate.inputs[k] == v for k, v in change.items()) and fix.saving > 0
+
+
+def test_idefics3_image_tokens_fold_patches_by_the_pixel_shuffle():
+    from transformers import Idefics3Config
+
+    from helpers.estimator.family_rows import image_tokens
+
+    # SmolVLM's processor: image_seq_len 64 for 512-pixel tiles of 16-pixel patches, scale_factor 4
+    config = Idefics3Config(vision_config={"image_size": 512, "patch_size": 16}, scale_factor=4)
+    assert family(config) == "image_text" and image_tokens(config)[0] == 64

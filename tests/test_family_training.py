@@ -105,6 +105,7 @@ def test_whispers_encoder_stays_16_bit_as_the_estimate_counts_it(family_paths):
     model, _, report = load(family_paths["whisper"], load="nf4", device_map=None)
     encoder = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("model.encoder."))
     assert est.row("weights.audio_encoder").bytes == encoder > 0
+    assert any("audio encoder, kept in 16 bits" in w for w in est.warnings)
     assert report.measured_weights == report.estimated_weights == est.weights
 
 
@@ -125,3 +126,25 @@ def test_an_interrupted_whisper_run_resumes_at_its_checkpoint(family_paths, tmp_
     again, _ = prepare_qlora(model2, plan2)
     result = train(again, processor, plan2, data, view=False)
     assert (result.resumed_from, result.global_step) == (1, 2) and not result.changed
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper", "llava"])
+def test_find_micro_batch_runs_real_steps_with_the_familys_inputs(family_paths, name, tmp_path):
+    from helpers.family_data import probe_batch
+    from helpers.finetune import find_micro_batch
+
+    plan, model, _, _ = _setup(family_paths[name], name, tmp_path)
+    inputs = probe_batch(model, 2, plan.seq_len)
+    key = {"t5": "input_ids", "whisper": "input_features", "llava": "pixel_values"}[name]
+    assert inputs[key].shape[0] == 2 and inputs["labels"].shape == (2, plan.seq_len)
+    peft_model, _ = prepare_qlora(model, plan.replace(micro_batch=None))
+    micro = find_micro_batch(peft_model, plan.replace(micro_batch=None))
+    assert (micro.micro_batch, micro.gradient_accumulation) == (2, 1)  # the CPU never runs out: the whole batch
+
+
+def test_a_vlm_probe_needs_room_for_its_image_tokens(family_paths, tmp_path):
+    from helpers.family_data import probe_batch
+
+    _, model, _, _ = _setup(family_paths["llava"], "llava", tmp_path)
+    with pytest.raises(FinetuneError, match="an image takes 16 tokens"):
+        probe_batch(model, 1, 16)

@@ -321,14 +321,18 @@ def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
 
 
 def _family_warnings(config, rows: list[EstimateRow], training) -> list[str]:
-    """A VLM's 16-bit vision tower in a quantized load; training rows of a family still counted as a decoder's."""
+    """A VLM's 16-bit vision tower or Whisper's audio encoder in a quantized load; training rows of a family still counted as a decoder's."""
     fam = family(config)
     out = []
     vision = next((r.bytes for r in rows if r.key == "weights.vision"), 0)
+    audio = next((r.bytes for r in rows if r.key == "weights.audio_encoder"), 0)
+    total = sum(r.bytes for r in rows if r.group == "weights")
     if vision:
-        total = sum(r.bytes for r in rows if r.group == "weights")
         out.append(f"{format_bytes(vision)} of the {format_bytes(total)} of weights are the vision tower and "
                    "projector, kept in 16 bits (quantizing the image path costs quality)")  # fmt: skip
+    if audio:
+        out.append(f"{format_bytes(audio)} of the {format_bytes(total)} of weights are the audio encoder, kept in "
+                   "16 bits (LoRA trains the decoder around it; quantizing it costs transcripts more)")  # fmt: skip
     if training is not None and fam != CAUSAL:
         out.append(f"training a {FAMILIES[fam]}: its step is estimated with the decoder-only formulas (no "
                    "encoder, audio or image activations yet); take the activation rows as a lower bound")  # fmt: skip

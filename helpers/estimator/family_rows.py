@@ -159,6 +159,11 @@ def image_tokens(config, image_size=None) -> tuple[int, str]:
         grid = max(1, round(h / unit)) * max(1, round(w / unit))
         return grid, f"{h} x {w} pixels in {unit} x {unit} tiles: {grid} tokens"
     native = getattr(vc, "image_size", 224)
+    scale = getattr(config, "scale_factor", None)
+    if scale:  # Idefics3 / SmolVLM: pixel shuffle folds scale x scale patches into one token, per image tile
+        n = (native // patch) ** 2 // (scale * scale)
+        return n, (f"each {native} x {native} tile: ({native}/{patch})^2 patches / {scale}^2 (pixel shuffle) = "
+                   f"{n} tokens; a processor that splits images into tiles adds that many per tile")  # fmt: skip
     full = getattr(config, "vision_feature_select_strategy", "default") == "full"
     n = (native // patch) ** 2 + (1 if full else 0)
     note = f"every image resized to {native} x {native}: ({native}/{patch})^2 patches = {n} tokens"

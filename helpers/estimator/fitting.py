@@ -304,6 +304,7 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
         if inp["prompt_tokens"] > 128:
             p = inp["prompt_tokens"] // 2
             cands.append((f"prompt_tokens={p} (truncate inputs)", {"prompt_tokens": p}))
+        cands += _family_candidates(inp)
     else:
         if not tr.gradient_checkpointing:
             cands.append(
@@ -335,6 +336,26 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
                     },
                 )
             )
+    return cands
+
+
+def _family_candidates(inp: dict) -> list[tuple[str, dict]]:
+    """A VLM's fewer or smaller images, a text encoder's shorter input: what only a family's inputs change
+    (Whisper's audio is one padded 30 s window whatever its length: shorter clips save nothing)."""
+    cands: list[tuple[str, dict]] = []
+    images = inp.get("images")
+    if images is not None and images > 1:
+        fewer = images // 2
+        cands.append((f"images={fewer} (fewer images per prompt)", {"images": fewer}))
+    size = inp.get("image_size")
+    if size is not None:  # only where the processor keeps the resolution (Qwen2-VL) does it change the tokens
+        h, w = (size, size) if isinstance(size, int) else size
+        if h * w > 224 * 224:
+            half = (max(1, h // 2), max(1, w // 2))
+            cands.append((f"image_size={half} (downscale the images)", {"image_size": half}))
+    enc = inp.get("encoder_tokens")
+    if enc is not None and enc > 128:
+        cands.append((f"encoder_tokens={enc // 2} (truncate the encoder input)", {"encoder_tokens": enc // 2}))
     return cands
 
 
