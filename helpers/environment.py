@@ -379,7 +379,7 @@ def _options(ests: list[MemoryEstimate], caps: list[int], host: _Host):
     when the options before it did not fit."""
     for e in ests:
         decided = _decide(e, caps, host)
-        alone = _Option(e, verdict(e.total, caps[0]), spill=decided.spill > 0, fix=decided.fix)
+        alone = _Option(e, decided.first_verdict, spill=decided.spill > 0, fix=decided.fix)
         if alone.spill:
             alone.verdict = DOES_NOT_FIT  # transformers' placement on GPU 0 alone would spill to the CPU
         yield alone

@@ -58,7 +58,7 @@ from .reclaim import unload
 from .reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from .session import enable_colab_widgets
 from .units import GiB, format_bytes
-from .vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES, verdict
+from .vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
 
 __all__ = [
     "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
@@ -531,7 +531,7 @@ class LoadPanel(Panel):
         (split None), or split across ``plan.gpus`` GPUs (default all)."""
         decided = self.decision_for(plan, est)
         if decided.gpus < 2 or decided.plan is None:
-            return (DOES_NOT_FIT if decided.spill else verdict(est.total, self._gpus[0][1]["capacity"])), None
+            return (DOES_NOT_FIT if decided.spill else decided.first_verdict), None
         return decided.verdict, decided.plan
 
     def judge(self, plan: LoadPlan, est: MemoryEstimate) -> PanelState:
