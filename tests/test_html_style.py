@@ -75,7 +75,8 @@ def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
     assert html.startswith(STYLE) and "class='oomkit-table'" in html
     assert "<th class='oomkit-num' style='text-align:right;white-space:nowrap'>bytes</th>" in html
     assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>1.63 MiB</td>" in html
-    assert "<td>weights</td>" in html and "<th>note</th>" in html
+    # labels left inline: JupyterLab's own `td` rule (right) outranks the stylesheet's class selector
+    assert "<td style='text-align:left'>weights</td>" in html and "<th style='text-align:left'>note</th>" in html
     assert "&lt;b&gt;x&lt;/b&gt;" in html  # outside text stays escaped
 
 
