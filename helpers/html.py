@@ -93,7 +93,9 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
     frac = max(0.0, min(1.0, used / total))
     color = color or level_color(frac)
     return (
-        "<div style='display:flex;align-items:center;gap:8px;font-family:monospace;margin:2px 0'>"
+        # wrap: in a narrow column (760 px) the figures go under the bar instead of past the right edge
+        "<div class='oomkit-bar' style='display:flex;flex-wrap:wrap;align-items:center;gap:8px;"
+        "font-family:monospace;margin:2px 0'>"
         f"<span style='min-width:150px'>{escape(label)}</span>"
         f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:#e8eaed;"
         "border-radius:3px'>"

@@ -87,3 +87,12 @@ def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
     figures = re.findall(r"<td class='oomkit-num'[^>]*>([^<]*)</td>", html)
     assert figures and all(re.search(r"\d", f) for f in figures)
     assert "nowrap" in html
+
+
+def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
+    """At 760 px the figures of a fixed-width bar ran past the right edge (tests/test_browser.py measures it)."""
+    from helpers.html import bar
+
+    html = bar(3 << 30, 15 << 30, "Disk (working dir)")
+    assert "class='oomkit-bar'" in html and "flex-wrap:wrap" in html
+    assert "3.00 GiB / 15.00 GiB (20%)" in html
