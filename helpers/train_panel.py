@@ -30,6 +30,9 @@ TRAIN_SEGMENTS = (  # (label, estimate row groups, opacity) in bar order
     ("activations", ("activations",), 0.5),
     ("overheads", ("overhead",), 0.3),
 )
+# The micro-batch dropdown's value for "auto (measure)": ipywidgets reads a None value as "nothing
+# selected", so the dropdown showed blank (browser-tested); the plan gets None from plan_for.
+AUTO = "auto"
 RANK_RANGE = (4, 128, 4)
 SEQ_LEN_RANGE = (64, 4096, 64)
 
@@ -74,7 +77,7 @@ class TrainPanel(Panel):
                 "micro_batch",
                 "Micro-batch",
                 "dropdown",
-                (("auto (measure)", None), *((str(d), d) for d in divisors(plan.batch_size))),
+                (("auto (measure)", AUTO), *((str(d), d) for d in divisors(plan.batch_size))),
             ),
             Control("loss", "Loss", "dropdown", loss_choices()),
             Control("offload_activations", "Offload activations", "checkbox"),
@@ -85,14 +88,21 @@ class TrainPanel(Panel):
             "gradient_checkpointing": plan.gradient_checkpointing,
             "r": plan.r,
             "seq_len": plan.seq_len,
-            "micro_batch": plan.micro_batch,
+            "micro_batch": AUTO if plan.micro_batch is None else plan.micro_batch,
             "loss": plan.loss,
             "offload_activations": plan.offload_activations,
         }
         super().__init__(plan.model, device, values, widgets)
 
     def plan_for(self, values: dict) -> TrainPlan:
-        return self._base.replace(**values)
+        micro = values["micro_batch"]
+        return self._base.replace(**{**values, "micro_batch": None if micro in (AUTO, None) else micro})
+
+    def set(self, **values):
+        """As :meth:`Panel.set`; ``micro_batch=None`` (or ``"auto"``) selects "auto (measure)"."""
+        if "micro_batch" in values and values["micro_batch"] is None:
+            values["micro_batch"] = AUTO
+        return super().set(**values)
 
     def estimate_plan(self, plan: TrainPlan):
         return plan.estimate(self.estimate_device, model=self.config)

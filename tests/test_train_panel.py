@@ -23,7 +23,9 @@ def panel(tmp_path):
 def test_widgets_drive_the_plan_and_its_estimate(panel):
     assert panel.plan.micro_batch is None  # none in the plan: "auto", find_micro_batch decides (margin kept)
     options = [value for _, value in panel.controls["micro_batch"].options]
-    assert options == [None, 1, 2, 4, 8, 16]  # auto, then exact accumulation only
+    assert options == ["auto", 1, 2, 4, 8, 16]  # auto, then exact accumulation only
+    # the dropdown shows "auto (measure)": a None value read as "nothing selected" showed blank
+    assert panel.controls["micro_batch"].label == "auto (measure)"
     assert panel.state.verdict == "fits"
     # moving the controls as a user does: the plan and the estimate follow, and the bar redraws
     panel.controls["micro_batch"].value = 16
@@ -233,3 +235,14 @@ def test_reducers_table_prices_each_loss_and_offload_for_the_current_plan():
     assert cells["loss=plain"][3] == "does not fit" and cells["offload_activations=True"][3] == "fits"
     assert "host RAM" in cells["offload_activations=True"][4] and "loss=chunked" in str(table)
     assert "<table" in table._repr_html_() and "&#x27;" not in table._repr_html_().split("<table")[0]
+
+
+def test_micro_batch_auto_is_selected_and_shown_and_set_none_goes_back_to_it(panel):
+    """ipywidgets shows a dropdown whose value is None as blank; "auto" is a real option (browser-tested too)."""
+    dropdown = panel.controls["micro_batch"]
+    assert (dropdown.index, dropdown.label) == (0, "auto (measure)") and panel.plan.micro_batch is None
+    dropdown.value = 4
+    assert panel.plan.micro_batch == 4 and panel.plan.gradient_accumulation == 4
+    panel.set(micro_batch=None)
+    assert (dropdown.index, dropdown.label) == (0, "auto (measure)") and panel.plan.micro_batch is None
+    assert panel.state.estimate.total == panel.plan.estimate("t4").total  # estimated with micro-batch 1
