@@ -30,6 +30,9 @@ LIGHT_BACKGROUND = "#ffffff"
 DARK_BACKGROUNDS = ("#111111", "#212121")  # JupyterLab dark theme: --jp-layout-color0 and -color1
 _DARK = ("body[data-jp-theme-light='false'] .oomkit-{0}", "html[theme='dark'] .oomkit-{0}")
 NUMBER_STYLE = "text-align:right;white-space:nowrap"
+# inline too: JupyterLab right-aligns every cell with a more specific rule than a class selector
+# (`:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`), which turned labels right (browser-tested)
+LABEL_STYLE = "text-align:left"
 STYLE = (
     "<style>"
     ".oomkit-table{border-collapse:collapse;font-family:monospace}"
@@ -90,7 +93,9 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
     frac = max(0.0, min(1.0, used / total))
     color = color or level_color(frac)
     return (
-        "<div style='display:flex;align-items:center;gap:8px;font-family:monospace;margin:2px 0'>"
+        # wrap: in a narrow column (760 px) the figures go under the bar instead of past the right edge
+        "<div class='oomkit-bar' style='display:flex;flex-wrap:wrap;align-items:center;gap:8px;"
+        "font-family:monospace;margin:2px 0'>"
         f"<span style='min-width:150px'>{escape(label)}</span>"
         f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:#e8eaed;"
         "border-radius:3px'>"
@@ -111,17 +116,19 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | 
     def cell(v: object, tag: str = "td") -> str:
         text = str(v)
         if isinstance(v, Markup):
-            return f"<{tag}>{text}</{tag}>"
+            return f"<{tag} style='{LABEL_STYLE}'>{text}</{tag}>"
         if is_number(text):
             return f"<{tag} class='oomkit-num' style='{NUMBER_STYLE}'>{escape(text)}</{tag}>"
-        return f"<{tag}>{escape(text)}</{tag}>"
+        return f"<{tag} style='{LABEL_STYLE}'>{escape(text)}</{tag}>"
 
     numeric = [
         bool(column) and all(is_number(str(c)) for c in column if not isinstance(c, Markup))
         for column in ([str(r[i]) for r in rows if i < len(r) and str(r[i]).strip()] for i in range(len(header)))
     ]
     head = "".join(
-        f"<th class='oomkit-num' style='{NUMBER_STYLE}'>{escape(h)}</th>" if num else f"<th>{escape(h)}</th>"
+        f"<th class='oomkit-num' style='{NUMBER_STYLE}'>{escape(h)}</th>"
+        if num
+        else f"<th style='{LABEL_STYLE}'>{escape(h)}</th>"
         for h, num in zip(header, numeric, strict=True)
     )
     body = "".join("<tr>" + "".join(cell(c) for c in r) + "</tr>" for r in rows)

@@ -225,9 +225,11 @@ class Panel:
         if control.kind == "checkbox":
             return w.Checkbox(value=value, description=control.description, indent=False)
         lo, hi, step = control.choices
+        # as wide as the output allows up to 480 px: a fixed 480 px pushed the value readout past the
+        # right edge of a 760 px window (Colab's narrow column), where nobody could read it
         return w.IntSlider(
             value=value, min=min(lo, value), max=max(hi, value), step=step, description=control.description,
-            continuous_update=True, style=style, layout=w.Layout(width="480px"),
+            continuous_update=True, style=style, layout=w.Layout(width="100%", max_width="480px"),
         )  # fmt: skip
 
     def _build(self) -> dict[str, Any]:

@@ -299,7 +299,8 @@ class LabPage:
 
     def open(self, name: str, timeout: float = 120) -> LabPage:
         self.page.goto(self.server.url(f"lab/tree/{name}"), timeout=timeout * 1000)
-        self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(timeout=timeout * 1000)
+        # :visible: notebooks an earlier test opened stay open (hidden tabs) in the restored workspace
+        self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").first.wait_for(timeout=timeout * 1000)
         self.name = name
         # A restored workspace may show another notebook first: wait until ours is the current one.
         self.wait_kernel("idle", timeout)

@@ -75,7 +75,8 @@ def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
     assert html.startswith(STYLE) and "class='oomkit-table'" in html
     assert "<th class='oomkit-num' style='text-align:right;white-space:nowrap'>bytes</th>" in html
     assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>1.63 MiB</td>" in html
-    assert "<td>weights</td>" in html and "<th>note</th>" in html
+    # labels left inline: JupyterLab's own `td` rule (right) outranks the stylesheet's class selector
+    assert "<td style='text-align:left'>weights</td>" in html and "<th style='text-align:left'>note</th>" in html
     assert "&lt;b&gt;x&lt;/b&gt;" in html  # outside text stays escaped
 
 
@@ -86,3 +87,12 @@ def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
     figures = re.findall(r"<td class='oomkit-num'[^>]*>([^<]*)</td>", html)
     assert figures and all(re.search(r"\d", f) for f in figures)
     assert "nowrap" in html
+
+
+def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
+    """At 760 px the figures of a fixed-width bar ran past the right edge (tests/test_browser.py measures it)."""
+    from helpers.html import bar
+
+    html = bar(3 << 30, 15 << 30, "Disk (working dir)")
+    assert "class='oomkit-bar'" in html and "flex-wrap:wrap" in html
+    assert "3.00 GiB / 15.00 GiB (20%)" in html

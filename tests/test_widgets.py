@@ -42,6 +42,13 @@ def test_controls_have_stable_labels_for_browser_tests(panel):
     assert (s.min, s.max, s.step) == (16, 4096, 16)
 
 
+def test_sliders_shrink_to_the_output_so_their_values_stay_readable(panel):
+    """A fixed width pushed the readout past a 760 px window's edge (tests/test_browser.py measures it)."""
+    for key in ("max_new_tokens", "batch_size", "prompt_tokens"):
+        layout = panel.controls[key].layout
+        assert (layout.width, layout.max_width) == ("100%", "480px")
+
+
 def test_setting_widget_values_updates_plan_and_estimate(panel):
     c = panel.controls
     kv_64 = panel.state.estimate.row("kv_cache").bytes
