@@ -1,13 +1,62 @@
-"""Shared by the benchmarks: where results go and how a table is printed."""
+"""Shared by the benchmarks: where results go, what they measured, and how a table is printed.
+
+Each results file records the source of the modules its figures are about (``measures``: paths under
+the repository, files or folders), as git blob hashes of their contents when the bench ran. A later
+change to one of them makes the published figures stale: ``tests/test_bench_results.py`` fails until
+the bench is rerun (``python bench/<name>.py``) and ``make docs`` renders the new figures.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parents[1]
+
+
+# What each bench's figures are about: the repository paths whose change makes them stale (the bench's
+# own file is added). The modules the figures measure, not every import: panel_latency times the panel's
+# code, so an estimator change alone does not stale it, though it could move the figure a little.
+MEASURES: dict[str, list[str]] = {
+    "batch_finder": ["helpers/batch_size.py", "helpers/retry.py"],
+    "estimate_accuracy": ["helpers/estimator", "helpers/train_plan.py", "helpers/adapters.py", "helpers/load_plan.py"],
+    "eval_throughput": ["helpers/evaluate.py", "helpers/eval_batching.py", "helpers/generation.py",
+                        "helpers/batch_size.py", "helpers/retry.py"],
+    "hot_spots": ["helpers/estimator", "helpers/batch_size.py", "helpers/reclaim.py", "helpers/leaks",
+                  "helpers/monitor.py", "helpers/evaluate.py"],
+    "leak_detection": ["helpers/leaks"],
+    "monitor_overhead": ["helpers/monitor.py", "helpers/memory_callback.py"],
+    "panel_latency": ["helpers/widgets.py", "helpers/panel_state.py", "helpers/panel_gpus.py"],
+    "readout_overhead": ["helpers/memory.py"],
+}  # fmt: skip
+
+
+def _blob_hash(data: bytes) -> str:
+    """What ``git hash-object`` prints for a file with these bytes (so ``git log`` finds the version)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def source_hashes(measures: list[str]) -> dict[str, str]:
+    """``{path: blob hash}`` of every ``.py`` file under ``measures`` (repository-relative) as it is now."""
+    files: dict[str, str] = {}
+    for entry in measures:
+        path = REPO / entry
+        if not path.exists():
+            raise FileNotFoundError(f"a bench measures {entry!r}, which is not in the repository")
+        for f in sorted([path] if path.is_file() else path.rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                files[f.relative_to(REPO).as_posix()] = _blob_hash(f.read_bytes())
+    return files
+
+
+def stale_files(recorded: dict) -> list[str]:
+    """The files of a results file's ``source`` that changed (or appeared, or went) since it was measured."""
+    now = source_hashes(recorded["measures"])
+    return sorted(f for f in set(now) | set(recorded["files"]) if now.get(f) != recorded["files"].get(f))
 
 
 def machine() -> dict:
@@ -23,10 +72,13 @@ def machine() -> dict:
 
 
 def write_results(name: str, payload: dict) -> Path:
-    """Write ``bench/results/<name>.json`` with the machine description added."""
+    """Write ``bench/results/<name>.json`` with the machine description and the source of what it measured
+    (:data:`MEASURES` and the bench itself) added."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=str) + "\n")
+    measures = [*MEASURES[name], f"bench/{name}.py"]
+    source = {"measures": measures, "files": source_hashes(measures)}
+    path.write_text(json.dumps({"machine": machine(), "source": source, **payload}, indent=2, default=str) + "\n")
     return path
 
 

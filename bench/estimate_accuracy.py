@@ -15,6 +15,7 @@ Usage: ``python bench/estimate_accuracy.py`` (about a minute on CPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -210,7 +211,7 @@ OVERHEAD_ROWS = ("allocator rounding", "fragmentation margin")
 
 def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
     """Predicted vs measured peak (weights + every live tensor) for generation and LoRA/QLoRA steps."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
     from helpers.estimator import LoraTraining
@@ -223,7 +224,7 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
         AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp)
         cases = [("generate (bf16, 32 new tokens)", "bf16", None), ("LoRA step (bf16, checkpointing)", "bf16", True),
                  ("LoRA step (bf16, no checkpointing)", "bf16", False),
-                 ("QLoRA step (nf4, checkpointing)", "nf4", True)]  # fmt: skip
+                 ("QLoRA step (nf4, checkpointing, prepare_qlora, bf16 autocast)", "nf4", True)]  # fmt: skip
         for label, load, ckpt in cases:
             kw = {"dtype": torch.bfloat16}
             if load == "nf4":
@@ -240,7 +241,12 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
                 with torch.no_grad(), PeakTracker(model) as pt:
                     model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
             else:
-                if ckpt:
+                if load == "nf4":  # what the estimator models for QLoRA: peft's preparation (fp32 upcast)
+                    model = prepare_model_for_kbit_training(
+                        model, use_gradient_checkpointing=ckpt,
+                        gradient_checkpointing_kwargs={"use_reentrant": False},
+                    )  # fmt: skip
+                elif ckpt:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                     model.enable_input_require_grads()
                 model = get_peft_model(
@@ -258,9 +264,13 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
                     ),
                 )
                 base = footprint(model)
+                # QLoRA runs under 16-bit autocast (a T4's fp16 on CUDA; bf16 here), as train() runs it
+                cast = torch.autocast("cpu", dtype=torch.bfloat16) if load == "nf4" else contextlib.nullcontext()
                 with PeakTracker(model) as pt:
                     for _ in range(2):  # the second step has optimizer states
-                        model(input_ids=ids, labels=ids).loss.backward()
+                        with cast:
+                            loss = model(input_ids=ids, labels=ids).loss
+                        loss.backward()
                         opt.step()
                         opt.zero_grad(set_to_none=True)
             predicted = sum(r.bytes for r in pred.rows if r.name not in OVERHEAD_ROWS)

@@ -17,7 +17,7 @@ from .batch_size import BatchSearch, remember_batch, remembered_batch
 from .errors import EvalError
 from .generation import model_device
 
-__all__ = ["TokenBudget", "batch_cache_key", "load_mode", "remember", "start_size"]
+__all__ = ["TokenBudget", "batch_cache_key", "model_load_mode", "remember", "start_size"]
 
 # ---------------------------------------------------------------------------------------------
 # the batch controller
@@ -79,7 +79,7 @@ class TokenBudget:
 _FIRST_GUESS = 8  # without a cached or predicted size: start here and double while it fits
 
 
-def load_mode(model) -> str:
+def model_load_mode(model) -> str:
     """The load mode ``model`` is in, as the estimator names it (``nf4``, ``int8``, ``bf16``, ``fp32``, ``fp16``)."""
     if getattr(model, "is_loaded_in_4bit", False):
         return "nf4"
@@ -123,7 +123,7 @@ def start_size(
             predicted = max_batch_that_fits(
                 model,
                 device="current",
-                load=load_mode(model),
+                load=model_load_mode(model),
                 limit=limit,
                 prompt_tokens=prompt_tokens,
                 max_new_tokens=max_new_tokens,

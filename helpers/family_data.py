@@ -120,7 +120,7 @@ def probe_batch(model, batch: int, seq_len: int, device: Any = None) -> dict[str
     VLM's image (its tokens counted as the estimator counts them) at the front of ``seq_len`` tokens."""
     from .estimator.family_rows import image_tokens
 
-    config = model.config
+    config = getattr(model, "config", None)  # a plain module (a test double, a custom LM): decoder-only
     fam = family(config)
     vocab = model.get_input_embeddings().num_embeddings
     dtype = getattr(model, "dtype", torch.float32)

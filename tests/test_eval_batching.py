@@ -35,7 +35,7 @@ def test_the_estimated_start_prices_the_kv_cache_asked_for(monkeypatch):
 
     monkeypatch.setattr(eval_batching, "model_device", lambda m: torch.device("cuda"))  # the estimate runs on CUDA only
     monkeypatch.setattr(estimator, "max_batch_that_fits", fake_fit)
-    monkeypatch.setattr(eval_batching, "load_mode", lambda m: "nf4")
+    monkeypatch.setattr(eval_batching, "model_load_mode", lambda m: "nf4")
     args = dict(key=("k",), prompt_tokens=100, max_new_tokens=50, limit=64)
     assert start_size(_model(), "auto", **args) == (3, "estimate")
     assert start_size(_model(), "auto", **args, kv_cache="int4") == (9, "estimate")
