@@ -85,9 +85,12 @@ import torch
 t0 = time.perf_counter()
 import helpers
 try:
-    from helpers.estimator import estimate, fit
-except ImportError:  # the old layout
-    from helpers.estimate import estimate, fit
+    from helpers.estimator import estimate, fit_one_card as fit
+except ImportError:
+    try:  # before the rename
+        from helpers.estimator import estimate, fit
+    except ImportError:  # the old layout
+        from helpers.estimate import estimate, fit
 t1 = time.perf_counter()
 first = estimate(MODEL, load="nf4")
 t2 = time.perf_counter()

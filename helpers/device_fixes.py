@@ -5,7 +5,7 @@ Whether and how either fits is decided by :func:`helpers.plan_devices` (through
 prompt and new tokens); this module only words the plan's answer as a
 :class:`helpers.estimator.DeviceSuggestion`. It lives outside ``helpers.estimator`` because the placement
 imports the estimator. :func:`fit` here is ``helpers.fit``: the estimator's verdict with these fixes
-ranked among its own (``helpers.estimator.fit`` takes the planner as ``place=``, so no import goes upward).
+ranked among its own (``helpers.estimator.fit_one_card`` takes the planner as ``place=``, so no import goes upward).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import psutil
 
 from .devices import OFFLOAD_RAM_SHARE, resolve_device
 from .errors import OomkitError
-from .estimator import DeviceSuggestion, FitVerdict, MemoryEstimate
-from .estimator import fit as fit_one_card
+from .estimator import DeviceSuggestion, FitVerdict, MemoryEstimate, fit_one_card
 from .gpu_split import describe_split, split_plan
 from .placement import DevicePlan
 from .units import format_bytes
@@ -31,7 +30,7 @@ _BLOCK = re.compile(r"\.\d+$")
 
 
 def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None) -> FitVerdict:
-    """Compare ``est`` with a device, as :func:`helpers.estimator.fit` does, with the fixes past one card
+    """Compare ``est`` with a device, as :func:`helpers.estimator.fit_one_card` does, with the fixes past one card
     (split over a machine's GPUs, else layers offloaded to CPU RAM) ranked among the same-card ones."""
     return fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
 

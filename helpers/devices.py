@@ -18,7 +18,7 @@ from .vocab import supports_bf16
 __all__ = [
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_HOPPER",
     "CUBLAS_WORKSPACE_HOPPER_MAJORS", "DeviceError", "resolve_device",
-    "cuda_capability", "device_kind", "bitsandbytes_status", "auto_compute_dtype", "DEVICE_SETS", "resolve_devices",
+    "cuda_capability", "device_kind", "bitsandbytes_status", "compute_dtype_rule", "DEVICE_SETS", "resolve_devices",
     "capacity_range", "device_set",
 ]  # fmt: skip
 
@@ -93,7 +93,7 @@ def cuda_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
-def auto_compute_dtype(device: dict | str | None) -> str:
+def compute_dtype_rule(device: dict | str | None) -> str:
     """What "auto" compute dtype means, for every caller (estimate and load agree): a resolved device
     dict (``None`` = CPU) or a kind (``"cuda"``, ``"mps"``, ``"cpu"``). bf16 where the GPU computes in
     it, fp16 on older GPUs and MPS, fp32 on CPU (CPU kernels for half precision are slow or missing)."""

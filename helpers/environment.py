@@ -23,7 +23,7 @@ from .arguments import ArgumentError, flag, whole_number
 from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
-from .estimator import EstimateError, MemoryEstimate, estimate, fit, format_params
+from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params
 from .gpu_split import held_hint, offload_ram
 from .html import badge, table
 from .loading import ram_for_loading
@@ -458,7 +458,7 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
         where = f"a T4 ({format_bytes(cap)}; no GPU here, so checked against Colab's)"
     else:
         where = ("GPU 0 " if len(gpus) > 1 else "") + f"{gpus[0].name} ({format_bytes(cap)} usable)"
-    v = fit(est, cap if gpus else DEFAULT_DEVICE)
+    v = fit_one_card(est, cap if gpus else DEFAULT_DEVICE)
     data = {"load": est.load, "total": est.total, "weights": est.weights, "params": est.params,
             "capacity": cap, "verdict": v.verdict, "headroom": v.headroom,
             "all": {e.load: e.total for e in ests}}  # fmt: skip

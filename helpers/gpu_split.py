@@ -18,7 +18,7 @@ import torch
 
 from .devices import GPU_MARGIN, OFFLOAD_RAM_SHARE
 from .errors import LoadRefused
-from .estimator import fit
+from .estimator import fit_one_card
 from .memory import GPUReadout, MemorySnapshot
 from .placement import (
     DEVICE_MAP_STRATEGIES,
@@ -242,7 +242,7 @@ def _fix_across(est, gpus: list[GPUReadout]) -> str:
     """The estimator's top fix for the GPUs' free memory added up, in a dtype every one of them computes in."""
     both = gpu_device(gpus[0], sum(gpu_room(est, g) for g in gpus))
     both["bf16"] = all(g.supports_bf16 for g in gpus)
-    return first_fix(fit(est, device=both)) or NO_FIX
+    return first_fix(fit_one_card(est, device=both)) or NO_FIX
 
 
 def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuDecision:

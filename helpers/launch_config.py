@@ -4,7 +4,7 @@ that realise a :class:`~helpers.train_plan.TrainPlan` on several GPUs, and ``acc
 oomkit never re-implements distribution. :func:`write_launch_config` writes what ``accelerate config`` would have
 written for this plan (``distributed_type`` MULTI_GPU for DDP, FSDP, or DEEPSPEED with a ``deepspeed_config_file``),
 the mixed precision the cards allow (fp16 on a T4, bf16 from sm_80, none on a CPU: the one rule of
-:func:`helpers.devices.auto_compute_dtype`), the batch split so that ``micro_batch × accumulation × processes``
+:func:`helpers.devices.compute_dtype_rule`), the batch split so that ``micro_batch × accumulation × processes``
 is the plan's ``batch_size``, and the per-GPU memory of that strategy from
 :func:`helpers.distributed.training_memory` for N machines × M GPUs. :func:`launch_plan` runs
 ``accelerate launch --config_file <written> -m <module> ...`` and raises a :class:`DistributedError` with the
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from .devices import auto_compute_dtype, resolve_devices
+from .devices import compute_dtype_rule, resolve_devices
 from .distributed import (
     DDPRun,
     DistributedError,
@@ -158,7 +158,7 @@ def _mixed_precision(plan: TrainPlan, gpus: list[dict] | None) -> str:
     else what ``auto`` means on the weakest card (fp16 on a T4, bf16 from sm_80), ``no`` on CPU processes."""
     if gpus is None:
         return "no"
-    auto = "fp16" if any(auto_compute_dtype(g) == "fp16" for g in gpus) else "bf16"
+    auto = "fp16" if any(compute_dtype_rule(g) == "fp16" for g in gpus) else "bf16"
     chosen = auto if plan.precision == "auto" else plan.precision
     if chosen == "bf16" and auto == "fp16":
         raise DistributedError("the plan asks for bf16 but a card here computes in fp16 only (bf16 starts with "

@@ -47,7 +47,7 @@ __all__ = ["LoadPlan", "auto_compute_dtype", "check_fields", "ATTENTION_IMPLEMEN
 
 def auto_compute_dtype(device: str | None = None) -> str:
     """fp16 on pre-Ampere GPUs (T4, V100), bf16 on Ampere and later, fp16 on MPS, fp32 on CPU."""
-    return devices.auto_compute_dtype(device or device_kind())
+    return devices.compute_dtype_rule(device or device_kind())
 
 
 @dataclass

@@ -366,7 +366,7 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
         )
     room = _room(f)
     try:
-        verdict = estimator.fit(memory_estimate, room if room and room >= (1 << 20) else None)
+        verdict = estimator.fit_one_card(memory_estimate, room if room and room >= (1 << 20) else None)
     except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
         return []
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .devices import GPU_MARGIN
 from .errors import LoadRefused
-from .estimator import fit
+from .estimator import fit_one_card
 from .gpu_split import (
     ALLOW_OFFLOAD_FIX,
     NO_FIX,
@@ -175,7 +175,7 @@ def _over_gpus(plan, est, snap: MemorySnapshot) -> PlacementDecision | None:
     first_verdict, spill = FITS, 0
     if strategy == "auto" and plan.gpus is None:
         first = free_devices(est, gpus[:1])[0]
-        first_verdict = fit(est, device=first, suggest=False).verdict
+        first_verdict = fit_one_card(est, device=first, suggest=False).verdict
         if first_verdict == FITS:
             spill = _first_card_spill(est, first)
             if not spill:
@@ -223,11 +223,11 @@ def _one_card(plan, est, snap: MemorySnapshot) -> PlacementDecision:
         if est.total > ram:
             return _refuse(est, f"the estimate ({format_bytes(est.total)}) is more than the {format_bytes(ram)} of "
                            "RAM available: the process would be killed",
-                           first_fix(fit(est, device=ram)) or "Use a smaller model, or a GPU runtime and int8/nf4",
+                           first_fix(fit_one_card(est, device=ram)) or "Use a smaller model, or a GPU runtime and int8/nf4",
                            gpus=0, first_verdict=DOES_NOT_FIT)  # fmt: skip
         return PlacementDecision(ALONE, verdict(est.total, ram), est, verdict(est.total, ram), gpus=0)
     room = gpu_room(est, g)
-    verdict_ = fit(est, device=gpu_device(g, room))
+    verdict_ = fit_one_card(est, device=gpu_device(g, room))
     strategy = map_strategy(plan.device_map)
     max_memory = plan.max_memory if plan.max_memory is not None or strategy is None else max_memory_for(est, snap)
     if verdict_.verdict != DOES_NOT_FIT:

@@ -35,7 +35,7 @@ from html import escape
 from typing import Any
 
 from .devices import DEVICE_SETS, resolve_device
-from .estimator import MemoryEstimate, fit, resolve_config
+from .estimator import MemoryEstimate, fit_one_card, resolve_config
 from .knobs import KNOBS, register_control
 from .loading import LoadError, LoadPlan, load
 from .memory import ram_readout
@@ -585,7 +585,7 @@ class LoadPanel(Panel):
         places as fitting (:meth:`arrangement`); else the split's own advice."""
         bf16 = all(d["bf16"] for _, d in self._gpus)
         candidates = [
-            s for s in fit(est, sum(g.capacity for g in split.gpus)).suggestions
+            s for s in fit_one_card(est, sum(g.capacity for g in split.gpus)).suggestions
             if set(s.kwargs) <= SPLIT_KNOBS and (bf16 or s.kwargs.get("load") != "bf16")  # a T4 has no bf16
         ]  # fmt: skip
         for s in candidates[:MAX_FIX_TRIES]:

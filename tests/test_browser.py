@@ -29,7 +29,8 @@ import pytest
 import run_notebooks
 from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
 
-from helpers.estimator import estimate, fit
+from helpers.estimator import estimate
+from helpers.estimator import fit_one_card as fit
 from helpers.units import GiB, format_bytes, parse_bytes
 from helpers.widgets import LoadPanel
 

@@ -19,11 +19,13 @@ from helpers.estimator import (
     FullTraining,
     LoraTraining,
     estimate,
-    fit,
     footprint,
     kv_cache_bytes,
     max_batch_that_fits,
     max_new_tokens_that_fit,
+)
+from helpers.estimator import (
+    fit_one_card as fit,
 )
 from helpers.sources import shipped_configs
 from helpers.units import GiB, MiB

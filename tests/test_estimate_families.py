@@ -130,7 +130,7 @@ def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_t5, tin
 
 
 def test_fit_suggests_fewer_images_and_a_shorter_encoder_input(tiny_vlm, tiny_t5):
-    from helpers.estimator import fit
+    from helpers.estimator import fit_one_card as fit
 
     for model, inputs, change in [
         (tiny_vlm, {"images": 8, "prompt_tokens": 64}, {"images": 4}),

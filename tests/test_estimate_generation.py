@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers.devices import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_HOPPER, CUDA_CONTEXT
-from helpers.estimator import EstimateError, estimate, fit, kv_cache_bytes, resolve_config
+from helpers.estimator import EstimateError, estimate, kv_cache_bytes, resolve_config
+from helpers.estimator import fit_one_card as fit
 from helpers.estimator.inference import SAMPLING_BYTES, dequantizes_4bit
 from helpers.units import MiB
 

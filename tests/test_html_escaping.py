@@ -7,7 +7,8 @@ import json
 
 from helpers.batch_size import BatchSearch, Trial
 from helpers.environment import preflight
-from helpers.estimator import estimate, fit
+from helpers.estimator import estimate
+from helpers.estimator import fit_one_card as fit
 from helpers.memory import DiskReadout, GPUReadout, MemorySnapshot, RAMReadout
 from helpers.units import GiB, MiB
 

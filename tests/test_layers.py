@@ -152,6 +152,21 @@ def test_no_private_name_crosses_modules():
     assert not crossing, "\n".join(crossing)
 
 
+# IPython finds an extension's hooks by these names in each module it loads (%load_ext helpers.oom)
+PROTOCOL_NAMES = {"load_ipython_extension", "unload_ipython_extension"}
+
+
+def test_no_public_name_is_defined_twice():
+    homes: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if not node.name.startswith("_") and node.name not in PROTOCOL_NAMES:
+                    homes.setdefault(node.name, []).append(name)
+    twice = {n: where for n, where in homes.items() if len(where) > 1}
+    assert not twice, f"one home per public name (rename one, or import it from the other): {twice}"
+
+
 def test_no_function_is_longer_than_one_reading():
     long = []
     for path in _modules().values():

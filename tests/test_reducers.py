@@ -9,7 +9,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers.estimator import EstimateError, LoraTraining, estimate, fit
+from helpers.estimator import EstimateError, LoraTraining, estimate
+from helpers.estimator import fit_one_card as fit
 from helpers.reducers import chunked_lm_loss, kv_cache_kwargs, offload_activations
 from helpers.vocab import ReducerError
 

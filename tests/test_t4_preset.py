@@ -12,7 +12,8 @@ from importlib import resources
 import pytest
 
 from helpers.devices import DEVICES, capacity_range
-from helpers.estimator import estimate, fit, max_new_tokens_that_fit
+from helpers.estimator import estimate, max_new_tokens_that_fit
+from helpers.estimator import fit_one_card as fit
 from helpers.units import format_bytes, parse_bytes
 
 EVIDENCE = [

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.estimator import fit
+from helpers.estimator import fit_one_card as fit
 from helpers.finetune import FinetuneError, TrainPlan, find_micro_batch
 from helpers.train_panel import TrainPanel, divisors
 

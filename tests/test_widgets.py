@@ -366,7 +366,7 @@ def test_a_fix_no_candidate_confirms_is_the_placements_advice_escaped(monkeypatc
     class NoFixes:
         suggestions = []
 
-    monkeypatch.setattr(widgets_mod, "fit", lambda est, device: NoFixes())
+    monkeypatch.setattr(widgets_mod, "fit_one_card", lambda est, device: NoFixes())
     panel = LoadPanel(BIG, device="kaggle-2xt4", load="fp32", widgets=True)
     fix = panel.state.fix
     assert fix.kwargs == {} and fix.result is None and fix.change == panel.placement.fixes[0]
@@ -403,27 +403,9 @@ def test_slider_moves_plan_each_setting_once(monkeypatch):
     assert [g.kv_cache for g in first.gpus] != [g.kv_cache for g in longer.gpus]
 
 
-def _fake_gpus(monkeypatch, n: int, name: str = "Tesla T4"):
-    """torch.cuda as a machine with ``n`` T4s (each reporting the preset's capacity) shows it."""
-    import types
-
-    import torch
-
-    props = types.SimpleNamespace(name=name, total_memory=DEVICES["t4"]["capacity"], major=7, minor=5)
-    for attr, value in {
-        "is_available": lambda: True,
-        "device_count": lambda: n,
-        "current_device": lambda: 0,
-        "get_device_properties": lambda index=0: props,
-        "get_device_capability": lambda index=0: (7, 5),
-        "get_per_process_memory_fraction": lambda index=0: 1.0,
-    }.items():
-        monkeypatch.setattr(torch.cuda, attr, value, raising=False)
-
-
-def test_current_with_two_gpus_splits_and_escapes_their_names(monkeypatch):
+def test_current_with_two_gpus_splits_and_escapes_their_names(fake_gpus):
     hostile = "Tesla T4 <img src=x onerror=alert(1)>"
-    _fake_gpus(monkeypatch, 2, hostile)
+    fake_gpus(2, DEVICES["t4"]["capacity"], name=hostile)
     panel = LoadPanel(BIG, device="current", load="fp16", batch_size=16, max_new_tokens=2048, widgets=True)
     assert isinstance(panel.state, widgets_mod.SplitState) and len(panel.placement.gpus) == 2
     assert panel.state.verdict == "fits" and "across 2 GPUs (this machine)" in panel.state.verdict_text()
@@ -436,8 +418,8 @@ def test_current_with_two_gpus_splits_and_escapes_their_names(monkeypatch):
     assert "<img" not in panel.controls["estimate"].value and "&lt;img" in panel.controls["estimate"].value
 
 
-def test_current_with_one_gpu_keeps_the_single_bar(monkeypatch):
-    _fake_gpus(monkeypatch, 1)
+def test_current_with_one_gpu_keeps_the_single_bar(fake_gpus):
+    fake_gpus(1, DEVICES["t4"]["capacity"])
     panel = LoadPanel(BIG, device="current", load="nf4", widgets=False)
     assert type(panel.state) is widgets_mod.PanelState and panel.placement is None
     assert panel.state.capacity == DEVICES["t4"]["capacity"]

@@ -7,13 +7,13 @@ quantized (transformers' own skip rules), int8 row scales, 4-bit packing with ab
 row of the breakdown says which.
 
     >>> est = estimate("mistralai/Mistral-7B-v0.1", load="nf4")   # doctest: +SKIP
-    >>> fit(est, "t4")                                            # doctest: +SKIP
+    >>> fit_one_card(est, "t4")                                   # doctest: +SKIP
 
 Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
 ``layout`` (weights per module on the meta device), ``inference`` (generation rows: KV cache,
 prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
 ``hub_headers`` (exact weights from a hub repo's safetensors headers),
-``fitting`` (``fit`` and its ranked fixes), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
+``fitting`` (``fit_one_card``, the verdict on a card, and its ranked fixes; ``helpers.fit`` adds the fixes past one card), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
 and VLM generation rows), ``families`` (decoder-only,
 encoder-decoder, speech, vision-language: the Auto class and the modules kept unquantized).
 """
@@ -27,7 +27,7 @@ from .fitting import (
     DeviceSuggestion,
     FitVerdict,
     Suggestion,
-    fit,
+    fit_one_card,
     format_params,
     max_batch_that_fits,
     max_new_tokens_that_fit,
@@ -38,7 +38,7 @@ from .rows import ROW_GROUPS, EstimateError, EstimateRow
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
-    "estimate", "fit", "footprint", "footprint_by_device", "footprint_by_name", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
+    "estimate", "fit_one_card", "footprint", "footprint_by_device", "footprint_by_name", "max_new_tokens_that_fit", "max_batch_that_fits", "resolve_config",
     "MemoryEstimate", "EstimateRow", "EstimateError", "FitVerdict", "Suggestion", "DeviceSuggestion", "LoraTraining", "FullTraining",
     "OPTIMIZERS", "FRAGMENTATION", "ROW_GROUPS", "kv_cache_bytes", "weight_rows", "format_params",
     "FAMILIES", "family", "auto_class", "quantization_skip_modules",

@@ -13,7 +13,7 @@ from ..devices import (
     CUBLAS_WORKSPACE_HOPPER,
     CUBLAS_WORKSPACE_HOPPER_MAJORS,
     CUDA_CONTEXT,
-    auto_compute_dtype,
+    compute_dtype_rule,
     cuda_capability,
     resolve_device,
 )
@@ -136,7 +136,7 @@ def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str
     if load in DTYPE_BYTES:  # an unquantized model computes in the dtype it is loaded in
         return load, DTYPE_BYTES[load]
     if compute_dtype == "auto":
-        compute_dtype = auto_compute_dtype(dev)  # the same rule load() uses on that device
+        compute_dtype = compute_dtype_rule(dev)  # the same rule load() uses on that device
     return compute_dtype, DTYPE_BYTES[compute_dtype]
 
 

@@ -20,7 +20,7 @@ from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
-    "Suggestion", "DeviceSuggestion", "FitVerdict", "fit", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
+    "Suggestion", "DeviceSuggestion", "FitVerdict", "fit_one_card", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
     "fix_margin",
 ]  # fmt: skip
 
@@ -185,7 +185,7 @@ def _jsonable(kw: dict) -> dict:
     return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in kw.items()}
 
 
-def fit(
+def fit_one_card(
     est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None
 ) -> FitVerdict:
     """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
