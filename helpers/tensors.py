@@ -164,8 +164,6 @@ def live_storages(stats: dict | None = None, budget: NodeBudget | None = None) -
 
     objs = gc.get_objects()  # one scan for the tensors and the graph budget: watch() measures every step
     tensors = _gc_tensors(objs)
-    budget = budget or NodeBudget(objs=objs)
-    del objs
     graph_roots = []
     for t in tensors:
         add(t, False)
@@ -176,10 +174,13 @@ def live_storages(stats: dict | None = None, budget: NodeBudget | None = None) -
             if g is not None:
                 add(g, False)
     seen_nodes: set[int] = set()
-    for t in graph_tensors(graph_roots, seen_nodes, budget):
-        add(t, True)
+    if graph_roots:  # the budget's scan of node wrappers costs as much as the tensor scan: only when a graph is alive
+        budget = budget or NodeBudget(objs=objs)
+        for t in graph_tensors(graph_roots, seen_nodes, budget):
+            add(t, True)
+    del objs
     if stats is not None:  # how much of the autograd graphs was walked
-        stats.update(graph_nodes=len(seen_nodes), graph_truncated=budget.stopped)
+        stats.update(graph_nodes=len(seen_nodes), graph_truncated=bool(budget and budget.stopped))
     return live
 
 

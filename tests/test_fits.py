@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from helpers.cli import main
 from helpers.placement import ModelFits, PlacementError, fits_table
 from helpers.units import GiB
 from helpers.vocab import LOAD_MODES
@@ -62,11 +61,14 @@ def test_the_readme_table_without_a_model_is_unchanged():
     assert fits_table().markdown().startswith("| model | load | T4 |")
 
 
-def test_cli_prints_the_table_and_json():
-    run = [sys.executable, "-m", "helpers", "fits", "Llama-2-7b-hf", "--tokens", "1024"]
-    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+def test_cli_prints_the_table_and_json(capsys):
+    """``python -m helpers fits`` (its entry point is tests/test_cli.py's; here in this process, seconds cheaper)."""
+    run = ["fits", "Llama-2-7b-hf", "--tokens", "1024"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
     assert out.startswith("What fits for") and "KV @ 1024 tok" in out and "nf4" in out
-    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert main([*run, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["tokens"] == 1024 and [r["load"] for r in data["rows"]] == list(LOAD_MODES)
-    bad = subprocess.run([*run[:4], "no/such-model-xyz", "--tokens", "1"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "error:" in bad.stderr
+    assert main([*run[:1], "no/such-model-xyz", "--tokens", "1"]) == 2
+    assert "error:" in capsys.readouterr().err

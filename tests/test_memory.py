@@ -69,6 +69,19 @@ def test_snapshot_str_and_html_show_gpu_figures():
     assert snap.to_dict()["gpus"][0]["reserved_unallocated"] == 1 * GiB
 
 
+def test_a_two_gpu_machine_gets_one_bar_and_one_row_per_card(fake_gpus):
+    """Kaggle's 2xT4: each card read on its own (a model split over both fills them unevenly)."""
+    cuda = fake_gpus(2, 15 * GiB)
+    cuda.set(0, 9 * GiB, 10 * GiB)
+    cuda.set(1, 2 * GiB, 3 * GiB)
+    snap = snapshot(processes=False)
+    assert [(g.index, g.allocated, g.reserved) for g in snap.gpus] == [(0, 9 * GiB, 10 * GiB), (1, 2 * GiB, 3 * GiB)]
+    text, html = str(snap), snap._repr_html_()
+    assert "GPU 0: Tesla T4" in text and "GPU 1: Tesla T4" in text
+    assert "9.00 GiB allocated" in text and "2.00 GiB allocated" in text
+    assert html.count("GPU 0 Tesla T4") == 1 and html.count("GPU 1 Tesla T4") == 1
+
+
 @pytest.mark.cuda
 def test_snapshot_on_cuda_tracks_an_allocation():
     before = snapshot().gpu.allocated
