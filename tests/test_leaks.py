@@ -89,9 +89,9 @@ def test_detector_has_no_false_positive(name, values):
 @CPU_MEMORY
 def test_watch_finds_a_planted_leak_and_its_holder():
     ns = {"kept": []}
-    report = leaks.watch(lambda i: ns["kept"].append(torch.zeros(4096)), 20, namespace=ns)
+    report = leaks.watch(lambda i: ns["kept"].append(torch.zeros(4096)), 16, namespace=ns)  # 15: its first verdict
     assert report.leaking and report.suspect == "kept[…]"
-    clean = leaks.watch(lambda: torch.zeros(4096).sum(), 20, namespace={"x": 1})
+    clean = leaks.watch(lambda: torch.zeros(4096).sum(), 16, namespace={"x": 1})
     assert not clean.leaking
 
 

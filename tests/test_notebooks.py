@@ -84,7 +84,8 @@ def test_panel_choices_drive_the_cells_after_it(stem, tiny_models, tmp_path):
 
 def test_a_load_mode_moved_after_loading_is_what_notebook_01_generates_with(tiny_models, tmp_path):
     """Notebook 01, section 5: "move the sliders and re-run this cell". A new load mode chosen after the
-    model was loaded reloads there; before, the cell ran the old model (or, once unloaded, crashed)."""
+    model was loaded reloads there; before, the cell ran the old model (or, once unloaded, crashed).
+    It is also notebook 01's int8 path (load and generate), which the planned runs leave to it."""
     import papermill
 
     run = next(r for r in run_notebooks.planned_runs(["01_load_quantized"]) if r.parameters["LOAD"] == "nf4")

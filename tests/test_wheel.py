@@ -95,3 +95,23 @@ def test_notebook_executes(run, wheel_notebooks):
     errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]  # fmt: skip
     assert not errors
+
+
+@pytest.mark.slow
+def test_notebook_05s_ddp_runs_trained_in_step_on_two_gloo_processes(wheel_notebooks):
+    """Notebook 05's two DDP QLoRA runs on the tiny model (2 CPU processes, gloo), checked from the reports
+    its ranks wrote: the launcher a notebook starts (run_ddp_qlora) and the accelerate config it writes
+    (write_launch_config + launch_qlora). One run each serves the notebook and these assertions."""
+    from helpers.distributed import collect_ranks
+
+    steps = next(r for r in RUNS if r.notebook.stem == "05_multi_gpu").parameters["DDP_STEPS"]
+    run = collect_ranks(wheel_notebooks.work / "05_multi_gpu", 2)
+    assert [r.rank for r in run.ranks] == [0, 1] and {r.backend for r in run.ranks} == {"gloo"}
+    assert run.loss_fell and run.in_sync, str(run)
+    assert all(r.peak_rss > 0 and len(r.rss) == steps for r in run.ranks)
+    assert "rank 1/2" in str(run) and "<table" in run._repr_html_()
+    ranks = collect_ranks(wheel_notebooks.work / "05_multi_gpu" / "accelerate", 2).ranks
+    assert [r.rank for r in ranks] == [0, 1] and {r.backend for r in ranks} == {"gloo"}
+    assert {r.distributed_type for r in ranks} == {"MULTI_CPU"}  # DDP on CPU processes, from the written config
+    assert all(r.losses[-1] < r.losses[0] and r.peak_rss > 0 for r in ranks)
+    assert abs(ranks[0].checksum - ranks[1].checksum) < 1e-6 * ranks[0].checksum  # gradients averaged
