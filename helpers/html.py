@@ -105,6 +105,20 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
     )
 
 
+def mini_bar(part: int, whole: int | None, width: int = 80) -> Markup:
+    """A small inline bar of ``part`` out of ``whole`` for a table cell (the share of one row), its percent
+    beside it; empty when ``whole`` is unknown. A row of 0.3 % still shows a sliver: it exists."""
+    if not whole or part is None or part < 0:
+        return Markup("")
+    frac = min(1.0, part / whole)
+    fill = 0 if part == 0 else max(1, round(frac * width))
+    return Markup(
+        f"<span style='white-space:nowrap'><span style='display:inline-block;width:{width}px;height:8px;"
+        f"background:#e8eaed;border-radius:2px;vertical-align:middle'><span style='display:block;width:{fill}px;"
+        f"height:100%;background:{COLORS['info']};border-radius:2px'></span></span> {frac * 100:.0f}%</span>"
+    )
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | None = None) -> str:
     """An HTML table in the shared style; cells are escaped unless they are already ``Markup`` (str subclass).
 

@@ -89,6 +89,23 @@ def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
     assert "nowrap" in html
 
 
+def test_each_estimate_row_shows_its_share_of_the_card_as_a_mini_bar():
+    """Where the memory goes at a glance: a bar per row, its percent of the card beside it (of the total without one)."""
+    from helpers.estimator import estimate
+    from helpers.html import mini_bar
+
+    est = estimate("Llama-2-7b-hf", load="nf4", device="t4", max_new_tokens=512)
+    html = est._repr_html_()
+    assert ">share of t4</th>" in html
+    shares = [int(p) for p in re.findall(r"</span></span> (\d+)%</span>", html)]
+    weights = next(r for r in est.rows if r.key.startswith("weights"))
+    assert len(shares) == len(est.rows) + 1  # every row and the total
+    assert shares[0] == round(100 * weights.bytes / est.capacity)
+    assert shares[-1] == round(100 * est.total / est.capacity)
+    assert ">share</th>" in estimate("Llama-2-7b-hf", load="nf4", device="cpu")._repr_html_()
+    assert "width:1px" in mini_bar(1, 1000) and mini_bar(5, None) == ""  # a sliver stays visible; no whole, no bar
+
+
 def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
     """At 760 px the figures of a fixed-width bar ran past the right edge (tests/test_browser.py measures it)."""
     from helpers.html import bar

@@ -17,7 +17,7 @@ from ..devices import (
     cuda_capability,
     resolve_device,
 )
-from ..html import Markup, bar, table
+from ..html import Markup, bar, mini_bar, table
 from ..units import format_bytes
 from ..vocab import (
     DEFAULTS,
@@ -118,11 +118,15 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = [[r.name, format_bytes(r.bytes), r.kind, r.note] for r in self.rows]
-        rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"), "", ""])
+        # each row's share of the card (of the total without one): where the memory goes, at a glance
+        whole = self.capacity or self.total
+        rows = [[r.name, format_bytes(r.bytes), mini_bar(r.bytes, whole), r.kind, r.note] for r in self.rows]
+        rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"),
+                     mini_bar(self.total, self.capacity), "", ""])  # fmt: skip
         title = f"{self.model}: {self.params:,} parameters, load={self.load}"
-        rows += [[f"host RAM: {r.name}", format_bytes(r.bytes), r.kind, r.note] for r in self.host_rows]
-        html = table(["", "bytes", "kind", "note"], rows, title=title)
+        rows += [[f"host RAM: {r.name}", format_bytes(r.bytes), "", r.kind, r.note] for r in self.host_rows]
+        share = f"share of {self.device}" if self.capacity else "share"
+        html = table(["", "bytes", share, "kind", "note"], rows, title=title)
         if self.capacity:
             html += bar(self.total, self.capacity, f"vs {self.device}")
         return html + "".join(f"<div>note: {escape(m)}</div>" for m in self.warnings)
