@@ -119,6 +119,32 @@ def mini_bar(part: int, whole: int | None, width: int = 80) -> Markup:
     )
 
 
+def sparkline(
+    points: Sequence[tuple[float, int]], label: str, cap: int | None = None, width: int = 320, height: int = 56
+) -> Markup:
+    """An inline SVG line of ``(x, bytes)`` points (memory per training step), the card's ``cap`` dashed
+    when given; nothing with fewer than two points. Pure SVG: it redraws in an updating output, no plot library."""
+    if len(points) < 2:
+        return Markup("")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs)
+    top = max(max(ys), cap or 0) or 1
+    sx = (width - 2) / ((x1 - x0) or 1)
+    y = lambda v: height - 2 - (height - 4) * v / top  # noqa: E731
+    line = " ".join(f"{1 + (x - x0) * sx:.1f},{y(v):.1f}" for x, v in points)
+    limit = (f"<line x1='0' x2='{width}' y1='{y(cap):.1f}' y2='{y(cap):.1f}' stroke='{COLORS['fail']}' "
+             "stroke-dasharray='4 3' stroke-width='1'/>") if cap else ""  # fmt: skip
+    return Markup(
+        f"<div class='oomkit-sparkline' style='font-family:monospace;margin:4px 0'>"
+        f"<div>{escape(label)}: {format_bytes(ys[-1])} now, peak {format_bytes(max(ys))}"
+        + (f" of {format_bytes(cap)}" if cap else "")
+        + "</div>"
+        f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img' "
+        f"aria-label='{escape(label)}' style='background:#f1f3f4;border-radius:3px'>{limit}"
+        f"<polyline points='{line}' fill='none' stroke='{COLORS['info']}' stroke-width='1.5'/></svg></div>"
+    )
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | None = None) -> str:
     """An HTML table in the shared style; cells are escaped unless they are already ``Markup`` (str subclass).
 

@@ -2,7 +2,8 @@
 
 ``TrainView`` is a ``TrainerCallback``. At each step it reads the step and total, the time so far,
 the last logged loss, the tokens seen (``TrainingArguments.include_num_input_tokens_seen``) and the
-GPU's allocated memory and peaks, and shows them as a :class:`TrainProgress`: in a notebook one
+GPU's allocated memory and peaks (with a line of the memory per step so far against the card: a leak or
+a growing sequence shows while it happens), and shows them as a :class:`TrainProgress`: in a notebook one
 output updated in place (IPython's ``display(..., display_id=True)``: no widget, so it renders with
 ipywidgets 7.7, 8 or none, in JupyterLab, Colab and papermill's copies alike), without a kernel a text
 line every tenth of the run. When training ends it shows the summary: peak reserved, its share of
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
@@ -22,12 +23,15 @@ import psutil
 import torch
 
 from .devices import resolve_device
-from .html import STYLE, bar, table
+from .html import STYLE, bar, sparkline, table
 from .memory import allocated, peak_allocated, reserved
 from .session import ipython
 from .units import format_bytes
 
-__all__ = ["TrainProgress", "TrainView", "format_seconds"]  # noqa: F822 (TrainView is built lazily, below)
+__all__ = ["TrainProgress", "TrainView", "format_seconds", "MAX_POINTS"]  # noqa: F822 (TrainView is built lazily, below)
+
+
+MAX_POINTS = 400  # points of the live memory chart (a 320 px line: more would not show)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -57,6 +61,7 @@ class TrainProgress:
     device: str = "cpu"
     process_rss: int | None = None  # on a CPU: this process's resident memory
     finished: bool = False
+    history: list[tuple[int, int]] = field(default_factory=list)  # (step, GPU allocated or process RSS) so far
 
     @property
     def eta(self) -> float | None:
@@ -119,6 +124,8 @@ class TrainProgress:
             f"<span class='oomkit-num'>{frac:.0%}</span>"
         )
         html += table(["", ""], self.rows(), title=title)
+        what = "GPU allocated per step" if self.allocated is not None else "process memory per step"
+        html += sparkline(self.history, what, self.capacity if self.allocated is not None else None)
         if self.capacity and self.peak_reserved is not None:
             html += bar(self.peak_reserved, self.capacity, "peak reserved")
         if self.finished:
@@ -165,6 +172,7 @@ class _TrainView:
         self._shown_at = -1.0
         self._start, self._first_step, self._first_tokens, self._loss = 0.0, 0, 0, None
         self._peak_alloc = self._peak_reserved = 0
+        self._history: list[tuple[int, int]] = []
         label, dev = resolve_device("current")
         self._device, self._capacity = label, (dev or {}).get("capacity")
 
@@ -189,13 +197,25 @@ class _TrainView:
             self._peak_reserved = max(self._peak_reserved, reserved("all"),
                                       sum(torch.cuda.max_memory_reserved(d) for d in range(torch.cuda.device_count())))  # fmt: skip
         tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0) - self._first_tokens
+        rss = None if cuda else psutil.Process().memory_info().rss
+        self._remember(state.global_step, allocated("all") if cuda else rss)
         return TrainProgress(
             step=state.global_step, total=state.max_steps, elapsed=time.perf_counter() - self._start,
             steps_done=state.global_step - self._first_step, loss=self._loss, tokens=tokens if tokens > 0 else None,
             allocated=allocated("all") if cuda else None, peak_allocated=self._peak_alloc if cuda else None,
             peak_reserved=self._peak_reserved if cuda else None, capacity=self._capacity, device=self._device,
-            process_rss=None if cuda else psutil.Process().memory_info().rss, finished=finished,
+            process_rss=rss, finished=finished, history=list(self._history),
         )  # fmt: skip
+
+    def _remember(self, step: int, memory: int) -> None:
+        """One point of the memory chart per step; past ``MAX_POINTS`` every other older point goes (a long
+        run keeps its shape in a bounded list)."""
+        if self._history and self._history[-1][0] == step:
+            self._history[-1] = (step, memory)
+        else:
+            self._history.append((step, memory))
+        if len(self._history) > MAX_POINTS:
+            self._history = self._history[:-1:2] + self._history[-1:]
 
     def _show(self, progress: TrainProgress, force: bool = False) -> None:
         now = time.perf_counter()

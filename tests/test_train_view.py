@@ -35,6 +35,9 @@ def test_the_view_updates_during_a_run_and_ends_with_the_summary(tiny_llama, tmp
     assert middle.eta is not None and f"step {middle.step}/5" in str(middle) and "ETA" in str(middle)
     html = middle._repr_html_()
     assert "<progress" in html and "tokens/s" in html and "oomkit-table" in html
+    # the memory chart grows with the run: one point per step so far, drawn in every update
+    assert [s for s, _ in seen[-1].history] == list(range(6)) and all(m > 0 for _, m in seen[-1].history)
+    assert len(middle.history) == middle.step + 1 and "<polyline" in html and "process memory per step" in html
 
 
 def test_headless_train_prints_text_lines_then_one_summary_instead_of_log_dicts(tiny_llama, tmp_path, capsys):
@@ -88,3 +91,24 @@ def test_in_a_notebook_one_output_is_updated_in_place(monkeypatch):
     assert "<progress value='2' max='2'" in updates[-1]["text/html"] and updates[-1]["text/plain"].startswith(
         "step 2/2"
     )
+
+
+def test_the_memory_chart_draws_each_point_and_the_cards_limit():
+    gib = 1024**3
+    history = [(0, 2 * gib), (1, 5 * gib), (2, 6 * gib)]
+    p = TrainProgress(step=2, total=10, elapsed=4.0, steps_done=2, allocated=6 * gib, peak_allocated=6 * gib,
+                      peak_reserved=7 * gib, capacity=15 * gib, device="Tesla T4", history=history)  # fmt: skip
+    html = p._repr_html_()
+    points = html.split("<polyline points='")[1].split("'")[0].split()
+    assert len(points) == 3 and float(points[0].split(",")[1]) > float(points[2].split(",")[1])  # rises as it grows
+    assert "stroke-dasharray" in html and "GPU allocated per step: 6.00 GiB now, peak 6.00 GiB of 15.00 GiB" in html
+    assert "<svg" not in TrainProgress(step=0, total=10, elapsed=0, steps_done=0, history=history[:1])._repr_html_()
+
+
+def test_a_long_run_keeps_a_bounded_chart_with_its_first_and_last_step():
+    from helpers.train_view import MAX_POINTS
+
+    view = TrainView(lambda p: None)
+    for step in range(5 * MAX_POINTS):
+        view._remember(step, step)
+    assert len(view._history) <= MAX_POINTS and view._history[0][0] == 0 and view._history[-1][0] == 5 * MAX_POINTS - 1
