@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parents[1]
+
+# A user's install carries compiled bytecode (pip compiles the wheel; Python caches the rest on first
+# import). A machine that sets PYTHONDONTWRITEBYTECODE (ours do) would charge every fresh process a bench
+# starts the compile of helpers' sources (about 90 ms for helpers.monitor), a cost no user pays: the
+# benches and the processes they start write the cache and reuse it from the second run on.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 # What each bench's figures are about: the repository paths whose change makes them stale (the bench's
