@@ -82,8 +82,29 @@ def prepare_qlora(model: torch.nn.Module, plan: TrainPlan):
         config = plan.lora_config(model)
         torch.manual_seed(plan.seed)  # LoRA's A matrices start random: the same seed gives the same run
         peft_model = get_peft_model(model, config)
+    _frozen_inputs_need_no_grad(peft_model.get_base_model())
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, TrainableParams(trainable, total, sorted(config.target_modules), plan.gradient_checkpointing)
+
+
+def _frozen_inputs_need_no_grad(model: torch.nn.Module) -> int:
+    """Take ``enable_input_require_grads``' hooks back from the frozen parts (Whisper's audio encoder, a VLM's
+    vision tower): transformers (and peft, for a model not quantized) hook every sub-model's input embeddings,
+    the encoder's conv and the tower's patch embedding included, so the frozen part would keep its
+    activations and backward would run through it, for gradients nothing trains on. Without the hook it runs
+    without a graph, as the estimator counts it (``helpers.estimator.family_training``). The hooks are
+    told by their function's name (transformers' ``make_inputs_require_grads``, peft's
+    ``make_inputs_require_grad``). Returns how many were removed."""
+    from .estimator.families import frozen_modules
+
+    removed = 0
+    for name in frozen_modules(model):
+        for module in model.get_submodule(name).modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+                    del module._forward_hooks[key]
+                    removed += 1
+    return removed
 
 
 def _already_prepared(model, plan: TrainPlan) -> tuple[Any, TrainableParams]:

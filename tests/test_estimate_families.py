@@ -121,12 +121,18 @@ def test_a_quantized_vlm_says_its_vision_tower_stays_16_bit(tiny_vlm):
     assert not any("vision tower" in w for w in estimate(str(tiny_vlm), load="fp16", device="t4").warnings)
 
 
-def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_t5, tiny_llama):
-    from helpers.estimator import LoraTraining
+def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_models, tiny_t5, tiny_llama):
+    from helpers.estimator import FullTraining, LoraTraining
 
-    est = estimate(str(tiny_t5), load="nf4", device="t4", training=LoraTraining())
-    assert any("decoder-only formulas" in w for w in est.warnings)
-    assert not any("decoder-only formulas" in w for w in estimate(str(tiny_llama), training=LoraTraining()).warnings)
+    # LoRA steps of every family have their own formulas (tests/test_estimate_family_training.py) ...
+    for name in ("t5", "whisper", "llava", "llama"):
+        est = estimate(str(tiny_models[name]), load="nf4", device="t4", training=LoraTraining(seq_len=64))
+        assert not any("decoder-only formulas" in w for w in est.warnings), name
+    # ... full fine-tuning trains the frozen parts too, which they do not count
+    est = estimate(str(tiny_t5), load="fp16", device="t4", training=FullTraining())
+    assert any("full fine-tuning (encoder-decoder (text))" in w and "lower bound" in w for w in est.warnings)
+    llama = estimate(str(tiny_llama), load="fp16", device="t4", training=FullTraining())
+    assert not any("decoder-only formulas" in w for w in llama.warnings)
 
 
 def test_fit_suggests_fewer_images_and_a_shorter_encoder_input(tiny_vlm, tiny_t5):

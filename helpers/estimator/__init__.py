@@ -14,7 +14,7 @@ Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> 
 prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
 ``hub_headers`` (exact weights from a hub repo's safetensors headers),
 ``fitting`` (``fit_one_card``, the verdict on a card, and its ranked fixes; ``helpers.fit`` adds the fixes past one card), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
-and VLM generation rows), ``families`` (decoder-only,
+and VLM generation rows), ``family_training`` (their LoRA steps' activations), ``families`` (decoder-only,
 encoder-decoder, speech, vision-language: the Auto class and the modules kept unquantized).
 """
 

@@ -33,6 +33,7 @@ from ..vocab import (
 from .configs import hub_repo, resolve_config
 from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
 from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
+from .family_training import vlm_sequence
 from .hub_headers import header_rows, read_hub_headers
 from .inference import Generation, generation_rows
 from .layout import layout, weight_rows
@@ -216,7 +217,7 @@ def estimate(
         rows += _use_rows(config, lay, shape, family_inputs)
     else:
         unquantized = next((r.bytes for r in rows if r.key == "weights.unquantized"), 0)
-        rows += training_rows(lay, config, load, b, training, unquantized)[0]
+        rows += training_rows(lay, config, load, b, training, unquantized, family_inputs, cpu=dev is None)[0]
     warnings = (_warnings(lay, config, load, cdtype, dev, inputs), header_notes)
     return _assembled(model, str(name), load, rows, lay, config, (label, dev, device), inputs, warnings, repo)
 
@@ -236,7 +237,7 @@ def _assembled(model, name: str, load: str, rows: list[EstimateRow], lay, config
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=first + _moe_warning(rows, load) + _family_warnings(config, rows, inputs["training"]) + notes,
+        warnings=first + _moe_warning(rows, load) + _family_warnings(config, rows, inputs) + notes,
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
@@ -324,9 +325,10 @@ def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
     ]
 
 
-def _family_warnings(config, rows: list[EstimateRow], training) -> list[str]:
-    """A VLM's 16-bit vision tower or Whisper's audio encoder in a quantized load; training rows of a family still counted as a decoder's."""
-    fam = family(config)
+def _family_warnings(config, rows: list[EstimateRow], inputs: dict) -> list[str]:
+    """A VLM's 16-bit vision tower or Whisper's audio encoder in a quantized load; a family's full fine-tuning
+    (counted as a decoder's); a VLM's seq_len too short for its image tokens."""
+    fam, training = family(config), inputs["training"]
     out = []
     vision = next((r.bytes for r in rows if r.key == "weights.vision"), 0)
     audio = next((r.bytes for r in rows if r.key == "weights.audio_encoder"), 0)
@@ -337,9 +339,15 @@ def _family_warnings(config, rows: list[EstimateRow], training) -> list[str]:
     if audio:
         out.append(f"{format_bytes(audio)} of the {format_bytes(total)} of weights are the audio encoder, kept in "
                    "16 bits (LoRA trains the decoder around it; quantizing it costs transcripts more)")  # fmt: skip
-    if training is not None and fam != CAUSAL:
-        out.append(f"training a {FAMILIES[fam]}: its step is estimated with the decoder-only formulas (no "
-                   "encoder, audio or image activations yet); take the activation rows as a lower bound")  # fmt: skip
+    if isinstance(training, FullTraining) and fam != CAUSAL:
+        out.append(f"full fine-tuning ({FAMILIES[fam]}): its step is estimated with the decoder-only formulas "
+                   "(the family formulas are LoRA's, with the frozen encoder or vision tower); take the activation "
+                   "rows as a lower bound")  # fmt: skip
+    if isinstance(training, LoraTraining) and fam == IMAGE_TEXT:
+        seq, images, per, _ = vlm_sequence(config, training, inputs)
+        if seq > training.seq_len:
+            out.append(f"seq_len {training.seq_len} cannot hold {images} image(s) x {per} tokens: each sample's "
+                       f"tokens, image tokens included, must fit seq_len (counted as {seq}); raise seq_len")  # fmt: skip
     return out
 
 

@@ -24,7 +24,10 @@ from ..arguments import whole_number
 from .families import FAMILIES, IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
 from .rows import EstimateError, EstimateRow
 
-__all__ = ["FAMILY_INPUTS", "check_family_inputs", "encoder_decoder_rows", "image_tokens", "vision_rows"]
+__all__ = [
+    "FAMILY_INPUTS", "EncDecDims", "check_family_inputs", "encdec_dims", "encoder_peak", "encoder_positions",
+    "encoder_decoder_rows", "image_tokens", "vision_rows", "vision_tower_peak",
+]  # fmt: skip
 
 # each family input and the families that take it
 FAMILY_INPUTS = {
@@ -63,7 +66,9 @@ def check_family_inputs(config, given: dict) -> None:
 
 
 @dataclass
-class _EncDec:
+class EncDecDims:
+    """The sizes an encoder-decoder's activations follow, read from its config."""
+
     h: int
     enc_layers: int
     dec_layers: int
@@ -76,27 +81,34 @@ class _EncDec:
     buckets: bool  # T5's relative position bias
     mel: int  # Whisper's mel bins (0: a text encoder)
     positions: int  # Whisper's encoder positions (max_source_positions)
+    dec_ffn: int = 0  # the decoder's feed-forward width (T5: d_ff, as the encoder's)
+    dropout: float = 0.0  # the model's own dropout (T5's dropout_rate, Whisper's dropout), on in training
+    attention_dropout: float = 0.0  # dropout of the attention probabilities (T5: dropout_rate as well)
 
 
-def _encdec(config) -> _EncDec:
+def encdec_dims(config) -> EncDecDims:
+    """The encoder and decoder sizes of a T5/BART/Whisper config (EstimateError when they are missing)."""
     g = lambda *names, default=0: next((getattr(config, n) for n in names if getattr(config, n, None)), default)  # noqa: E731
     h = g("d_model", "hidden_size")
     enc_heads = g("encoder_attention_heads", "num_heads", "num_attention_heads")
     if not h or not enc_heads or not g("vocab_size"):
         raise EstimateError("the config lacks d_model, the attention heads or vocab_size; pass the full config.json")
     enc_layers = g("encoder_layers", "num_layers", "num_hidden_layers")
-    return _EncDec(
+    return EncDecDims(
         h=h, enc_layers=enc_layers, dec_layers=g("decoder_layers", "num_decoder_layers", default=enc_layers),
         enc_heads=enc_heads, dec_heads=g("decoder_attention_heads", "num_heads", default=enc_heads),
         hd=g("d_kv", default=h // enc_heads), enc_ffn=g("encoder_ffn_dim", "d_ff", default=4 * h),
         gated=bool(getattr(config, "is_gated_act", False)), vocab=g("vocab_size"),
         buckets=bool(getattr(config, "relative_attention_num_buckets", 0)), mel=g("num_mel_bins"),
-        positions=g("max_source_positions"),
+        positions=g("max_source_positions"), dec_ffn=g("decoder_ffn_dim", "d_ff", default=4 * h),
+        dropout=float(g("dropout_rate", "dropout", default=0.0)),
+        attention_dropout=float(g("dropout_rate", "attention_dropout", default=0.0)),
     )  # fmt: skip
 
 
-def _encoder_peak(d: _EncDec, batch: int, e: int, b: int) -> tuple[int, str]:
-    """The encoder's widest moment over ``e`` positions and what it is."""
+def encoder_peak(d: EncDecDims, batch: int, e: int, b: int, generate: bool = True) -> tuple[int, str]:
+    """The encoder's widest moment over ``e`` positions and what it is (``generate``: with the two copies
+    of the mel features ``generate()`` makes; a training step hands the batch's features in as they are)."""
     t, inner = batch * e, d.enc_heads * d.hd
     # input, residual, normed; q, k, v, the output (and, in Whisper's attention, its transposed copy)
     attn = t * (3 * d.h + (4 if d.buckets else 5) * inner) * b
@@ -106,30 +118,35 @@ def _encoder_peak(d: _EncDec, batch: int, e: int, b: int) -> tuple[int, str]:
         bias = 2 * d.enc_heads * e * e * b  # the bias embedding (E, E, heads) and its (1, heads, E, E) copy
         phases = {"attention": attn + bias, "MLP": mlp + bias}
         phases["relative-position buckets"] = T5_BUCKET_BYTES * e * e + t * (2 * d.h + 3 * inner) * b
-    features = 2 * batch * d.mel * 2 * e * b  # the mel features sliced per sample and concatenated again
+    features = 2 * batch * d.mel * 2 * e * b if generate else 0  # the mel features sliced and concatenated again
     what = max(phases, key=phases.get)
-    return phases[what] + features, what + (f", {format(features, ',')} B of mel features" if d.mel else "")
+    return phases[what] + features, what + (f", {format(features, ',')} B of mel features" if features else "")
+
+
+def encoder_positions(d: EncDecDims, extra: dict, tokens: int) -> tuple[int, list[str]]:
+    """The encoder's positions per sample and what decides them: Whisper's padded window whatever the
+    audio's length, else ``encoder_tokens`` (default ``tokens``, the prompt or the training seq_len)."""
+    if not d.mel:
+        return extra.get("encoder_tokens") or tokens, []
+    e = d.positions
+    window = 2 * e * HOP / SAMPLE_RATE
+    seconds = extra.get("audio_seconds")
+    notes = [f"audio padded to the {window:g}-second window: {2 * e} mel frames, {e} encoder positions"]
+    if seconds and seconds > window:
+        notes.append(f"{seconds:g} s is {math.ceil(seconds / window)} windows, transcribed one after another")
+    return e, notes
 
 
 def encoder_decoder_rows(config, batch: int, prompt: int, new: int, b: int, extra: dict) -> list[EstimateRow]:
     """KV caches (decoder and cross-attention), encoder output, logits and the encoder's pass."""
-    d = _encdec(config)
-    notes = []
-    if d.mel:
-        e = d.positions
-        window = 2 * e * HOP / SAMPLE_RATE
-        seconds = extra.get("audio_seconds")
-        notes.append(f"audio padded to the {window:g}-second window: {2 * e} mel frames, {e} encoder positions")
-        if seconds and seconds > window:
-            notes.append(f"{seconds:g} s is {math.ceil(seconds / window)} windows, transcribed one after another")
-    else:
-        e = extra.get("encoder_tokens") or prompt
+    d = encdec_dims(config)
+    e, notes = encoder_positions(d, extra, prompt)
     dec = 1 + new  # the decoder starts from its start token
     self_kv = d.dec_layers * 2 * batch * dec * d.dec_heads * d.hd * b
     cross = d.dec_layers * 2 * batch * e * d.dec_heads * d.hd * b
     out = batch * e * d.h * b
     logits = batch * d.vocab * (b + 4) * 2
-    peak, what = _encoder_peak(d, batch, e, b)
+    peak, what = encoder_peak(d, batch, e, b)
     rows = [
         EstimateRow("kv_cache", "KV cache (decoder)", self_kv, "formula",
                     f"{d.dec_layers} layers x 2 x {batch} x {dec} tokens x {d.dec_heads} heads x {d.hd} x {b} B"),
@@ -173,15 +190,9 @@ def image_tokens(config, image_size=None) -> tuple[int, str]:
 def vision_rows(config, batch: int, seq: int, images: int, per: int, b: int, lm_state: int) -> list[EstimateRow]:
     """The prompt's embeddings (image features scattered in) held through the LM's forward pass, and what
     the vision tower's pass adds above ``lm_state`` (the LM's prefill state: KV cache, widest layer, logits)."""
-    vc = config.vision_config
     h = config.get_text_config().hidden_size
     n = batch * images
-    size = getattr(vc, "image_size", 224)
-    patches = (size // (getattr(vc, "patch_size", None) or 14)) ** 2 + 1
-    hv = getattr(vc, "hidden_size", 0) or getattr(vc, "embed_dim", 0)
-    inter = getattr(vc, "intermediate_size", 4 * hv)
-    t = n * patches
-    tower = max(t * 6 * hv * b, t * (2 * hv + 2 * inter) * b) + n * 3 * size * size * b  # + the pixel values
+    tower, patches = vision_tower_peak(config, n, b)
     rows = [EstimateRow("activations.embeddings", "prompt embeddings with image features", batch * seq * h * b,
                         "formula", f"{batch} x {seq} tokens x {h} x {b} B, held through the LM's forward pass")]  # fmt: skip
     if n:
@@ -191,3 +202,15 @@ def vision_rows(config, batch: int, seq: int, images: int, per: int, b: int, lm_
                                 "formula", f"{n} images x {patches} patches: its widest layer holds "
                                 f"{format(tower, ',')} B; this is what it adds above the LM's prefill"))  # fmt: skip
     return rows
+
+
+def vision_tower_peak(config, n: int, b: int) -> tuple[int, int]:
+    """Bytes of the vision tower's widest layer over ``n`` images (run without a graph: frozen, its
+    input needs no gradient) with the pixel values, and the patches per image."""
+    vc = config.vision_config
+    size = getattr(vc, "image_size", 224)
+    patches = (size // (getattr(vc, "patch_size", None) or 14)) ** 2 + 1
+    hv = getattr(vc, "hidden_size", 0) or getattr(vc, "embed_dim", 0)
+    inter = getattr(vc, "intermediate_size", 4 * hv)
+    t = n * patches
+    return max(t * 6 * hv * b, t * (2 * hv + 2 * inter) * b) + n * 3 * size * size * b, patches

@@ -24,6 +24,7 @@ __all__ = [
     "tied_note",
     "largest_quantized_linear",
     "quantization_skip_modules",
+    "adapted_linears",
 ]
 
 
@@ -216,6 +217,25 @@ def quantization_skip_modules(config) -> list[str] | None:
 
 def _in_kept(module: str, kept: list[str]) -> bool:
     return any(module == k or module.startswith(k + ".") for k in kept)
+
+
+def adapted_linears(lay: Layout, targets: str | list[str], *, fp32_kept_adapt: bool = False) -> list[Param]:
+    """The linear layers LoRA adapts: for ``"all-linear"`` every linear bitsandbytes would quantize (the
+    output layer never is: peft's rule), else those named in ``targets``; never one of the frozen parts
+    (``lay.kept``: a VLM's vision tower and projector, Whisper's encoder), which ``TrainPlan.lora_config``
+    excludes by path. ``fp32_kept_adapt``: a module the model keeps in fp32 (T5's ``wo``) is adapted too,
+    as ``helpers.train_plan.target_modules`` picks it (every linear but the output layer)."""
+    skip = [n for n in lay.not_convert if n not in lay.keep_fp32] if fp32_kept_adapt else lay.not_convert
+    out = []
+    for e in lay.entries:
+        if e.linear is None or e.module == "buffer" or _in_kept(e.module, lay.kept):
+            continue
+        if targets == "all-linear":
+            if should_convert(e.module, skip):
+                out.append(e)
+        elif e.module.rsplit(".", 1)[-1] in targets or e.module in targets:
+            out.append(e)
+    return out
 
 
 def should_convert(module: str, not_convert: list[str]) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..arguments import flag, number, whole_number
 from ..vocab import DEFAULTS, MODES, QUANTIZED
-from .layout import Layout, dims, should_convert
+from .families import IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
+from .family_training import seq2seq_activation_rows, vision_training_rows, vlm_layer_bytes, vlm_sequence
+from .layout import Layout, adapted_linears, dims, should_convert
 from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
 
@@ -96,22 +99,15 @@ def _check_common(tr: LoraTraining | FullTraining) -> None:
     whole_number(f"{kind}.micro_batch", tr.micro_batch, error=EstimateError)
 
 
-def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[EstimateRow], int, int]:
-    """Adapters, their gradients and optimizer states; and the bytes per token peft adds to activations."""
+def _lora_rows(
+    lay: Layout, d: dict, b: int, tr: LoraTraining, encoder_decoder: bool = False
+) -> tuple[list[EstimateRow], int, int, list]:
+    """Adapters, their gradients and optimizer states; the bytes per token peft adds to activations; and
+    the adapted layers (``encoder_decoder``: T5's fp32-kept ``wo`` adapts too, as peft's all-linear does)."""
     rows = []
     targets = tr.targets
-    n_lora = 0
-    adapted = []
-    for e in lay.entries:
-        if e.linear is None or e.module == "buffer":
-            continue
-        if not should_convert(e.module, lay.not_convert):  # peft's all-linear skips the output layer
-            if targets == "all-linear":
-                continue
-        short = e.module.rsplit(".", 1)[-1]
-        if targets == "all-linear" or short in targets or e.module in targets:
-            n_lora += tr.r * (e.linear[0] + e.linear[1])
-            adapted.append(e)
+    adapted = adapted_linears(lay, targets, fp32_kept_adapt=encoder_decoder)
+    n_lora = sum(tr.r * (e.linear[0] + e.linear[1]) for e in adapted)
     if not adapted:
         raise EstimateError(f"LoRA targets {targets!r} match no linear layer of this model")
     trainable = n_lora
@@ -141,7 +137,7 @@ def _lora_rows(lay: Layout, d: dict, b: int, tr: LoraTraining) -> tuple[list[Est
     mask = 1 if tr.lora_dropout > 0 else 0
     kept = b if b < 4 else (4 if tr.lora_dropout > 0 else 0)
     per_tok_lora = lora_in * (mask + kept) + len(adapted) // max(1, d["layers"]) * tr.r * min(b, 4)
-    return rows, trainable, per_tok_lora
+    return rows, trainable, per_tok_lora, adapted
 
 
 def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[EstimateRow], int]:
@@ -185,26 +181,33 @@ def _per_token_layer(d: dict, b: int, upcast: bool) -> int:
     return 2 * (8 * h + b * h) + b * attn + 4 * b * inter
 
 
-def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: int) -> list[EstimateRow]:
-    """What the forward pass keeps for backward, the loss's peak and the dequantized weights."""
+def _dequantized(lay: Layout, load: str, b: int) -> int:
+    """A quantized layer's weight is dequantized to the compute dtype for each matmul (forward and
+    backward): the largest one, twice, is alive at once. The output layer stays unquantized."""
+    if load not in QUANTIZED:
+        return 0
+    biggest = max(
+        (e.linear[0] * e.linear[1] for e in lay.entries if e.linear and should_convert(e.module, lay.not_convert)),
+        default=0,
+    )
+    return 2 * biggest * b
+
+
+def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: int,
+                     layer_bytes: tuple[int, int] | None = None) -> list[EstimateRow]:  # fmt: skip
+    """What the forward pass keeps for backward, the loss's peak and the dequantized weights (``layer_bytes``:
+    a family's own bytes per token and layer, adapters included, instead of the formula's, and what a
+    recomputed layer's backward adds per token under checkpointing)."""
     rows = []
     seq, mb = tr.seq_len, tr.micro_batch
     h, upcast = d["h"], load in QUANTIZED and b < 4
-    per_tok = _per_token_layer(d, b, upcast) + per_tok_lora
+    per_tok, recompute = (_per_token_layer(d, b, upcast) + per_tok_lora, 0) if layer_bytes is None else layer_bytes
     # The loss's peak comes at the start of backward: log-softmax's fp32 output (saved), its incoming
     # gradient and the gradient it returns, each batch x seq x vocab x 4 B (the model's own logits
     # and the fp32 upcast are gone by then: measured with live-tensor tracking); a chunked or fused
     # loss holds them for one chunk of tokens (estimator/reducers.py).
     logits, loss_note = loss_bytes(d, mb * seq, b, tr.loss)
-    # A quantized layer's weight is dequantized to the compute dtype for each matmul (forward and
-    # backward): the largest one, twice, is alive at once. The output layer stays unquantized.
-    dequant = 0
-    if load in QUANTIZED:
-        biggest = max(
-            (e.linear[0] * e.linear[1] for e in lay.entries if e.linear and should_convert(e.module, lay.not_convert)),
-            default=0,
-        )
-        dequant = 2 * biggest * b
+    dequant = _dequantized(lay, load, b)
     # QLoRA (prepare_model_for_kbit_training) upcasts the embeddings, norms and output layer to fp32:
     # the residual stream every layer takes as input is fp32, and under 16-bit autocast the output
     # layer's matmul keeps a 16-bit copy of its fp32 weight until its backward (at the loss's peak).
@@ -226,7 +229,7 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
                 "one hidden state per layer" + (" (fp32: the upcast residual stream)" if upcast else ""),
             )
         )
-        layer = mb * seq * per_tok + dequant
+        layer = mb * seq * (per_tok + recompute) + dequant
         rows.append(
             EstimateRow(
                 "activations.backward_peak",
@@ -257,12 +260,17 @@ def _activation_rows(lay: Layout, d: dict, load: str, b: int, tr, per_tok_lora: 
     return rows
 
 
-def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int = 0) -> tuple[list[EstimateRow], int]:
+def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int = 0, extra: dict | None = None,
+                  cpu: bool = False) -> tuple[list[EstimateRow], int]:  # fmt: skip
     """The rows of one training step and the number of trainable parameters (``unquantized``: the bytes of
-    the weights a quantized load keeps in 16 bits, which QLoRA's preparation casts to fp32)."""
+    the weights a quantized load keeps in 16 bits, which QLoRA's preparation casts to fp32). ``extra``: the
+    family inputs ``estimate()`` took (``encoder_tokens``, ``images``, ...); ``cpu``: the step runs on the
+    CPU, whose dropout and attention kernels keep more than CUDA's (the family formulas count it)."""
     d = dims(config)
-    if isinstance(tr, LoraTraining):
-        rows, trainable, per_tok_lora = _lora_rows(lay, d, b, tr)
+    fam = family(config)
+    lora = isinstance(tr, LoraTraining)
+    if lora:
+        rows, trainable, per_tok_lora, adapted = _lora_rows(lay, d, b, tr, fam in (SEQ2SEQ, SPEECH_SEQ2SEQ))
         if load in QUANTIZED and b < 4:
             # peft's prepare_model_for_kbit_training casts every 16-bit parameter (embeddings, norms,
             # lm_head) to fp32 for training: those weights take twice the room they took after loading
@@ -270,7 +278,15 @@ def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int =
                                        "exact", "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))  # fmt: skip
     else:
         (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
-    rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
+    if lora and fam in (SEQ2SEQ, SPEECH_SEQ2SEQ):
+        rows += seq2seq_activation_rows(config, b, tr, adapted, extra or {}, cpu, _dequantized(lay, load, b))
+    elif lora and fam == IMAGE_TEXT:
+        seq = vlm_sequence(config, tr, extra or {})[0]
+        own = vlm_layer_bytes(d, b, tr, adapted, cpu)
+        lm = _activation_rows(lay, d, load, b, dataclasses.replace(tr, seq_len=seq), per_tok_lora, own)
+        rows += lm + vision_training_rows(config, tr, extra or {}, b, sum(r.bytes for r in lm))
+    else:
+        rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
     return (_offloaded(rows, d, b, tr) if tr.offload_activations else rows), trainable
 
 
