@@ -559,10 +559,14 @@ def cell_output(page, index: int):
 # MutationObserver (polling could miss an update between two looks).
 _JS_WATCH_STEPS = """(index) => {
   window.oomkitSteps = [];
+  window.oomkitChart = [];  // points of the memory line each time it was redrawn
   const cell = window.jupyterapp.shell.currentWidget.node.querySelectorAll('.jp-Cell')[index];
   const seen = () => {
     const m = cell.innerText.match(/step\\s+(\\d+)\\s*\\/\\s*(\\d+)/);
     if (m && !window.oomkitSteps.includes(m[1])) window.oomkitSteps.push(m[1]);
+    const line = cell.querySelector('.oomkit-sparkline polyline');
+    const n = line ? line.getAttribute('points').trim().split(/\\s+/).length : 0;
+    if (n && !window.oomkitChart.includes(n)) window.oomkitChart.push(n);
   };
   new MutationObserver(seen).observe(cell, {subtree: true, childList: true, characterData: true});
 }"""
@@ -592,6 +596,9 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     view = cell_output(page, train_cell)
     assert view.locator(".oomkit-train-view").count() == 1  # one output, updated in place
     assert f"{UX_TRAIN_STEPS} / {UX_TRAIN_STEPS}" in view.inner_text() and "wall time" in view.inner_text()
+    # its memory line redrawn while it ran, one point per step (and the start) at the end
+    chart = page.evaluate("() => window.oomkitChart")
+    assert len(chart) >= 3 and chart == sorted(chart) and chart[-1] == UX_TRAIN_STEPS + 1, chart
 
     # the OOM card in the failing cell, above its traceback, with the notebook's knobs as fixes
     oom = cell_output(page, 7)
