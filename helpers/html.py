@@ -19,6 +19,8 @@ from .units import format_bytes
 COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a00",
           "fail": "#c5221f", "info": "#1967d2", "none": "#5f6368"}  # fmt: skip
 # bar fills for the usage level: bright hues read best as areas (text never goes on these)
+# a chart's line: >= 3:1 (WCAG's ratio for graphics) on white and on JupyterLab's dark backgrounds alike
+LINE_COLOR = "#4285f4"
 LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
 # text: (on a light background, on a dark one)
 TEXT_COLORS = {
@@ -128,7 +130,7 @@ def sparkline(
         return Markup("")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
-    top = max(max(ys), cap or 0) or 1
+    top = 1.1 * max(max(ys), cap or 0) or 1  # headroom: a flat line at the peak stays off the frame
     sx = (width - 2) / ((x1 - x0) or 1)
     y = lambda v: height - 2 - (height - 4) * v / top  # noqa: E731
     line = " ".join(f"{1 + (x - x0) * sx:.1f},{y(v):.1f}" for x, v in points)
@@ -140,8 +142,8 @@ def sparkline(
         + (f" of {format_bytes(cap)}" if cap else "")
         + "</div>"
         f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img' "
-        f"aria-label='{escape(label)}' style='background:#f1f3f4;border-radius:3px'>{limit}"
-        f"<polyline points='{line}' fill='none' stroke='{COLORS['info']}' stroke-width='1.5'/></svg></div>"
+        f"aria-label='{escape(label)}' style='border:1px solid #9aa0a6;border-radius:3px'>{limit}"
+        f"<polyline points='{line}' fill='none' stroke='{LINE_COLOR}' stroke-width='1.5'/></svg></div>"
     )
 
 

@@ -113,3 +113,12 @@ def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
     html = bar(3 << 30, 15 << 30, "Disk (working dir)")
     assert "class='oomkit-bar'" in html and "flex-wrap:wrap" in html
     assert "3.00 GiB / 15.00 GiB (20%)" in html
+
+
+def test_a_charts_line_reads_on_light_and_dark_backgrounds():
+    """WCAG asks 3:1 of graphics; the training view's memory line sits on the notebook's own background."""
+    from helpers.html import DARK_BACKGROUNDS, LIGHT_BACKGROUND, LINE_COLOR, contrast_ratio, sparkline
+
+    assert all(contrast_ratio(LINE_COLOR, bg) >= 3 for bg in (LIGHT_BACKGROUND, *DARK_BACKGROUNDS))
+    svg = sparkline([(0, 5), (1, 5)], "flat")
+    assert f"stroke='{LINE_COLOR}'" in svg and "background" not in svg  # no light box in a dark theme
