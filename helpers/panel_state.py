@@ -60,7 +60,10 @@ def stacked_bar(
     cap_mark = 100 * capacity / scale
     return (
         f"{STYLE}<div{attrs} style='font-family:monospace'>"
-        f"<div style='position:relative;width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
+        # width 100% up to ``width``: a fixed width set the panel's narrowest size (a percentage max-width does
+        # not count there), and ipywidgets 7.7 (Colab) widened the whole output past a narrow column with it,
+        # cutting off the slider values
+        f"<div style='position:relative;width:100%;max-width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
         f"overflow:hidden'>{''.join(spans)}"
         f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
         "</span></div>"

@@ -220,10 +220,15 @@ class Panel:
     def _control_widget(self, w, control: Control):
         style = {"description_width": "initial"}
         value = self._values[control.key]
+        # ipywidgets 7.7 (Colab) draws a dropdown and a checkbox 300 px wide each: side by side they widened
+        # the whole output past a narrow column (Files pane open), cutting off every slider value and line
         if control.kind == "dropdown":
-            return w.Dropdown(options=list(control.choices), value=value, description=control.description, style=style)
+            return w.Dropdown(
+                options=list(control.choices), value=value, description=control.description, style=style,
+                layout=w.Layout(max_width="100%"),
+            )  # fmt: skip
         if control.kind == "checkbox":
-            return w.Checkbox(value=value, description=control.description, indent=False)
+            return w.Checkbox(value=value, description=control.description, indent=False, layout=w.Layout(width="auto"))
         lo, hi, step = control.choices
         # as wide as the output allows up to 480 px: a fixed 480 px pushed the value readout past the
         # right edge of a 760 px window (Colab's narrow column), where nobody could read it
@@ -248,15 +253,20 @@ class Panel:
                 pending.append(c[control.key])
                 continue
             if pending:
-                rows.append(w.HBox(pending) if len(pending) > 1 else pending[0])
+                rows.append(self._row(w, pending))
             pending = [c[control.key]]
         if pending:
-            rows.append(w.HBox(pending) if len(pending) > 1 else pending[0])
+            rows.append(self._row(w, pending))
         title = w.HTML(f"<b>{escape(self.TITLE)}</b>: {escape(self.model)}")
         extra = self.extra_widgets(w)
         c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], c["notes"], *extra])
         c["box"].add_class("oomkit-panel")
         return c
+
+    @staticmethod
+    def _row(w, widgets: list):
+        """One widget, or several side by side that wrap onto the next line where the column is narrow."""
+        return w.HBox(widgets, layout=w.Layout(flex_flow="row wrap")) if len(widgets) > 1 else widgets[0]
 
     def _on_change(self, change) -> None:
         owner = change["owner"]

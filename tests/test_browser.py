@@ -499,11 +499,12 @@ _JS_LOOK = """() => {
     const want = el.classList.contains('oomkit-num') ? 'right' : 'left', got = getComputedStyle(el).textAlign;
     if (el.innerText.trim() && got !== want) aligned.push({text: el.innerText.slice(0, 40), want, got});
   }
-  const readouts = [];
+  const readouts = [];  // "width": where the visible notebook column ends (the window's edge at most)
+  const column = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  const edge = Math.min(window.innerWidth, column ? column.getBoundingClientRect().right : window.innerWidth);
   for (const el of root.querySelectorAll('.oomkit-panel .widget-readout')) {
     const r = el.getBoundingClientRect();
-    readouts.push({text: el.innerText, scroll: el.scrollWidth, client: el.clientWidth, right: r.right,
-                   width: window.innerWidth});
+    readouts.push({text: el.innerText, scroll: el.scrollWidth, client: el.clientWidth, right: r.right, width: edge});
   }
   const overflow = [];  // a bar's figures past the window's right edge
   for (const el of root.querySelectorAll('.oomkit-bar > span:last-child')) {
@@ -539,7 +540,9 @@ def look_problems(look: dict) -> list[str]:
         bad.append(f"bar figures {o['text']!r} past the window's edge (right {o['right']:.0f} px)")
     for r in look["readouts"]:
         if r["scroll"] > r["client"] or r["right"] > r["width"]:
-            bad.append(f"slider value {r['text']!r} cut off: {r['scroll']} > {r['client']} px or right {r['right']}")
+            bad.append(
+                f"slider value {r['text']!r} cut off: {r['scroll']} > {r['client']} px or right {r['right']} > {r['width']}"
+            )
     return bad
 
 
@@ -575,7 +578,7 @@ _JS_WATCH_STEPS = """(index) => {
 def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_models):
     """Notebooks 00-02's outputs in JupyterLab at 760 px and 1280 px, light and dark theme, in one page:
     number cells one line high, every verdict and table text >= 4.5:1 against its real background,
-    slider values not cut off, the micro-batch dropdown showing "auto (measure)", the training view updating
+    slider values not cut off (at 760 px with the file browser open too), the micro-batch dropdown showing "auto (measure)", the training view updating
     at least 3 times during ``train()``, and the OOM card in the failing cell naming MAX_NEW_TOKENS.
 
     One notebook run per ipywidgets, every width and theme in the same page (about 30 s each here).
@@ -612,10 +615,15 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     shown = micro.locator("select").evaluate("s => s.selectedIndex >= 0 ? s.options[s.selectedIndex].text : ''")
     assert " ".join(shown.split()) == "auto (measure)", f"the micro-batch dropdown shows {shown!r}"  # &nbsp;s
 
-    # the notebook column as it is on a small screen: the file browser closed (open, the column is about
-    # 420 px at 760, narrower than Colab's, and ipywidgets 7.7's slider readouts still end past the edge)
+    # a small screen with the file browser open (the notebook column about 420 px, as Colab's at 760 px with
+    # its Files pane open): the slider values still readable
+    page.set_viewport_size({"width": 760, "height": 1600})
+    page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
+    page.wait_for_timeout(500)
+    problems = {(760, "files open"): look_problems(page.evaluate(_JS_LOOK))}
+    for what, index in (("load_panel", 3), ("train_panel", 4)):
+        ui.screenshot(shots / f"{what}-760-files-open.png", cell_output(page, index))
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
-    problems = {}
     for width in UX_WIDTHS:
         page.set_viewport_size({"width": width, "height": 1600})  # the OOM card whole, under no status bar
         for name, theme in UX_THEMES.items():
@@ -637,8 +645,11 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     for (width, name), found in problems.items():  # all of them in the captured output, the first few below
         print(f"{width} px, {name}: {len(found)} problem(s)", *found, sep="\n  ")
     assert not any(problems.values()), {k: v[:5] for k, v in problems.items() if v}
-    if lab.ipywidgets == "8" and os.environ.get("OOMKIT_UPDATE_DOCS"):
-        publish_screenshots(shots, DOCS_SHOTS)
+    if os.environ.get("OOMKIT_UPDATE_DOCS"):  # ipywidgets 8's pictures, and Colab's 7.7 in the narrow column
+        if lab.ipywidgets == "8":
+            publish_screenshots(shots, DOCS_SHOTS)
+        else:
+            publish_screenshots(shots, DOCS_SHOTS, pattern="*-files-open.png", suffix=f"-ipywidgets{lab.ipywidgets}")
     print(f"\nbrowser test (what a person sees): {time.monotonic() - started:.1f} s, training steps seen {steps}")
 
 
@@ -646,16 +657,20 @@ DOC_SHOTS_RUN = SHOTS / "ux"
 DOCS_SHOTS = REPO / "docs" / "screenshots"  # OOMKIT_UPDATE_DOCS=1 copies the run's pictures there
 
 
-def publish_screenshots(src: Path, dest: Path, colors: int = 64) -> list[Path]:
-    """Copy the panels' pictures (not the whole-window ones) to ``dest`` as small palette PNGs."""
+def publish_screenshots(
+    src: Path, dest: Path, colors: int = 64, pattern: str = "*.png", suffix: str = ""
+) -> list[Path]:
+    """Copy the panels' pictures (not the whole-window ones) matching ``pattern`` to ``dest`` as small
+    palette PNGs, ``suffix`` added to each name."""
     from PIL import Image
 
     dest.mkdir(parents=True, exist_ok=True)
     out = []
-    for f in sorted(src.glob("*.png")):
+    for f in sorted(src.glob(pattern)):
         if f.name.startswith("page-"):
             continue
+        target = dest / f"{f.stem}{suffix}{f.suffix}"
         with Image.open(f) as im:
-            im.convert("RGB").quantize(colors=colors).save(dest / f.name, optimize=True)
-        out.append(dest / f.name)
+            im.convert("RGB").quantize(colors=colors).save(target, optimize=True)
+        out.append(target)
     return out

@@ -49,6 +49,23 @@ def test_sliders_shrink_to_the_output_so_their_values_stay_readable(panel):
         assert (layout.width, layout.max_width) == ("100%", "480px")
 
 
+def test_the_panels_shrink_to_a_narrow_column(panel):
+    """Under ipywidgets 7.7 a fixed-width bar (420 px) or a dropdown and checkbox side by side (300 px
+    each) set the panel's narrowest width, and JupyterLab widened the output past a 420 px column with
+    it, cutting off every slider value (tests/test_browser.py measures it with the file browser open)."""
+    import re
+
+    fixed = re.compile(r"(?<![-\w])width:\s*(\d+)px")  # a pixel ``width``, not a ``max-width``/``min-width``
+    for html in (panel.controls["estimate"].value, panel.controls["verdict"].value):
+        wide = [int(px) for px in fixed.findall(html) if int(px) > 100]  # a mark of a few px does no harm
+        assert html and not wide, wide
+    rows = [r for r in panel.controls["box"].children if hasattr(r, "children") and r.children]
+    assert panel.controls["double_quant"] in rows[0].children
+    assert all(r.layout.flex_flow == "row wrap" for r in rows)
+    assert panel.controls["double_quant"].layout.width == "auto"
+    assert panel.controls["load"].layout.max_width == "100%"
+
+
 def test_setting_widget_values_updates_plan_and_estimate(panel):
     c = panel.controls
     kv_64 = panel.state.estimate.row("kv_cache").bytes
