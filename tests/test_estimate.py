@@ -529,3 +529,29 @@ def test_new_tokens_and_smaller_models_stay_within_the_context():
     verdict = fit(estimate("Llama-2-7b-hf", load="fp16", prompt_tokens=3000, max_new_tokens=1000), "t4")
     (smaller,) = [s for s in verdict.suggestions if "model" in s.kwargs]
     assert smaller.estimate.context >= 4000 and smaller.kwargs["model"] == "google/gemma-2-2b"
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs"),
+    [
+        ("meta-llama/Llama-3.1-8B", {"load": "fp16", "max_new_tokens": 1024}),
+        ("meta-llama/Llama-3.1-8B", {"load": "fp16", "batch_size": 8, "max_new_tokens": 3000}),
+        ("Qwen/Qwen2.5-7B", {"load": "int8", "batch_size": 16, "max_new_tokens": 4096}),
+        ("Llama-2-7b-hf", {"load": "fp16", "prompt_tokens": 3000, "max_new_tokens": 1000}),
+    ],
+)
+def test_the_smaller_model_is_the_largest_shipped_one_that_fits(model, kwargs):
+    """The fix's search goes largest first and stops early (a slider move asks it each time); its answer
+    is what estimating every shipped config with the same settings picks."""
+    from helpers.sources import shipped_configs
+    from helpers.vocab import TIGHT_FRACTION
+
+    est, cap = estimate(model, **kwargs), DEVICES["t4"]["capacity"]
+    tokens = est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]
+    every = [estimate(hub_id, **est.inputs) for hub_id in shipped_configs()]
+    fitting = [
+        e for e in every
+        if e.params < est.params and e.total <= cap * TIGHT_FRACTION and (e.context is None or e.context >= tokens)
+    ]  # fmt: skip
+    found = [s.kwargs["model"] for s in fit(est, "t4").suggestions if "model" in s.kwargs]
+    assert found == ([max(fitting, key=lambda e: e.params).model] if fitting else [])

@@ -475,14 +475,31 @@ def _tokens(est: MemoryEstimate) -> int:
     return tr.seq_len if tr is not None else est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]
 
 
+_SHIPPED_PARAMS: dict[str, int | None] = {}  # hub id -> parameter count (None: its config does not estimate)
+
+
+def _shipped_by_size() -> list[tuple[int | None, str]]:
+    """The shipped configs, largest first (parameter counts from one estimate each, kept: a slider move
+    asks again each time); those whose count is unknown come last."""
+    for hub_id in shipped_configs():
+        if hub_id not in _SHIPPED_PARAMS:
+            try:
+                _SHIPPED_PARAMS[hub_id] = estimate(hub_id).params
+            except Exception:  # noqa: BLE001 - estimated with the caller's settings below, or skipped
+                _SHIPPED_PARAMS[hub_id] = None
+    ranked = [(_SHIPPED_PARAMS[h], h) for h in shipped_configs()]
+    return sorted(ranked, key=lambda pair: -1 if pair[0] is None else pair[0], reverse=True)
+
+
 def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
     """The largest shipped model smaller than this one that fits with the same settings and whose
     context holds the prompt and the new tokens (or the training sequence)."""
     best = None
-    for hub_id in shipped_configs():
+    for params, hub_id in _shipped_by_size():  # largest first: the first that fits is the answer
+        if params is not None and (params >= est.params or (best is not None and params <= best.params)):
+            continue
         try:
-            kw = {k: v for k, v in est.inputs.items()}
-            new = estimate(hub_id, **kw)
+            new = estimate(hub_id, **est.inputs)
         except Exception:
             continue
         if new.context is not None and new.context < _tokens(est):
