@@ -6,6 +6,8 @@ instruction in, the answer out). :func:`load_processor` gives the family's proce
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 import numpy as np
@@ -117,7 +119,8 @@ def build_family_dataset(model, processor, rows: list[dict], seq_len: int) -> Tr
 def probe_batch(model, batch: int, seq_len: int, device: Any = None) -> dict[str, torch.Tensor]:
     """Random inputs for one training step at full length, as :func:`helpers.finetune.find_micro_batch` measures
     it: ``seq_len`` tokens in and out (a T5's input and labels), Whisper's full 30 s window of mel frames, a
-    VLM's image (its tokens counted as the estimator counts them) at the front of ``seq_len`` tokens."""
+    VLM's image (its tokens counted as the estimator counts them: LLaVA's fixed size, one Idefics3/SmolVLM
+    tile, Qwen2-VL's 448 x 448 native resolution) at the front of ``seq_len`` tokens."""
     from .estimator.family_rows import image_tokens
 
     config = getattr(model, "config", None)  # a plain module (a test double, a custom LM): decoder-only
@@ -134,17 +137,52 @@ def probe_batch(model, batch: int, seq_len: int, device: Any = None) -> dict[str
         features = torch.randn(batch, config.num_mel_bins, frames, device=device, dtype=dtype)
         return {"input_features": features, "labels": ids}
     vc = config.vision_config
-    if getattr(vc, "spatial_merge_size", None) or getattr(config, "scale_factor", None):
-        raise FinetuneError(
-            f"find_micro_batch cannot make up {config.model_type}'s image inputs (tiles of native resolution): "
-            "set TrainPlan.micro_batch by hand (plan.estimate() shows what a micro-batch costs)"
-        )
     n = image_tokens(config)[0]
-    if n >= seq_len:
-        raise FinetuneError(f"an image takes {n} tokens, seq_len is {seq_len}: raise TrainPlan.seq_len above {n}")
-    ids[:, :n] = config.image_token_id
+    merge = getattr(vc, "spatial_merge_size", None)
+    start = 1 if merge else 0  # Qwen2-VL finds each image by the vision-start token before it
+    if start + n >= seq_len:
+        raise FinetuneError(
+            f"an image takes {start + n} tokens, seq_len is {seq_len}: raise TrainPlan.seq_len above {start + n}"
+        )
+    # a random text token that is an image's (or the vision-start) token would count as one more image token
+    special = [t for t in (getattr(config, k, None) for k in _IMAGE_TOKEN_KEYS) if isinstance(t, int)]
+    plain = next(t for t in range(vocab) if t not in special)
+    ids[torch.isin(ids, torch.tensor(special, device=ids.device))] = plain
+    if merge:
+        ids[:, 0] = config.vision_start_token_id
+    ids[:, start : start + n] = config.image_token_id
     labels = ids.clone()
-    labels[:, :n] = IGNORE
+    labels[:, : start + n] = IGNORE
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    if _takes(model, "mm_token_type_ids"):  # transformers >= 5.2x: Qwen2-VL's M-RoPE reads where images are
+        inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()
+    return inputs | _probe_pixels(config, batch, n, device, dtype)
+
+
+def _takes(model, name: str) -> bool:
+    """Whether ``model``'s forward (under a PEFT wrapper, the base model's) has a parameter ``name``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return name in inspect.signature(base.forward).parameters
+
+
+_IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "vision_start_token_id", "vision_end_token_id",
+                     "video_token_id")  # fmt: skip
+
+
+def _probe_pixels(config, batch: int, n: int, device: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One random image per example, in the form the model's processor hands it over, of ``n`` tokens each."""
+    vc = config.vision_config
+    channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", None) or getattr(vc, "num_channels", 3)
+    merge = getattr(vc, "spatial_merge_size", None)
+    if merge:  # Qwen2-VL: flattened patches and each image's (frames, rows, columns) grid of patches
+        side = math.isqrt(n) * merge  # the estimator's square image (image_tokens): side x side patches
+        t, patch = getattr(vc, "temporal_patch_size", 1), vc.patch_size
+        pixels = torch.randn(batch * side * side, channels * t * patch * patch, device=device, dtype=dtype)
+        grid = torch.tensor([[1, side, side]] * batch, device=device)
+        return {"pixel_values": pixels, "image_grid_thw": grid}
     size = vc.image_size
-    pixels = torch.randn(batch, getattr(vc, "num_channels", 3), size, size, device=device, dtype=dtype)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "pixel_values": pixels}
+    if getattr(config, "scale_factor", None):  # Idefics3 / SmolVLM: one tile per image, and its pixel mask
+        pixels = torch.randn(batch, 1, channels, size, size, device=device, dtype=dtype)
+        mask = torch.ones(batch, 1, size, size, dtype=torch.bool, device=device)
+        return {"pixel_values": pixels, "pixel_attention_mask": mask}
+    return {"pixel_values": torch.randn(batch, channels, size, size, device=device, dtype=dtype)}

@@ -148,3 +148,56 @@ def test_a_vlm_probe_needs_room_for_its_image_tokens(family_paths, tmp_path):
     _, model, _, _ = _setup(family_paths["llava"], "llava", tmp_path)
     with pytest.raises(FinetuneError, match="an image takes 16 tokens"):
         probe_batch(model, 1, 16)
+
+
+def _tiny_native_resolution_vlm(kind: str):
+    """A random-weight Qwen2-VL (native resolution, grids of patches) or Idefics3/SmolVLM (pixel-shuffled
+    tiles), small enough for a CPU step: the probe's inputs must be what these models take."""
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)  # fmt: skip
+    if kind == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        config = Qwen2VLConfig(
+            text_config=text | {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}, "bos_token_id": 1,
+                                "eos_token_id": 2},
+            vision_config=dict(depth=1, embed_dim=32, num_heads=2, hidden_size=32, mlp_ratio=2),
+            image_token_id=100, vision_start_token_id=101, vision_end_token_id=102, video_token_id=103,
+        )  # fmt: skip
+        return Qwen2VLForConditionalGeneration(config)
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    config = Idefics3Config(
+        text_config=text | {"model_type": "llama"}, scale_factor=2, image_token_id=100,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=64, patch_size=16),
+    )  # fmt: skip
+    return Idefics3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "idefics3"])
+def test_find_micro_batch_makes_up_native_resolution_images(kind):
+    """Qwen2-VL's and SmolVLM's images (as many tokens as the estimator counts) go through a real training
+    step, so find_micro_batch measures these models instead of asking for micro_batch by hand."""
+    from helpers.estimator.family_rows import image_tokens
+    from helpers.family_data import probe_batch
+    from helpers.finetune import find_micro_batch
+
+    torch.manual_seed(0)
+    model = _tiny_native_resolution_vlm(kind)
+    n = image_tokens(model.config)[0]
+    seq = n + 24
+    inputs = probe_batch(model, 2, seq)
+    assert (inputs["input_ids"] == model.config.image_token_id).sum(dim=1).tolist() == [n, n]
+    start = int(kind == "qwen2_vl")  # Qwen2-VL's vision-start token before the image
+    assert inputs["labels"].shape == (2, seq) and (inputs["labels"] != IGNORE).sum(dim=1).tolist() == [24 - start] * 2
+    loss = model(**inputs).loss
+    loss.backward()
+    tower = getattr(model.model, "visual", None) or model.model.vision_model
+    assert torch.isfinite(loss) and all(p.grad is not None for p in tower.parameters())  # the image went through
+    model.zero_grad(set_to_none=True)
+    plan = TrainPlan(model=f"tiny-{kind}", seq_len=seq, batch_size=2, gradient_checkpointing=False)
+    micro = find_micro_batch(model, plan)
+    assert (micro.micro_batch, micro.gradient_accumulation) == (2, 1)
+    with pytest.raises(FinetuneError, match=f"an image takes {n + start} tokens"):
+        probe_batch(model, 1, n)
