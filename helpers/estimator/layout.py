@@ -96,11 +96,17 @@ def _meta_model(config):
     if getattr(config, "oomkit_unknown", None):
         raise ValueError(config.oomkit_unknown)
 
-    with torch.device("meta"):
+    from transformers.initialization import no_init_weights
+
+    # no_init_weights: initialising meta tensors computes nothing but costs tens of ms per model; it also
+    # skips the weight tying init_weights does, so that is done here (tied embeddings count once)
+    with torch.device("meta"), no_init_weights():
         try:
-            return auto_class(config).from_config(config, dtype=torch.bfloat16)
+            model = auto_class(config).from_config(config, dtype=torch.bfloat16)
         except ValueError:
-            return transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
+            model = transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
+    model.tie_weights()
+    return model
 
 
 def _default_attention(cls) -> str:
