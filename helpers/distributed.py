@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -49,7 +50,7 @@ from .vocab import DEFAULTS
 
 __all__ = [
     "STRATEGIES", "TrainingMemory", "training_memory", "DistributedError", "launch", "ddp_qlora_worker",
-    "worker_args", "collect_ranks", "clear_ranks",
+    "worker_args", "collect_ranks", "clear_ranks", "free_port",
     "RankReport", "DDPRun", "run_ddp_qlora", "largest_layer_params", "choose_launcher", "other_threads",
 ]  # fmt: skip
 
@@ -302,10 +303,10 @@ def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "au
         via, why = choose_launcher()
     if torch.cuda.is_available() and num_processes > torch.cuda.device_count():
         raise DistributedError(f"{num_processes} processes but {torch.cuda.device_count()} GPU(s); one process per GPU")
-    if via == "debug":
+    if via == "debug":  # its ranks meet in a temporary file, not on a port
         debug_launcher(function, args, num_processes=num_processes)
-    elif via == "notebook":
-        notebook_launcher(function, args, num_processes=num_processes)
+    elif via == "notebook":  # not accelerate's fixed 29500: two launches at once on a host would meet there
+        notebook_launcher(function, args, num_processes=num_processes, use_port=str(free_port()))
     else:
         _torchrun(_importable(function, why), _json_args(args), num_processes)
 
@@ -337,6 +338,14 @@ def _json_args(args: tuple) -> str:
     except (TypeError, ValueError) as e:
         raise DistributedError(f"the torchrun launch passes args as JSON and {e}: pass strings, numbers, lists "
                                "or dicts (a path as str(path)), and load models or data inside the function") from None  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for one launch's rendezvous on this machine (as torchrun's
+    ``--standalone`` picks one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _torchrun(target: str, args_json: str, num_processes: int) -> None:

@@ -34,6 +34,7 @@ from .distributed import (
     TrainingMemory,
     clear_ranks,
     collect_ranks,
+    free_port,
     run_streaming,
     training_memory,
     worker_args,
@@ -72,6 +73,7 @@ class LaunchConfig:
     notes: list[str] = field(default_factory=list)
     offloads: tuple[str, ...] = ()
     host_ram: RankRam | None = None  # the processes of one machine against its RAM (checked again at launch)
+    main_process_port: int | None = None  # as written; None on one machine: a free port at each launch
 
     @property
     def offloaded_bytes(self) -> int:
@@ -97,8 +99,16 @@ class LaunchConfig:
         return self.micro_batch * self.accumulation * self.world_size
 
     def command(self, module: str, args: list[str] | tuple = ()) -> list[str]:
-        """The ``accelerate launch`` command line that runs ``python -m module args`` on every process."""
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(self.config_file),
+        """The ``accelerate launch`` command line that runs ``python -m module args`` on every process.
+
+        On one machine without a written port it names a free one: accelerate's default, 29500, is every
+        launch's; accelerate moves off it when it is taken, but two launches starting together on a host
+        (two notebooks, a notebook and a script) both found it free and met in one rendezvous, where they
+        hung or broke off with "Connection closed by peer"."""
+        port = []
+        if self.num_machines == 1 and self.main_process_port is None:
+            port = ["--main_process_port", str(free_port())]
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(self.config_file), *port,
                 "-m", module, *map(str, args)]  # fmt: skip
 
     def __str__(self) -> str:
@@ -338,7 +348,7 @@ def write_launch_config(
     if plan.load not in QUANTIZED:
         notes.append("per-GPU memory counts full fine-tuning of the base (LoRA on it needs less)")
     config = LaunchConfig(strategy, config_file, ds_file, num_machines, per_machine, mixed, micro, accumulation,
-                          memory, gpus is None, notes, offloads)  # fmt: skip
+                          memory, gpus is None, notes, offloads, main_process_port=main_process_port)  # fmt: skip
     machine = devices if isinstance(devices, str) and devices in MACHINE_RAM else "current"
     config.host_ram = rank_ram(plan.model, per_machine, machine=machine, offloaded=config.offloaded_bytes)
     return config

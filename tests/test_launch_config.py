@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -198,6 +199,24 @@ def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[R
     run = retry_gloo_connect(lambda: launch_qlora(written, str(tiny_llama), tmp_path / "ranks", timeout=120, steps=4,
                                                   seq_len=32, micro_batch=2, r=8, learning_rate=1e-3, load=load))  # fmt: skip
     return run.ranks, time.perf_counter() - started
+
+
+DEFAULT_PORT = 29500  # accelerate launch's and notebook_launcher's
+
+
+def test_a_one_machine_launch_meets_on_a_free_port_and_a_written_port_is_kept(tmp_path):
+    """Two launches starting together both found 29500 free and met in one rendezvous (a launch here hung
+    for 120 s while notebook 05 launched beside it); each now names a port the OS just handed out."""
+    plan = TrainPlan("Qwen/Qwen2.5-0.5B", load="nf4", batch_size=4, micro_batch=2, seq_len=32)
+    one = write_launch_config(plan, tmp_path / "one", devices=2)
+    cmd = one.command("helpers.distributed")
+    port = int(cmd[cmd.index("--main_process_port") + 1])
+    assert port != DEFAULT_PORT and 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: nothing listens there
+    fixed = write_launch_config(plan, tmp_path / "fixed", devices=2, main_process_port=29611)
+    assert "--main_process_port" not in fixed.command("helpers.distributed")  # the config's own port
+    assert _accelerate(fixed.config_file).main_process_port == 29611
 
 
 # DDP through the written config: notebook 05 launches it, tests/test_wheel.py checks its ranks
