@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import format_table, write_results  # noqa: E402
+from helpers.core.sources import data_path  # noqa: E402
 from helpers.estimator import estimate, footprint  # noqa: E402
-from helpers.sources import data_path  # noqa: E402
 
 CONFIG_DIR = data_path("configs")
 
@@ -135,7 +135,7 @@ def full_size_rows() -> list[dict]:
     """Every shipped full-size config: accelerate estimate-memory (real code path) and Unsloth's constants
     against oomkit's exact weight bytes (fp16, int8, nf4 + double quant), which match real loads to
     the byte on the scaled-down models above and count the published parameters exactly."""
-    from helpers.sources import shipped_configs
+    from helpers.core.sources import shipped_configs
 
     out = []
     for hub_id, path in shipped_configs().items():
@@ -285,9 +285,9 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
     (fp16, paged 8-bit AdamW, checkpointing) with the process capped at a T4's memory. None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    from helpers.devices import DEVICES
-    from helpers.finetune import TrainPlan, prepare_qlora
-    from helpers.loading import load as load_plan
+    from helpers.core.devices import DEVICES
+    from helpers.loading.loader import load as load_plan
+    from helpers.training.finetune import TrainPlan, prepare_qlora
 
     tiny = Path(__file__).resolve().parents[1] / "data" / "tiny" / "llama"
     if not (tiny / "config.json").exists():
@@ -339,7 +339,7 @@ def cuda_generate_row(batch: int = 4, prompt: int = 512, new: int = 128) -> dict
         return None
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from helpers.devices import DEVICES
+    from helpers.core.devices import DEVICES
 
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, DEVICES["t4"]["capacity"] / total))

@@ -1,10 +1,10 @@
 """Preflight: before loading anything, check the GPU, versions, RAM, disk and (with a model) the fit.
 
 Every check returns pass / warn / fail / info with a one-line reason and the fix. Device facts
-come from a :class:`~helpers.memory.MemorySnapshot`, which tests pass in to simulate a T4, a
+come from a :class:`~helpers.core.memory.MemorySnapshot`, which tests pass in to simulate a T4, a
 busy GPU, Kaggle's two T4s or a small-RAM machine without touching torch. With several GPUs each
 one is checked, and a model that does not fit GPU 0 is planned across all of them as
-``from_pretrained(device_map="auto")`` splits it (:func:`helpers.placement.plan_devices`).
+``from_pretrained(device_map="auto")`` splits it (:func:`helpers.placement.fits.plan_devices`).
 """
 
 from __future__ import annotations
@@ -19,22 +19,17 @@ from typing import Any
 
 import torch
 
-from .arguments import ArgumentError, flag, whole_number
-from .checks import Check
-from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
-from .errors import OomkitError
-from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params
-from .gpu_split import held_hint, offload_ram
-from .html import badge, table
-from .loading import ram_for_loading
-from .memory import GPUReadout, MemorySnapshot
-from .memory import snapshot as take_snapshot
-from .placement import DevicePlan
-from .placement_decision import PlacementDecision, auto_placing, decide_placement, devices_snapshot, spill_why
-from .session import in_colab
-from .sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
-from .units import GiB, MiB, format_bytes
-from .vocab import (
+from .core.arguments import ArgumentError, flag, whole_number
+from .core.checks import Check
+from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
+from .core.errors import OomkitError
+from .core.html import badge, table
+from .core.memory import GPUReadout, MemorySnapshot
+from .core.memory import snapshot as take_snapshot
+from .core.session import in_colab
+from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
+from .core.units import GiB, MiB, format_bytes
+from .core.vocab import (
     DEFAULTS,
     DOES_NOT_FIT,
     FITS,
@@ -46,6 +41,11 @@ from .vocab import (
     load_mode_name,
     verdict,
 )
+from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params
+from .loading.loader import ram_for_loading
+from .placement.decision import PlacementDecision, auto_placing, decide_placement, devices_snapshot, spill_why
+from .placement.fits import DevicePlan
+from .placement.split import held_hint, offload_ram
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 

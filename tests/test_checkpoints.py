@@ -16,7 +16,8 @@ import torch
 import transformers
 from peft import get_peft_model_state_dict, load_peft_weights
 
-from helpers.checkpoints import (
+from helpers.loading.loader import load
+from helpers.training.checkpoints import (
     COMPLETE,
     RUN,
     CheckpointError,
@@ -25,7 +26,7 @@ from helpers.checkpoints import (
     find_resume,
     problem,
 )
-from helpers.finetune import (
+from helpers.training.finetune import (
     TrainPlan,
     build_dataset,
     last_checkpoint,
@@ -34,7 +35,6 @@ from helpers.finetune import (
     prepare_qlora,
     train,
 )  # fmt: skip
-from helpers.loading import load
 
 ROWS = load_instructions()[:24]
 
@@ -353,7 +353,7 @@ def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_pa
 
 def _remark(folder):
     """The marker rewritten over the damaged files: whole, sized as listed; only loading them tells."""
-    from helpers.checkpoints import mark_complete
+    from helpers.training.checkpoints import mark_complete
 
     (folder / COMPLETE).unlink()
     mark_complete(folder, int(folder.name.split("-")[1]))
@@ -580,7 +580,7 @@ def test_when_no_checkpoint_loads_one_clear_error_then_a_fresh_start(reference, 
 
 
 def test_a_good_checkpoint_is_proven(reference, tiny_llama):
-    from helpers.checkpoint_proof import prove
+    from helpers.training.checkpoint_proof import prove
 
     out, _ = reference
     model, _tok, _ = load(_plan(tiny_llama, out).load_plan())
@@ -589,7 +589,7 @@ def test_a_good_checkpoint_is_proven(reference, tiny_llama):
 
 
 def test_a_checkpoint_of_another_rank_is_a_settings_error_not_set_aside(reference, tiny_llama, tmp_path):
-    from helpers.finetune import FinetuneError
+    from helpers.training.finetune import FinetuneError
 
     out = _cut_at_3(reference, tmp_path)
     with warnings.catch_warnings():

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from helpers import build_dataset, load_instructions
-from helpers.finetune import DatasetWarning, FinetuneError
+from helpers.training.finetune import DatasetWarning, FinetuneError
 
 
 @pytest.fixture(scope="module")

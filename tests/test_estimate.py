@@ -12,7 +12,9 @@ import torch
 
 import helpers.estimator.layout as E
 from helpers.cli import estimate_main
-from helpers.devices import DEVICES, DeviceError, resolve_device
+from helpers.core.devices import DEVICES, DeviceError, resolve_device
+from helpers.core.sources import shipped_configs
+from helpers.core.units import GiB, MiB
 from helpers.environment import fit_checks
 from helpers.estimator import (
     EstimateError,
@@ -27,8 +29,6 @@ from helpers.estimator import (
 from helpers.estimator import (
     fit_one_card as fit,
 )
-from helpers.sources import shipped_configs
-from helpers.units import GiB, MiB
 
 QUANT = {"int8": dict(load_in_8bit=True)}
 for _qt in ("nf4", "fp4"):
@@ -241,7 +241,7 @@ def test_a_combined_fix_names_each_setting_once():
 
 
 def test_a_top_fix_that_falls_short_says_so():
-    from helpers.widgets import LoadPanel
+    from helpers.panels.widgets import LoadPanel
 
     # a made-up card with room for little more than the CUDA context the estimate counts: nothing fits
     panel = LoadPanel("openai-community/gpt2", device=440 * MiB, load="fp16", batch_size=2, widgets=False)
@@ -258,7 +258,7 @@ def test_preflight_auto_picks_a_mode_that_fits():
 
 
 def _cpu_snapshot():
-    from helpers.memory import MemorySnapshot, RAMReadout
+    from helpers.core.memory import MemorySnapshot, RAMReadout
 
     return MemorySnapshot("cpu", [], RAMReadout(12 * GiB, 11 * GiB, GiB, 500 * MiB), [])
 
@@ -388,7 +388,7 @@ def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys)
 
 
 def test_fixes_on_a_t4_never_propose_bf16_and_leave_the_margin():
-    from helpers.vocab import TIGHT_FRACTION
+    from helpers.core.vocab import TIGHT_FRACTION
 
     cap = DEVICES["t4"]["capacity"]
     for est in (estimate("Llama-2-7b-hf", load="fp32"), estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=8192)):
@@ -408,7 +408,7 @@ def test_estimate_warns_about_bf16_on_a_t4_and_a_length_past_the_context():
 
 
 def test_every_dtype_spelling_is_accepted():
-    from helpers.loading import LoadPlan
+    from helpers.loading.loader import LoadPlan
 
     base = estimate("Llama-2-7b-hf", load="nf4", compute_dtype="fp16").total
     for spelling in (torch.float16, "float16", "torch.float16", "half", "FP16"):
@@ -423,7 +423,7 @@ def test_every_dtype_spelling_is_accepted():
 def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import LoadPlan, load
 
     cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256, num_local_experts=4)  # fmt: skip
@@ -440,7 +440,7 @@ def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, ti
 
 @pytest.mark.bnb
 def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_config(tmp_path, tiny_llama):
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import LoadPlan, load
 
     model, tokenizer, _ = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=False))
     model.save_pretrained(tmp_path)  # a "-bnb-4bit" repo, as Unsloth and others publish them
@@ -492,8 +492,8 @@ def test_an_unquantized_load_is_counted_in_its_own_dtype_whatever_the_compute_dt
 def test_fixes_that_keep_the_inputs_and_a_margin_rank_before_truncating_the_prompt():
     """Llama-2-7B fp16 on a T4 is tight; halving the prompt leaves 35 MiB below the tight line, int8
     leaves 6 GiB: the load mode ranks first, the truncation last and says how little it leaves."""
+    from helpers.core.vocab import TIGHT_FRACTION
     from helpers.estimator.fitting import fix_margin
-    from helpers.vocab import TIGHT_FRACTION
 
     cap = DEVICES["t4"]["capacity"]
     verdict = fit(estimate("Llama-2-7b-hf", load="fp16"), "t4")
@@ -543,8 +543,8 @@ def test_new_tokens_and_smaller_models_stay_within_the_context():
 def test_the_smaller_model_is_the_largest_shipped_one_that_fits(model, kwargs):
     """The fix's search goes largest first and stops early (a slider move asks it each time); its answer
     is what estimating every shipped config with the same settings picks."""
-    from helpers.sources import shipped_configs
-    from helpers.vocab import TIGHT_FRACTION
+    from helpers.core.sources import shipped_configs
+    from helpers.core.vocab import TIGHT_FRACTION
 
     est, cap = estimate(model, **kwargs), DEVICES["t4"]["capacity"]
     tokens = est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]

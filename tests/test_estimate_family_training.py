@@ -24,9 +24,9 @@ def _tracker():
 
 
 def _lora_model(path, ckpt: bool, tmp_path):
-    from helpers.adapters import prepare_qlora
-    from helpers.finetune import TrainPlan
-    from helpers.loading import load
+    from helpers.loading.loader import load
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.finetune import TrainPlan
 
     plan = TrainPlan(str(path), load="fp32", gradient_checkpointing=ckpt, output_dir=str(tmp_path))
     model, _, _ = load(plan.load_plan(), device_map=None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.estimator import auto_class, estimate, family, resolve_config
-from helpers.loading import load, model_class
+from helpers.loading.loader import load, model_class
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,14 @@ plan stays on GPU 0, when and how it is split, what is refused, and what the loa
 import pytest
 import torch
 
-import helpers.load_plan as load_plan
-import helpers.loading as loading
-from helpers import gpu_split
+import helpers.loading.loader as loading
+import helpers.loading.plan as load_plan
+from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB
 from helpers.estimator import estimate
-from helpers.loading import LoadPlan, LoadRefused, check_plan, load
-from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import PlacementError, plan_devices, reference_configs
-from helpers.units import GiB, MiB
+from helpers.loading.loader import LoadPlan, LoadRefused, check_plan, load
+from helpers.placement import split as gpu_split
+from helpers.placement.fits import PlacementError, plan_devices, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

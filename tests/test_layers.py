@@ -10,54 +10,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "helpers"
 
-# Lowest first. A module may import from its own layer or any layer below, never above.
+# Lowest first: the rooms of the house, one sub-package per task. A module may import from its own
+# package or any package below, never above.
 LAYERS = [
-    {"units", "errors", "arguments"},
-    {
-        "html",
-        "knobs",
-        "cuda_errors",
-        "vocab",
-        "prompts",
-        "results_file",
-        "scoring",
-        "oom_causes",
-        "oom_messages",
-        "fingerprint",
-        "phases",
-    },
-    {"devices", "checks"},
-    {"memory", "session", "compat", "runtime", "attention", "reducers"},
-    {"sources", "reclaim", "tensors", "object_walk"},
+    {"core"},
     {"estimator"},
-    {"oom_diagnosis", "oom", "placement", "device_plan", "gpu_split", "fits_view", "model_parts"},
-    {"retry", "generation", "loading", "load_plan", "load_checks", "load_report", "device_fixes", "placement_decision"},
-    {
-        "batch_size",
-        "eval_batching",
-        "eval_report",
-        "environment",
-        "train_view",
-        "train_plan",
-        "training_data",
-        "family_data",
-        "eval_inputs",
-        "adapters",
-        "host_ram",
-    },
-    {
-        "evaluate",
-        "finetune",
-        "checkpoints",
-        "checkpoint_proof",
-        "distributed",
-        "monitor",
-        "monitor_chart",
-        "memory_callback",
-        "leaks",
-        "testing",
-    },
-    {"panel_state", "panel_gpus", "widgets", "train_panel", "cellstats", "launch_config"},
+    {"leaks"},
+    {"oom"},
+    {"monitoring"},
+    {"placement"},
+    {"loading"},
+    {"training"},
+    {"evaluation"},
+    {"panels"},
+    {"environment", "testing"},
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -152,7 +118,7 @@ def test_no_private_name_crosses_modules():
     assert not crossing, "\n".join(crossing)
 
 
-# IPython finds an extension's hooks by these names in each module it loads (%load_ext helpers.oom)
+# IPython finds an extension's hooks by these names in each module it loads (%load_ext helpers.oom.hook)
 PROTOCOL_NAMES = {"load_ipython_extension", "unload_ipython_extension"}
 
 
@@ -180,10 +146,10 @@ def test_no_function_is_longer_than_one_reading():
 
 def test_the_checker_sees_a_planted_upward_import_and_cycle(tmp_path):
     pkg = tmp_path / "helpers"
-    pkg.mkdir()
-    (pkg / "units.py").write_text("from .cli import main\nfrom .html import _private\n")
-    (pkg / "cli.py").write_text("from .units import x\n")
-    (pkg / "html.py").write_text("_private = 1\n")
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "units.py").write_text("from ..cli import main\nfrom .html import _private\n")
+    (pkg / "cli.py").write_text("from .core.units import x\n")
+    (pkg / "core" / "html.py").write_text("_private = 1\n")
     globals()["PACKAGE"], saved = pkg, PACKAGE
     try:
         with pytest.raises(AssertionError, match="units.py:1 imports cli"):

@@ -9,15 +9,16 @@ import torch
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-import helpers.load_checks as load_checks
-import helpers.load_plan as load_plan
-import helpers.load_report as load_report
-import helpers.loading as loading
-import helpers.placement_decision as placement_decision
-import helpers.sources as sources
-from helpers import gpu_split
+import helpers.core.sources as sources
+import helpers.loading.checks as load_checks
+import helpers.loading.loader as loading
+import helpers.loading.plan as load_plan
+import helpers.loading.report as load_report
+import helpers.placement.decision as placement_decision
+from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB, format_bytes
 from helpers.estimator import estimate
-from helpers.loading import (
+from helpers.loading.loader import (
     LoadPlan,
     LoadRefused,
     ModelNotFoundError,
@@ -26,9 +27,8 @@ from helpers.loading import (
     load,
     max_memory_for,
 )  # fmt: skip
-from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import PlacementError, reference_configs
-from helpers.units import GiB, MiB, format_bytes
+from helpers.placement import split as gpu_split
+from helpers.placement.fits import PlacementError, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")
@@ -585,7 +585,7 @@ def test_placement_and_footprint_count_the_quantization_state_before_and_after_a
     """The report's per-device placement sums to the measured weights (the scales and absmax were left
     out), and footprint() still counts int8's SCB after the first forward moves it to the layer's state."""
     from helpers import footprint, generate_batched
-    from helpers.loading import placement
+    from helpers.loading.loader import placement
 
     model, tok, report = load(LoadPlan(str(tiny_llama), load=mode))
     assert sum(placement(model).values()) == report.measured_weights == footprint(model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import footprint, module_memory
-from helpers.model_parts import ModuleMemory
+from helpers.loading.model_parts import ModuleMemory
 
 
 def _load(path, quant: dict | None = None):

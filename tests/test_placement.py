@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from helpers import GiB, estimate
-from helpers.devices import DeviceError, resolve_devices
+from helpers.core.devices import DeviceError, resolve_devices
+from helpers.core.sources import shipped_configs
+from helpers.core.vocab import torch_dtype
 from helpers.estimator import resolve_config
-from helpers.placement import PlacementError, fits_table, placement_model, plan_devices, reference_configs
-from helpers.sources import shipped_configs
-from helpers.vocab import torch_dtype
+from helpers.placement.fits import PlacementError, fits_table, placement_model, plan_devices, reference_configs
 
 SHIPPED = sorted(shipped_configs())
 
@@ -200,7 +200,7 @@ def test_fits_table_knows_the_classics():
 
 def test_supported_kwargs_drops_what_an_older_signature_lacks():
     """transformers 5.1's copy of infer_auto_device_map has no no_placement_params; newer ones do."""
-    from helpers.compat import supported_kwargs
+    from helpers.core.compat import supported_kwargs
 
     def old(model, max_memory=None):
         return None

@@ -1,12 +1,12 @@
-"""helpers.vocab: each word defined once. The load-mode table answers what code used to compare names for."""
+"""helpers.core.vocab: each word defined once. The load-mode table answers what code used to compare names for."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import vocab
-from helpers.errors import OomkitError
-from helpers.vocab import MODES, LoadModeError, load_mode
+from helpers.core import vocab
+from helpers.core.errors import OomkitError
+from helpers.core.vocab import MODES, LoadModeError, load_mode
 
 
 def test_the_mode_table_is_what_the_word_lists_say():

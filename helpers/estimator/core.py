@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..arguments import flag, whole_number
-from ..devices import (
+from ..core.arguments import flag, whole_number
+from ..core.devices import (
     CUBLAS_WORKSPACE,
     CUBLAS_WORKSPACE_HOPPER,
     CUBLAS_WORKSPACE_HOPPER_MAJORS,
@@ -17,9 +17,9 @@ from ..devices import (
     cuda_capability,
     resolve_device,
 )
-from ..html import Markup, bar, mini_bar, table
-from ..units import format_bytes
-from ..vocab import (
+from ..core.html import Markup, bar, mini_bar, table
+from ..core.units import format_bytes
+from ..core.vocab import (
     DEFAULTS,
     DTYPE_BYTES,
     TIGHT_FRACTION,

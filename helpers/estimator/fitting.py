@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..arguments import flag, whole_number
-from ..devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
-from ..html import badge, bar, table
-from ..reducers import kv_cache_available, liger_available
-from ..sources import shipped_configs
-from ..units import MiB, format_bytes
-from ..vocab import DOES_NOT_FIT, FITS, FOUR_BIT, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
+from ..core.arguments import flag, whole_number
+from ..core.devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
+from ..core.html import badge, bar, table
+from ..core.reducers import kv_cache_available, liger_available
+from ..core.sources import shipped_configs
+from ..core.units import MiB, format_bytes
+from ..core.vocab import DOES_NOT_FIT, FITS, FOUR_BIT, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
 from .core import MemoryEstimate, cublas_workspace, estimate
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
@@ -74,7 +74,7 @@ class Suggestion:
 class DeviceSuggestion(Suggestion):
     """A fix that keeps every setting and places the model past one card: split over several GPUs
     (``kind="split"``) or with some decoder layers in CPU RAM (``kind="offload"``), as
-    :func:`helpers.plan_devices` places it (``plan``, its :class:`helpers.placement.DevicePlan`; ``where``
+    :func:`helpers.plan_devices` places it (``plan``, its :class:`helpers.placement.fits.DevicePlan`; ``where``
     its split in words). ``kwargs`` are :class:`helpers.LoadPlan` fields, not ``estimate()`` ones;
     ``saving`` and :attr:`total` are the fullest GPU's share."""
 
@@ -200,8 +200,8 @@ def fit_one_card(
         gpus: how many of these cards a split may use: ``"t4", gpus=2`` plans for two T4s; for a set or
             ``"current"``, at most this many of theirs. ``None``: every GPU the device names.
         place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
-            (:func:`helpers.device_fixes.fit`) passes ``device_fixes``, which places with
-            ``helpers.placement``, a layer above this one. ``None``: same-card fixes only.
+            (:func:`helpers.placement.device_fixes.fit`) passes ``device_fixes``, which places with
+            ``helpers.placement.fits``, a layer above this one. ``None``: same-card fixes only.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):

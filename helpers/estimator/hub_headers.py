@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sources import hub_offline_reason
+from ..core.sources import hub_offline_reason
 from .layout import Layout
 from .rows import EstimateRow
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..units import format_bytes
-from ..vocab import MODES
+from ..core.units import format_bytes
+from ..core.vocab import MODES
 from .layout import Layout, dims, kv_cache_bytes, largest_quantized_linear
 from .reducers import kv_cache_rows
 from .rows import EstimateRow

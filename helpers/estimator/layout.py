@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..vocab import MODES, QUANTIZED
+from ..core.vocab import MODES, QUANTIZED
 from .families import SPEECH_SEQ2SEQ, auto_class, family, frozen_modules
 from .rows import EstimateError, EstimateRow
 
@@ -230,7 +230,7 @@ def adapted_linears(lay: Layout, targets: str | list[str], *, fp32_kept_adapt: b
     output layer never is: peft's rule), else those named in ``targets``; never one of the frozen parts
     (``lay.kept``: a VLM's vision tower and projector, Whisper's encoder), which ``TrainPlan.lora_config``
     excludes by path. ``fp32_kept_adapt``: a module the model keeps in fp32 (T5's ``wo``) is adapted too,
-    as ``helpers.train_plan.target_modules`` picks it (every linear but the output layer)."""
+    as ``helpers.training.plan.target_modules`` picks it (every linear but the output layer)."""
     skip = [n for n in lay.not_convert if n not in lay.keep_fp32] if fp32_kept_adapt else lay.not_convert
     out = []
     for e in lay.entries:

@@ -16,7 +16,6 @@ live tensors found by the census (so the detector works the same on a CPU-only m
 
 from __future__ import annotations
 
-from ..tensors import tensor_bytes
 from .allocations import (
     AllocationSites,
     AllocationTimeline,
@@ -29,6 +28,7 @@ from .allocations import (
 from .census import CensusDiff, TensorCensus, TensorEntry, TensorGroup, census, census_diff
 from .growth import GrowthDetector, GrowthReport, WatchReport, watch
 from .patterns import LeakChecks, leak_checks
+from .tensors import tensor_bytes
 
 __all__ = [
     "TensorEntry", "TensorGroup", "TensorCensus", "census", "tensor_bytes", "CensusDiff", "census_diff",
