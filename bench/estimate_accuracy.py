@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 from bench._common import format_table, write_results  # noqa: E402
 from helpers.core.sources import data_path  # noqa: E402
-from helpers.estimator import estimate, footprint  # noqa: E402
+from helpers.estimator.core import estimate
+from helpers.estimator.footprint import footprint  # noqa: E402
 
 CONFIG_DIR = data_path("configs")
 
@@ -56,7 +57,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def build(family: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from helpers.estimator import resolve_config
+    from helpers.estimator.configs import resolve_config
 
     name, overrides = FAMILIES[family]
     d = json.loads((CONFIG_DIR / f"{name}.json").read_text())
@@ -214,7 +215,7 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
-    from helpers.estimator import LoraTraining
+    from helpers.estimator.training import LoraTraining
 
     cfg = LlamaConfig(**PEAK_CONFIG)
     out = []
@@ -287,7 +288,8 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
         return None
     from helpers.core.devices import DEVICES
     from helpers.loading.loader import load as load_plan
-    from helpers.training.finetune import TrainPlan, prepare_qlora
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.plan import TrainPlan
 
     tiny = Path(__file__).resolve().parents[1] / "data" / "tiny" / "llama"
     if not (tiny / "config.json").exists():

@@ -84,9 +84,13 @@ import statistics
 import torch
 t0 = time.perf_counter()
 import helpers
-try:
-    from helpers.estimator import estimate, fit_one_card as fit
+try:  # the layout by task (one import path per name)
+    from helpers.estimator.core import estimate
+    from helpers.estimator.fitting import fit_one_card as fit
 except ImportError:
+  try:
+    from helpers.estimator import estimate, fit_one_card as fit
+  except ImportError:
     try:  # before the rename
         from helpers.estimator import estimate, fit
     except ImportError:  # the old layout
@@ -112,7 +116,7 @@ import torch
 t0 = time.perf_counter()
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 t1 = time.perf_counter()
-from helpers.estimator import estimate
+from helpers import estimate
 t2 = time.perf_counter()
 first = estimate(MODEL, load="nf4")
 t3 = time.perf_counter()
@@ -179,7 +183,7 @@ result(points=points)
 CENSUS = f"""
 import gc
 import torch
-from helpers.leaks import census
+from helpers import census
 x = torch.ones(1, requires_grad=True)
 y = x
 for _ in range({CHAIN}):

@@ -22,12 +22,15 @@ _API: dict[str, str] = {
     **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved", "peak_allocated"], "core.memory"),
     **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "oom.reclaim"),
     **dict.fromkeys(["PreflightReport", "preflight"], "environment"),
-    **dict.fromkeys(
-        ["estimate", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
-         "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
+    **dict.fromkeys(["estimate", "MemoryEstimate"], "estimator.core"),
+    **dict.fromkeys(["footprint"], "estimator.footprint"),
+    **dict.fromkeys(["max_new_tokens_that_fit", "max_batch_that_fits", "FitVerdict"], "estimator.fitting"),
+    **dict.fromkeys(["LoraTraining", "FullTraining"], "estimator.training"),
     **dict.fromkeys(["module_memory", "ModuleMemory"], "loading.model_parts"),
-    **dict.fromkeys(["fit"], "placement.device_fixes"),  # the estimator's verdict with the fixes past one card
-    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "core.sources"),
+    **dict.fromkeys(["fit"], "placement.device_fixes"),
+    **dict.fromkeys(
+        ["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"],
+        "core.sources"),
     **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "core.runtime"),
     **dict.fromkeys(["LoadPlan"], "loading.plan"),
     **dict.fromkeys(["check_plan"], "loading.checks"),
@@ -36,8 +39,11 @@ _API: dict[str, str] = {
     **dict.fromkeys(["load"], "loading.loader"),
     **dict.fromkeys(["generate_batched"], "loading.generation"),
     **dict.fromkeys(["plan_devices", "DevicePlan"], "placement.device_plan"),
-    **dict.fromkeys(["fits_table", "FitsTable", "ModelFits"], "placement.fits"),
-    **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "training.distributed"),
+    **dict.fromkeys(["fits_table", "FitsTable"], "placement.fits"),
+    **dict.fromkeys(["ModelFits"], "placement.fits_view"),
+    **dict.fromkeys(
+        ["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"],
+        "training.distributed"),
     **dict.fromkeys(["write_launch_config", "launch_plan", "launch_qlora", "LaunchConfig"], "training.launch_config"),
     **dict.fromkeys(["rank_ram", "RankRam"], "loading.host_ram"),
     **dict.fromkeys(["LoadPanel"], "panels.widgets"),
@@ -58,8 +64,10 @@ _API: dict[str, str] = {
     **dict.fromkeys(["MemoryMonitor"], "monitoring.monitor"),
     **dict.fromkeys(["MemoryCallback"], "monitoring.memory_callback"),
     **dict.fromkeys(["TrainView", "TrainProgress"], "training.view"),
-    **dict.fromkeys(
-        ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),
+    **dict.fromkeys(["census", "census_diff"], "leaks.census"),
+    **dict.fromkeys(["watch"], "leaks.growth"),
+    **dict.fromkeys(["leak_checks"], "leaks.patterns"),
+    **dict.fromkeys(["record_allocations", "top_allocation_sites"], "leaks.allocations"),
 }  # fmt: skip
 
 __all__ = sorted(_API)

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from .core.vocab import DEFAULTS, LOAD_MODES
+from .core.vocab import DEFAULTS, FITS_TOKENS, LOAD_MODES
 
 __all__ = ["main", "COMMANDS"]
 
@@ -88,8 +88,9 @@ def preflight_main(argv: list[str] | None = None) -> int:
 
 
 def _parse_lora(text: str):
-    """``--lora r=16,seq_len=1024`` as a :class:`~helpers.estimator.LoraTraining`."""
-    from .estimator import EstimateError, LoraTraining
+    """``--lora r=16,seq_len=1024`` as a :class:`~helpers.LoraTraining`."""
+    from .estimator.rows import EstimateError
+    from .estimator.training import LoraTraining
 
     kw: dict[str, Any] = {}
     for part in filter(None, text.split(",")):
@@ -152,7 +153,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the breakdown and verdict as JSON")
     args = parser.parse_args(argv)
     from .core.units import parse_bytes
-    from .estimator import EstimateError, FullTraining, estimate
+    from .estimator.core import estimate
+    from .estimator.rows import EstimateError
+    from .estimator.training import FullTraining
     from .placement.device_fixes import fit
 
     try:
@@ -196,12 +199,14 @@ def fits_main(argv: list[str] | None = None) -> int:
         epilog=f"Offline configs: {', '.join(shipped_configs())}",
     )
     parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
-    parser.add_argument("--tokens", type=int, default=768, help="tokens per sequence, prompt + answer (default 768)")
+    parser.add_argument(
+        "--tokens", type=int, default=FITS_TOKENS, help=f"tokens per sequence, prompt + answer (default {FITS_TOKENS})"
+    )
     parser.add_argument("--batch", type=int, default=DEFAULTS.batch_size)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
-    from .estimator import EstimateError
+    from .estimator.rows import EstimateError
     from .placement.fits import fits_table
 
     try:

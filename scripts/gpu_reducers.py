@@ -30,7 +30,7 @@ from gpu_stages import (
 )
 
 from helpers.core.reducers import kv_cache_available, kv_cache_kwargs
-from helpers.estimator import estimate
+from helpers.estimator.core import estimate
 from helpers.loading.loader import load
 from helpers.oom.reclaim import unload
 
@@ -70,7 +70,7 @@ def _name(cell: tuple) -> str:
 
 
 def _train_row(cell: tuple, path, base, tokenizer, run) -> tuple[dict, object]:
-    from helpers.training.finetune import TrainPlan
+    from helpers.training.plan import TrainPlan
 
     loss, offload, checkpointing = cell
     plan = TrainPlan(str(path), load="nf4", micro_batch=1, batch_size=1, gradient_checkpointing=checkpointing,

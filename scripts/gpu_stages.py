@@ -26,8 +26,9 @@ from helpers import footprint, unload
 from helpers.core.sources import read_json, shipped_config
 from helpers.core.units import format_bytes
 from helpers.environment import versions
-from helpers.estimator import estimate
-from helpers.loading.loader import LoadPlan, load
+from helpers.estimator.core import estimate
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "data" / "tiny" / "llama"
@@ -453,7 +454,7 @@ def _generate_row(model, tokenizer, est, b: int, p: int, n: int) -> dict:
 
 def stage_qlora(run) -> dict:
     """One QLoRA step's peak vs TrainPlan(...).estimate(), over micro-batch, checkpointing and optimizer."""
-    from helpers.training.finetune import TrainPlan
+    from helpers.training.plan import TrainPlan
 
     if skipped := bnb_skipped(run, "the qlora stage (7B in nf4)"):
         return skipped
@@ -496,7 +497,9 @@ def stage_qlora(run) -> dict:
 def qlora_row(plan, est, base, tokenizer, run):
     """One cell on ``base``; returns the row and the base model to use next (reloaded if it could not be
     taken back from the adapters)."""
-    from helpers.training.finetune import build_dataset, load_instructions, make_trainer, prepare_qlora
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.data import build_dataset, load_instructions
+    from helpers.training.finetune import make_trainer
 
     row = {"micro_batch": plan.micro_batch, "checkpointing": plan.gradient_checkpointing,
            "optimizer": plan.optimizer, "estimate": without_context(est), "predicted_fit": est.total <= _t4()}  # fmt: skip

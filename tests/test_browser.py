@@ -30,8 +30,8 @@ import run_notebooks
 from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
 
 from helpers.core.units import GiB, format_bytes, parse_bytes
-from helpers.estimator import estimate
-from helpers.estimator import fit_one_card as fit
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
 from helpers.panels.widgets import LoadPanel
 
 pytestmark = pytest.mark.browser

@@ -17,6 +17,7 @@ import transformers
 from peft import get_peft_model_state_dict, load_peft_weights
 
 from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora  # fmt: skip
 from helpers.training.checkpoints import (
     COMPLETE,
     RUN,
@@ -26,15 +27,9 @@ from helpers.training.checkpoints import (
     find_resume,
     problem,
 )
-from helpers.training.finetune import (
-    TrainPlan,
-    build_dataset,
-    last_checkpoint,
-    load_instructions,
-    make_trainer,
-    prepare_qlora,
-    train,
-)  # fmt: skip
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import last_checkpoint, make_trainer, train
+from helpers.training.plan import TrainPlan
 
 ROWS = load_instructions()[:24]
 
@@ -589,7 +584,7 @@ def test_a_good_checkpoint_is_proven(reference, tiny_llama):
 
 
 def test_a_checkpoint_of_another_rank_is_a_settings_error_not_set_aside(reference, tiny_llama, tmp_path):
-    from helpers.training.finetune import FinetuneError
+    from helpers.training.plan import FinetuneError
 
     out = _cut_at_3(reference, tmp_path)
     with warnings.catch_warnings():

@@ -198,7 +198,8 @@ def test_unload_drops_the_optimizer_state_a_trainer_keeps(tiny_llama):
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_unload_releases_quantized_weights_and_their_state(tiny_llama, mode):
     """bitsandbytes keeps more than .data: int8's CB (the int8 weight) and SCB, 4-bit's quant_state."""
-    from helpers.loading.loader import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     model, _, _ = load(LoadPlan(str(tiny_llama), load=mode), check=False)
     layer = model.model.layers[0].self_attn.q_proj.weight
@@ -224,7 +225,7 @@ def test_unload_rejects_non_modules():
 
 def _oom_mid_generate(model, tok, at_call: int = 3):
     """Run generate until a real allocator failure inside a decoder layer; the input ids' weak reference."""
-    from helpers.oom.hook import is_oom
+    from helpers.oom.messages import is_oom
 
     calls = {"n": 0}
 

@@ -47,7 +47,7 @@ def test_gpu_readout_mem_get_info_and_nvml_agree():
 
 
 def test_estimate_current_device_reads_the_per_process_cap():
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     with capped(_t4_fraction()) as cap:
         est = estimate("TinyLlama/TinyLlama-1.1B-Chat-v1.0", load="nf4", device="current")
@@ -63,7 +63,8 @@ def _oom_under_cap(cap: int):
 
 
 def test_explain_oom_on_a_live_cuda_oom_under_a_cap():
-    from helpers.oom.hook import explain_oom, is_oom
+    from helpers.oom.diagnosis import explain_oom
+    from helpers.oom.messages import is_oom
 
     with capped(_t4_fraction()) as cap:
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -121,7 +122,7 @@ def test_find_max_batch_size_on_real_cuda_ooms():
 
 
 def test_load_report_measures_the_cuda_allocation(tiny_llama):
-    from helpers.estimator import footprint
+    from helpers.estimator.footprint import footprint
     from helpers.loading.loader import load
 
     model, _, report = load(str(tiny_llama), load="fp16", device_map={"": 0})
@@ -131,8 +132,8 @@ def test_load_report_measures_the_cuda_allocation(tiny_llama):
 
 
 def test_precision_and_optimizer_follow_the_gpu():
-    from helpers.loading.loader import auto_compute_dtype
-    from helpers.training.finetune import TrainPlan
+    from helpers.loading.plan import auto_compute_dtype
+    from helpers.training.plan import TrainPlan
 
     major = torch.cuda.get_device_capability()[0]
     assert auto_compute_dtype() == ("bf16" if major >= 8 else "fp16")
@@ -147,7 +148,8 @@ def test_a_bitsandbytes_layer_offloaded_along_a_device_map_stays_unquantized_and
     llm_int8_enable_fp32_cpu_offload): the CPU layer is a plain Linear in the compute dtype, as the RAM
     check sized it, and generation runs through accelerate's offload hook. Read from transformers'
     and accelerate's code and tried on CPU; this is the GPU proof (issue 21)."""
-    from helpers.loading.loader import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     layout = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
               "model.layers.2": "cpu", "model.layers.3": 0, "model.norm": 0, "lm_head": 0}  # fmt: skip

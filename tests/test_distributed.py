@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import GLOO_CONNECT  # noqa: E402
 
-from helpers.estimator import resolve_config
+from helpers.estimator.configs import resolve_config
 from helpers.training import distributed
 from helpers.training.distributed import DistributedError, largest_layer_params, launch, run_ddp_qlora, training_memory
 

@@ -16,19 +16,13 @@ from helpers.core.devices import DEVICES, DeviceError, resolve_device
 from helpers.core.sources import shipped_configs
 from helpers.core.units import GiB, MiB
 from helpers.environment import fit_checks
-from helpers.estimator import (
-    EstimateError,
-    FullTraining,
-    LoraTraining,
-    estimate,
-    footprint,
-    kv_cache_bytes,
-    max_batch_that_fits,
-    max_new_tokens_that_fit,
-)
-from helpers.estimator import (
-    fit_one_card as fit,
-)
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.fitting import max_batch_that_fits, max_new_tokens_that_fit
+from helpers.estimator.footprint import footprint
+from helpers.estimator.layout import kv_cache_bytes
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import FullTraining, LoraTraining
 
 QUANT = {"int8": dict(load_in_8bit=True)}
 for _qt in ("nf4", "fp4"):
@@ -120,7 +114,7 @@ def test_gqa_kv_cache_uses_kv_heads():
 
 
 def test_kv_cache_sliding_window_and_explicit_head_dim():
-    from helpers.estimator import resolve_config
+    from helpers.estimator.configs import resolve_config
 
     gemma, _, _ = resolve_config("gemma-2-2b")
     # alternating sliding (4096) and global layers; head_dim 256 is explicit (2304 / 8 = 288 is wrong)
@@ -408,7 +402,7 @@ def test_estimate_warns_about_bf16_on_a_t4_and_a_length_past_the_context():
 
 
 def test_every_dtype_spelling_is_accepted():
-    from helpers.loading.loader import LoadPlan
+    from helpers.loading.plan import LoadPlan
 
     base = estimate("Llama-2-7b-hf", load="nf4", compute_dtype="fp16").total
     for spelling in (torch.float16, "float16", "torch.float16", "half", "FP16"):
@@ -423,7 +417,8 @@ def test_every_dtype_spelling_is_accepted():
 def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-    from helpers.loading.loader import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256, num_local_experts=4)  # fmt: skip
@@ -440,7 +435,8 @@ def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, ti
 
 @pytest.mark.bnb
 def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_config(tmp_path, tiny_llama):
-    from helpers.loading.loader import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     model, tokenizer, _ = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=False))
     model.save_pretrained(tmp_path)  # a "-bnb-4bit" repo, as Unsloth and others publish them

@@ -12,9 +12,12 @@ import torch
 
 from helpers.core.devices import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_HOPPER, CUDA_CONTEXT
 from helpers.core.units import MiB
-from helpers.estimator import EstimateError, estimate, kv_cache_bytes, resolve_config
-from helpers.estimator import fit_one_card as fit
+from helpers.estimator.configs import resolve_config
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
 from helpers.estimator.inference import SAMPLING_BYTES, dequantizes_4bit
+from helpers.estimator.layout import kv_cache_bytes
+from helpers.estimator.rows import EstimateError
 
 
 def _phases(h: int, inter: int, heads: int, kv: int, hd: int, tokens: int, b: int = 2) -> tuple[int, int]:
@@ -181,7 +184,8 @@ def test_qlora_rows_follow_what_the_upcast_model_keeps_under_fp16_autocast(tiny_
     import warnings
 
     from helpers.loading.loader import load
-    from helpers.training.finetune import TrainPlan, prepare_qlora
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.plan import TrainPlan
 
     plan = TrainPlan(str(tiny_llama), precision="fp16", seq_len=32, batch_size=2, micro_batch=2,
                      output_dir=str(tmp_path / "o"))  # fmt: skip

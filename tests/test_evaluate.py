@@ -16,18 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.evaluation.evaluate import (
-    EvalError,
-    ResultsFile,
-    ResultsWriteError,
-    ScoreError,
-    batch_cache_key,
-    contains_reference,
-    exact_match,
-    load_prompts,
-    prompt_id,
-    safe_generate,
-)
+from helpers.core.errors import EvalError, ScoreError
+from helpers.evaluation.batching import batch_cache_key
+from helpers.evaluation.evaluate import safe_generate
+from helpers.evaluation.prompts import load_prompts, prompt_id
+from helpers.evaluation.results_file import ResultsFile, ResultsWriteError
+from helpers.evaluation.scoring import contains_reference, exact_match
 from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
 
@@ -612,7 +606,7 @@ def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):
 
 def test_eval_plot_reads_whole_batches_and_marks_the_ooms(tmp_path):
     from helpers.core.units import MiB
-    from helpers.evaluation.evaluate import EvalReport
+    from helpers.evaluation.report import EvalReport
 
     report = EvalReport(tmp_path / "r.jsonl", total=47, done=22, skipped=25, oom_retries=1, batch_sizes=[6, 3, 8])
     report.timeline = [(0.1, 6, 402 * MiB), (0.3, 3, 403 * MiB), (0.5, 8, 403 * MiB)]

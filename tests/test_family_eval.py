@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from helpers.evaluation.evaluate import EvalError, safe_generate
+from helpers.core.errors import EvalError
+from helpers.evaluation.evaluate import safe_generate
 from helpers.evaluation.inputs import MediaError
 from helpers.loading.loader import load
 from helpers.oom import batch_size as bs

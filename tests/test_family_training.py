@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.estimator import estimate
+from helpers.estimator.core import estimate
 from helpers.loading.loader import load
 from helpers.training.adapters import prepare_qlora
 from helpers.training.data import IGNORE, collate
 from helpers.training.family_data import build_family_dataset, load_processor
-from helpers.training.finetune import TrainPlan, last_checkpoint, train
-from helpers.training.plan import FinetuneError
+from helpers.training.finetune import last_checkpoint, train
+from helpers.training.plan import FinetuneError, TrainPlan
 
 pytestmark = pytest.mark.bnb
 

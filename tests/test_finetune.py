@@ -11,25 +11,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
-from helpers.loading.loader import LoadPlan, load
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
 from helpers.monitoring.memory_callback import MemoryCallback
 from helpers.monitoring.monitor import MemoryMonitor
-from helpers.training.finetune import (
-    TrainPlan,
-    answer,
-    build_dataset,
-    collate,
-    find_micro_batch,
-    format_example,
-    last_checkpoint,
-    load_instructions,
-    make_trainer,
-    prepare_qlora,
-    prompt_text,
-    save_adapter,
-    target_modules,
-    train,
-)  # fmt: skip
+from helpers.training.adapters import prepare_qlora, save_adapter  # fmt: skip
+from helpers.training.data import answer, build_dataset, collate, format_example, load_instructions, prompt_text
+from helpers.training.finetune import find_micro_batch, last_checkpoint, make_trainer, train
+from helpers.training.plan import TrainPlan, target_modules
 
 ROWS = load_instructions()[:48]
 
@@ -185,7 +174,7 @@ def _cpu_repacks() -> bool:
 def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_llama, tmp_path, recwarn):
     """On AVX512-bf16 CPUs an inference forward repacks bitsandbytes' 4-bit weights for a kernel with no
     autograd; prepare_qlora undoes it, so the gradients match a model that never generated."""
-    from helpers.training.finetune import answer
+    from helpers.training.data import answer
 
     plan = _plan(tiny_llama, tmp_path)
     model, tok, _ = load(plan.load_plan())
@@ -217,7 +206,7 @@ def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_ll
 def test_preparing_a_prepared_model_again_returns_it_with_its_adapters(tiny_llama, tmp_path):
     """The prepare cell run twice: the second kbit preparation froze the adapters and get_peft_model failed
     on {'base_layer'}, leaving 0 trainable parameters. Now the model comes back as is, adapters kept."""
-    from helpers.training.finetune import FinetuneError
+    from helpers.training.plan import FinetuneError
 
     plan = _plan(tiny_llama, tmp_path)
     model, tok, _ = load(plan.load_plan())

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from helpers.evaluation.evaluate import EvalError, FingerprintError, safe_generate
+from helpers.core.errors import EvalError, FingerprintError
+from helpers.evaluation.evaluate import safe_generate
 from helpers.evaluation.fingerprint import adapter_fingerprint, describe, model_identity, weights_fingerprint
 from helpers.loading.loader import load, setup_tokenizer
 from helpers.testing import simulated_budget

@@ -6,12 +6,16 @@ import torch
 
 import helpers.loading.loader as loading
 import helpers.loading.plan as load_plan
+from helpers.core.errors import LoadRefused
 from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from helpers.core.units import GiB, MiB
-from helpers.estimator import estimate
-from helpers.loading.loader import LoadPlan, LoadRefused, check_plan, load
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_plan
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
 from helpers.placement import split as gpu_split
-from helpers.placement.fits import PlacementError, plan_devices, reference_configs
+from helpers.placement.device_plan import PlacementError, plan_devices
+from helpers.placement.fits import reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 import helpers
+from helpers.core.devices import MACHINE_RAM
 from helpers.core.units import GiB, MiB
-from helpers.loading.host_ram import MACHINE_RAM, PROCESS_RUNTIME_RAM, RankRamError, rank_ram
+from helpers.loading.host_ram import PROCESS_RUNTIME_RAM, RankRamError, rank_ram
 from helpers.training.distributed import DistributedError
 
 

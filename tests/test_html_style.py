@@ -81,7 +81,7 @@ def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
 
 
 def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     html = estimate(str(tiny_llama), load="fp16", max_new_tokens=64)._repr_html_()
     figures = re.findall(r"<td class='oomkit-num'[^>]*>([^<]*)</td>", html)
@@ -92,7 +92,7 @@ def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
 def test_each_estimate_row_shows_its_share_of_the_card_as_a_mini_bar():
     """Where the memory goes at a glance: a bar per row, its percent of the card beside it (of the total without one)."""
     from helpers.core.html import mini_bar
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     est = estimate("Llama-2-7b-hf", load="nf4", device="t4", max_new_tokens=512)
     html = est._repr_html_()

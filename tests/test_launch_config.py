@@ -18,8 +18,8 @@ from accelerate.utils.deepspeed import HfDeepSpeedConfig
 from conftest import retry_gloo_connect  # noqa: E402
 
 from helpers.training.distributed import DistributedError, RankReport
-from helpers.training.finetune import TrainPlan
 from helpers.training.launch_config import launch_plan, launch_qlora, write_launch_config
+from helpers.training.plan import TrainPlan
 
 MODEL = "meta-llama/Llama-2-7b-hf"
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from helpers.core.units import GiB, MiB
-from helpers.oom.hook import explain_oom, install, is_oom, uninstall
+from helpers.oom.diagnosis import explain_oom
+from helpers.oom.hook import install, uninstall
+from helpers.oom.messages import is_oom
 
 CUDA_NOW = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
@@ -291,7 +293,7 @@ def test_a_process_cap_is_named_as_the_cause_when_the_card_had_room():
 def test_the_estimators_fixes_follow_a_steady_state_diagnosis():
     """Given the estimate of what ran, its fit() suggestions for the memory this process had come after
     the general fixes (before, the lookup of a FIX_LADDER that never existed always gave nothing)."""
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     est = estimate("Qwen/Qwen2.5-7B", load="fp16", device="t4")
     plain, guided = explain_oom(CUDA_NOW), explain_oom(CUDA_NOW, memory_estimate=est)

@@ -13,8 +13,9 @@ from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from helpers.core.units import GiB, MiB
 from helpers.core.vocab import DOES_NOT_FIT, FITS, TIGHT
 from helpers.environment import preflight
-from helpers.estimator import estimate
-from helpers.loading.loader import LoadPlan, check_plan
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_plan
+from helpers.loading.plan import LoadPlan
 from helpers.placement.decision import (
     ALONE,
     OFFLOAD,
@@ -26,7 +27,8 @@ from helpers.placement.decision import (
     spill_fix,
     spill_why,
 )
-from helpers.placement.fits import PREQUANTIZED_OFFLOAD_FIX, reference_configs
+from helpers.placement.device_plan import PREQUANTIZED_OFFLOAD_FIX
+from helpers.placement.fits import reference_configs
 
 T4 = {**DEVICES["t4"], "name": "Tesla T4"}
 RAM = 20 * GiB

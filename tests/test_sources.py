@@ -23,8 +23,8 @@ from helpers.core.sources import (
     weight_files,
 )
 from helpers.core.units import GiB, MiB
-from helpers.estimator import estimate
-from helpers.loading.loader import check_ram_for_loading
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_ram_for_loading
 
 GB = 10**9  # hub sizes are in decimal units
 REPO = Path(__file__).resolve().parents[1]

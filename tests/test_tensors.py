@@ -30,7 +30,7 @@ def test_freeing_a_50k_node_graph_after_a_census_does_not_crash():
     stops at MAX_GRAPH_NODES, and the census says so. In a subprocess, so a crash fails the test."""
     code = textwrap.dedent("""
         import torch
-        from helpers.leaks import census
+        from helpers.leaks.census import census
         x = torch.ones(4, requires_grad=True)
         y = x
         for _ in range(50_000):

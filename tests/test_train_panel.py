@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.estimator import fit_one_card as fit
+from helpers.estimator.fitting import fit_one_card as fit
 from helpers.panels.train_panel import TrainPanel, divisors
-from helpers.training.finetune import FinetuneError, TrainPlan, find_micro_batch
+from helpers.training.finetune import find_micro_batch
+from helpers.training.plan import FinetuneError, TrainPlan
 
 SEVEN_B = "codellama/CodeLlama-7b-hf"  # shipped config: offline, arithmetic only
 

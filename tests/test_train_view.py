@@ -4,7 +4,10 @@ ends with one summary line (peak reserved, share of the card, wall time)."""
 from __future__ import annotations
 
 from helpers.loading.loader import load
-from helpers.training.finetune import TrainPlan, build_dataset, load_instructions, prepare_qlora, train
+from helpers.training.adapters import prepare_qlora
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import train
+from helpers.training.plan import TrainPlan
 from helpers.training.view import TrainProgress, TrainView, format_seconds
 
 ROWS = load_instructions()[:24]

@@ -9,7 +9,7 @@ import pytest
 
 import helpers.panels.widgets as widgets_mod
 from helpers.core.devices import DEVICES
-from helpers.loading.loader import LoadError
+from helpers.core.errors import LoadError
 from helpers.panels.widgets import LoadPanel, widgets_available
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def test_load_button_loads_the_current_plan(panel):
 
 @pytest.mark.bnb
 def test_sliders_after_load_reuse_the_model_and_a_new_mode_frees_the_old_one(panel):
-    from helpers.estimator import footprint
+    from helpers.estimator.footprint import footprint
 
     first, _, _ = panel.load()
     panel.set(max_new_tokens=128, batch_size=2)  # a generation budget: no reload
@@ -255,7 +255,7 @@ def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
 
 
 def test_cpu_device_and_a_missing_model_path(tiny_llama):
-    from helpers.estimator import EstimateError
+    from helpers.estimator.rows import EstimateError
 
     panel = LoadPanel(str(tiny_llama), device="cpu", load="fp32", widgets=False)  # was: TypeError on None
     assert panel.state.device == "CPU RAM" and panel.state.verdict == "fits"
@@ -495,7 +495,7 @@ def test_a_panel_given_a_config_object_says_how_to_pass_it():
 
 
 def test_kv_cache_dropdown_changes_the_estimate_and_the_plan():
-    from helpers.loading.loader import LoadPlan
+    from helpers.loading.plan import LoadPlan
 
     kw = dict(load="nf4", batch_size=8, max_new_tokens=4096, prompt_tokens=4096)
     panel = LoadPanel(BIG, device="t4", widgets=True, **kw)

@@ -13,14 +13,21 @@ import torch
 
 from .errors import OomkitError
 from .units import MAX_BYTES, GiB, KiB, MiB, format_bytes, parse_bytes
-from .vocab import supports_bf16
+from .vocab import FP16, FP32, half_dtype, supports_bf16
 
 __all__ = [
+    "MACHINE_RAM",
     "DEVICES", "DEFAULT_DEVICE", "CUDA_CONTEXT", "CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_HOPPER",
     "CUBLAS_WORKSPACE_HOPPER_MAJORS", "DeviceError", "resolve_device",
     "cuda_capability", "device_kind", "bitsandbytes_status", "compute_dtype_rule", "DEVICE_SETS", "resolve_devices",
     "capacity_range", "device_set",
 ]  # fmt: skip
+
+# RAM of the machines people launch on first, as their own readouts state it.
+MACHINE_RAM = {
+    "colab": int(12.7 * GiB),  # Colab's free runtime: "System RAM 12.7 GB"
+    "kaggle-2xt4": 29 * 10**9,  # Kaggle's "GPU T4 x2" sessions: about 29 GB
+}
 
 DEVICES: dict[str, dict[str, Any]] = {
     # The T4's total depends on driver and VM: 14.74 GiB (the preset, byte-exact from a Colab T4) in
@@ -99,11 +106,11 @@ def compute_dtype_rule(device: dict | str | None) -> str:
     it, fp16 on older GPUs and MPS, fp32 on CPU (CPU kernels for half precision are slow or missing)."""
     if isinstance(device, str):
         if device == "cuda":
-            return "bf16" if supports_bf16(torch.cuda.get_device_capability()) else "fp16"
-        return "fp16" if device == "mps" else "fp32"
+            return half_dtype(supports_bf16(torch.cuda.get_device_capability()))
+        return FP16 if device == "mps" else FP32
     if device is None:
-        return "fp32"
-    return "bf16" if device.get("bf16") else "fp16"
+        return FP32
+    return half_dtype(bool(device.get("bf16")))
 
 
 def _current() -> tuple[str, dict | None]:
@@ -130,7 +137,7 @@ def _size(device: int | float) -> tuple[str, dict]:
         # 15 or 15.0 is a size in GiB written without its unit, not a 15-byte GPU
         raise DeviceError(
             f"device capacity is in bytes, and {device} bytes is less than 1 MiB; for "
-            f"{device:g} GiB pass {device:g} * GiB (helpers.core.units.GiB) or the string '{device:g}GiB'"
+            f"{device:g} GiB pass {device:g} * GiB (helpers.GiB) or the string '{device:g}GiB'"
         )
     label = format_bytes(int(device))
     return label, {"name": label, "capacity": int(device), "bf16": True}

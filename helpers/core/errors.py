@@ -56,7 +56,7 @@ class FingerprintError(EvalError):
 class ScoreError(OomkitError, RuntimeError):
     """``safe_generate``'s ``score=`` function raised: raised after the run, whose outputs are all saved.
 
-    ``report`` is the run's :class:`helpers.evaluation.evaluate.EvalReport` (each failed record has ``score_error``).
+    ``report`` is the run's :class:`helpers.EvalReport` (each failed record has ``score_error``).
     """
 
     def __init__(self, message: str, report=None):

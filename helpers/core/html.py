@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from html import escape
 
 from .units import format_bytes
+from .vocab import DOES_NOT_FIT, FITS, TIGHT, verdict
 
 # fills: bar segments and badge backgrounds (white text on them: each >= 4.5:1 against white)
 COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a00",
@@ -22,6 +23,7 @@ COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a
 # a chart's line: >= 3:1 (WCAG's ratio for graphics) on white and on JupyterLab's dark backgrounds alike
 LINE_COLOR = "#4285f4"
 LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
+_VERDICT_FILL = {FITS: "ok", TIGHT: "warn", DOES_NOT_FIT: "fail"}
 # text: (on a light background, on a dark one)
 TEXT_COLORS = {
     "ok": ("#137333", "#81c995"), "pass": ("#137333", "#81c995"), "warn": ("#8a5a00", "#fdd663"),
@@ -70,11 +72,10 @@ def is_number(text: str) -> bool:
     return all(word in _UNITS for word in _WORDS.findall(t))
 
 
-def level_color(fraction: float) -> str:
-    """Green below 85 % used, amber to 95 %, red above: the headroom rules of thumb users know (a fill)."""
-    if fraction < 0.85:
-        return LEVEL_FILLS["ok"]
-    return LEVEL_FILLS["warn"] if fraction < 0.95 else LEVEL_FILLS["fail"]
+def level_color(used: float, total: float = 1.0) -> str:
+    """The fill of the verdict on ``used`` of ``total`` (:func:`helpers.core.vocab.verdict`: green fits, amber
+    tight, red does not fit), so a bar never disagrees with the verdict printed beside it."""
+    return LEVEL_FILLS[_VERDICT_FILL[verdict(used, total)]]
 
 
 def color_attrs(status: str) -> str:
@@ -92,8 +93,9 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
     """A Colab-style bar: ``label  [#####.....]  used / total``."""
     if used is None or not total:
         return f"<div style='font-family:monospace'>{escape(label)}: n/a</div>"
-    frac = max(0.0, min(1.0, used / total))
-    color = color or level_color(frac)
+    share = used / total  # shown as it is (over 100 % when it does not fit); the fill stops at the end
+    frac = max(0.0, min(1.0, share))
+    color = color or level_color(used, total)
     return (
         # wrap: in a narrow column (760 px) the figures go under the bar instead of past the right edge
         "<div class='oomkit-bar' style='display:flex;flex-wrap:wrap;align-items:center;gap:8px;"
@@ -103,7 +105,7 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
         "border-radius:3px'>"
         f"<span style='display:block;width:{frac * 100:.1f}%;height:100%;background:{color};border-radius:3px'></span>"
         "</span>"
-        f"<span style='white-space:nowrap'>{format_bytes(used)} / {format_bytes(total)} ({frac * 100:.0f}%)</span></div>"
+        f"<span style='white-space:nowrap'>{format_bytes(used)} / {format_bytes(total)} ({share * 100:.0f}%)</span></div>"
     )
 
 

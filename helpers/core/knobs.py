@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .vocab import lighter_load
+
 __all__ = ["Knob", "KNOBS", "register_knob", "register_control", "knob_fixes", "smaller"]
 
 # the kinds whose smaller value needs less memory, and how the fix words each one
@@ -21,7 +23,6 @@ _HELPS = {
     "max_new_tokens": "a shorter KV cache",
     "seq_len": "shorter sequences",
 }
-_LOAD_ORDER = ("fp32", "bf16", "fp16", "int8", "nf4")  # each needs less memory than the one before
 
 
 @dataclass
@@ -61,8 +62,7 @@ def register_control(kind: str, description: str) -> Knob:
 def smaller(kind: str, value: object) -> object | None:
     """The value to try next for ``kind``: half a count (at least 1), the next lighter load mode; None if none."""
     if kind == "load":
-        mode = str(value).lower()
-        return _LOAD_ORDER[_LOAD_ORDER.index(mode) + 1] if mode in _LOAD_ORDER[:-1] else None
+        return lighter_load(str(value))
     if isinstance(value, bool) or not isinstance(value, int) or value <= 1:
         return None
     return max(1, value // 2)

@@ -57,7 +57,7 @@ def parse_bytes(text: str) -> int:
     if isinstance(text, numbers.Real) and not isinstance(text, bool):
         raise TypeError(
             f"parse_bytes() reads text such as '1.5 GiB'; {text!r} is already a number "
-            "(bytes need no parsing; for GiB multiply by helpers.core.units.GiB)"
+            "(bytes need no parsing; for GiB multiply by helpers.GiB)"
         )
     if not isinstance(text, str):
         raise TypeError(f"parse_bytes() reads text such as '1.5 GiB', got {type(text).__name__}")

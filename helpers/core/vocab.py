@@ -12,8 +12,8 @@ from typing import Any
 from .errors import OomkitError
 
 __all__ = [
-    "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "PREQUANTIZED", "QUANTIZED", "SMALLER_LOAD", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
-    "RequestSizes", "DEFAULTS",
+    "LoadMode", "MODES", "LoadModeError", "load_mode", "load_mode_name", "LOAD_MODES", "PREQUANTIZED", "QUANTIZED", "lighter_load", "lighter_loads", "FP32", "FP16", "BF16", "half_dtype", "FOUR_BIT", "HALF", "DTYPE_BYTES", "DtypeError", "dtype_name", "torch_dtype",
+    "RequestSizes", "DEFAULTS", "FITS_TOKENS",
     "FITS", "TIGHT", "DOES_NOT_FIT", "VERDICTS", "VERDICT_STATUS", "TIGHT_FRACTION", "verdict",
     "STATUSES", "STATUS_ORDER", "BF16_CAPABILITY", "supports_bf16", "auto_load_order",
     "LOSSES", "KV_CACHES", "KV_CACHE_BITS", "ReducerError", "loss_name", "kv_cache_name",
@@ -51,6 +51,17 @@ class LoadMode:
         return None if self.quantized else self.name
 
 
+# The dtype words, spelled once: code compares with these, never with a literal.
+FP32, FP16, BF16 = "fp32", "fp16", "bf16"
+
+
+def half_dtype(bf16: bool) -> str:
+    """The 16-bit dtype a card computes in: bf16 where it has bf16 (Ampere and newer), else fp16. The one
+    rule behind "auto" precision, compute dtype and mixed precision (``devices.compute_dtype_rule`` applies
+    it to a device)."""
+    return BF16 if bf16 else FP16
+
+
 # Widest first: the order users read them in (dropdowns, CLI help, error messages).
 MODES: dict[str, LoadMode] = {
     m.name: m
@@ -68,7 +79,26 @@ LOAD_MODES = tuple(MODES)
 # saved, with the kernels of their own backend, so they are a plan's load mode only for such a repo.
 PREQUANTIZED = ("gptq", "awq")
 QUANTIZED = tuple(n for n, m in MODES.items() if m.quantized)  # bitsandbytes: LLM.int8 and the two 4-bit data types
-SMALLER_LOAD = {n: m.smaller for n, m in MODES.items() if m.smaller}
+
+
+def lighter_load(load: str, bf16: bool = False) -> str | None:
+    """The next lighter load mode after ``load`` (about half its weight bytes), the one answer to "what
+    load mode next" for fixes, OOM advice and the fits table: fp32 -> fp16 (bf16 on a card with bf16) ->
+    int8 -> nf4. None after nf4/fp4, or for a mode oomkit does not load itself."""
+    mode = MODES.get(str(load).lower())
+    if mode is None or mode.smaller is None:
+        return None
+    return half_dtype(True) if bf16 and mode.smaller in HALF and mode.bits > 16 else mode.smaller
+
+
+def lighter_loads(load: str, bf16: bool = False) -> list[str]:
+    """Every lighter load mode after ``load``, nearest first (:func:`lighter_load` repeated)."""
+    out: list[str] = []
+    while (load := lighter_load(load, bf16)) is not None:
+        out.append(load)
+    return out
+
+
 FOUR_BIT = tuple(n for n, m in MODES.items() if m.four_bit)
 HALF = tuple(n for n, m in MODES.items() if m.dtype and m.bits == 16)
 
@@ -135,7 +165,7 @@ def auto_load_order(bf16: bool) -> tuple[str, ...]:
     """What load="auto" tries, in order, the first that fits winning: the 16-bit the GPU computes in,
     else nf4. int8 is not an automatic choice: LLM.int8's mixed decomposition generates several times
     slower than nf4, and QLoRA trains on 4-bit, so every notebook and preflight recommend the same."""
-    return ("bf16" if bf16 else "fp16", "nf4")
+    return (half_dtype(bf16), "nf4")
 
 
 # The sizes a plan, an estimate and a panel start from when the user sets none (a chat-sized request:
@@ -153,6 +183,8 @@ class RequestSizes:
 
 
 DEFAULTS = RequestSizes()
+# the fits table's sequence: a default request's prompt and answer together
+FITS_TOKENS = DEFAULTS.prompt_tokens + DEFAULTS.max_new_tokens
 
 
 # Fit verdicts: an estimate against a device's capacity.

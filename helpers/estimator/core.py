@@ -20,6 +20,7 @@ from ..core.devices import (
 from ..core.html import Markup, bar, mini_bar, table
 from ..core.units import format_bytes
 from ..core.vocab import (
+    BF16,
     DEFAULTS,
     DTYPE_BYTES,
     TIGHT_FRACTION,
@@ -301,7 +302,7 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
     """What the numbers alone do not say: an approximate count, bf16 on a card without it, a length
     past the model's context."""
     out = [f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else []
-    if dev is not None and not dev.get("bf16") and "bf16" in (load, cdtype):
+    if dev is not None and not dev.get("bf16") and BF16 in (load, cdtype):
         out.append(f"{dev.get('name', 'this GPU')} has no bf16 (compute capability < 8.0): use fp16 there")
     context = _context(config)
     tokens = inputs["prompt_tokens"] + inputs["max_new_tokens"] if inputs["training"] is None else None

@@ -1,6 +1,6 @@
 """The activations of a LoRA training step for the families beyond decoder-only LMs.
 
-What trains follows :func:`helpers.estimator.families.frozen_modules`, as ``helpers.training.adapters.prepare_qlora``
+What trains follows :func:`helpers.estimator.families.frozen_modules`, as ``helpers.prepare_qlora``
 sets it up:
 
 - **T5** (text encoder-decoder): adapters in every layer of both stacks, so each encoder layer keeps its

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.vocab import MODES, QUANTIZED
+from ..core.vocab import FP32, MODES, QUANTIZED
 from .families import SPEECH_SEQ2SEQ, auto_class, family, frozen_modules
 from .rows import EstimateError, EstimateRow
 
@@ -300,7 +300,7 @@ def weight_rows(
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = _not_convert(lay, skip_modules)
     q_bytes = state_bytes = plain = buffers = experts = kept = n_q = 0
-    half = 4 if load == "fp32" else dtype_bytes
+    half = 4 if load == FP32 else dtype_bytes
     for e in lay.entries:
         if e.module == "buffer":
             buffers += e.numel * (e.fixed_bytes or half)

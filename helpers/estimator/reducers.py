@@ -22,7 +22,7 @@ Each formula names its source. The reducers themselves run in :mod:`helpers.core
 
 from __future__ import annotations
 
-from ..core.devices import PCIE_BYTES_PER_S  # host <-> GPU copies, as a T4 in Colab sees them
+from ..core.devices import MACHINE_RAM, PCIE_BYTES_PER_S  # host <-> GPU copies, as a T4 in Colab sees them
 from ..core.reducers import KV_GROUP, KV_RESIDUAL_TOKENS, loss_chunk_tokens
 from ..core.units import format_bytes
 from ..core.vocab import KV_CACHE_BITS
@@ -30,7 +30,7 @@ from .rows import HOST, EstimateRow
 
 __all__ = ["HOST_RAM", "loss_bytes", "offload_rows", "kv_cache_rows", "host_cost"]
 
-HOST_RAM = int(12.7e9)  # a free Colab runtime's RAM: what an offload must fit in, with the process itself
+HOST_RAM = MACHINE_RAM["colab"]  # what an offload must fit in, with the process itself: a free Colab runtime's
 
 
 def _seconds(nbytes: float) -> str:
@@ -116,7 +116,9 @@ def host_cost(rows: list[EstimateRow]) -> str:
         return ""
     total = sum(r.bytes for r in host)
     share = (
-        f" (Colab has {HOST_RAM / 1e9:.1f} GB)" if total < HOST_RAM else f", more than Colab's {HOST_RAM / 1e9:.1f} GB"
+        f" (Colab has {format_bytes(HOST_RAM)})"
+        if total < HOST_RAM
+        else f", more than Colab's {format_bytes(HOST_RAM)} GB"
     )
     speed = "; ".join(r.note.split("~", 1)[1] for r in host if "~" in r.note)
     return f"+{format_bytes(total)} host RAM{share}" + (f", ~{speed}" if speed else "")

@@ -117,7 +117,8 @@ def start_size(
     if cached is not None and cached.max_ok > 0:
         return max(1, min(cached.max_ok, limit)), "find_max_batch_size cache"
     if model_device(model).type == "cuda":
-        from ..estimator import EstimateError, max_batch_that_fits
+        from ..estimator.fitting import max_batch_that_fits
+        from ..estimator.rows import EstimateError
 
         try:
             predicted = max_batch_that_fits(

@@ -53,29 +53,15 @@ from ..loading.generation import (
 from ..oom.batch_size import remembered_batch
 from ..oom.retry import Attempt, Watch, attempt
 from .batching import TokenBudget, batch_cache_key, remember, start_size
-from .fingerprint import FingerprintError, describe, identity_changes, model_identity
+from .fingerprint import describe, identity_changes, model_identity
 from .inputs import batch_media, prompt_inputs
-from .prompts import load_prompts, prompt_id
 from .report import EvalReport
 from .results_file import ResultsFile, ResultsWriteError
-from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
+from .scoring import resolve_scorer, score_fields
 
 __all__ = [
-    "EvalError",
-    "FingerprintError",
-    "ResultsWriteError",
-    "ScoreError",
-    "EvalReport",
     "safe_generate",
-    "load_prompts",
-    "prompt_id",
-    "ResultsFile",
-    "batch_cache_key",
-    "model_identity",
     "prompt_hash",
-    "exact_match",
-    "contains_reference",
-    "SCORERS",
 ]
 
 
@@ -135,7 +121,7 @@ def safe_generate(
     """Generate for every prompt without losing a result to an OOM or a crash.
 
     Args:
-        model, tokenizer: a loaded model and its tokenizer (``helpers.loading.loader.load`` sets up padding); for
+        model, tokenizer: a loaded model and its tokenizer (``helpers.load`` sets up padding); for
             Whisper or a VLM, its processor (``helpers.load_processor``).
         prompts: a list of strings, a list of dicts with ``prompt`` (optional ``id``, ``reference``),
             a JSONL path, or a ``datasets.Dataset``; for Whisper dicts with ``audio`` (or ``input_features``),
@@ -298,11 +284,11 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
         raise EvalError(
             f"safe_generate(model, tokenizer, prompts) needs a causal LM and its tokenizer, got "
             f"{type(model).__name__} and {type(tokenizer).__name__}: pass them in that order, as "
-            "helpers.loading.loader.load returns them (model, tokenizer, report)"
+            "helpers.load returns them (model, tokenizer, report)"
         )
     if tokenizer.pad_token_id is None:
         raise EvalError(
-            "the tokenizer has no pad token: load with helpers.loading.loader.load, or call "
+            "the tokenizer has no pad token: load with helpers.load, or call "
             "helpers.loading.loader.setup_tokenizer(tokenizer, model) first"
         )
     return gen_kwargs

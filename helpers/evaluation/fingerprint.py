@@ -22,7 +22,6 @@ from ..core.errors import FingerprintError
 
 __all__ = [
     "SAMPLE",
-    "FingerprintError",
     "weights_fingerprint",
     "adapter_fingerprint",
     "loaded_mode",

@@ -1,11 +1,11 @@
-"""What :func:`helpers.evaluation.evaluate.safe_generate` feeds a model: token ids per prompt, and for Whisper and a VLM
+"""What :func:`helpers.safe_generate` feeds a model: token ids per prompt, and for Whisper and a VLM
 the audio or image each prompt comes with, turned into tensors once, before any generation.
 
 A media prompt is a dict with ``audio`` (one channel of samples at the feature extractor's rate, or
 ready ``input_features``) or ``image`` (a PIL image or an array) beside an optional ``prompt`` (the VLM's
 instruction), ``id`` and ``reference``. Its recorded prompt text starts with a hash of the processed
 media (``[audio 3f2a...]``), so a resume never reuses a result made from another clip or picture under
-the same id: the check :func:`helpers.evaluation.evaluate.safe_generate` already runs on prompt texts.
+the same id: the check :func:`helpers.safe_generate` already runs on prompt texts.
 """
 
 from __future__ import annotations

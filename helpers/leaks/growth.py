@@ -300,7 +300,7 @@ def watch(
             if hasattr(e, "add_note"):  # Python 3.11+
                 first = str(e.watch_report).splitlines()[0]
                 e.add_note(
-                    f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
+                    f"helpers.watch: step {i} of {steps} raised this; the {i} steps measured "
                     f"before it are in the exception's .watch_report ({first})"
                 )
             raise

@@ -1,6 +1,6 @@
-"""The checks :func:`helpers.loading.loader.load` runs before touching any weights: the model and adapter exist,
+"""The checks :func:`helpers.load` runs before touching any weights: the model and adapter exist,
 bitsandbytes can run, the model has a place (on one GPU, split, or offloaded, as
-:func:`helpers.placement.decision.decide_placement` decides), RAM can hold the largest weight file;
+:func:`helpers.decide_placement` decides), RAM can hold the largest weight file;
 :func:`check_plan` runs them all and returns a :class:`PlanCheck`, or raises :class:`LoadError` with the
 reason and the fix.
 """
@@ -30,7 +30,7 @@ from ..core.sources import (
 from ..core.units import format_bytes
 from ..core.vocab import MODES, QUANTIZED
 from ..placement.decision import PlacementDecision, decide_placement
-from ..placement.fits import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized
+from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized
 from .plan import LoadPlan
 
 __all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "ram_for_loading",

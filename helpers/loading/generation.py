@@ -23,6 +23,7 @@ import torch
 from ..core import phases
 from ..core.arguments import number, whole_number
 from ..core.errors import ContextLengthError
+from ..core.vocab import DEFAULTS
 
 __all__ = [
     "check_generate_kwargs",
@@ -325,8 +326,8 @@ def generate_batched(
     tokenizer,
     prompts: Sequence[str],
     *,
-    max_new_tokens: int = 32,
-    batch_size: int = 4,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
+    batch_size: int = DEFAULTS.batch_size,
     progress: bool = True,
     add_special_tokens: bool = True,
     desc: str = "generating",

@@ -22,20 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.checks import Check
+from ..core.devices import MACHINE_RAM
 from ..core.errors import OomkitError
 from ..core.html import escape, table
 from ..core.memory import ram_readout
 from ..core.sources import checkpoint_size, memory_mapped
-from ..core.units import GiB, MiB, format_bytes
+from ..core.units import MiB, format_bytes
 from .checks import PICKLE_LOAD_FACTOR
 
-__all__ = ["MACHINE_RAM", "PROCESS_RUNTIME_RAM", "RankRam", "RankRamError", "rank_ram"]
+__all__ = ["PROCESS_RUNTIME_RAM", "RankRam", "RankRamError", "rank_ram"]
 
-# RAM of the machines people launch on first, as their own readouts state it.
-MACHINE_RAM = {
-    "colab": int(12.7 * GiB),  # Colab's free runtime: "System RAM 12.7 GB"
-    "kaggle-2xt4": 29 * 10**9,  # Kaggle's "GPU T4 x2" sessions: about 29 GB
-}
 # RSS of a process that imported torch, transformers, peft and accelerate, measured on CPU (torch 2.13).
 PROCESS_RUNTIME_RAM = 376 * MiB
 # Leave this share of the machine's RAM to the OS, the notebook kernel and the launcher itself.

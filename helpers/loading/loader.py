@@ -23,7 +23,7 @@ from ..core.attention import keep_attention_fused
 from ..core.devices import (
     device_kind,
 )
-from ..core.errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
+from ..core.errors import LoadError, LoadRefused  # defined there so gpu_split can refuse
 from ..core.memory import MemorySnapshot, allocated
 from ..core.phases import phase
 from ..core.reducers import use_kv_cache
@@ -32,15 +32,13 @@ from ..core.sources import (
     read_json,
     shipped_config,
 )
-from ..estimator import (
-    EstimateError,
-    auto_class,
-    footprint,
-    quantization_skip_modules,
-    resolve_config,
-)
-from ..placement.decision import max_memory_for, spill_fix
-from ..placement.fits import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
+from ..estimator.configs import resolve_config
+from ..estimator.families import auto_class
+from ..estimator.footprint import footprint
+from ..estimator.layout import quantization_skip_modules
+from ..estimator.rows import EstimateError
+from ..placement.decision import spill_fix
+from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
 from ..placement.split import map_strategy
 from .checks import (
     PlanCheck,
@@ -50,20 +48,16 @@ from .checks import (
     check_plan,
     check_prequantized_backend,
     check_prequantized_map,
-    check_ram_for_loading,
     find_token,
-    ram_for_loading,
 )
-from .generation import generate_batched  # the one batched generation; re-exported for the notebook API's readers
-from .plan import ATTENTION_IMPLEMENTATIONS, LoadPlan, auto_compute_dtype, check_fields
+from .plan import LoadPlan, check_fields
 from .report import LoadReport, offload_warnings, placement
 
 # the plan (load_plan), the checks (load_checks) and the report (load_report) are re-exported: one import loads
 __all__ = [
-    "LoadPlan", "LoadReport", "LoadError", "ModelNotFoundError", "LoadRefused",
-    "load", "check_plan", "setup_tokenizer", "generate_batched", "placement", "keep_4bit_layout",
-    "PlanCheck", "auto_compute_dtype", "max_memory_for", "ram_for_loading", "check_ram_for_loading",
-    "check_model_source", "check_adapter", "check_bitsandbytes", "ATTENTION_IMPLEMENTATIONS",
+    "load",
+    "setup_tokenizer",
+    "keep_4bit_layout",
 ]  # fmt: skip
 
 

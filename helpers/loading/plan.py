@@ -31,10 +31,8 @@ from ..core.vocab import (
     load_mode_name,
     torch_dtype,
 )
-from ..estimator import (
-    EstimateError,
-)
-from ..estimator import estimate as estimate_memory
+from ..estimator.core import estimate as estimate_memory
+from ..estimator.rows import EstimateError
 from ..placement.split import (
     check_strategy,
 )
@@ -231,7 +229,7 @@ class LoadPlan:
         return kwargs
 
     def estimate(self, device: Any = "current", model: Any = None):
-        """The :func:`helpers.estimator.estimate` of this plan (weights, KV cache, activations, overheads).
+        """The :func:`helpers.estimate` of this plan (weights, KV cache, activations, overheads).
 
         Args:
             device: ``"current"`` (this machine: the GPU, or the CPU), a preset such as ``"t4"``, or bytes.

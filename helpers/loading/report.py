@@ -15,10 +15,8 @@ from ..core.devices import (
 )
 from ..core.html import colored, table
 from ..core.units import format_bytes, percent
-from ..estimator import (
-    footprint_by_device,
-)
-from ..placement.fits import DevicePlan
+from ..estimator.footprint import footprint_by_device
+from ..placement.device_plan import DevicePlan
 from .plan import LoadPlan
 
 __all__ = ["LoadReport", "placement", "offload_warnings"]

@@ -51,7 +51,7 @@ class _MemoryCallback:
         min_growth: int = 1 * MiB,
         measure=None,
     ) -> None:
-        from ..leaks import GrowthDetector
+        from ..leaks.growth import GrowthDetector
 
         if monitor is not None and not isinstance(monitor, MemoryMonitor):
             raise ArgumentError(f"monitor must be a MemoryMonitor (or None), got {monitor!r:.60}")

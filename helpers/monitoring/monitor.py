@@ -37,9 +37,12 @@ from ..core import phases as phase_hub
 from ..core.arguments import ArgumentError, flag, whole_number
 from ..core.memory import nvml_handle
 from ..core.units import format_bytes
+from ..core.vocab import TIGHT_FRACTION
 from .monitor_chart import TextTimeline, annotate_peak, grouped_marks, shade_phases
 
 __all__ = ["MemoryWarning", "GpuSample", "Sample", "Mark", "Phase", "ThresholdCrossing", "MemoryMonitor"]
+# a crossing warns once; it re-arms when memory falls this far under the threshold again (no flapping)
+REARM_SHARE = 0.95
 
 MIN_INTERVAL = 0.01  # seconds; faster sampling measurably slows the run it watches (bench/monitor_overhead.py)
 PEAK_KEYS = ("allocated", "reserved", "device_used", "ram_used", "process_rss")
@@ -165,7 +168,7 @@ class MemoryMonitor:
         self,
         interval: float = 0.5,
         *,
-        threshold: float = 0.9,
+        threshold: float = TIGHT_FRACTION,
         capacity: int | None = None,
         device: int | None = None,
         top: int = 5,
@@ -195,7 +198,7 @@ class MemoryMonitor:
             isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0
         ):
             raise ValueError(
-                f"capacity is a positive number of bytes (e.g. 15 * helpers.core.units.GiB) or None for "
+                f"capacity is a positive number of bytes (e.g. 15 * helpers.GiB) or None for "
                 f"the GPU's total memory, got {capacity!r}"
             )
         _check_settings(device, top, warn, max_samples)
@@ -322,7 +325,7 @@ class MemoryMonitor:
         limit = self.threshold * capacity
         if used >= limit and not self._above.get(device):
             self._above[device] = True
-            from ..oom.hook import largest_tensors
+            from ..leaks.tensors import largest_tensors
 
             try:
                 top = largest_tensors(self.top)
@@ -332,7 +335,7 @@ class MemoryMonitor:
             self.crossings.append(crossing)
             if self.warn:
                 warnings.warn(str(crossing), MemoryWarning, stacklevel=4)
-        elif used < 0.95 * limit:
+        elif used < REARM_SHARE * limit:
             self._above[device] = False
 
     def _run(self) -> None:

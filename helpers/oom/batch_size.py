@@ -30,6 +30,7 @@ import torch
 
 from ..core.arguments import MAX_COUNT, flag
 from ..core.errors import OomkitError
+from ..core.vocab import TIGHT_FRACTION
 from .retry import attempt
 
 __all__ = [
@@ -92,7 +93,7 @@ class BatchSearch:
     trials: list[Trial] = field(default_factory=list)
     first_failed: int | None = None
     limit: int | None = None
-    margin: float = 0.9
+    margin: float = TIGHT_FRACTION
     key: Hashable | None = None
     cached: bool = False
     seconds: float = 0.0
@@ -198,7 +199,7 @@ def find_max_batch_size(
     *,
     start: int = 1,
     limit: int | None = None,
-    margin: float = 0.9,
+    margin: float = TIGHT_FRACTION,
     key: Hashable | None = None,
     growth: int = 4,
     tolerance: float = 1.0,

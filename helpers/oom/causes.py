@@ -61,7 +61,7 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
         "the model, activations and optimizer state together do not fit the card",
         (
             "Load the model in 4-bit or 8-bit (BitsAndBytesConfig), or a smaller model",
-            "Use a smaller batch (helpers.oom.batch_size.find_max_batch_size), shorter sequences or max_new_tokens",
+            "Use a smaller batch (helpers.find_max_batch_size), shorter sequences or max_new_tokens",
             "Enable gradient checkpointing (model.gradient_checkpointing_enable())",
             "Use an 8-bit or paged optimizer (optim='paged_adamw_8bit') or LoRA instead of full fine-tuning",
         ),

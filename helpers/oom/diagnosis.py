@@ -21,7 +21,10 @@ from ..leaks.tensors import largest_tensors  # the one walk; re-exported for the
 from .causes import CAUSES
 from .messages import is_oom_text, parse_message
 
-__all__ = ["CAUSES", "OOMReport", "explain_oom", "largest_tensors"]
+__all__ = [
+    "OOMReport",
+    "explain_oom",
+]
 
 
 @dataclass
@@ -361,7 +364,7 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
         return []
     if not isinstance(memory_estimate, estimator.MemoryEstimate):
         raise TypeError(
-            f"explain_oom(memory_estimate=...) takes a helpers.estimator.MemoryEstimate (from estimate(model, ...)), "
+            f"explain_oom(memory_estimate=...) takes a helpers.MemoryEstimate (from estimate(model, ...)), "
             f"got {type(memory_estimate).__name__}"
         )
     room = _room(f)

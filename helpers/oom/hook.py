@@ -15,19 +15,12 @@ import traceback
 import torch
 
 from ..core.units import format_bytes
+from .causes import CAUSES as CAUSES
 from .cuda_errors import BrokenContext, broken_context
-from .diagnosis import CAUSES as CAUSES
-from .diagnosis import OOMReport, explain_oom, largest_tensors
-from .messages import EXCEPTION_GROUPS, OOM_FORMS, OOM_SIGNATURES, is_oom, is_oom_text, oom_in
+from .diagnosis import explain_oom
+from .messages import EXCEPTION_GROUPS, oom_in
 
 __all__ = [
-    "OOM_SIGNATURES",
-    "is_oom",
-    "is_oom_text",
-    "OOM_FORMS",
-    "OOMReport",
-    "explain_oom",
-    "largest_tensors",
     "install",
     "uninstall",
 ]

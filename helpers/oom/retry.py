@@ -1,6 +1,6 @@
 """The one OOM-retry step: run a step, turn an out-of-memory error into a result, give the memory back.
 
-``attempt(step, *args)`` runs ``step(*args)``. An OOM (``helpers.oom.hook.is_oom``: ``torch.OutOfMemoryError``,
+``attempt(step, *args)`` runs ``step(*args)``. An OOM (``helpers.is_oom``: ``torch.OutOfMemoryError``,
 ``MemoryError``, cuBLAS/cuDNN/CPU allocator failures, also wrapped) becomes ``Attempt(ok=False)``
 with the error's first line; any other exception propagates unchanged. After an OOM it calls
 :func:`helpers.oom.reclaim.release_after_oom` *after* the ``except`` block: inside it the interpreter

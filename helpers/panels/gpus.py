@@ -1,6 +1,6 @@
-"""Panel states over several GPUs: one bar per GPU, placed as :func:`helpers.loading.loader.load` places a plan.
+"""Panel states over several GPUs: one bar per GPU, placed as :func:`helpers.load` places a plan.
 
-:class:`SplitState` is a plan split across the GPUs (:func:`helpers.placement.fits.plan_devices`, the map
+:class:`SplitState` is a plan split across the GPUs (:func:`helpers.plan_devices`, the map
 ``from_pretrained(device_map="auto")`` computes): each GPU's weights, KV cache, activations and
 overheads against its capacity, the layer runs, what finds no room. :class:`FirstGpuState` is a plan
 on GPU 0 alone, the other cards free (what ``load()`` does with a model that fits the first card).
@@ -18,7 +18,7 @@ from ..core.devices import DEVICE_SETS, DEVICES, resolve_device, resolve_devices
 from ..core.html import STYLE, color_attrs
 from ..core.units import format_bytes
 from ..core.vocab import FITS, VERDICT_STATUS, verdict
-from ..placement.fits import DevicePlan, DeviceShare
+from ..placement.device_plan import DevicePlan, DeviceShare
 from .state import SEGMENTS, PanelState, stacked_bar
 
 __all__ = [
@@ -184,7 +184,7 @@ def _layers_of(share: DeviceShare, ranges: dict) -> str:
 @dataclass
 class SplitState(PanelState):
     """A panel state over several GPUs: the whole-model estimate, and each GPU's share of the split
-    ``from_pretrained(device_map="auto")`` makes (:func:`helpers.placement.fits.plan_devices`): one bar each."""
+    ``from_pretrained(device_map="auto")`` makes (:func:`helpers.plan_devices`): one bar each."""
 
     placement: DevicePlan | None = None
     fix: SplitFix | None = None

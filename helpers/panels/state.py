@@ -13,7 +13,8 @@ from typing import Any
 from ..core.html import LEVEL_FILLS, STYLE, color_attrs, table
 from ..core.units import format_bytes
 from ..core.vocab import FITS, VERDICT_STATUS, verdict
-from ..estimator import MemoryEstimate, Suggestion
+from ..estimator.core import MemoryEstimate
+from ..estimator.fitting import Suggestion
 from ..estimator.reducers import host_cost
 from ..placement.device_fixes import fit
 

@@ -1,10 +1,10 @@
 """The training panel: choose QLoRA's load mode, rank, sequence length, micro-batch and memory reducers.
 
-``TrainPanel(plan)`` shows the controls of a :class:`~helpers.training.plan.TrainPlan` that decide the
+``TrainPanel(plan)`` shows the controls of a :class:`~helpers.TrainPlan` that decide the
 memory of a training step; every change re-estimates that step on the target device (a T4 by
-default) and states the verdict and the top fix, as :class:`~helpers.panels.widgets.LoadPanel` does for
+default) and states the verdict and the top fix, as :class:`~helpers.LoadPanel` does for
 inference. ``panel.plan`` is the plan the following cells load, prepare and train with. A
-micro-batch chosen here is the most :func:`~helpers.training.finetune.find_micro_batch` tries: it measures
+micro-batch chosen here is the most :func:`~helpers.find_micro_batch` tries: it measures
 that a real step fits and takes a smaller divisor of the effective batch when it does not; "auto"
 leaves the choice to the measurement. The memory reducers (``loss``: plain, chunked or fused
 cross-entropy; ``offload_activations``) are controls too: an option this machine cannot run (fused
@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.devices import resolve_device
 from ..core.reducers import loss_available, loss_choices
-from ..core.vocab import FOUR_BIT, LOAD_MODES
+from ..core.vocab import FOUR_BIT, LOAD_MODES, half_dtype
 from ..training.plan import TrainPlan
 from .state import ReducerTable, host_note
 from .widgets import Control, Panel
@@ -55,7 +55,7 @@ class TrainPanel(Panel):
         widgets: force widgets on or off (default: on inside a notebook kernel with ipywidgets).
 
     The micro-batch starts at the plan's; "auto (measure)" (``None``, the default without one) lets
-    :func:`~helpers.training.finetune.find_micro_batch` decide, as without a panel, and the estimate counts
+    :func:`~helpers.find_micro_batch` decide, as without a panel, and the estimate counts
     micro-batch 1 meanwhile.
     """
 
@@ -149,7 +149,7 @@ class TrainPanel(Panel):
             return []
         plan = self.plan
         optimizer = plan.lora_training(gpu=True).optimizer
-        precision = plan.precision if plan.precision != "auto" else ("bf16" if dev.get("bf16") else "fp16")
+        precision = plan.precision if plan.precision != "auto" else half_dtype(bool(dev.get("bf16")))
         here = (plan.resolved_optimizer(), plan.resolved_precision())
         if here == (optimizer, precision):
             return []

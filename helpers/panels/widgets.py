@@ -3,14 +3,14 @@
 ``LoadPanel(model)`` shows a dropdown, a checkbox and sliders; every change re-estimates memory
 (cached: the model's layout is counted once on the meta device, and each setting combination is
 computed once), redraws a bar of the breakdown against the device, states the fit verdict and the
-top fix, and ``panel.plan`` is always the matching :class:`~helpers.loading.loader.LoadPlan`. Without a
+top fix, and ``panel.plan`` is always the matching :class:`~helpers.LoadPlan`. Without a
 widget front end (papermill, plain Python, no ipywidgets) the panel is a printed summary and the
 notebook's parameters decide.
 
 Over several GPUs (``device="kaggle-2xt4"``, ``["t4", "t4"]``, or ``"current"`` where torch sees more
-than one) the panel places the plan as :func:`~helpers.loading.loader.load` does there, one bar per GPU: on
+than one) the panel places the plan as :func:`~helpers.load` does there, one bar per GPU: on
 GPU 0 alone when it fits (the others drawn free), else split, as
-:func:`~helpers.placement.decision.decide_placement` decides (once per setting; a "GPUs" dropdown sets
+:func:`~helpers.decide_placement` decides (once per setting; a "GPUs" dropdown sets
 ``LoadPlan.gpus``), the layer runs in the verdict, and a top fix checked by placing it the same way.
 On one GPU that is half of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan that does not fit
 says whether the set would hold it.
@@ -35,18 +35,22 @@ from html import escape
 from typing import Any
 
 from ..core.devices import DEVICE_SETS, resolve_device
+from ..core.errors import LoadError
 from ..core.knobs import KNOBS, register_control
 from ..core.memory import ram_readout
 from ..core.reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from ..core.session import enable_colab_widgets
 from ..core.units import GiB, format_bytes
-from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
-from ..estimator import MemoryEstimate, fit_one_card, resolve_config
-from ..loading.loader import LoadError, LoadPlan, load
+from ..core.vocab import BF16, DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
+from ..estimator.configs import resolve_config
+from ..estimator.core import MemoryEstimate
+from ..estimator.fitting import fit_one_card
+from ..loading.loader import load
+from ..loading.plan import LoadPlan
 from ..oom.messages import is_oom
 from ..oom.reclaim import unload
 from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot
-from ..placement.fits import DevicePlan, bnb_prequantized
+from ..placement.device_plan import DevicePlan, bnb_prequantized
 from .gpus import (
     Alternative,
     FirstGpuState,
@@ -61,8 +65,11 @@ from .gpus import (
 from .state import SEGMENTS, PanelState, ReducerTable, host_note, judgement, notes_html
 
 __all__ = [
-    "Alternative", "Control", "FirstGpuState", "LoadPanel", "Panel", "PanelState", "SplitFix", "SplitState",
-    "multi_gpu_set", "widget_bundle", "widgets_available",
+    "Control",
+    "LoadPanel",
+    "Panel",
+    "widget_bundle",
+    "widgets_available",
 ]  # fmt: skip
 
 # the plan fields plan_devices takes: a fix changing anything else (another model) is not tried on the split
@@ -422,7 +429,7 @@ class LoadPanel(Panel):
 
     ``panel.plan`` is the current plan; ``panel.set(load="int8")`` changes values from code;
     ``panel.load()`` loads it (or returns what the Load button already loaded for that plan);
-    ``panel.placement`` is the split over several GPUs (a :class:`~helpers.placement.fits.DevicePlan`; None
+    ``panel.placement`` is the split over several GPUs (a :class:`~helpers.DevicePlan`; None
     while the plan stays on GPU 0 alone).
     On one GPU that is a preset of a multi-GPU set (``"t4"``: ``"kaggle-2xt4"``), a plan that does
     not fit says whether it would fit split across that set.
@@ -525,7 +532,7 @@ class LoadPanel(Panel):
         return self.state.placement if isinstance(self.state, SplitState) else None
 
     def decision_for(self, plan: LoadPlan, est: MemoryEstimate, devices: Any = None) -> PlacementDecision:
-        """:func:`~helpers.placement.decision.decide_placement` of ``plan`` on ``devices`` (default: the panel's
+        """:func:`~helpers.decide_placement` of ``plan`` on ``devices`` (default: the panel's
         GPUs; no RAM to offload to), once per setting: the first plan of a load mode builds the model on the
         meta device (~0.1-2 s), a repeat ~5 ms."""
         devices = self._specs if devices is None else devices
@@ -596,7 +603,7 @@ class LoadPanel(Panel):
         bf16 = all(d["bf16"] for _, d in self._gpus)
         candidates = [
             s for s in fit_one_card(est, sum(g.capacity for g in split.gpus)).suggestions
-            if set(s.kwargs) <= SPLIT_KNOBS and (bf16 or s.kwargs.get("load") != "bf16")  # a T4 has no bf16
+            if set(s.kwargs) <= SPLIT_KNOBS and (bf16 or s.kwargs.get("load") != BF16)  # a T4 has no bf16
         ]  # fmt: skip
         for s in candidates[:MAX_FIX_TRIES]:
             result, tried = self.arrangement(plan.replace(**s.kwargs), s.estimate)

@@ -3,7 +3,7 @@
 :func:`decide_placement` takes a plan's placement fields (``device_map``, ``gpus``, ``max_memory``,
 ``allow_offload``, ``offload_folder``), an estimate and a memory readout, and returns a
 :class:`PlacementDecision`: GPU 0 alone (or the one card a map names), split over several GPUs, one card
-plus CPU/disk offload, or refused, with the checked :class:`~helpers.placement.fits.DevicePlan`, what is offloaded,
+plus CPU/disk offload, or refused, with the checked :class:`~helpers.DevicePlan`, what is offloaded,
 the warnings, and on refusal the reason and the fix. ``load()`` raises the refusal; the panel and preflight
 read the same answer from a readout of their devices (:func:`devices_snapshot`), so the three cannot disagree.
 """
@@ -19,9 +19,9 @@ from ..core.devices import GPU_MARGIN
 from ..core.errors import LoadRefused
 from ..core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from ..core.units import format_bytes
-from ..core.vocab import DOES_NOT_FIT, FITS, QUANTIZED, SMALLER_LOAD, VERDICTS, verdict
-from ..estimator import fit_one_card
-from .fits import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
+from ..core.vocab import DOES_NOT_FIT, FITS, QUANTIZED, VERDICTS, lighter_load, verdict
+from ..estimator.fitting import fit_one_card
+from .device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, PlacementError, bnb_prequantized
 from .split import (
     ALLOW_OFFLOAD_FIX,
     NO_FIX,
@@ -47,9 +47,18 @@ from .split import (
 )
 
 __all__ = [
-    "PlacementDecision", "decide_placement", "devices_snapshot", "auto_placing", "spill_why", "spill_fix",
+    "PlacementDecision",
+    "decide_placement",
+    "devices_snapshot",
+    "auto_placing",
+    "spill_why",
+    "spill_fix",
     "smaller_load_fix",
-    "max_memory_for", "ALONE", "SPLIT", "OFFLOAD", "REFUSE", "ALLOW_OFFLOAD_FIX",
+    "max_memory_for",
+    "ALONE",
+    "SPLIT",
+    "OFFLOAD",
+    "REFUSE",
 ]  # fmt: skip
 
 ALONE, SPLIT, OFFLOAD, REFUSE = "one GPU", "split", "offload", "refuse"
@@ -354,7 +363,7 @@ def spill_why(est) -> str:
 
 def smaller_load_fix(load: str) -> str:
     """The first fix for a plan transformers would partly offload: the next smaller load mode."""
-    smaller = SMALLER_LOAD.get(load)
+    smaller = lighter_load(load)
     return f"load={smaller!r}" if smaller else "a smaller model"
 
 

@@ -5,11 +5,12 @@ Whether and how either fits is decided by :func:`helpers.plan_devices` (through
 prompt and new tokens); this module only words the plan's answer as a
 :class:`helpers.estimator.DeviceSuggestion`. It lives outside ``helpers.estimator`` because the placement
 imports the estimator. :func:`fit` here is ``helpers.fit``: the estimator's verdict with these fixes
-ranked among its own (``helpers.estimator.fit_one_card`` takes the planner as ``place=``, so no import goes upward).
+ranked among its own (``helpers.estimator.fitting.fit_one_card`` takes the planner as ``place=``, so no import goes upward).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -18,11 +19,14 @@ import psutil
 from ..core.devices import OFFLOAD_RAM_SHARE, resolve_device
 from ..core.errors import OomkitError
 from ..core.units import format_bytes
-from ..estimator import DeviceSuggestion, FitVerdict, MemoryEstimate, fit_one_card
-from .fits import DevicePlan
+from ..core.vocab import DOES_NOT_FIT, FITS
+from ..estimator.core import MemoryEstimate
+from ..estimator.fitting import DeviceSuggestion, FitVerdict, fit_one_card, target_cards
+from .decision import SPLIT, decide_placement, devices_snapshot
+from .device_plan import DevicePlan
 from .split import describe_split, split_plan
 
-__all__ = ["device_fixes", "fit"]
+__all__ = ["device_fixes", "fit", "machine_verdict"]
 
 # a device_map entry that is one block of a ModuleList ("model.layers.29"); the rest are the embeddings,
 # the final norm and lm_head
@@ -30,9 +34,34 @@ _BLOCK = re.compile(r"\.\d+$")
 
 
 def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None) -> FitVerdict:
-    """Compare ``est`` with a device, as :func:`helpers.estimator.fit_one_card` does, with the fixes past one card
+    """Compare ``est`` with a device, as :func:`helpers.estimator.fitting.fit_one_card` does, with the fixes past one card
     (split over a machine's GPUs, else layers offloaded to CPU RAM) ranked among the same-card ones."""
-    return fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
+    out = fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
+    machine = est.inputs.get("device") if device is None else device
+    _, cards, _ = target_cards(machine or out.device, gpus)
+    return machine_verdict(out, cards, machine if isinstance(machine, str) else f"{len(cards or [])} GPUs")
+
+
+def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str) -> FitVerdict:
+    """On a machine of several GPUs the verdict is where :func:`helpers.load` puts the model
+    (:func:`decide_placement`, as preflight and the panels ask it): split over the cards when GPU 0 alone
+    cannot hold it. A training estimate keeps the one-card verdict (DDP/FSDP replicate or shard instead)."""
+    est = out.estimate
+    if out.verdict != DOES_NOT_FIT or not cards or len(cards) < 2 or est.inputs.get("training") is not None:
+        return out
+    devices = [resolve_device(c)[1] for c in cards]
+    try:
+        decided = decide_placement(None, est, devices_snapshot(est, devices))
+    except (OomkitError, ValueError):  # an architecture the meta device cannot build
+        return out
+    if decided.where != SPLIT or decided.plan is None:
+        return out
+    fullest = max(decided.plan.gpus, key=lambda s: s.total)
+    where = f"split over {decided.gpus} GPUs, as load() places it: {describe_split(decided.plan)}"
+    rest = [s for s in out.suggestions if getattr(s, "kind", "") != "split"] if decided.verdict != FITS else []
+    return dataclasses.replace(out, verdict=decided.verdict, headroom=fullest.capacity - fullest.total,
+                               capacity=fullest.capacity, device=machine, where=where, used=fullest.total,
+                               suggestions=rest)  # fmt: skip
 
 
 def device_fixes(est: MemoryEstimate, cards: list[Any], *, host_ram: int | None = None) -> list[DeviceSuggestion]:

@@ -43,8 +43,21 @@ from ..core.devices import (
 from ..core.errors import OomkitError
 from ..core.html import Markup, table
 from ..core.units import format_bytes, parse_bytes
-from ..core.vocab import DEFAULTS, DTYPE_BYTES, FOUR_BIT, MODES, QUANTIZED, SMALLER_LOAD, load_mode_name, torch_dtype
-from ..estimator import FRAGMENTATION, auto_class, estimate, resolve_config
+from ..core.vocab import (
+    DEFAULTS,
+    DTYPE_BYTES,
+    FOUR_BIT,
+    FP32,
+    MODES,
+    QUANTIZED,
+    half_dtype,
+    lighter_load,
+    load_mode_name,
+    torch_dtype,
+)
+from ..estimator.configs import resolve_config
+from ..estimator.core import FRAGMENTATION, estimate
+from ..estimator.families import auto_class
 from ..estimator.layout import Layout, dims, layout, should_convert, weight_rows
 
 __all__ = [
@@ -179,7 +192,7 @@ class DevicePlan:
         return {k: "cpu" for k in self.device_map}
 
     def from_pretrained_kwargs(self, plan=None) -> dict[str, Any]:
-        """Keyword arguments for ``from_pretrained``: a :class:`helpers.loading.loader.LoadPlan`'s (when given)
+        """Keyword arguments for ``from_pretrained``: a :class:`helpers.LoadPlan`'s (when given)
         with this ``device_map``, ``max_memory``, offload folder and bitsandbytes' offload flag."""
         kwargs = plan.replace(device_map=None).from_pretrained_kwargs() if plan is not None else {}
         kwargs.update(device_map=dict(self.device_map), max_memory=dict(self.max_memory))
@@ -357,8 +370,8 @@ def _compute_dtype(load: str, compute_dtype: str, gpus: list[tuple[str, dict]]) 
     if load in DTYPE_BYTES:
         return load
     if not gpus:
-        return "fp32"
-    return "bf16" if all(d["bf16"] for _, d in gpus) else "fp16"
+        return FP32
+    return half_dtype(all(d["bf16"] for _, d in gpus))
 
 
 def _where(name: str, device_map: dict) -> Any:
@@ -632,7 +645,7 @@ def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool, 
 def _more_room_fix(plan: DevicePlan, prequantized: bool) -> str:
     if prequantized:  # its load mode is the saved one, and it cannot be offloaded
         return f"more GPUs; or {PREQUANTIZED_OFFLOAD_FIX}"
-    smaller = SMALLER_LOAD.get(plan.load)
+    smaller = lighter_load(plan.load)
     options = ["cpu_offload=True (slow: see the slowdown)", "more GPUs"]
     if smaller:
         options.insert(0, f"load={smaller!r}")

@@ -16,29 +16,20 @@ import torch
 
 from ..core.errors import OomkitError
 from ..core.html import table
-from ..core.vocab import FITS, LOAD_MODES, verdict
-from ..estimator import estimate, resolve_config
+from ..core.vocab import DEFAULTS, FITS, FITS_TOKENS, LOAD_MODES, verdict
+from ..estimator.configs import resolve_config
+from ..estimator.core import estimate
 from .device_plan import (
-    BNB_MARGIN,
-    DEVICE_MAP_STRATEGIES,
-    PREQUANTIZED_OFFLOAD,
-    PREQUANTIZED_OFFLOAD_FIX,
-    UNEVEN_STRATEGIES,
-    DeviceMapError,
     DevicePlan,
-    DeviceShare,
     PlacementError,
-    bnb_prequantized,
-    element_sizes,
-    placement_model,
     plan_devices,
 )
 from .fits_view import FitsCell, FitsRow, ModelFits
 
 __all__ = [
-    "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
-    "reference_configs", "FitsTable", "ModelFits", "fits_table", "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
-    "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES", "UNEVEN_STRATEGIES",
+    "reference_configs",
+    "FitsTable",
+    "fits_table",
 ]  # fmt: skip
 
 # ----------------------------------------------------------------------------- what fits where
@@ -128,7 +119,7 @@ def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
 
 
 def fits_table(
-    model: Any = None, *, tokens: int = 768, loads=None, machines: dict | None = None, batch_size: int = 1,
+    model: Any = None, *, tokens: int = FITS_TOKENS, loads=None, machines: dict | None = None, batch_size: int = 1,
     **plan_kwargs,
 ) -> FitsTable | ModelFits:  # fmt: skip
     """What fits where. Without ``model``: Llama 2 7B/13B/70B in fp16, int8 and nf4 on a T4, Kaggle's 2×T4, an
@@ -157,7 +148,7 @@ def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int,
     machines = dict(machines)
     if torch.cuda.is_available():
         machines["this GPU"] = "current"
-    new = max(1, tokens // 3)  # as estimate()'s defaults split 768: 512 prompt + 256 generated
+    new = max(1, tokens * DEFAULTS.max_new_tokens // FITS_TOKENS)  # split as estimate()'s defaults split theirs
     shape = dict(batch_size=batch_size, prompt_tokens=tokens - new, max_new_tokens=new)
     config, _, _ = resolve_config(model)
     rows = []

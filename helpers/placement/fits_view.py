@@ -1,6 +1,6 @@
 """What fits for one model: every load mode's weights, KV cache at the chosen tokens and total, and
 the verdict on each machine (T4, Kaggle's 2×T4, L4, A100 40/80 GB, this GPU). Presentation only:
-:func:`helpers.placement.fits.fits_table` computes the figures (each machine cell a ``plan_devices`` plan).
+:func:`helpers.fits_table` computes the figures (each machine cell a ``plan_devices`` plan).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from ..core.devices import GPU_MARGIN, OFFLOAD_RAM_SHARE
 from ..core.errors import LoadRefused
 from ..core.memory import GPUReadout, MemorySnapshot
 from ..core.units import MiB, format_bytes
-from ..core.vocab import DEFAULTS, MODES, QUANTIZED
-from ..estimator import fit_one_card
-from .fits import (
+from ..core.vocab import DEFAULTS, MODES, QUANTIZED, half_dtype
+from ..estimator.fitting import fit_one_card
+from .device_plan import (
     DEVICE_MAP_STRATEGIES,
     PREQUANTIZED_OFFLOAD,
     PREQUANTIZED_OFFLOAD_FIX,
@@ -117,7 +117,7 @@ def _compute_dtype(estimate, bf16: bool) -> str:
     (and is laid out on the meta device) in its own dtype; int8/4-bit in the plan's compute dtype."""
     compute = estimate.inputs.get("compute_dtype", "auto") if estimate.load in QUANTIZED else estimate.load
     if compute == "auto":
-        return "bf16" if bf16 else "fp16"
+        return half_dtype(bf16)
     return compute
 
 
@@ -215,7 +215,7 @@ def first_fix(verdict) -> str | None:
 
 @dataclass
 class GpuDecision:
-    """How a load uses a machine's GPUs when it may use more than one (a piece of :func:`helpers.placement.decision.decide_placement`)."""
+    """How a load uses a machine's GPUs when it may use more than one (a piece of :func:`helpers.decide_placement`)."""
 
     split: DevicePlan | None = None  # the checked placement; None where transformers places it
     max_memory: dict | None = None  # what from_pretrained gets (None: the plan's own)

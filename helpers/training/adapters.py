@@ -153,7 +153,7 @@ class AdapterReport:
         return (
             f"adapter saved to {self.path}: {format_bytes(self.bytes)} in {', '.join(sorted(self.files))} "
             "(LoRA weights and config only; load it on the base model with "
-            f"helpers.loading.loader.load(LoadPlan(<base>, load=..., adapter='{self.path}')))"
+            f"helpers.load(LoadPlan(<base>, load=..., adapter='{self.path}')))"
         ) + (f"; the different adapter that was there is kept in {self.previous}" if self.previous else "")
 
 

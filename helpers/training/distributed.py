@@ -45,8 +45,10 @@ from ..core.errors import OomkitError
 from ..core.html import table
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS
-from ..estimator import FullTraining, LoraTraining, estimate, resolve_config
+from ..estimator.configs import resolve_config
+from ..estimator.core import estimate
 from ..estimator.layout import layout
+from ..estimator.training import FullTraining, LoraTraining
 
 __all__ = [
     "STRATEGIES", "TrainingMemory", "training_memory", "DistributedError", "launch", "ddp_qlora_worker",
@@ -195,14 +197,9 @@ def training_memory(
     largest = largest_layer_params(config)
     k = OPTIMIZER_K[optimizer]
     if qlora:
-        tr = LoraTraining(r=r, seq_len=seq_len, micro_batch=micro_batch, optimizer="adamw_torch")
-        est = estimate(config, load="nf4", compute_dtype="bf16", training=tr)
+        est = _qlora_estimate(config, optimizer, seq_len, micro_batch, r, device)
         psi, trainable = est.params, _lora_params(est)
-        base = est.weights
-        rows = [("base", "frozen nf4 base (replicated)", base, "every rank loads the whole 4-bit model")]
-        if shard[0] and quant_storage_sharded:
-            rows = [("base", "frozen nf4 base (sharded)", base // n, "bnb_4bit_quant_storage=bf16 lets FSDP shard it")]
-        rows += [(key, "LoRA " + label, b, note) for key, label, b, note in _states(trainable, n, shard, k, False)]
+        rows = _qlora_rows(est, n, shard, quant_storage_sharded)
     else:
         est = estimate(config, load="bf16" if mixed_precision else "fp32",
                        training=FullTraining(seq_len=seq_len, micro_batch=micro_batch))  # fmt: skip
@@ -212,15 +209,43 @@ def training_memory(
         rows.append(("working", "gathered largest layer (16-bit params + grads)", 4 * largest,
                      f"{largest:,} parameters, gathered for its forward/backward"))  # fmt: skip
     if strategy == "ddp" and n > 1:
-        grads = next(b for key, _, b, _ in rows if key == "states.grads")
+        grads = next(b for key, _, b, _ in rows if key in ("states.grads", "training.gradients"))
         rows.append(("comm", "DDP gradient buckets", grads, "a copy of the gradients; 0 with gradient_as_bucket_view"))
-    rows += [("activations", r_.name, r_.bytes, r_.note) for r_ in est.rows if r_.group == "activations"]
+    if not qlora:
+        rows += [("activations", r_.name, r_.bytes, r_.note) for r_ in est.rows if r_.group == "activations"]
     mem = TrainingMemory(str(name), strategy, n, psi, trainable, rows, (dev or {}).get("capacity"))
     mem.deepspeed_gpu_bytes = None if qlora else _deepspeed(strategy, psi, n, largest)
     if qlora and strategy != "single":
         mem.notes.append("QLoRA: the frozen 4-bit base is replicated under DDP/ZeRO-1/2 (only adapter states shard); "
                          "FSDP/ZeRO-3 shard it only with bnb_4bit_quant_storage=torch.bfloat16")  # fmt: skip
     return mem
+
+
+# training_memory's optimizer names -> the estimator's (whose OPTIMIZERS table prices their states)
+ESTIMATOR_OPTIMIZER = {"adamw": "adamw_torch", "adamw_8bit": "adamw_8bit", "sgd": "sgd"}
+# the estimator's rows that are per-parameter states of the trained adapters: (shard index, rows)
+_SHARDED_STATES = {"training.adapters": 0, "training.gradients": 1, "training.optimizer": 2}
+
+
+def _qlora_estimate(config, optimizer: str, seq_len: int, micro_batch: int, r: int, device: Any):
+    """The one QLoRA budget: the estimator's, as ``TrainPlan.estimate`` asks for it (compute dtype by the card)."""
+    tr = LoraTraining(r=r, seq_len=seq_len, micro_batch=micro_batch, optimizer=ESTIMATOR_OPTIMIZER[optimizer])
+    return estimate(config, load="nf4", compute_dtype="auto", training=tr, device=device)
+
+
+def _qlora_rows(est, n: int, shard: tuple[bool, bool, bool], base_sharded: bool) -> list[tuple]:
+    """Every row of the one-GPU estimate; only what sharding changes is divided by the number of GPUs."""
+    rows = []
+    for row in est.rows:
+        index = _SHARDED_STATES.get(row.key)
+        base = row.group == "weights" or row.key == "training.fp32_upcast"
+        split = shard[index] if index is not None else base and shard[0] and base_sharded
+        if split and n > 1:
+            note = "bnb_4bit_quant_storage=bf16 lets FSDP shard it" if base else f"/{n} (sharded)"
+            rows.append((row.key, row.name, row.bytes // n, note))
+        else:
+            rows.append((row.key, row.name, row.bytes, row.note))
+    return rows
 
 
 def _lora_params(est) -> int:

@@ -117,7 +117,7 @@ def build_family_dataset(model, processor, rows: list[dict], seq_len: int) -> Tr
 
 
 def probe_batch(model, batch: int, seq_len: int, device: Any = None) -> dict[str, torch.Tensor]:
-    """Random inputs for one training step at full length, as :func:`helpers.training.finetune.find_micro_batch` measures
+    """Random inputs for one training step at full length, as :func:`helpers.find_micro_batch` measures
     it: ``seq_len`` tokens in and out (a T5's input and labels), Whisper's full 30 s window of mel frames, a
     VLM's image (its tokens counted as the estimator counts them: LLaVA's fixed size, one Idefics3/SmolVLM
     tile, Qwen2-VL's 448 x 448 native resolution) at the front of ``seq_len`` tokens."""

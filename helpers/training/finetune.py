@@ -27,9 +27,9 @@ import torch
 
 from ..core.arguments import number
 from ..core.reducers import chunked_lm_loss, offload_activations
+from ..core.vocab import BF16, FP16, TIGHT_FRACTION
 from ..loading.loader import keep_4bit_layout
 from ..oom.batch_size import find_max_batch_size
-from .adapters import AdapterReport, AdapterSaveError, TrainableParams, merge_adapter, prepare_qlora, save_adapter
 from .checkpoint_proof import prove
 from .checkpoints import (
     WHY,
@@ -45,25 +45,23 @@ from .checkpoints import (
     set_aside_all,
 )
 from .data import (
-    DatasetWarning,
-    TrainingData,
-    answer,
-    build_dataset,
     collate,
-    format_example,
-    load_instructions,
-    prompt_text,
 )
 from .family_data import probe_batch
-from .plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer, target_modules
+from .plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer
 from .view import TrainProgress
 
 # the plan (train_plan), the data (training_data) and the adapters (adapters) are re-exported: one import for a run
 __all__ = [
-    "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
-    "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "TrainingData", "DatasetWarning", "collate", "find_micro_batch",
-    "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
-    "CheckpointWarning", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash", "AdapterSaveError",
+    "MicroBatch",
+    "TrainResult",
+    "find_micro_batch",
+    "make_trainer",
+    "train",
+    "last_checkpoint",
+    "run_stamp",
+    "stamp_changes",
+    "dataset_hash",
 ]  # fmt: skip
 
 
@@ -98,11 +96,11 @@ class MicroBatch:
         return f"<p><b>{self.__str__().splitlines()[0]}</b></p>{self.search._repr_html_()}"
 
 
-def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float = 0.9) -> MicroBatch:
+def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float = TIGHT_FRACTION) -> MicroBatch:
     """Measure the largest micro-batch a real training step (forward + backward at ``seq_len``) fits.
 
     The search is capped at ``plan.micro_batch`` when the plan has one (a choice made in
-    :class:`~helpers.panels.train_panel.TrainPanel`: the most to try), else at ``plan.batch_size``. When
+    :class:`~helpers.TrainPanel`: the most to try), else at ``plan.batch_size``. When
     that cap runs it is kept whole; after an out-of-memory try, ``margin`` of the largest size that
     ran (the margin guards the edge a search found; a cap that ran found none). Either is rounded
     down to a divisor of the effective batch, so micro-batch x accumulation is exactly the batch
@@ -120,8 +118,8 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
     # Trainer runs fp16/bf16 under autocast; without it the activations of prepare_model_for_kbit_training's
     # fp32 layers stay fp32 and the search would settle for a smaller micro-batch than training needs
     autocast = (
-        torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
-        if device.type == "cuda" and precision in ("fp16", "bf16")
+        torch.autocast(device.type, dtype=torch.float16 if precision == FP16 else torch.bfloat16)
+        if device.type == "cuda" and precision in (FP16, BF16)
         else contextlib.nullcontext()
     )
 
@@ -367,7 +365,7 @@ def train(
     ``resume=False`` starts over: the folder's ``checkpoint-N`` are renamed ``previous-checkpoint-N``
     first (kept; listed in ``TrainResult.set_aside``), so a later resume continues this run, not theirs.
 
-    ``view`` shows the run live (:class:`~helpers.training.view.TrainView`: step/total, ETA, loss, tokens/s,
+    ``view`` shows the run live (:class:`~helpers.TrainView`: step/total, ETA, loss, tokens/s,
     GPU memory against the card; an updating output in a notebook, text lines without one; ``"html"``,
     ``"text"``, or ``False`` for none; a ``TrainView`` among ``callbacks`` is used instead), and its last
     figures are ``TrainResult.progress``: peak reserved, share of the card, wall time.

@@ -1,12 +1,12 @@
 """Past one card with the engine the user already runs: the accelerate config (and, for ZeRO, the DeepSpeed JSON)
-that realise a :class:`~helpers.training.plan.TrainPlan` on several GPUs, and ``accelerate launch`` on it.
+that realise a :class:`~helpers.TrainPlan` on several GPUs, and ``accelerate launch`` on it.
 
 oomkit never re-implements distribution. :func:`write_launch_config` writes what ``accelerate config`` would have
 written for this plan (``distributed_type`` MULTI_GPU for DDP, FSDP, or DEEPSPEED with a ``deepspeed_config_file``),
 the mixed precision the cards allow (fp16 on a T4, bf16 from sm_80, none on a CPU: the one rule of
 :func:`helpers.core.devices.compute_dtype_rule`), the batch split so that ``micro_batch × accumulation × processes``
 is the plan's ``batch_size``, and the per-GPU memory of that strategy from
-:func:`helpers.training.distributed.training_memory` for N machines × M GPUs. :func:`launch_plan` runs
+:func:`helpers.training_memory` for N machines × M GPUs. :func:`launch_plan` runs
 ``accelerate launch --config_file <written> -m <module> ...`` and raises a :class:`DistributedError` with the
 ranks' errors when it fails.
 
@@ -27,11 +27,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from ..core.devices import compute_dtype_rule, resolve_devices
+from ..core.devices import MACHINE_RAM, compute_dtype_rule, resolve_devices
 from ..core.memory import ram_readout
 from ..core.units import format_bytes
-from ..core.vocab import QUANTIZED  # a frozen quantized base: training_memory's QLoRA count
-from ..loading.host_ram import MACHINE_RAM, RankRam, rank_ram
+from ..core.vocab import (
+    BF16,
+    FP16,
+    FP32,
+    QUANTIZED,  # a frozen quantized base: training_memory's QLoRA count
+    half_dtype,
+)
+from ..loading.host_ram import RankRam, rank_ram
 from .distributed import (
     DDPRun,
     DistributedError,
@@ -168,12 +174,12 @@ def _mixed_precision(plan: TrainPlan, gpus: list[dict] | None) -> str:
     else what ``auto`` means on the weakest card (fp16 on a T4, bf16 from sm_80), ``no`` on CPU processes."""
     if gpus is None:
         return "no"
-    auto = "fp16" if any(compute_dtype_rule(g) == "fp16" for g in gpus) else "bf16"
+    auto = half_dtype(all(compute_dtype_rule(g) == BF16 for g in gpus))  # the weakest card decides
     chosen = auto if plan.precision == "auto" else plan.precision
-    if chosen == "bf16" and auto == "fp16":
+    if chosen == BF16 and auto == FP16:
         raise DistributedError("the plan asks for bf16 but a card here computes in fp16 only (bf16 starts with "
                                "sm_80, a T4 is sm_75): pass precision='auto' or 'fp16'")  # fmt: skip
-    return "no" if chosen == "fp32" else chosen
+    return "no" if chosen == FP32 else chosen
 
 
 def _offloads(strategy: str, offload: Any) -> tuple[str, ...]:
@@ -221,8 +227,8 @@ def _deepspeed_json(strategy: str, offloads: tuple[str, ...], mixed: str, micro:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if strategy == "zero3":
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    fp16: dict[str, Any] = {"enabled": mixed == "fp16"}
-    if mixed == "fp16":  # dynamic loss scaling: fp16's range is narrow (DeepSpeed's documented defaults)
+    fp16: dict[str, Any] = {"enabled": mixed == FP16}
+    if mixed == FP16:  # dynamic loss scaling: fp16's range is narrow (DeepSpeed's documented defaults)
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
     return {
         "train_batch_size": "auto",
@@ -230,7 +236,7 @@ def _deepspeed_json(strategy: str, offloads: tuple[str, ...], mixed: str, micro:
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         "fp16": fp16,
-        "bf16": {"enabled": mixed == "bf16"},
+        "bf16": {"enabled": mixed == BF16},
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,

@@ -23,19 +23,24 @@ from ..core.errors import OomkitError
 from ..core.reducers import liger_available
 from ..core.sources import persistent_path
 from ..core.vocab import (
+    BF16,
     DEFAULTS,
+    FP16,
+    FP32,
     MODES,
     QUANTIZED,
     DtypeError,
     ReducerError,
     dtype_name,
+    half_dtype,
     load_mode_name,
     loss_name,
     supports_bf16,
 )
-from ..estimator import OPTIMIZERS, LoraTraining, estimate
+from ..estimator.core import estimate
 from ..estimator.families import frozen_modules, lora_task_type
-from ..loading.loader import LoadPlan
+from ..estimator.training import OPTIMIZERS, LoraTraining
+from ..loading.plan import LoadPlan
 
 __all__ = ["TrainPlan", "FinetuneError", "check_optimizer", "target_modules", "need_model", "need_plan",
            "need_tokenizer"]  # fmt: skip
@@ -97,9 +102,9 @@ class TrainPlan:
     model: str
     load: str = "nf4"
     double_quant: bool = True
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
+    r: int = LoraTraining.r  # the estimator's LoRA defaults: one home
+    alpha: int = LoraTraining.alpha
+    dropout: float = LoraTraining.lora_dropout
     targets: str | list[str] = "all-linear"
     seq_len: int = DEFAULTS.seq_len
     packing: bool = False
@@ -207,7 +212,7 @@ class TrainPlan:
         if self.precision != "auto":
             return self.precision
         cap = cuda_capability()
-        return "fp32" if cap is None else ("bf16" if supports_bf16(cap) else "fp16")
+        return FP32 if cap is None else half_dtype(supports_bf16(cap))
 
     def resolved_optimizer(self) -> str:
         if self.optimizer != "auto":
@@ -221,7 +226,7 @@ class TrainPlan:
         return persistent_path(name, default_dir="runs")  # Drive when mounted in Colab: it survives a reset
 
     def load_plan(self, **changes):
-        """The :class:`helpers.loading.loader.LoadPlan` that loads the base model for this run."""
+        """The :class:`helpers.LoadPlan` that loads the base model for this run."""
 
         prec = self.resolved_precision()
         compute = prec if MODES[self.load].quantized else "auto"
@@ -288,7 +293,7 @@ class TrainPlan:
             gradient_accumulation_steps=self.gradient_accumulation, learning_rate=self.learning_rate,
             max_steps=self.max_steps if self.max_steps > 0 else -1, num_train_epochs=self.epochs,
             warmup_steps=self.warmup_steps, lr_scheduler_type="linear", optim=self.resolved_optimizer(),
-            fp16=prec == "fp16", bf16=prec == "bf16", logging_steps=self.logging_steps,
+            fp16=prec == FP16, bf16=prec == BF16, logging_steps=self.logging_steps,
             save_strategy="steps", save_steps=self.save_steps, save_total_limit=self.save_total_limit,
             seed=self.seed, data_seed=self.seed, report_to="none", remove_unused_columns=False,
             dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
