@@ -27,7 +27,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["max_new_tokens_that_fit", "max_batch_that_fits", "FitVerdict"], "estimator.fitting"),
     **dict.fromkeys(["LoraTraining", "FullTraining"], "estimator.training"),
     **dict.fromkeys(["module_memory", "ModuleMemory"], "loading.model_parts"),
-    **dict.fromkeys(["fit"], "placement.device_fixes"),
+    **dict.fromkeys(["fit"], "placement.decision"),
     **dict.fromkeys(
         ["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"],
         "core.sources"),
@@ -39,8 +39,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["load"], "loading.loader"),
     **dict.fromkeys(["generate_batched"], "loading.generation"),
     **dict.fromkeys(["plan_devices", "DevicePlan"], "placement.device_plan"),
-    **dict.fromkeys(["fits_table", "FitsTable"], "placement.fits"),
-    **dict.fromkeys(["ModelFits"], "placement.fits_view"),
+    **dict.fromkeys(["fits_table", "FitsTable"], "placement.device_plan"),
+    **dict.fromkeys(["ModelFits"], "placement.device_plan"),
     **dict.fromkeys(
         ["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"],
         "training.distributed"),

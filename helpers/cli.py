@@ -156,7 +156,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     from .estimator.core import estimate
     from .estimator.rows import EstimateError
     from .estimator.training import FullTraining
-    from .placement.device_fixes import fit
+    from .placement.decision import fit
 
     try:
         device: Any = args.device
@@ -207,7 +207,7 @@ def fits_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     from .estimator.rows import EstimateError
-    from .placement.fits import fits_table
+    from .placement.device_plan import fits_table
 
     try:
         table = fits_table(args.model, tokens=args.tokens, batch_size=args.batch)

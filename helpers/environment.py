@@ -47,9 +47,16 @@ from .estimator.core import MemoryEstimate, estimate
 from .estimator.fitting import fit_one_card, format_params
 from .estimator.rows import EstimateError
 from .loading.checks import ram_for_loading
-from .placement.decision import PlacementDecision, auto_placing, decide_placement, devices_snapshot, spill_why
+from .placement.decision import (
+    PlacementDecision,
+    auto_placing,
+    decide_placement,
+    devices_snapshot,
+    held_hint,
+    offload_ram,
+    spill_why,
+)
 from .placement.device_plan import DevicePlan
-from .placement.split import held_hint, offload_ram
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 

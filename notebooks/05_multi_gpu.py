@@ -124,7 +124,7 @@ fits_table()
 
 # %%
 from helpers import estimate, fit, plan_devices
-from helpers.placement.fits import reference_configs
+from helpers.placement.device_plan import reference_configs
 
 big = reference_configs()[BIG_MODEL]
 fit(estimate(big, load="fp16", device="t4"), DEVICES)  # not on GPU 0 alone: the fixes, both GPUs among them

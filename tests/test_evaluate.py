@@ -18,10 +18,9 @@ import torch
 
 from helpers.core.errors import EvalError, ScoreError
 from helpers.evaluation.batching import batch_cache_key
-from helpers.evaluation.evaluate import safe_generate
+from helpers.evaluation.evaluate import contains_reference, exact_match, safe_generate
 from helpers.evaluation.prompts import load_prompts, prompt_id
 from helpers.evaluation.results_file import ResultsFile, ResultsWriteError
-from helpers.evaluation.scoring import contains_reference, exact_match
 from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
 

@@ -9,9 +9,7 @@ import pytest
 from helpers.cli import main
 from helpers.core.units import GiB
 from helpers.core.vocab import LOAD_MODES
-from helpers.placement.device_plan import PlacementError
-from helpers.placement.fits import fits_table
-from helpers.placement.fits_view import ModelFits
+from helpers.placement.device_plan import ModelFits, PlacementError, fits_table
 
 
 @pytest.fixture(scope="module")

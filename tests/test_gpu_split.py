@@ -13,9 +13,8 @@ from helpers.estimator.core import estimate
 from helpers.loading.checks import check_plan
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
-from helpers.placement import split as gpu_split
-from helpers.placement.device_plan import PlacementError, plan_devices
-from helpers.placement.fits import reference_configs
+from helpers.placement import decision as gpu_split
+from helpers.placement.device_plan import PlacementError, plan_devices, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

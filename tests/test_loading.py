@@ -23,10 +23,9 @@ from helpers.loading.checks import check_plan
 from helpers.loading.generation import generate_batched
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
-from helpers.placement import split as gpu_split
+from helpers.placement import decision as gpu_split
 from helpers.placement.decision import max_memory_for  # fmt: skip
-from helpers.placement.device_plan import PlacementError
-from helpers.placement.fits import reference_configs
+from helpers.placement.device_plan import PlacementError, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

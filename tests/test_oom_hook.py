@@ -8,9 +8,8 @@ import pytest
 
 import helpers.oom.hook as oom
 from helpers.core.knobs import KNOBS, knob_fixes, register_control, register_knob, smaller
-from helpers.oom.cuda_errors import BrokenContext, broken_context
 from helpers.oom.diagnosis import explain_oom
-from helpers.oom.hook import install, uninstall
+from helpers.oom.hook import BrokenContext, broken_context, install, uninstall
 
 STEADY = (
     "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 14.75 GiB of which 3.06 MiB "

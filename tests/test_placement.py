@@ -12,8 +12,7 @@ from helpers.core.devices import DeviceError, resolve_devices
 from helpers.core.sources import shipped_configs
 from helpers.core.vocab import torch_dtype
 from helpers.estimator.configs import resolve_config
-from helpers.placement.device_plan import PlacementError, placement_model, plan_devices
-from helpers.placement.fits import fits_table, reference_configs
+from helpers.placement.device_plan import PlacementError, fits_table, placement_model, plan_devices, reference_configs
 
 SHIPPED = sorted(shipped_configs())
 

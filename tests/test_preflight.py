@@ -269,7 +269,7 @@ def test_a_model_too_big_for_two_gpus_does_not_fit_with_a_fix(tmp_path):
     assert "weights alone (29.92 GiB)" in fit.summary and fit.fix == "load=fp16: fits across 2 GPUs"
     # Llama-2-70B: neither fp16 nor nf4 fits both T4s; the fix is load()'s: a smaller model, or the CPU offload
     # load() takes with allow_offload (the RAM holds it)
-    from helpers.placement.fits import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
     report = run(two_gpus(), str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"))
@@ -371,7 +371,7 @@ def test_a_plan_too_big_for_colabs_t4_names_kaggles_2xt4_when_it_holds_it(tmp_pa
     assert check.status == "fail" and check.data["kaggle_2xt4"] == "fp16"
     assert "Kaggle's free 2×T4 holds it with load='fp16'" in check.fix and "gpus=2" in check.fix
     assert check.fix.index("load=") < check.fix.index("Kaggle")  # quantizing on this T4 comes first
-    from helpers.placement.fits import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
     huge = run(machine(), model=str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"), load="fp16").check("fit")

@@ -210,7 +210,7 @@ def fit_one_card(
             ``"current"``, at most this many of theirs. ``None``: every GPU the device names.
         place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
             (:func:`helpers.fit`) passes ``device_fixes``, which places with
-            ``helpers.placement.fits``, a layer above this one. ``None``: same-card fixes only.
+            ``helpers.placement.device_plan``, a layer above this one. ``None``: same-card fixes only.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):

@@ -33,7 +33,7 @@ from ..core.vocab import (
 )
 from ..estimator.core import estimate as estimate_memory
 from ..estimator.rows import EstimateError
-from ..placement.split import (
+from ..placement.decision import (
     check_strategy,
 )
 

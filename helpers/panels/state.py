@@ -16,7 +16,7 @@ from ..core.vocab import FITS, VERDICT_STATUS, verdict
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import Suggestion
 from ..estimator.reducers import host_cost
-from ..placement.device_fixes import fit
+from ..placement.decision import fit
 
 __all__ = [
     "SEGMENTS",
