@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from .arguments import whole_number
+from .arguments import flag, whole_number
 from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError, ScoreError
 from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
 from .eval_inputs import batch_media, prompt_inputs
-from .eval_report import EvalReport
+from .eval_report import EvalReport, mean_of_finite
 from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
     Generated,
@@ -176,6 +176,7 @@ def safe_generate(
             and everything written before it stays in the file.
         ScoreError: after the run, when ``score`` raised: every output is saved, with ``score_error``.
     """
+    flag("progress", progress, error=EvalError)  # "no" is truthy: a bar nobody asked for
     items, ids, run = _prepare(
         model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
         kv_cache,
@@ -281,6 +282,7 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
         )
     gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
     check_generate_kwargs(gen_kwargs, EvalError)
+    _check_own_kwargs(gen_kwargs)
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
@@ -306,6 +308,45 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
             "helpers.loading.setup_tokenizer(tokenizer, model) first"
         )
     return gen_kwargs
+
+
+# generate() arguments that change what it returns (an object, not the token ids safe_generate records)
+_RETURN_SHAPERS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                   "output_hidden_states")  # fmt: skip
+
+
+def _check_own_kwargs(gen_kwargs: dict) -> None:
+    """Refuse generate arguments that clash with the ones safe_generate passes itself, or that change what
+    generate returns; each would fail inside the first batch with a library traceback."""
+    for name, why in (
+        ("pad_token_id", "safe_generate pads with the tokenizer's pad token: set tokenizer.pad_token_id instead"),
+        ("tokenizer", "safe_generate passes its own tokenizer to generate (stop_strings need it): drop it"),
+    ):
+        if name in gen_kwargs:
+            raise EvalError(f"generation_kwargs {name!r}: {why}")
+    shaped = [k for k in _RETURN_SHAPERS if gen_kwargs.get(k)]
+    if shaped:
+        raise EvalError(
+            f"generation_kwargs {', '.join(shaped)}: these make generate return scores or hidden states instead of "
+            "token ids, and safe_generate records text; drop them (call model.generate yourself for scores)"
+        )
+    streamer = gen_kwargs.get("streamer")
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
+        raise EvalError(
+            f"generation_kwargs streamer={streamer!r:.40}: a streamer is an object with put() and end(), e.g. "
+            "transformers.TextStreamer(tokenizer); or pass stream=True to safe_generate"
+        )
+    config = gen_kwargs.get("generation_config")
+    if config is not None:
+        from transformers import GenerationConfig
+
+        if not isinstance(config, GenerationConfig):
+            raise EvalError(
+                f"generation_kwargs generation_config={config!r:.40}: pass a transformers.GenerationConfig "
+                "(e.g. GenerationConfig(do_sample=False)), or its settings themselves as generation_kwargs"
+            )
 
 
 def _check_results_arguments(results: Any, resume: Any) -> None:
@@ -651,7 +692,7 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
-            report.scores[name] = sum(values) / len(values)
+            report.scores[name], report.nonfinite_scores[name] = mean_of_finite(values)
 
 
 def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arguments import whole_number
 from .checks import Check
 from .errors import OomkitError
 from .html import escape, table
 from .load_checks import PICKLE_LOAD_FACTOR
 from .memory import ram_readout
 from .sources import checkpoint_size, memory_mapped
-from .units import GiB, MiB, format_bytes
+from .units import MAX_BYTES, GiB, MiB, format_bytes
 
 __all__ = ["MACHINE_RAM", "PROCESS_RUNTIME_RAM", "RankRam", "RankRamError", "rank_ram"]
 
@@ -134,6 +135,7 @@ def rank_ram(model: str, processes: int, *, machine: str | int | None = "current
     bytes in CPU RAM, fit the RAM of ``machine`` ("current", ``"kaggle-2xt4"``, ``"colab"``, or bytes)."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise RankRamError(f"processes is how many ranks this machine starts (1 or more), got {processes!r}")
+    whole_number("offloaded", offloaded, minimum=0, maximum=MAX_BYTES, error=RankRamError)  # bytes kept in RAM
     available, name = _machine_ram(machine)
     total, largest, source = checkpoint_size(model)
     if largest is None or memory_mapped(source):
