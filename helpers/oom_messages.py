@@ -214,7 +214,8 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
         "cuda_error",
         "the CUDA driver itself (outside PyTorch's allocator)",
         # "CUDA error:out of memory" (no space) in some builds; THC's "error=2 : out of memory"
-        r"cuda error: ?out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory|error=2 ?: out of memory",
+        r"cuda error: ?out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory|error=2 ?: out of memory|"
+        r"cuda failure 2: out of memory",  # CNTK: "CUDA failure 2: out of memory ; GPU=0 ; ... expr=cudaMalloc(...)"
     ),
     (
         "cpu",
