@@ -189,7 +189,8 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
     (
         "xla",
         "JAX / XLA's allocator (RESOURCE_EXHAUSTED)",
-        r"resource.exhausted: out ?of memory|out of memory (?:while trying to allocate|allocating) \d",
+        r"resource.exhausted: out ?of memory|out of memory (?:while trying to allocate|allocating) \d|"
+        r"failed to allocate request for [^()]{1,30}\(\d{1,20}b\) on device ordinal",
     ),
     ("npu", "Ascend NPU caching allocator (torch_npu)", r"npu out of memory"),
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
@@ -236,6 +237,7 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("requested", rf"allocating {_SIZE} on device"),
     ("requested", r"could not allocate tensor with (\d{1,20}) bytes"),  # DirectML
     ("requested", r"out of memory (?:while trying to allocate|allocating) (\d{1,20}) bytes"),  # JAX / XLA
+    ("requested", r"failed to allocate request for [^()]{1,30}\((\d{1,20})b\) on device ordinal"),  # XLA's BFC
     ("requested_at_least", r"tried to allocate more than (\d{1,3}) ?eb\b"),  # PyTorch's cap on what it prints
     ("device", r"\bgpu {1,3}(\d{1,4})\b"),
     ("device", r"\bon device (\d{1,4}):"),  # ggml
@@ -244,6 +246,7 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("device", r"\bnpu {1,3}(\d{1,4})\b"),  # Ascend: "(NPU 3; ...)"
     ("device", r"/device:(?:gpu|dml|xla_gpu|tpu):(\d{1,4})\b"),  # TensorFlow's device names
     ("device", r"\bgpu=(\d{1,4})\b"),  # CNTK: "CUDA failure 2: out of memory ; GPU=0 ;"
+    ("device", r"\bon device ordinal (\d{1,4})\b"),  # XLA
     ("device", r":\d{1,10}:\d{1,10} \[(\d{1,4})\] "),  # NCCL's "host:pid:tid [cudaDev]" prefix
     ("total", rf"total capaci?ty of {_SIZE}"),  # PyTorch 2.1-2.3 print "capacty"
     ("total", rf"{_SIZE} total capacity"),
