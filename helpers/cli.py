@@ -225,7 +225,7 @@ def _message(source: str | None) -> str | None:
         if " " in source or is_oom_text(source):
             return source  # the message pasted as the argument, not a file name
     if source and source != "-":
-        from .input_files import regular_file
+        from .arguments import regular_file
 
         try:
             regular_file(source, "the file", OSError)

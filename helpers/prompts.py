@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .arguments import regular_file
 from .errors import EvalError
-from .input_files import regular_file
 
 __all__ = ["load_prompts", "prompt_id"]
 

@@ -20,8 +20,8 @@ try:
 except ImportError:  # Windows: no advisory locks; runs unlocked
     fcntl = None
 
+from .arguments import regular_file
 from .errors import EvalError, OomkitError
-from .input_files import regular_file
 
 __all__ = ["ResultsFile", "ResultsWriteError"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .arguments import regular_file
 from .generation import generate_batched
-from .input_files import regular_file
 from .sources import data_path
 from .train_plan import FinetuneError, need_tokenizer
 

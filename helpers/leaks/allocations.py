@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import regular_file
 from ..errors import OomkitError
 from ..html import table
-from ..input_files import regular_file
 from ..units import format_bytes
 
 __all__ = [
