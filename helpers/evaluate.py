@@ -145,6 +145,7 @@ def safe_generate(
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
         results: the JSONL file every finished sample is appended to (never the prompt file); it is
             locked for the run, so a second run on it fails at once instead of duplicating results.
+            ``~`` is the home folder; a FIFO or a device (/dev/full) is refused.
         resume: skip ids already in ``results`` when the same model made them (name, a sampled
             hash of the weights as loaded, load mode as loaded, adapter content, tokenizer settings:
             :mod:`helpers.fingerprint`), with the same generation settings (objects by content) and
@@ -152,10 +153,13 @@ def safe_generate(
             ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
             logits processors) are recorded by content, one with no readable state raises FingerprintError.
+            ``stop_strings`` are read with this tokenizer; ``pad_token_id``, ``tokenizer`` and the arguments
+            that make generate return scores or hidden states are refused (EvalError), as are more than 128 beams.
         score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the
-            report; saved outputs without its score (an earlier run's) are scored too.
+            report; saved outputs without its score (an earlier run's) are scored too. NaN and inf scores
+            are left out of the mean and counted (``report.nonfinite_scores``; the report says how many).
         max_batch_size: never batch more prompts than this.
-        progress: show a tqdm bar (a widget in notebooks).
+        progress: show a tqdm bar (a widget in notebooks); True or False, anything else is an EvalError.
         on_result: called with each record once it is on disk.
         stream: print the first batch's first answer token by token while it is generated (a long
             batch otherwise shows nothing until it ends).
