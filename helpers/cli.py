@@ -230,6 +230,13 @@ def _message(source: str | None) -> str | None:
         if " " in source or is_oom_text(source):
             return source  # the message pasted as the argument, not a file name
     if source and source != "-":
+        from .core.arguments import regular_file
+
+        try:
+            regular_file(source, "the file", OSError)
+        except OSError as e:
+            print(f"cannot read {source}: {e}", file=sys.stderr)
+            return None
         try:
             with open(source, encoding="utf-8", errors="replace") as f:
                 return f.read()

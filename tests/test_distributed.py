@@ -57,9 +57,10 @@ def test_qlora_replicates_the_4bit_base_under_ddp():
     one = training_memory(MODEL, strategy="single", qlora=True)
     ddp = training_memory(MODEL, strategy="ddp", world_size=2, qlora=True)
     fsdp = training_memory(MODEL, strategy="fsdp", world_size=2, qlora=True, quant_storage_sharded=True)
-    assert ddp.bytes("base") == one.bytes("base") and fsdp.bytes("base") == one.bytes("base") // 2
+    base = one.bytes("weights")
+    assert ddp.bytes("weights") == base and abs(fsdp.bytes("weights") - base // 2) <= 4  # each row halved
     assert ddp.trainable < ddp.params // 100 and "replicated" in ddp.notes[0]
-    assert ddp.bytes("comm") == ddp.bytes("states.grads")
+    assert ddp.bytes("comm") == ddp.bytes("training.gradients") > 0
 
 
 def test_bad_inputs():

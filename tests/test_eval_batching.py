@@ -6,7 +6,7 @@ import types
 
 import torch
 
-import helpers.estimator as estimator
+import helpers.estimator.fitting as estimator
 from helpers.evaluation import batching as eval_batching
 from helpers.evaluation.batching import batch_cache_key, start_size
 

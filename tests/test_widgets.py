@@ -468,7 +468,7 @@ def test_one_gpu_that_does_not_fit_says_whether_its_multi_gpu_set_would():
 def test_a_t4_panel_does_not_call_fitting_what_load_would_refuse_as_an_offload(tmp_path):
     """A 13B int8 estimate fits a T4, but the placement from_pretrained computes leaves layers for the CPU:
     load() refuses it, so the panel says does not fit, and why, in its text and HTML."""
-    from helpers.placement.fits import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)  # a config-only folder: nothing to download
     panel = LoadPanel(str(tmp_path), device="t4", load="int8", widgets=True)
@@ -485,7 +485,7 @@ def test_gpus_1_on_two_cards_refuses_what_load_would_refuse_as_an_offload():
 
 
 def test_a_panel_given_a_config_object_says_how_to_pass_it():
-    from helpers.placement.fits import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     with pytest.raises(TypeError, match="save_pretrained"):
         LoadPanel(reference_configs()["Llama-2-7b"], device="t4", widgets=False)

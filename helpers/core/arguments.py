@@ -8,11 +8,14 @@ caller's ``except`` keeps catching what it caught; by default ``ArgumentError``.
 from __future__ import annotations
 
 import math
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 from .errors import OomkitError
 
-__all__ = ["ArgumentError", "MAX_COUNT", "whole_number", "number", "flag", "namespace_dict", "text"]
+__all__ = ["ArgumentError", "MAX_COUNT", "whole_number", "number", "flag", "namespace_dict", "text", "regular_file"]
 
 # The largest count (tokens, batch rows, samples) an argument may hold: int32's, which torch's indices
 # and every real GPU stay far below; 10**30 is a typo or a hostile value, not a plan.
@@ -91,3 +94,26 @@ def text(name: str, value: Any, *, what: str, error: type[Exception] = ArgumentE
     if not isinstance(value, str) or not value.strip():
         raise error(f"{name} must be {what}, got {_show(value)}")
     return value
+
+
+# A path argument is read or written: a FIFO blocks a read forever, a device such as /dev/zero never ends
+# (or, as /dev/full, swallows every write), so only regular files (or folders, for the caller) pass.
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+
+
+def regular_file(path: str | os.PathLike, what: str, error: type[Exception]) -> Path:
+    """``path`` with ``~`` expanded, when it is a regular file, a folder or not there yet (the caller
+    handles those); ``error`` naming what it is instead (a FIFO, a device, a socket)."""
+    p = Path(os.path.expanduser(os.fspath(path)))
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:  # missing or unreadable: the caller's own open says so
+        return p
+    for test, kind in _KINDS:
+        if test(mode):
+            raise error(
+                f"{what} {p} is {kind}, not a regular file: reading it would block or never end, and writing "
+                "to it loses what is written. Pass the path of an ordinary file"
+            )
+    return p

@@ -35,16 +35,25 @@ def format_bytes(n: int | float | None, precision: int = 2) -> str:
             f"format_bytes() takes a byte count (int), got {type(n).__name__} {n!r}; "
             "for text such as '1.5 GiB' use parse_bytes()"
         )
-    if not math.isfinite(n):
-        raise ValueError(f"format_bytes() takes a finite byte count, got {n!r}")
     if isinstance(precision, bool) or not isinstance(precision, int) or not 0 <= precision <= 12:
         raise ValueError(f"precision is the digits after the point, a whole number from 0 to 12; got {precision!r}")
+    if isinstance(n, numbers.Integral) and abs(n) >= 1 << 1000:  # past a float's range: exact integer arithmetic
+        return _format_huge(int(n), precision)
+    if not math.isfinite(n):
+        raise ValueError(f"format_bytes() takes a finite byte count, got {n!r}")
     sign = "-" if n < 0 else ""
     n = abs(n)
     for name, factor in _UNITS:
         if n >= factor:
             return f"{sign}{n / factor:.{precision}f} {name}"
     return f"{sign}{int(n)} B"
+
+
+def _format_huge(n: int, precision: int) -> str:
+    """An int too large for a float, in TiB (the largest unit), rounded half up with integers only."""
+    scaled = str((abs(n) * 10**precision + TiB // 2) // TiB)
+    whole, frac = scaled[: len(scaled) - precision] or "0", scaled[len(scaled) - precision :] if precision else ""
+    return f"{'-' if n < 0 else ''}{whole}{'.' + frac if precision else ''} TiB"
 
 
 def parse_bytes(text: str) -> int:

@@ -13,6 +13,23 @@ from .rows import EstimateError, EstimateRow
 __all__ = ["RepoQuantization", "repo_quantization", "packed_rows", "PACKED_METHODS"]
 
 PACKED_METHODS = PREQUANTIZED  # int32-packed weights with fp16 scales per group
+PACKED_BITS = (2, 3, 4, 8)  # what GPTQ/AWQ kernels pack (AWQ: 4)
+
+
+def _packed_bits_group(qc: dict, method: str) -> tuple[int, int]:
+    """A GPTQ/AWQ config's (bits, group_size), checked: a bits of 0 would estimate "packed layers 0 B"."""
+    bits, group = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in PACKED_BITS:
+        raise EstimateError(
+            f"this {method} checkpoint's quantization_config says bits={bits!r}; {method} packs "
+            f"{', '.join(map(str, PACKED_BITS))}-bit weights: fix the config's 'bits'"
+        )
+    if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):
+        raise EstimateError(
+            f"this {method} checkpoint's quantization_config says group_size={group!r}; it is a positive number "
+            "of input columns per scale (usually 128), or -1 for one scale per output channel"
+        )
+    return bits, group
 
 
 @dataclass
@@ -47,8 +64,7 @@ def repo_quantization(config) -> RepoQuantization | None:
     if method == "bitsandbytes":
         return _bnb(qc)
     if method in PACKED_METHODS:
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
-        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        bits, group = _packed_bits_group(qc, method)
         skip = list(qc.get("modules_to_not_convert") or [])
         return RepoQuantization(method, method, bits=bits, group_size=group, skip=skip)
     raise EstimateError(

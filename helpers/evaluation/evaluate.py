@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..core.arguments import whole_number
+from ..core.arguments import flag, whole_number
 from ..core.attention import keep_attention_fused
 from ..core.errors import EvalError, ScoreError
 from ..core.memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
@@ -55,7 +55,7 @@ from ..oom.retry import Attempt, Watch, attempt
 from .batching import TokenBudget, batch_cache_key, remember, start_size
 from .fingerprint import describe, identity_changes, model_identity
 from .inputs import batch_media, prompt_inputs
-from .report import EvalReport
+from .report import EvalReport, mean_of_finite
 from .results_file import ResultsFile, ResultsWriteError
 
 __all__ = [
@@ -135,6 +135,7 @@ def safe_generate(
             on CUDA, else 8), or a starting int; either way it doubles while it fits and shrinks on OOM.
         results: the JSONL file every finished sample is appended to (never the prompt file); it is
             locked for the run, so a second run on it fails at once instead of duplicating results.
+            ``~`` is the home folder; a FIFO or a device (/dev/full) is refused.
         resume: skip ids already in ``results`` when the same model made them (name, a sampled
             hash of the weights as loaded, load mode as loaded, adapter content, tokenizer settings:
             :mod:`helpers.evaluation.fingerprint`), with the same generation settings (objects by content) and
@@ -142,10 +143,13 @@ def safe_generate(
             ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
             logits processors) are recorded by content, one with no readable state raises FingerprintError.
+            ``stop_strings`` are read with this tokenizer; ``pad_token_id``, ``tokenizer`` and the arguments
+            that make generate return scores or hidden states are refused (EvalError), as are more than 128 beams.
         score: ``"exact_match"``, ``"contains"`` or ``fn(output, reference) -> float``, averaged in the
-            report; saved outputs without its score (an earlier run's) are scored too.
+            report; saved outputs without its score (an earlier run's) are scored too. NaN and inf scores
+            are left out of the mean and counted (``report.nonfinite_scores``; the report says how many).
         max_batch_size: never batch more prompts than this.
-        progress: show a tqdm bar (a widget in notebooks).
+        progress: show a tqdm bar (a widget in notebooks); True or False, anything else is an EvalError.
         on_result: called with each record once it is on disk.
         stream: print the first batch's first answer token by token while it is generated (a long
             batch otherwise shows nothing until it ends).
@@ -166,6 +170,7 @@ def safe_generate(
             and everything written before it stays in the file.
         ScoreError: after the run, when ``score`` raised: every output is saved, with ``score_error``.
     """
+    flag("progress", progress, error=EvalError)  # "no" is truthy: a bar nobody asked for
     items, ids, run = _prepare(
         model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
         kv_cache,
@@ -271,6 +276,7 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
         )
     gen_kwargs = {"do_sample": False, **(generation_kwargs or {})}
     check_generate_kwargs(gen_kwargs, EvalError)
+    _check_own_kwargs(gen_kwargs)
     for reserved_kw in ("max_new_tokens", "input_ids", "attention_mask"):
         if reserved_kw in gen_kwargs:
             raise EvalError(f"pass {reserved_kw} as safe_generate's argument, not in generation_kwargs")
@@ -296,6 +302,45 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
             "helpers.loading.loader.setup_tokenizer(tokenizer, model) first"
         )
     return gen_kwargs
+
+
+# generate() arguments that change what it returns (an object, not the token ids safe_generate records)
+_RETURN_SHAPERS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                   "output_hidden_states")  # fmt: skip
+
+
+def _check_own_kwargs(gen_kwargs: dict) -> None:
+    """Refuse generate arguments that clash with the ones safe_generate passes itself, or that change what
+    generate returns; each would fail inside the first batch with a library traceback."""
+    for name, why in (
+        ("pad_token_id", "safe_generate pads with the tokenizer's pad token: set tokenizer.pad_token_id instead"),
+        ("tokenizer", "safe_generate passes its own tokenizer to generate (stop_strings need it): drop it"),
+    ):
+        if name in gen_kwargs:
+            raise EvalError(f"generation_kwargs {name!r}: {why}")
+    shaped = [k for k in _RETURN_SHAPERS if gen_kwargs.get(k)]
+    if shaped:
+        raise EvalError(
+            f"generation_kwargs {', '.join(shaped)}: these make generate return scores or hidden states instead of "
+            "token ids, and safe_generate records text; drop them (call model.generate yourself for scores)"
+        )
+    streamer = gen_kwargs.get("streamer")
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
+        raise EvalError(
+            f"generation_kwargs streamer={streamer!r:.40}: a streamer is an object with put() and end(), e.g. "
+            "transformers.TextStreamer(tokenizer); or pass stream=True to safe_generate"
+        )
+    config = gen_kwargs.get("generation_config")
+    if config is not None:
+        from transformers import GenerationConfig
+
+        if not isinstance(config, GenerationConfig):
+            raise EvalError(
+                f"generation_kwargs generation_config={config!r:.40}: pass a transformers.GenerationConfig "
+                "(e.g. GenerationConfig(do_sample=False)), or its settings themselves as generation_kwargs"
+            )
 
 
 def _check_results_arguments(results: Any, resume: Any) -> None:
@@ -641,7 +686,7 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
-            report.scores[name] = sum(values) / len(values)
+            report.scores[name], report.nonfinite_scores[name] = mean_of_finite(values)
 
 
 def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..core.arguments import regular_file
 from ..core.errors import EvalError
 
 __all__ = ["load_prompts", "prompt_id"]
@@ -27,7 +28,7 @@ def prompt_id(prompt: str) -> str:
 
 def _rows(prompts: Any) -> Iterable[Any]:
     if isinstance(prompts, str | os.PathLike):
-        path = Path(prompts)
+        path = regular_file(prompts, "prompt file", EvalError)
         if not path.is_file():
             one = (
                 ""
@@ -39,12 +40,18 @@ def _rows(prompts: Any) -> Iterable[Any]:
                 f"or a list of prompts.{one}"
             )
         rows = []
-        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
+        # JSONL lines end at "\n" only: str.splitlines would also split inside strings at U+2028, U+0085...
+        for n, line in enumerate(_read_utf8(path).split("\n"), 1):
             if line.strip():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise EvalError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise EvalError(
+                        f"{path} line {n} nests lists or objects deeper than the JSON reader goes: a prompt record "
+                        "is one flat object, {'prompt': ..., 'reference': ...}"
+                    ) from None
                 if isinstance(row, list):
                     raise EvalError(
                         f"{path} line {n} is a JSON array; the file must be JSONL: one "

@@ -4,12 +4,23 @@ over time, scores, failures), as text, an HTML table and a matplotlib figure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.units import format_bytes
 
-__all__ = ["EvalReport"]
+__all__ = ["EvalReport", "mean_of_finite"]
+
+
+def mean_of_finite(values: list[float]) -> tuple[float, int]:
+    """(the mean of the finite values, how many were NaN or infinite); the mean is NaN when none is finite.
+
+    A score function that returns NaN for one sample (an empty reference, a 0/0 ratio) would make the
+    mean NaN, and an inf would make it inf: those samples are left out, and counted so the report says so.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    return (sum(finite) / len(finite) if finite else math.nan), len(values) - len(finite)
 
 
 @dataclass(repr=False)
@@ -28,7 +39,8 @@ class EvalReport:
             of memory; peak_memory: peak GPU allocated (CUDA; every card added up) or process RSS (CPU);
             peak_by_gpu: each card's own peak, on a machine with more than one.
         started_from: the first batch size and where it came from (cache, estimate, given, first guess).
-        scores: the mean of each score over samples with a reference.
+        scores: the mean of each score over samples with a reference (NaN and inf scores left out).
+        nonfinite_scores: per score, how many samples scored NaN or inf (left out of ``scores``).
         records: every result for these prompts (this run and earlier ones), in prompt order.
         failures, failed: prompts recorded as failed (``error: "does not fit"``: not even one new
             token fits in memory with the prompt alone), with their ``prompt_tokens``; a rerun tries
@@ -57,6 +69,7 @@ class EvalReport:
     backup: Path | None = None  # where resume=False moved the earlier results
     started_from: str = ""
     scores: dict[str, float] = field(default_factory=dict)
+    nonfinite_scores: dict[str, int] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     failed_again: int = 0
@@ -107,8 +120,12 @@ class EvalReport:
             shown = ", ".join(f"{r['id']} ({r['prompt_tokens']} tokens)" for r in self.failures[:5])
             again = f"; {self.failed_again} failed before too (recorded once)" if self.failed_again else ""
             rows.insert(2, ("failed", f"{self.failed}: {self.failures[0]['error']}: {shown}{again}"))
-        rows += [(f"score: {k}", f"{v:.3f}") for k, v in self.scores.items()]
+        rows += [(f"score: {k}", f"{v:.3f}" + self._left_out(k)) for k, v in self.scores.items()]
         return rows
+
+    def _left_out(self, name: str) -> str:
+        n = self.nonfinite_scores.get(name, 0)
+        return f" ({n} not finite: NaN or inf, left out of the mean)" if n else ""
 
     def __repr__(self) -> str:
         failed = f", {self.failed} failed" if self.failures else ""

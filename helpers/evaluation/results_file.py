@@ -20,6 +20,7 @@ try:
 except ImportError:  # Windows: no advisory locks; runs unlocked
     fcntl = None
 
+from ..core.arguments import regular_file
 from ..core.errors import EvalError, OomkitError
 
 __all__ = ["ResultsFile", "ResultsWriteError"]
@@ -53,7 +54,8 @@ class ResultsFile:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        # "~/x.jsonl" is the home folder's, not a folder named "~"; a FIFO or a device is refused
+        self.path = regular_file(path, "results file", EvalError)
         self.repaired = False
         self.backup: Path | None = None  # where resume=False moved an earlier run's results
         self._fh = None
@@ -169,7 +171,7 @@ class ResultsFile:
             try:
                 rec = json.loads(line)
                 ok = isinstance(rec, dict) and "id" in rec and not last  # the last piece has no newline: torn
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: no record of ours
                 ok = False
             if not ok:
                 if not last and any(x.strip() for x in lines[i + 1 :]):

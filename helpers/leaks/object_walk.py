@@ -15,7 +15,7 @@ import torch
 
 from ..core.session import ipython
 
-__all__ = ["walk", "ATOMS", "MAX_OBJECTS"]
+__all__ = ["walk", "ATOMS", "MAX_OBJECTS", "MAX_DEPTH"]
 
 _SKIP_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
 ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice)
@@ -125,25 +125,34 @@ def _roots(namespace: dict, system_roots: bool = True) -> list[tuple[str, object
 
 
 MAX_OBJECTS = 200_000  # a namespace walk stops here: holder names past it are not found
+# ... and goes no deeper than this: a holder name is a few attributes and indexes long, while a list nested
+# 200,000 deep would cost a path string per level, each as long as the depth (quadratic: minutes)
+MAX_DEPTH = 100
 
 
 def walk(
-    namespace: dict, max_objects: int = MAX_OBJECTS, stats: dict | None = None, *, system_roots: bool = True
+    namespace: dict,
+    max_objects: int = MAX_OBJECTS,
+    stats: dict | None = None,
+    *,
+    system_roots: bool = True,
+    max_depth: int = MAX_DEPTH,
 ) -> Iterator[tuple[str, object]]:
     """Breadth first from the namespace's names, so each object gets its shortest path first.
-    ``stats`` (a dict) gets ``truncated=True`` when ``max_objects`` stopped the walk early.
+    ``stats`` (a dict) gets ``truncated=True`` when ``max_objects`` stopped the walk early, and
+    ``too_deep=True`` when objects nested past ``max_depth`` levels were not walked.
     ``system_roots``: also start from IPython's ``Out`` and ``sys.last_*`` (False: the namespace only)."""
     seen: set[int] = set()
-    queue = deque(_roots(namespace, system_roots))
+    queue = deque((path, obj, 0) for path, obj in _roots(namespace, system_roots))
     visited = 0
     if stats is not None:
-        stats["truncated"] = False
+        stats["truncated"] = stats["too_deep"] = False
     while queue:
         if visited >= max_objects:
             if stats is not None:
                 stats["truncated"] = True
             return
-        path, obj = queue.popleft()
+        path, obj, depth = queue.popleft()
         if type(obj) in _PROXIES or isinstance(obj, ATOMS):  # a dead weakref proxy raises on isinstance
             continue
         if not isinstance(obj, torch.Tensor):  # tensors: every path is a holder name; others: once
@@ -152,7 +161,11 @@ def walk(
             seen.add(id(obj))
         yield path, obj
         visited += 1
+        if depth >= max_depth:
+            if stats is not None:
+                stats["too_deep"] = True
+            continue
         try:
-            queue.extend(_children(obj, path))
+            queue.extend((child_path, child, depth + 1) for child_path, child in _children(obj, path))
         except Exception:  # an object whose attributes cannot be read: skip it, keep walking
             continue

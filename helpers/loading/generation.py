@@ -212,6 +212,8 @@ def generate_batch(
     steps = PhaseSteps(monitor) if phases.recorders(monitor) else None
     if steps is not None:
         generate_kwargs = steps.added_to(generate_kwargs)
+    if generate_kwargs.get("stop_strings") and "tokenizer" not in generate_kwargs:
+        generate_kwargs = {**generate_kwargs, "tokenizer": tokenizer}  # generate reads stop strings with it
     try:
         with torch.inference_mode():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
@@ -307,6 +309,11 @@ GENERATE_RANGES = {
 }  # fmt: skip
 
 
+# Beam search keeps num_beams sequences (and their KV cache) per prompt: past this many it is a typo or a
+# hostile value (2**20 beams expand one prompt into a million sequences before anything runs)
+MAX_BEAMS = 128
+
+
 def check_generate_kwargs(kwargs: dict, error: type[Exception] = ValueError) -> None:
     """Refuse a ``generate()`` setting of the wrong type or out of range, naming it and its value."""
     for name, (low, whole) in GENERATE_RANGES.items():
@@ -318,6 +325,12 @@ def check_generate_kwargs(kwargs: dict, error: type[Exception] = ValueError) -> 
             number(f"generate setting {name}", kwargs[name], low=-math.inf if low is None else low, error=error)
     if "top_p" in kwargs and kwargs["top_p"] is not None and not 0 < kwargs["top_p"] <= 1:
         raise error(f"generate setting top_p is a probability in (0, 1], got {kwargs['top_p']!r}")
+    for name in ("num_beams", "num_beam_groups"):
+        if (kwargs.get(name) or 1) > MAX_BEAMS:
+            raise error(
+                f"generate setting {name}={kwargs[name]!r}: beam search keeps that many sequences (and their KV "
+                f"cache) per prompt; use at most {MAX_BEAMS} (4-8 is usual)"
+            )
 
 
 @torch.inference_mode()

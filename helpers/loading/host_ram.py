@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.arguments import whole_number
 from ..core.checks import Check
 from ..core.devices import MACHINE_RAM
 from ..core.errors import OomkitError
 from ..core.html import escape, table
 from ..core.memory import ram_readout
 from ..core.sources import checkpoint_size, memory_mapped
-from ..core.units import MiB, format_bytes
+from ..core.units import MAX_BYTES, MiB, format_bytes
 from .checks import PICKLE_LOAD_FACTOR
 
 __all__ = ["PROCESS_RUNTIME_RAM", "RankRam", "RankRamError", "rank_ram"]
@@ -130,6 +131,7 @@ def rank_ram(model: str, processes: int, *, machine: str | int | None = "current
     bytes in CPU RAM, fit the RAM of ``machine`` ("current", ``"kaggle-2xt4"``, ``"colab"``, or bytes)."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise RankRamError(f"processes is how many ranks this machine starts (1 or more), got {processes!r}")
+    whole_number("offloaded", offloaded, minimum=0, maximum=MAX_BYTES, error=RankRamError)  # bytes kept in RAM
     available, name = _machine_ram(machine)
     total, largest, source = checkpoint_size(model)
     if largest is None or memory_mapped(source):

@@ -18,6 +18,7 @@ from ..core.compat import from_pretrained_dtype
 from ..core.devices import (
     device_kind,
 )
+from ..core.units import parse_bytes
 from ..core.vocab import (
     DEFAULTS,
     DTYPE_BYTES,
@@ -46,6 +47,32 @@ __all__ = ["LoadPlan", "auto_compute_dtype", "check_fields", "ATTENTION_IMPLEMEN
 def auto_compute_dtype(device: str | None = None) -> str:
     """fp16 on pre-Ampere GPUs (T4, V100), bf16 on Ampere and later, fp16 on MPS, fp32 on CPU."""
     return devices.compute_dtype_rule(device or device_kind())
+
+
+_MAX_MEMORY_DEVICES = ("cpu", "disk", "mps")  # besides GPU indices: what accelerate's max_memory keys name
+
+
+def check_max_memory(max_memory: dict | None) -> None:
+    """Refuse a ``max_memory`` that accelerate would reject mid-load or read wrongly: keys are GPU indices
+    (0, 1, ...), "cpu", "disk" or "mps"; values are bytes (an int >= 0) or a size such as "14GiB"."""
+    for key, cap in (max_memory or {}).items():
+        gpu = isinstance(key, int) and not isinstance(key, bool) and key >= 0
+        if not gpu and key not in _MAX_MEMORY_DEVICES:
+            hint = f" (for {key} write {key.split(':')[-1]})" if isinstance(key, str) and key[-1:].isdigit() else ""
+            raise ArgumentError(
+                f"max_memory key {key!r}: use a GPU index (0, 1, ...) or one of {', '.join(_MAX_MEMORY_DEVICES)}{hint}"
+            )
+        if isinstance(cap, str):
+            try:
+                size = parse_bytes(cap)
+            except ValueError:
+                size = -1
+        else:
+            size = cap if isinstance(cap, int) and not isinstance(cap, bool) else -1
+        if size < 0:
+            raise ArgumentError(
+                f"max_memory[{key!r}] = {cap!r:.40}: a cap is bytes (an int >= 0) or a size such as '14GiB'"
+            )
 
 
 @dataclass
@@ -135,6 +162,7 @@ class LoadPlan:
             raise ArgumentError(
                 f"max_memory must be a dict such as {{0: '14GiB', 'cpu': '30GiB'}} or None, got {self.max_memory!r}"
             )
+        check_max_memory(self.max_memory)
         for name in ("offload_folder", "adapter"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str | os.PathLike) or not str(value).strip()):

@@ -190,6 +190,35 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
             "torch.cuda.empty_cache(), or restart the runtime; otherwise nvidia-smi names the other process",
         ),
     ),
+    "quantized_offload": (
+        "the quantized model does not fit on the GPU: device_map put some of its modules on the CPU or disk, which "
+        "transformers refuses for bitsandbytes weights unless offloading is asked for",
+        (
+            "Load it lighter: 4-bit (BitsAndBytesConfig(load_in_4bit=True)) instead of 8-bit, or a smaller model of the "
+            "same family; helpers.fit(estimate(model, load=...), 'current') says which fits before loading",
+            "Free the GPU first: a model loaded earlier in this notebook still holds memory (del it, helpers.cleanup()), "
+            "or restart the runtime",
+            "Or offload on purpose: BitsAndBytesConfig(..., llm_int8_enable_fp32_cpu_offload=True) with "
+            "device_map='auto' (or a max_memory cap): the modules on the CPU stay 32-bit and run much slower",
+        ),
+    ),
+    "vllm_kv_cache": (
+        "vLLM's KV cache does not fit: what gpu_memory_utilization x the card leaves after the weights and "
+        "activations cannot hold the cache blocks (or one request of max_model_len tokens)",
+        (
+            "Lower max_model_len to what fits (the tokens the message says the KV cache can hold)",
+            "Raise gpu_memory_utilization (e.g. 0.95) when nothing else uses the card; lower max_num_seqs",
+            "Make room: a quantized model (AWQ/GPTQ/fp8), kv_cache_dtype='fp8', or tensor_parallel_size over more GPUs",
+        ),
+    ),
+    "device_memory": (
+        "the accelerator ran out of memory; the message states the request but not what else held the card",
+        (
+            "Use a smaller batch (or shorter sequences, smaller images) per step",
+            "Use a lower precision (mixed precision / bfloat16 or float16) and release models you no longer use",
+            "Check that no other process holds the card (nvidia-smi; Task Manager > Performance > GPU on Windows)",
+        ),
+    ),
     "unknown": (
         "the message does not say enough to tell",
         ("Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",),

@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import estimator
 from ..core.knobs import knob_fixes
 from ..core.runtime import ALLOC_CONF, EXPANDABLE, cuda_initialized, needs_restart_for
 from ..core.session import user_namespace
 from ..core.units import format_bytes
+from ..estimator.core import MemoryEstimate
+from ..estimator.fitting import fit_one_card
 from ..leaks.tensors import largest_tensors  # the one walk; re-exported for the OOM report's readers
 from .causes import CAUSES
 from .messages import is_oom_text, parse_message
@@ -54,6 +55,11 @@ class OOMReport:
     other_allocations: int | None = None
     max_allowed: int | None = None
     process_cap: int | None = None
+    kv_cache_needed: int | None = None  # vLLM: the KV cache one request of max_model_len needs, bytes
+    kv_cache_available: int | None = None  # ... and what its budget left for the KV cache, bytes
+    max_seq_len: int | None = None  # vLLM's max_model_len, tokens
+    kv_cache_tokens: int | None = None  # tokens the KV cache can hold
+    max_len_that_fits: int | None = None  # vLLM's own estimate of the max_model_len that fits, tokens
     unknown: list[str] = field(default_factory=list)
     message: str = ""
     exception_type: str | None = None
@@ -91,6 +97,10 @@ class OOMReport:
             names = []
         if self.form == "vllm":
             names = [("requested", "gpu_memory_utilization x capacity"), ("total", "GPU capacity"), ("free", "free")]
+        if self.form in _REQUEST_ONLY_FORMS:
+            names = [("requested", "tried to allocate")]
+        if self.form in ("vllm_kv", "quantized_offload"):
+            names = [(n, label) for n, label in _KV_BYTES if getattr(self, n) is not None]
         if self.process_cap is not None:
             names.insert(2, ("process_cap", "allowed for this process (its cap)"))
         if self.requested_at_least is not None:  # only "more than 1EB" is printed: no other figure is worth a row
@@ -100,6 +110,7 @@ class OOMReport:
         ]
         if self.requested_at_least is not None:
             rows.insert(0, ("tried to allocate", f"more than {self.requested_at_least >> 60} EiB"))
+        rows += [(label, f"{getattr(self, n):,} tokens") for n, label in _KV_COUNTS if getattr(self, n) is not None]
         return rows + [(f"free on GPU {index} now", format_bytes(free)) for index, free in self.other_gpus]
 
     def to_dict(self) -> dict:
@@ -201,8 +212,23 @@ def _exception_text(exc: BaseException) -> str:
 _FORM_CAUSES = {
     "cpu": "system_ram", "colab_ram": "system_ram", "pagefile": "page_file", "shm": "shared_memory",
     "dataloader_killed": "dataloader_worker_killed", "kernel_died": "kernel_died", "killed": "killed_by_os",
-    "ggml": "gguf_buffer", "vllm": "vllm_reservation",
+    "ggml": "gguf_buffer", "vllm": "vllm_reservation", "quantized_offload": "quantized_offload",
+    "vllm_kv": "vllm_kv_cache", "directml": "device_memory", "tensorflow": "device_memory", "xla": "device_memory",
 }  # fmt: skip
+# Other frameworks' allocators: their messages state the request (and at most the device), nothing else
+_REQUEST_ONLY_FORMS = ("directml", "tensorflow", "xla")
+_KV_BYTES = (("kv_cache_needed", "KV cache needed"), ("kv_cache_available", "KV cache available"))
+_KV_COUNTS = (("max_seq_len", "max seq len (max_model_len)"), ("kv_cache_tokens", "tokens the KV cache holds"),
+              ("max_len_that_fits", "max_model_len that fits (vLLM's estimate)"))  # fmt: skip
+# The first fix for a framework whose settings differ from PyTorch's
+_FORM_TIPS = {
+    "tensorflow": "TensorFlow: tf.config.experimental.set_memory_growth(gpu, True) before building the model, so TF "
+    "does not take the whole card up front; report_tensor_allocations_upon_oom in RunOptions lists what held it",
+    "xla": "JAX preallocates 75 % of the card: XLA_PYTHON_CLIENT_PREALLOCATE=false (or XLA_PYTHON_CLIENT_MEM_FRACTION) "
+    "lets it share the card with another process; the BufferAssignment stats after the message name the largest buffers",
+    "directml": "DirectML shares video memory with the desktop and other programs: close those, and use smaller "
+    "batches or images (a UI's --lowvram / --medvram option)",
+}
 _DEATH_FORMS = ("pagefile", "shm", "dataloader_killed", "kernel_died", "killed")
 # No machine has a petabyte of memory to ask for: a request that large is a corrupted size, not a shortage.
 ABSURD_REQUEST = 1 << 50
@@ -268,7 +294,7 @@ def _allocator_causes(f: dict) -> list[str]:
         free = f.get("free")
         causes.insert(0 if free is None or req is None or free >= req else len(causes), "process_cap")
     if "request_too_large" not in causes and (
-        total is not None or form in ("cuda", "hip", "xpu", "mps", "cuda_legacy", "bitsandbytes")
+        total is not None or form in ("cuda", "hip", "xpu", "mps", "cuda_legacy", "bitsandbytes", "npu")
     ):
         causes.append("steady_state")
     if minor_held:
@@ -301,7 +327,7 @@ def _other_processes(f: dict, pid: int | None) -> list[tuple[int, int]]:
     with no such figure, the largest entry holding at least PyTorch's own share is, unless PyTorch named
     this process itself. ``pid`` (this process, when explaining a live error) is never another process.
     """
-    listed = [(p, n) for p, n in f.get("processes", []) if p != pid]
+    listed = [(p, n) for p, n in f.get("processes", []) if p != pid and p != _probably_this(f)]
     held, total = f.get("held_elsewhere"), f.get("total") or 0
     if held is not None:
         return [(p, n) for p, n in listed if n <= held + total // 100]
@@ -310,6 +336,23 @@ def _other_processes(f: dict, pid: int | None) -> list[tuple[int, int]]:
     own = (f.get("allocated") or 0) + (f.get("reserved_unallocated") or 0)
     biggest = max(listed, key=lambda p: p[1])
     return [p for p in listed if p is not biggest] if own and biggest[1] >= own else listed
+
+
+# the share of the memory in use that one listed process holds for a cut message to be read as this process
+ONE_PROCESS_SHARE = 0.9
+
+
+def _probably_this(f: dict) -> int | None:
+    """The PID of a message cut after "Process N has X memory in use." that is probably this process: the
+    only one listed, holding nearly all the memory in use (total - free), with none of PyTorch's own
+    figures left to tell. On Colab or in any container NVML lists the notebook under such a PID."""
+    listed, total, free = f.get("processes", []), f.get("total"), f.get("free")
+    if len(listed) != 1 or total is None or free is None or f.get("this_process") is not None:
+        return None
+    if f.get("allocated") is not None or f.get("reserved") is not None:
+        return None
+    used = total - free
+    return listed[0][0] if used > 0 and listed[0][1] >= ONE_PROCESS_SHARE * used else None
 
 
 def _notes(f: dict, others: list[tuple[int, int]], pid: int | None) -> list[str]:
@@ -323,7 +366,13 @@ def _notes(f: dict, others: list[tuple[int, int]], pid: int | None) -> list[str]
         me = f" (this process is {pid})" if pid is not None else ""
         notes.append(f"other processes on this GPU{me}: {who}; {format_bytes(held)} in all{ratio}")
     for p, n in f.get("processes", []):
-        if (p, n) not in others:
+        if (p, n) not in others and p != pid and p == _probably_this(f):
+            notes.append(
+                f"process {p} ({format_bytes(n)}) is probably this process (the notebook itself): it holds nearly all "
+                "the memory in use, and on Colab or in a container the notebook is listed under a PID of its own; the "
+                "message is cut before PyTorch's figures, so if nvidia-smi shows another process holding it, stop that"
+            )
+        elif (p, n) not in others:
             why = (
                 "its own PID"
                 if p == pid
@@ -332,6 +381,9 @@ def _notes(f: dict, others: list[tuple[int, int]], pid: int | None) -> list[str]
             notes.append(f"process {p} ({format_bytes(n)}) is this process ({why})")
     if f["form"] == "vllm" and f.get("free") and f.get("total"):
         notes.append(f"at most gpu_memory_utilization={int(100 * f['free'] / f['total']) / 100:.2f} fits what was free")
+    fits = f.get("max_len_that_fits") or f.get("kv_cache_tokens")
+    if f["form"] == "vllm_kv" and fits:
+        notes.append(f"max_model_len={fits} fits this budget (the model's max seq len is {f.get('max_seq_len')})")
     return notes
 
 
@@ -362,14 +414,14 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
     memory this process had when it ran out (``_room``); nothing without an estimate."""
     if memory_estimate is None:
         return []
-    if not isinstance(memory_estimate, estimator.MemoryEstimate):
+    if not isinstance(memory_estimate, MemoryEstimate):
         raise TypeError(
             f"explain_oom(memory_estimate=...) takes a helpers.MemoryEstimate (from estimate(model, ...)), "
             f"got {type(memory_estimate).__name__}"
         )
     room = _room(f)
     try:
-        verdict = estimator.fit_one_card(memory_estimate, room if room and room >= (1 << 20) else None)
+        verdict = fit_one_card(memory_estimate, room if room and room >= (1 << 20) else None)
     except Exception:  # noqa: BLE001 - an optional hint must never break a diagnosis
         return []
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
@@ -448,6 +500,8 @@ def explain_oom(
         at = causes.index("steady_state") if "steady_state" in causes else len(causes)
         causes.insert(at, "other_gpu_room")
         moved["other_gpu_room"] = _move_fixes(f, other_gpus, len(snap.gpus))
+    if f["form"] in _FORM_TIPS:
+        moved["device_memory"] = [_FORM_TIPS[f["form"]], *CAUSES["device_memory"][1]]
     if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
         moved["fragmentation"] = _fragmentation_fixes()
     if exc is not None and namespace is None:
@@ -533,8 +587,11 @@ def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, es
         fixes += [x for x in named.get(c, CAUSES[c][1]) if x not in fixes]
     if "steady_state" in causes:
         fixes += [x for x in estimated if x not in fixes]
+    if "quantized_offload" in causes:  # the fixes for the model in hand come first
+        fixes = estimated + [x for x in fixes if x not in estimated]
     wanted = {"cpu": ["requested"], "colab_ram": [], "mps": ["requested", "mps_allocated", "max_allowed"],
-              "ggml": ["requested"], "vllm": ["requested", "total", "free"], **dict.fromkeys(_DEATH_FORMS, [])}.get(
+              "ggml": ["requested"], "vllm": ["requested", "total", "free"], **dict.fromkeys(_DEATH_FORMS, []),
+              "quantized_offload": [], "vllm_kv": [], **dict.fromkeys(_REQUEST_ONLY_FORMS, ["requested"])}.get(
         f["form"], ["requested", "total", "free", "allocated", "reserved_unallocated"]
     )  # fmt: skip
     if f["form"] in ("cuda_error", "cublas", "cudnn", "nccl", "unknown", "bitsandbytes") and "total" not in f:
@@ -545,7 +602,8 @@ def _report(f: dict, causes: list[str], text: str, exc: BaseException | None, es
     if f["form"] == "cuda_legacy":
         unknown = [u for u in unknown if u != "reserved unallocated"]
     figures = ("device", "requested", "requested_at_least", "total", "free", "allocated", "reserved", "reserved_unallocated",
-               "this_process", "held_elsewhere", "mps_allocated", "other_allocations", "max_allowed", "process_cap")  # fmt: skip
+               "this_process", "held_elsewhere", "mps_allocated", "other_allocations", "max_allowed", "process_cap",
+               "kv_cache_needed", "kv_cache_available", "max_seq_len", "kv_cache_tokens", "max_len_that_fits")  # fmt: skip
     return OOMReport(
         form=f["form"],
         source=f["source"],

@@ -39,6 +39,7 @@ OOM_SIGNATURES: tuple[str, ...] = (
     "can not allocate memory",  # Intel XPU (IPEX): "Current platform can NOT allocate memory block ..."
     "failed to allocate",
     "not enough memory",
+    "not enough gpu video memory",  # torch-directml: "Could not allocate tensor with N bytes. There is not enough ..."
 )
 
 
@@ -59,6 +60,20 @@ TEXT_SIGNATURES: tuple[str, ...] = (
     "sigkill",
     "appears to have died",  # Jupyter: "The kernel appears to have died. It will restart automatically."
     "on startup is less than desired gpu memory utilization",  # vLLM's startup check
+    # refusals and deaths of other frameworks and runners (see the forms below for each one's source)
+    "some modules are dispatched on the cpu or the disk",  # transformers: a quantized model that does not fit
+    "no available memory for the cache blocks",  # vLLM
+    "that can be stored in kv cache",  # vLLM: "The model's max seq len (X) is larger than ... (Y)"
+    # vLLM v1: "To serve at least one request with the models's max seq len (X), (Y GiB KV cache is needed, ...":
+    # its first words, so the figures after them sit in the window read after the signature
+    "to serve at least one request with the model",
+    "oom when allocating tensor",  # TensorFlow's ResourceExhaustedError
+    "oomkilled",  # Kubernetes / Docker: "Reason: OOMKilled"
+    "oom killed",
+    "exit code: 137",  # kubectl describe's "Exit Code: 137", VS Code's "exit code: 137"
+    '"exitcode": 137',
+    "exited with code 137",  # docker compose
+    "killed by signal: terminated",  # a DataLoader worker sent SIGTERM
 )
 
 
@@ -131,12 +146,30 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
         "a DataLoader worker died of a bus error: shared memory (/dev/shm) ran out",
         r"killed by signal: bus error|insufficient shared memory",
     ),
-    ("dataloader_killed", "a DataLoader worker was killed (SIGKILL)", r"killed by signal: killed"),
+    (
+        "dataloader_killed",
+        "a DataLoader worker was killed (SIGKILL, or SIGTERM from the job runner under memory pressure)",
+        r"killed by signal: (?:killed|terminated)",
+    ),
     ("kernel_died", "the Jupyter kernel died", r"kernel(?: for \S{1,200})? (?:appears to have|has) died"),
     (
         "killed",
         "the process was killed with SIGKILL (Killed, exit code 137, exitcode -9)",
-        r"exit (?:code|status) 137|exitcode ?: ?-9\b|signal 9\b|sigkill|(?:^|[\s\]|])killed(?!\S)(?! by)",
+        r"exit (?:code|status) 137|exitcode ?: ?-9\b|signal 9\b|sigkill|(?:^|[\s\]|])killed(?!\S)(?! by)|"
+        r"oom ?killed|exit ?code\"?: {0,8}137\b|exited with code 137",
+    ),
+    # transformers (modeling_utils / quantizers): device_map="auto" left modules of a quantized model off the GPU
+    (
+        "quantized_offload",
+        "transformers refused a quantized model that does not fit on the GPU (device_map put modules on CPU/disk)",
+        r"some modules are dispatched on the cpu or the disk",
+    ),
+    # vLLM's KV-cache budget (vllm/worker/worker.py raise_if_cache_size_invalid, vllm/v1/core/kv_cache_utils.py)
+    (
+        "vllm_kv",
+        "vLLM's KV cache does not fit in its memory budget (gpu_memory_utilization)",
+        r"no available memory for the cache blocks|that can be stored in kv cache|"
+        r"to serve at least one request with the model",
     ),
     ("vllm", "vLLM's startup check of free GPU memory", r"on startup is less than desired gpu memory utilization"),
     (
@@ -146,6 +179,20 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
         r"failed to allocate (?:cuda|rocm)\d{1,3} buffer",
     ),
     ("mps", "Apple MPS allocator", r"mps backend out of memory"),
+    # DirectML (torch-directml's allocator, TensorFlow-DirectML's DmlAllocator): before TensorFlow's form
+    (
+        "directml",
+        "DirectML (Windows, any GPU vendor) ran out of video memory",
+        r"not enough gpu video memory|device:dml:\d|dmlallocat",
+    ),
+    ("tensorflow", "TensorFlow's allocator (ResourceExhaustedError)", r"oom when allocating tensor"),
+    (
+        "xla",
+        "JAX / XLA's allocator (RESOURCE_EXHAUSTED)",
+        r"resource.exhausted: out ?of memory|out of memory (?:while trying to allocate|allocating) \d|"
+        r"failed to allocate request for [^()]{1,30}\(\d{1,20}b\) on device ordinal",
+    ),
+    ("npu", "Ascend NPU caching allocator (torch_npu)", r"npu out of memory"),
     ("hip", "ROCm/HIP caching allocator", r"hip out of memory"),
     ("xpu", "Intel XPU caching allocator", r"xpu out of memory|can not allocate memory block"),
     # before the CUDA forms: an application may add "if you encounter CUDA out of memory, ..." after it
@@ -168,7 +215,8 @@ OOM_FORMS: tuple[tuple[str, str, str], ...] = (
         "cuda_error",
         "the CUDA driver itself (outside PyTorch's allocator)",
         # "CUDA error:out of memory" (no space) in some builds; THC's "error=2 : out of memory"
-        r"cuda error: ?out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory|error=2 ?: out of memory",
+        r"cuda error: ?out of memory|cuda runtime err(?:or)? ?\(2\) ?: out of memory|error=2 ?: out of memory|"
+        r"cuda failure 2: out of memory",  # CNTK: "CUDA failure 2: out of memory ; GPU=0 ; ... expr=cudaMalloc(...)"
     ),
     (
         "cpu",
@@ -187,11 +235,18 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     # ggml: the exact bytes of "failed to allocate CUDA0 buffer of size N" before its rounded MiB
     ("requested", r"failed to allocate (?:cuda|rocm)\d{1,3} buffer of size (\d{1,20})"),
     ("requested", rf"allocating {_SIZE} on device"),
+    ("requested", r"could not allocate tensor with (\d{1,20}) bytes"),  # DirectML
+    ("requested", r"out of memory (?:while trying to allocate|allocating) (\d{1,20}) bytes"),  # JAX / XLA
+    ("requested", r"failed to allocate request for [^()]{1,30}\((\d{1,20})b\) on device ordinal"),  # XLA's BFC
     ("requested_at_least", r"tried to allocate more than (\d{1,3}) ?eb\b"),  # PyTorch's cap on what it prints
     ("device", r"\bgpu {1,3}(\d{1,4})\b"),
     ("device", r"\bon device (\d{1,4}):"),  # ggml
     ("device", r"\b(?:cuda|rocm)(\d{1,3}) buffer"),  # ggml
     ("device", r"\bon device cuda:(\d{1,3})"),  # vLLM
+    ("device", r"\bnpu {1,3}(\d{1,4})\b"),  # Ascend: "(NPU 3; ...)"
+    ("device", r"/device:(?:gpu|dml|xla_gpu|tpu):(\d{1,4})\b"),  # TensorFlow's device names
+    ("device", r"\bgpu=(\d{1,4})\b"),  # CNTK: "CUDA failure 2: out of memory ; GPU=0 ;"
+    ("device", r"\bon device ordinal (\d{1,4})\b"),  # XLA
     ("device", r":\d{1,10}:\d{1,10} \[(\d{1,4})\] "),  # NCCL's "host:pid:tid [cudaDev]" prefix
     ("total", rf"total capaci?ty of {_SIZE}"),  # PyTorch 2.1-2.3 print "capacty"
     ("total", rf"{_SIZE} total capacity"),
@@ -208,7 +263,18 @@ _FIGURES: tuple[tuple[str, str], ...] = (
     ("other_allocations", rf"other allocations: {_SIZE}"),
     ("max_allowed", rf"max allowed: {_SIZE}"),
     ("process_cap", rf"{_SIZE} allowed;"),  # set_per_process_memory_fraction's cap, when one is set
+    # vLLM's KV-cache budget: bytes (v1) and token counts (COUNTS: not bytes)
+    ("kv_cache_needed", rf"{_SIZE} kv cache is needed"),
+    ("kv_cache_available", rf"available kv cache memory \({_SIZE}\)"),
+    ("max_seq_len", r"max seq len \((\d{1,12})\)"),
+    ("kv_cache_tokens", r"can be stored in kv cache \((\d{1,12})\)"),
+    ("max_len_that_fits", r"estimated maximum model length is (\d{1,12})"),
 )
+COUNTS = ("max_seq_len", "kv_cache_tokens", "max_len_that_fits")  # figures that are token counts, not bytes
+# TensorFlow states the tensor, not its bytes: "shape[16,128,98,98] and type float" is 16*128*98*98*4 B
+_TF_TENSOR = re.compile(r"oom when allocating tensor (?:with|of) shape ?\[([\d, ]{0,200})\] and type (\w{1,12})", re.I)
+_TF_ITEMSIZE = {"float": 4, "half": 2, "bfloat16": 2, "double": 8, "int8": 1, "uint8": 1, "bool": 1, "int16": 2,
+                "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "complex64": 8, "complex128": 16}  # fmt: skip
 # vLLM: "Free memory on device [cuda:N] (FREE/TOTAL GiB) on startup is less than desired GPU memory
 # utilization (FRACTION, WANTED GiB)": two figures in one parenthesis, read here rather than in _FIGURES
 _GIB = r"(\d{1,10}(?:\.\d{1,6})?)"
@@ -310,6 +376,10 @@ def parse_message(text: str) -> dict:
         value = _figure(regex, before, after)
         if value is not None:
             figures[name] = _value(name, value)
+    if "requested" not in figures:
+        requested = _tf_request(before[-_FORM_CONTEXT:] + after)
+        if requested is not None:
+            figures["requested"] = requested
     vllm = _VLLM.search(before[-_FORM_CONTEXT:] + after)  # its signature sits mid-message
     if vllm is not None:
         free, total, wanted = (parse_bytes(f"{v} GiB") for v in vllm.groups())
@@ -318,9 +388,21 @@ def parse_message(text: str) -> dict:
     return {"form": form, "source": source, **figures}
 
 
+def _tf_request(text: str) -> int | None:
+    """The bytes of the tensor a TensorFlow OOM names (its shape times its type's size), or None."""
+    m = _TF_TENSOR.search(text)
+    itemsize = _TF_ITEMSIZE.get(m.group(2).lower()) if m else None
+    if itemsize is None:
+        return None
+    count = 1
+    for dim in m.group(1).replace(" ", "").split(","):
+        count *= int(dim) if dim else 1
+    return count * itemsize
+
+
 def _value(name: str, text: str) -> int:
-    """A figure's bytes (the GPU index for ``device``; "more than N EB" as N EiB)."""
-    if name == "device":
+    """A figure's bytes (the GPU index for ``device``; "more than N EB" as N EiB; a count for COUNTS)."""
+    if name == "device" or name in COUNTS:
         return int(text)
     if name == "requested_at_least":
         return int(text) << 60

@@ -41,7 +41,7 @@ from ..core.memory import ram_readout
 from ..core.reducers import kv_cache_available, kv_cache_choices, use_kv_cache
 from ..core.session import enable_colab_widgets
 from ..core.units import GiB, format_bytes
-from ..core.vocab import BF16, DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
+from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
 from ..estimator.configs import resolve_config
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import fit_one_card
@@ -600,11 +600,9 @@ class LoadPanel(Panel):
     def _split_fix(self, plan: LoadPlan, est: MemoryEstimate, split: DevicePlan) -> SplitFix | None:
         """The first of the estimator's fixes (against the GPUs' memory added up, least drastic first) that
         places as fitting (:meth:`arrangement`); else the split's own advice."""
-        bf16 = all(d["bf16"] for _, d in self._gpus)
-        candidates = [
-            s for s in fit_one_card(est, sum(g.capacity for g in split.gpus)).suggestions
-            if set(s.kwargs) <= SPLIT_KNOBS and (bf16 or s.kwargs.get("load") != BF16)  # a T4 has no bf16
-        ]  # fmt: skip
+        together = {"name": "the GPUs' memory added up", "capacity": sum(g.capacity for g in split.gpus),
+                    "bf16": all(d["bf16"] for _, d in self._gpus)}  # a T4 has no bf16: no bf16 fix  # fmt: skip
+        candidates = [s for s in fit_one_card(est, together).suggestions if set(s.kwargs) <= SPLIT_KNOBS]
         for s in candidates[:MAX_FIX_TRIES]:
             result, tried = self.arrangement(plan.replace(**s.kwargs), s.estimate)
             if result != DOES_NOT_FIT:

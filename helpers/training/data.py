@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.arguments import regular_file
 from ..core.sources import data_path
 from ..loading.generation import generate_batched
 from .plan import FinetuneError, need_tokenizer
@@ -39,6 +40,7 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
             f"no instruction file at {path}; pass a JSONL path with one "
             '{"instruction": ..., "response": ...} object per line'
         )
+    path = regular_file(path, "instruction file", FinetuneError)
     if path.is_dir():
         raise IsADirectoryError(
             f"{path} is a folder; pass the JSONL file in it "
@@ -52,14 +54,15 @@ def load_instructions(path: str | Path | None = None, *, heldout: bool = False) 
             "(e.g. open(path, 'w', encoding='utf-8')) and pass it again"
         ) from None
     rows = []
-    for i, line in enumerate(text.splitlines(), 1):
+    for i, line in enumerate(text.split("\n"), 1):  # "\n" only: U+2028 or U+0085 may sit inside a string
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
+            why = f"{e.msg}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
             raise FinetuneError(
-                f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); every line must be one "
+                f"{path}:{i}: not valid JSON ({why}); every line must be one "
                 '{"instruction": ..., "response": ...} object'
             ) from None
         if not isinstance(row, dict) or "instruction" not in row:

@@ -92,8 +92,9 @@ class TrainingMemory:
 
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + optimizer states on one GPU (the ZeRO paper's model states)."""
-        return self.bytes("states")
+        """Parameters + gradients + optimizer states on one GPU (the ZeRO paper's model states; under QLoRA
+        the adapters' own, as the estimator keys them)."""
+        return self.bytes("states") + sum(self.bytes(key) for key in _SHARDED_STATES)
 
     @property
     def total(self) -> int:
@@ -321,6 +322,12 @@ def launch(function, args: tuple = (), *, num_processes: int = 2, via: str = "au
         raise DistributedError(f"args must be a tuple of the function's arguments, got {args!r:.60}")
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
+    cores = max(2, psutil.cpu_count() or 1)
+    if not torch.cuda.is_available() and num_processes > cores:  # with GPUs: one process per GPU, checked below
+        raise DistributedError(
+            f"num_processes={num_processes} without a GPU: each process is a gloo rank holding its own copy of the "
+            f"model, and this machine has {psutil.cpu_count()} CPU core(s); use at most {cores}"
+        )
     if via not in ("auto", "notebook", "debug", "subprocess"):
         raise DistributedError(f"unknown launcher {via!r}; use auto, notebook, debug or subprocess")
     why = f"via={via!r}"
