@@ -276,6 +276,8 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
     inp = est.inputs
     tr = inp.get("training")
     cands: list[tuple[str, dict]] = []
+    if est.quantized_by == "mxfp4" and est.load == "bf16" and inp.get("load") != "bf16":  # dequantized: no kernels
+        cands.append(("pip install -U kernels triton (transformers then keeps mxfp4)", {"load": "mxfp4"}))
     order = ["fp32", "bf16", "fp16", "int8", "nf4"]
     if est.load in order:
         for load in order[order.index(est.load) + 1 :]:
