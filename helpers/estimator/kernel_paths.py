@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..units import format_bytes
-from .layout import Layout, should_convert, tied_note, weight_rows
+from .layout import Layout, fp32_modules, should_convert, tied_note, weight_rows
 from .prequantized import RepoQuantization
 from .rows import EstimateRow
 
@@ -113,6 +113,7 @@ def native_rows(lay: Layout, rq: RepoQuantization, b: int) -> list[EstimateRow]:
     uint8 scales; their biases are fp32. fp8 (``FP8Linear``/``FP8Experts``): every linear and expert tensor
     not skipped, 1 byte a value and one fp32 scale per weight block (one per tensor without blocks)."""
     skip = list(set(lay.not_convert) | set(rq.skip))
+    fp32 = fp32_modules(lay, DEQUANTIZED)  # the checkpoint's own dtype, bf16
     packed = state = plain = buffers = n = 0
     for e in lay.entries:
         if e.module == "buffer":
@@ -131,7 +132,7 @@ def native_rows(lay: Layout, rq: RepoQuantization, b: int) -> list[EstimateRow]:
                 scales = math.ceil(e.numel / per_scale)
             packed, state, n = packed + e.numel, state + 4 * scales, n + 1
         else:
-            plain += e.numel * (4 if any(k in e.name for k in lay.keep_fp32) else b)
+            plain += e.numel * (4 if any(k in e.name for k in fp32) else b)
     if rq.method == "mxfp4":
         what = ("weights: mxfp4 expert tensors (two fp4 values a byte)", "weights: mxfp4 scales (one uint8 per 32)",
                 f"{n} expert tensors")  # fmt: skip
