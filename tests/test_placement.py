@@ -14,7 +14,8 @@ from helpers.placement import PlacementError, fits_table, placement_model, plan_
 from helpers.sources import shipped_configs
 from helpers.vocab import torch_dtype
 
-SHIPPED = sorted(shipped_configs())
+# a pre-quantized config (gpt-oss mxfp4, Qwen3 fp8) loads only as saved: no fp16 or nf4 plan
+SHIPPED = sorted(m for m, path in shipped_configs().items() if "quantization_config" not in path.read_text())
 
 
 HEADROOM = GiB  # bytes every fake GPU keeps for the runtime
