@@ -149,3 +149,13 @@ def test_smaller_model_fix_stays_in_the_family():
     est = estimate(d, load="fp32", device="t4", training=FullTraining(seq_len=128, micro_batch=4))
     smaller = [s for s in fit(est, "t4").suggestions if "model" in s.kwargs]
     assert [s.kwargs["model"] for s in smaller] == ["openai/whisper-small"]
+
+
+def test_a_width_under_another_name_is_no_missing_hidden_size():
+    # BLOOM's config.json says n_embed (its class takes it in __init__), GPT-2's n_embd, T5's d_model
+    bloom = estimate(
+        dict(model_type="bloom", n_embed=64, n_layer=2, num_attention_heads=4, vocab_size=100), load="fp16"
+    )
+    gpt2 = estimate(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100), load="fp16")
+    assert bloom.params == 2 * (12 * 64 * 64 + 13 * 64) + 100 * 64 + 4 * 64  # blocks, embeddings, their two norms
+    assert gpt2.params > 100 * 64 and not bloom.approximate and not gpt2.approximate

@@ -126,7 +126,9 @@ def _missing_width(config, d: dict, where: str) -> None:
     if config.get_text_config() is not config or not hasattr(config, "hidden_size"):
         return
     alias = getattr(type(config), "attribute_map", {}).get("hidden_size", "hidden_size")
-    if "hidden_size" not in d and alias not in d:
+    # the spellings config classes take in __init__ without an attribute_map entry (BLOOM's n_embed, ...)
+    spellings = {"hidden_size", alias, "n_embed", "n_embd", "d_model", "dim", "hidden_dim", "model_dim", "embed_dim"}
+    if not spellings & set(d):
         raise EstimateError(
             f"{where} has no {alias}: transformers would take its default ({config.hidden_size}) and the count would "
             f"be another model's; pass the model's full config.json (with {alias})"
