@@ -23,7 +23,7 @@ from .arguments import ArgumentError, flag, whole_number
 from .checks import Check
 from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .errors import OomkitError
-from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params
+from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params, resolve_config
 from .gpu_split import held_hint, offload_ram
 from .html import badge, table
 from .loading import ram_for_loading
@@ -399,6 +399,15 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
     return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
 
 
+def _prequantized(model: Any) -> bool:
+    from .estimator.prequantized import repo_quantization
+
+    try:
+        return repo_quantization(resolve_config(model)[0]) is not None
+    except EstimateError:
+        return False  # estimate() says what is wrong with it, below
+
+
 def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS.max_new_tokens, snapshot=None, batch_size: int = DEFAULTS.batch_size,
                prompt_tokens: int = DEFAULTS.prompt_tokens) -> list[Check]:  # fmt: skip
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
@@ -411,6 +420,8 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     bf16 = bool(gpus) and all(g.supports_bf16 for g in gpus)
     half = "bf16" if bf16 else "fp16"
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
+    if load == "auto" and _prequantized(model):
+        loads = ["auto"]  # it loads as saved (GPTQ, AWQ, mxfp4 or fp8 kept or dequantized): no mode to choose
     dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
     host = _Host(half, offload_ram(snapshot) if snapshot is not None and gpus else 0)
     try:

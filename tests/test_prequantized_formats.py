@@ -152,3 +152,14 @@ def test_fp8_block_size_that_is_not_two_numbers_is_refused():
     bad = {**QWEN3_FP8, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}
     with pytest.raises(EstimateError, match="weight_block_size"):
         estimate(bad, device="h100")
+
+
+def test_preflight_checks_a_pre_quantized_checkpoint_as_it_loads(kernels):
+    from helpers.environment import fit_checks
+
+    kernels(False, False)
+    check = fit_checks("openai/gpt-oss-20b")[0]
+    assert "load=bf16" in str(check) and "39.61 GiB predicted" in str(check) and check.status == "fail"
+    kernels(True, True)
+    check = fit_checks("openai/gpt-oss-20b")[0]
+    assert "load=mxfp4" in str(check) and "13.42 GiB predicted" in str(check)
