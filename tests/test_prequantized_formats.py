@@ -163,3 +163,20 @@ def test_preflight_checks_a_pre_quantized_checkpoint_as_it_loads(kernels):
     kernels(True, True)
     check = fit_checks("openai/gpt-oss-20b")[0]
     assert "load=mxfp4" in str(check) and "13.42 GiB predicted" in str(check)
+
+
+def test_training_takes_the_dequantized_load_where_the_packed_one_cannot_train(kernels):
+    from helpers.estimator import FullTraining, LoraTraining
+
+    kernels(True, True)
+    lora = LoraTraining(seq_len=64, micro_batch=1)
+    # transformers' mxfp4 quantizer is not trainable (LoRA too): OpenAI fine-tunes gpt-oss dequantized
+    trained = estimate(GPT_OSS, device="t4", training=lora)
+    assert trained.load == "bf16" and any("cannot train mxfp4" in w for w in trained.warnings)
+    with pytest.raises(EstimateError, match="cannot train mxfp4 weights.*pass load='bf16'"):
+        estimate(GPT_OSS, load="mxfp4", device="t4", training=lora)
+    # fp8 layers train adapters as they are; full fine-tuning trains 16-bit weights
+    assert estimate(QWEN3_FP8, device="h100", training=lora).load == "fp8"
+    assert estimate(QWEN3_FP8, device="h100", training=FullTraining(seq_len=64, micro_batch=1)).load == "bf16"
+    with pytest.raises(EstimateError, match="full fine-tuning trains 16-bit weights"):
+        estimate(QWEN3_FP8, load="fp8", device="h100", training=FullTraining(seq_len=64, micro_batch=1))

@@ -206,7 +206,8 @@ def estimate(
         load, double_quant, skip_modules = _repo_settings(repo, load, double_quant, skip_modules, name)
         if repo.method in (*NATIVE_FORMATS, "compressed-tensors"):
             # inputs keep the load as asked: on another device (a fix's bigger card) the path may differ
-            path = kernel_path(repo, dev, requested)
+            kind = None if training is None else ("full" if isinstance(training, FullTraining) else "lora")
+            path = kernel_path(repo, dev, requested, kind)
             load = path.load
             inputs.update(double_quant=double_quant)
         else:
@@ -219,7 +220,7 @@ def estimate(
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
     if path is not None:
-        rows, header_notes = _path_weights(lay, repo, path, b, training)
+        rows, header_notes = _path_weights(lay, repo, path, b)
     else:
         rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)
     if training is None:
@@ -275,14 +276,9 @@ def _weights(model, lay, load: str, b: int, repo, double_quant: bool, skip_modul
     return weight_rows(lay, load, b, double_quant, skip_modules), notes
 
 
-def _path_weights(lay, repo, path, b: int, training) -> tuple[list[EstimateRow], list]:
+def _path_weights(lay, repo, path, b: int) -> tuple[list[EstimateRow], list]:
     """An mxfp4/fp8/compressed-tensors checkpoint's weights on the path transformers takes on this device,
     and a note naming it (and, when dequantized, what the packed format would hold and the fix)."""
-    if not path.dequantized and isinstance(training, FullTraining):
-        raise EstimateError(
-            f"full fine-tuning trains 16-bit weights, and this checkpoint's are {repo.method}: pass load='bf16' "
-            f"(transformers dequantizes them), or LoraTraining() to train adapters around the {repo.method} weights"
-        )
     native = native_rows(lay, repo, b) if repo.method in NATIVE_FORMATS else []
     rows = dequantized_rows(lay, path, repo) if path.dequantized else native
     return rows, [path_note(path, repo, rows, native)]

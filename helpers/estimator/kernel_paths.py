@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..units import format_bytes
 from .layout import Layout, fp32_modules, should_convert, tied_note, weight_rows
 from .prequantized import RepoQuantization
-from .rows import EstimateRow
+from .rows import EstimateError, EstimateRow
 
 __all__ = ["KernelPath", "kernel_path", "mxfp4_software", "native_rows", "dequantized_rows", "DEQUANTIZED",
            "MXFP4_CAPABILITY", "FP8_CAPABILITY"]  # fmt: skip
@@ -86,12 +86,33 @@ def _fp8(dev: dict | None) -> KernelPath:
     return KernelPath("fp8", f"fp8 kept on {name}{known}")
 
 
-def kernel_path(rq: RepoQuantization, dev: dict | None, requested: str = "auto") -> KernelPath:
+def _training_path(rq: RepoQuantization, requested: str, full: bool) -> KernelPath | None:
+    """Training takes the dequantized load where the packed one cannot train: transformers' mxfp4 quantizer is
+    not trainable at all (``is_trainable`` False: LoRA too), and full fine-tuning trains 16-bit weights."""
+    if requested == DEQUANTIZED or not (rq.method == "mxfp4" or full):
+        return None
+    what = "full fine-tuning trains 16-bit weights" if full else "transformers cannot train mxfp4 weights"
+    if requested == rq.load:
+        raise EstimateError(
+            f"{what}, and load={requested!r} keeps them {rq.method}: pass load='bf16' (the checkpoint loaded with "
+            f"dequantize=True{', as OpenAI fine-tunes gpt-oss' if rq.method == 'mxfp4' else ''}) or load='auto'"
+        )
+    return KernelPath(DEQUANTIZED, f"{what}: {rq.method} dequantized to bf16 for training (dequantize=True)")
+
+
+def kernel_path(
+    rq: RepoQuantization, dev: dict | None, requested: str = "auto", training: str | None = None
+) -> KernelPath:
     """What transformers does with ``rq`` on ``dev`` (a device preset's dict, ``None`` for the CPU).
 
     ``requested``: "auto" follows this environment's software (Triton, ``kernels``); the format's own name
     ("mxfp4") states the target has them; "bf16" asks for the dequantized load (``dequantize=True``). The
-    hardware rule (compute capability) holds whatever is asked: transformers applies it at load."""
+    hardware rule (compute capability) holds whatever is asked: transformers applies it at load.
+    ``training``: None (generation), "lora" or "full"."""
+    if rq.method != "compressed-tensors" and training is not None:
+        trained = _training_path(rq, requested, training == "full")
+        if trained is not None:
+            return trained
     if rq.method == "compressed-tensors":
         return KernelPath(DEQUANTIZED, "compressed-tensors loads compressed and decompresses each layer on the "
                           "first forward pass: dense bf16 while it runs", "a bitsandbytes 4-bit checkpoint of the "
