@@ -159,3 +159,18 @@ def test_a_width_under_another_name_is_no_missing_hidden_size():
     gpt2 = estimate(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100), load="fp16")
     assert bloom.params == 2 * (12 * 64 * 64 + 13 * 64) + 100 * 64 + 4 * 64  # blocks, embeddings, their two norms
     assert gpt2.params > 100 * 64 and not bloom.approximate and not gpt2.approximate
+
+
+def test_a_hub_config_its_class_rejects_names_the_field_not_the_network(monkeypatch):
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    from transformers import AutoConfig, PretrainedConfig
+
+    def strict(name, **kw):
+        raise StrictDataclassFieldValidationError("tie_word_embeddings", TypeError("expected bool, got str"))
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", strict)
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict",
+                        lambda name, **kw: ({"model_type": "qwen2", "tie_word_embeddings": "no"}, {}))  # fmt: skip
+    with pytest.raises(EstimateError, match="tie_word_embeddings='no' in the config of 'someone/Broken-1B'") as e:
+        estimate("someone/Broken-1B")
+    assert "Offline or private" not in str(e.value)

@@ -197,6 +197,9 @@ def _from_hub(name: str):
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None)
     except Exception as e:
+        rejected = _rejected_on_hub(e, name)
+        if rejected is not None:
+            raise rejected from None
         known = ", ".join(shipped_configs()) or "none"
         typo = closest_shipped(name)
         raise EstimateError(
@@ -207,6 +210,21 @@ def _from_hub(name: str):
         ) from None
     check_config_values(config.to_dict(), f"the config of {name!r}")
     return config, name, None
+
+
+def _rejected_on_hub(e: Exception, name: str) -> EstimateError | None:
+    """A hub config that was read but that its class's validation refuses (not a network or access error):
+    the EstimateError naming the field and its value, read back from the file just downloaded."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import PretrainedConfig
+
+    if not isinstance(e, StrictDataclassError | KeyError | TypeError):
+        return None
+    try:
+        d, _ = PretrainedConfig.get_config_dict(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - without the file, the error still names the field
+        d = {}
+    return _rejected(e, d, f"the config of {name!r}", str(d.get("model_type", "its")))
 
 
 def hub_repo(model: Any) -> str | None:
