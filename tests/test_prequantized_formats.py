@@ -25,6 +25,14 @@ QWEN3_FP8 = dict(model_type="qwen3", hidden_size=256, intermediate_size=640, num
                  quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
                                       "activation_scheme": "dynamic"})  # fmt: skip
 
+# DeepSeek-V3's shape in small: MLA attention, a dense first layer, fused routed experts and a shared one
+DEEPSEEK_V3_FP8 = dict(model_type="deepseek_v3", hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                       num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                       n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                       q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+                       vocab_size=1000, tie_word_embeddings=False,
+                       quantization_config=QWEN3_FP8["quantization_config"])  # fmt: skip
+
 
 def _meta_model(d: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -48,18 +56,20 @@ def kernels(monkeypatch):
     return lambda triton, package: monkeypatch.setattr(KP, "mxfp4_software", lambda: (triton, package))
 
 
-def test_fp8_weights_match_transformers_fp8_linear_layout():
+@pytest.mark.parametrize("config", [QWEN3_FP8, DEEPSEEK_V3_FP8], ids=["qwen3", "deepseek_v3"])
+def test_fp8_weights_match_transformers_fp8_linear_layout(config):
+    """FP8Linear and FP8Experts: a byte a value, an fp32 scale per 128x128 block (3-D for fused experts)."""
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
-    _, model = _meta_model(QWEN3_FP8)
+    _, model = _meta_model(config)
     with torch.device("meta"):
         replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], pre_quantized=True,
                                 quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]))  # fmt: skip
-    est = estimate(QWEN3_FP8, device="h100")
+    est = estimate(config, device="h100")
     assert est.load == "fp8" and est.quantized_by == "fp8"
     assert _weights_without_buffers(est) == _param_bytes(model)
-    dequantized = estimate(QWEN3_FP8, load="bf16", device="h100")
+    dequantized = estimate(config, load="bf16", device="h100")
     assert dequantized.load == "bf16" and dequantized.weights > est.weights
 
 
