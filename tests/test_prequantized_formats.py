@@ -190,3 +190,16 @@ def test_training_takes_the_dequantized_load_where_the_packed_one_cannot_train(k
     assert estimate(QWEN3_FP8, device="h100", training=FullTraining(seq_len=64, micro_batch=1)).load == "bf16"
     with pytest.raises(EstimateError, match="full fine-tuning trains 16-bit weights"):
         estimate(QWEN3_FP8, load="fp8", device="h100", training=FullTraining(seq_len=64, micro_batch=1))
+
+
+def test_skip_lists_in_quantization_config_are_module_names():
+    one = {
+        **QWEN3_FP8,
+        "quantization_config": {**QWEN3_FP8["quantization_config"], "modules_to_not_convert": "lm_head"},
+    }
+    assert estimate(one, device="h100").weights == estimate(QWEN3_FP8, device="h100").weights  # not l, m, _, ...
+    bad = {**QWEN3_FP8, "quantization_config": {**QWEN3_FP8["quantization_config"], "modules_to_not_convert": 5}}
+    with pytest.raises(EstimateError, match="modules_to_not_convert in quantization_config is '5', not a list"):
+        estimate(bad, device="h100")
+    odd = {**QWEN3_FP8, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": ["x"]}}
+    assert estimate(odd, device="t4").load == "bf16"

@@ -47,6 +47,19 @@ NATIVE_FORMATS = ("mxfp4", "fp8")
 SHIPS_PREQUANTIZED = {"gpt_oss": "mxfp4"}
 
 
+def _names(qc: dict, key: str) -> list[str]:
+    """A list of module names from quantization_config (``modules_to_not_convert``, ``ignore``)."""
+    value = qc.get(key) or []
+    if isinstance(value, str):
+        return [value]  # one name; list() would make it its letters
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise EstimateError(
+            f"{key} in quantization_config is {str(value)[:60]!r}, not a list of module names such as ['lm_head']; "
+            "fix the config.json"
+        )
+    return list(value)
+
+
 def _fp8(qc: dict) -> RepoQuantization:
     block = qc.get("weight_block_size")
     if block is not None and not (isinstance(block, list | tuple) and len(block) == 2 and all(
@@ -55,18 +68,19 @@ def _fp8(qc: dict) -> RepoQuantization:
             f"weight_block_size in quantization_config is {block!r}; an fp8 checkpoint states two positive whole "
             "numbers such as [128, 128] (or none, for one scale per tensor): fix the config.json"
         )
-    return RepoQuantization("fp8", "fp8", bits=8, skip=list(qc.get("modules_to_not_convert") or []),
+    return RepoQuantization("fp8", "fp8", bits=8, skip=_names(qc, "modules_to_not_convert"),
                             block=tuple(block) if block else None)  # fmt: skip
 
 
 def _compressed(qc: dict) -> RepoQuantization:
     """compressed-tensors: the first config group's weight scheme (float-quantized fp8 or pack-quantized int)."""
     groups = qc.get("config_groups") or {}
+    groups = groups if isinstance(groups, dict) else {}
     weights = next((g.get("weights") for g in groups.values() if isinstance(g, dict) and g.get("weights")), None)
     weights = weights if isinstance(weights, dict) else {}
     bits = weights.get("num_bits", 8)
     return RepoQuantization("compressed-tensors", "bf16", bits=bits if isinstance(bits, int) else 8,
-                            group_size=weights.get("group_size") or 0, skip=list(qc.get("ignore") or []),
+                            group_size=weights.get("group_size") or 0, skip=_names(qc, "ignore"),
                             float_weights=weights.get("type", "float") == "float")  # fmt: skip
 
 
@@ -99,9 +113,7 @@ def repo_quantization(config) -> RepoQuantization | None:
         skip = list(qc.get("modules_to_not_convert") or [])
         return RepoQuantization(method, method, bits=bits, group_size=group, skip=skip)
     if method == "mxfp4":  # gpt-oss: uint8 blocks of two fp4 values, one uint8 (e8m0) scale per 32 values
-        return RepoQuantization(
-            "mxfp4", "mxfp4", bits=4, group_size=32, skip=list(qc.get("modules_to_not_convert") or [])
-        )
+        return RepoQuantization("mxfp4", "mxfp4", bits=4, group_size=32, skip=_names(qc, "modules_to_not_convert"))
     if method == "fp8":
         return _fp8(qc)
     if method == "compressed-tensors":
