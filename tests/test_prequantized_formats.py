@@ -203,3 +203,15 @@ def test_skip_lists_in_quantization_config_are_module_names():
         estimate(bad, device="h100")
     odd = {**QWEN3_FP8, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": ["x"]}}
     assert estimate(odd, device="t4").load == "bf16"
+
+
+def test_the_current_gpu_s_compute_capability_decides_the_path(monkeypatch):
+    import helpers.devices as D
+    import helpers.estimator.core as C
+
+    t4 = {"name": "Tesla T4", "capacity": 15 * 2**30, "bf16": False}  # as devices._current() describes a GPU
+    monkeypatch.setattr(D, "_current", lambda: ("Tesla T4", t4))
+    monkeypatch.setattr(C, "cuda_capability", lambda: (7, 5))
+    assert estimate(QWEN3_FP8, device="current").load == "bf16"
+    monkeypatch.setattr(C, "cuda_capability", lambda: (9, 0))
+    assert estimate(QWEN3_FP8, device="current").load == "fp8"

@@ -207,7 +207,7 @@ def estimate(
         if repo.method in (*NATIVE_FORMATS, "compressed-tensors"):
             # inputs keep the load as asked: on another device (a fix's bigger card) the path may differ
             kind = None if training is None else ("full" if isinstance(training, FullTraining) else "lora")
-            path = kernel_path(repo, dev, requested, kind)
+            path = kernel_path(repo, _with_capability(device, dev), requested, kind)
             load = path.load
             inputs.update(double_quant=double_quant)
         else:
@@ -417,6 +417,15 @@ def _check_reducers(training) -> None:
         raise EstimateError(f"training.loss: {e}") from None
     if not isinstance(training.offload_activations, bool):
         raise EstimateError(f"training.offload_activations must be True or False, got {training.offload_activations!r}")
+
+
+def _with_capability(device: Any, dev: dict | None) -> dict | None:
+    """``dev`` with its compute capability: "current" reads this GPU's (its dict carries none), as
+    :func:`cublas_workspace` does; transformers decides the mxfp4/fp8 kernel path on it."""
+    if dev is not None and dev.get("capability") is None and isinstance(device, str):
+        if device.strip().lower() == "current":
+            return {**dev, "capability": cuda_capability()}
+    return dev
 
 
 _WORKSPACE_CONFIG = {CUBLAS_WORKSPACE: ":4096:2:16:8", CUBLAS_WORKSPACE_HOPPER: ":4096:8"}
