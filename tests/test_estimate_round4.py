@@ -174,3 +174,21 @@ def test_a_hub_config_its_class_rejects_names_the_field_not_the_network(monkeypa
     with pytest.raises(EstimateError, match="tie_word_embeddings='no' in the config of 'someone/Broken-1B'") as e:
         estimate("someone/Broken-1B")
     assert "Offline or private" not in str(e.value)
+
+
+def test_a_validator_s_sentence_still_names_the_field(monkeypatch):
+    """Llama's validate_architecture says "The hidden size (4096) is not a multiple of ...": hidden_size."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import AutoConfig, PretrainedConfig
+
+    def strict(name, **kw):
+        cause = ValueError("The hidden size (4096) is not a multiple of the number of attention heads (13).")
+        raise StrictDataclassClassValidationError("validate_architecture", cause) from cause
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", strict)
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict",
+                        lambda name, **kw: ({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 13}, {}))  # fmt: skip
+    with pytest.raises(
+        EstimateError, match=r"hidden_size=4096 in the config of 'someone/Odd-7B' is rejected .*fix hidden_size"
+    ):
+        estimate("someone/Odd-7B")

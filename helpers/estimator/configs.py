@@ -107,7 +107,8 @@ def _rejected(e: Exception, d: dict, where: str, model_type: str) -> EstimateErr
     cause = e.__cause__ or e  # a strict dataclass error wraps the validator's own
     reason = " ".join(str(cause).strip("'\" ").split()) or type(cause).__name__
     named = re.search(r"field '(\w+)'", str(e))
-    keys = sorted((k for k in d if k in reason), key=len, reverse=True)
+    spaced = reason.replace(" ", "_").lower()  # "The hidden size (4096) is not ..." names hidden_size
+    keys = sorted((k for k in d if k in reason or k.lower() in spaced), key=len, reverse=True)
     field = named.group(1) if named else (keys[0] if keys else None)
     if field is None and "rope_parameters" in reason:
         field = "rope_parameters"
