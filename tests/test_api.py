@@ -36,7 +36,7 @@ def test_unknown_name_is_an_attribute_error():
 
 
 def test_every_oomkit_error_derives_from_the_base():
-    from helpers.errors import OomkitError
+    from helpers.core.errors import OomkitError
 
     for name in ("estimator", "loading", "devices", "vocab", "sources", "evaluate", "batch_size"):
         mod = importlib.import_module(f"helpers.{name}")

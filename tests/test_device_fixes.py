@@ -8,13 +8,17 @@ import re
 
 import pytest
 
-from helpers import device_fixes as device_fixes_module
 from helpers import fit
-from helpers.devices import DEVICES, OFFLOAD_RAM_SHARE
-from helpers.estimator import DeviceSuggestion, EstimateError, LoraTraining, estimate, fitting
+from helpers.core.devices import DEVICES, OFFLOAD_RAM_SHARE
+from helpers.core.units import GiB
+from helpers.estimator import fitting
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import DeviceSuggestion
 from helpers.estimator.reducers import HOST_RAM
-from helpers.placement import plan_devices
-from helpers.units import GiB
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import LoraTraining
+from helpers.placement import device_fixes as device_fixes_module
+from helpers.placement.device_plan import plan_devices
 
 LLAMA3 = "meta-llama/Llama-3.1-8B"
 

@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 
-from helpers import leaks
-from helpers.estimator import EstimateError, FullTraining, estimate
-from helpers.estimator import fit_one_card as fit
-from helpers.sources import shipped_config
+from helpers.core.sources import shipped_config
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import FullTraining
+from helpers.leaks.growth import GrowthDetector
 
 TINY_VLM = "data/tiny/llava"
 
@@ -85,11 +87,11 @@ def test_rejected_vlm_text_config_and_moe_routing():
 
 def test_rejected_config_is_one_error_from_every_entry_point(tmp_path, capsys):
     from helpers.cli import estimate_main
-    from helpers.device_plan import plan_devices
-    from helpers.distributed import training_memory
     from helpers.environment import preflight
-    from helpers.placement import fits_table
-    from helpers.train_plan import TrainPlan
+    from helpers.placement.device_plan import plan_devices
+    from helpers.placement.fits import fits_table
+    from helpers.training.distributed import training_memory
+    from helpers.training.plan import TrainPlan
 
     (tmp_path / "config.json").write_text(json.dumps(_bad({"tie_word_embeddings": "no"})))
     folder = str(tmp_path)
@@ -119,11 +121,11 @@ def test_sgd_momentum_keeps_one_buffer_per_parameter():
 
 def test_leak_runs_out_at_the_step_that_runs_out():
     mib = 2**20
-    det = leaks.GrowthDetector(capacity=100 * mib)
+    det = GrowthDetector(capacity=100 * mib)
     for step in range(1, 21):
         det.record((9 + step) * mib)  # step k holds 9 + k MiB: step 91 fills 100 MiB exactly, step 92 needs 101
     assert det.report().predicted_oom_step == 92
-    full = leaks.GrowthDetector(capacity=100 * mib, warmup=0, window=3)
+    full = GrowthDetector(capacity=100 * mib, warmup=0, window=3)
     for level in (97, 98, 99, 100):
         full.record(level * mib)
     assert full.report().predicted_oom_step == 5  # nothing left: the next step

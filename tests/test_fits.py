@@ -7,9 +7,11 @@ import json
 import pytest
 
 from helpers.cli import main
-from helpers.placement import ModelFits, PlacementError, fits_table
-from helpers.units import GiB
-from helpers.vocab import LOAD_MODES
+from helpers.core.units import GiB
+from helpers.core.vocab import LOAD_MODES
+from helpers.placement.device_plan import PlacementError
+from helpers.placement.fits import fits_table
+from helpers.placement.fits_view import ModelFits
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def _fake_trace_snapshot() -> dict:
 
 
 def test_allocation_timeline_from_a_fake_snapshot():
-    from helpers.leaks import allocation_timeline
+    from helpers.leaks.allocations import allocation_timeline
 
     tl = allocation_timeline(_fake_trace_snapshot())
     assert tl.device == 1  # the first trace with events
@@ -264,7 +264,7 @@ def test_recording_renders_its_timeline_inline(tmp_path):
 def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):
     import pickle
 
-    from helpers.leaks import SnapshotError, top_allocation_sites
+    from helpers.leaks.allocations import SnapshotError, top_allocation_sites
 
     marker = tmp_path / "ran"
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers.oom import CAUSES, explain_oom, is_oom_text
+from helpers.oom.causes import CAUSES
+from helpers.oom.diagnosis import explain_oom
+from helpers.oom.messages import is_oom_text
 
 CORPUS = Path(__file__).parent / "data" / "oom_messages.jsonl"
 ENTRIES = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]

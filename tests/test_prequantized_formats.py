@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import helpers.estimator.kernel_paths as KP
-from helpers.estimator import EstimateError, estimate
-from helpers.estimator import fit_one_card as fit
-from helpers.sources import shipped_config
+from helpers.core.sources import shipped_config
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.rows import EstimateError
 
 GPT_OSS = dict(model_type="gpt_oss", hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, num_local_experts=4,
@@ -176,7 +177,7 @@ def test_preflight_checks_a_pre_quantized_checkpoint_as_it_loads(kernels):
 
 
 def test_training_takes_the_dequantized_load_where_the_packed_one_cannot_train(kernels):
-    from helpers.estimator import FullTraining, LoraTraining
+    from helpers.estimator.training import FullTraining, LoraTraining
 
     kernels(True, True)
     lora = LoraTraining(seq_len=64, micro_batch=1)
@@ -206,7 +207,7 @@ def test_skip_lists_in_quantization_config_are_module_names():
 
 
 def test_the_current_gpu_s_compute_capability_decides_the_path(monkeypatch):
-    import helpers.devices as D
+    import helpers.core.devices as D
     import helpers.estimator.core as C
 
     t4 = {"name": "Tesla T4", "capacity": 15 * 2**30, "bf16": False}  # as devices._current() describes a GPU

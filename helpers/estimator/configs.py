@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..sources import (
+from ..core.sources import (
     SourceError,
     closest_shipped,
     data_path,

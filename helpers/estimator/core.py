@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..arguments import flag, whole_number
-from ..devices import (
+from ..core.arguments import flag, whole_number
+from ..core.devices import (
     CUBLAS_WORKSPACE,
     CUBLAS_WORKSPACE_HOPPER,
     CUBLAS_WORKSPACE_HOPPER_MAJORS,
@@ -17,9 +17,10 @@ from ..devices import (
     cuda_capability,
     resolve_device,
 )
-from ..html import Markup, bar, mini_bar, table
-from ..units import format_bytes
-from ..vocab import (
+from ..core.html import Markup, bar, mini_bar, table
+from ..core.units import format_bytes
+from ..core.vocab import (
+    BF16,
     DEFAULTS,
     DTYPE_BYTES,
     TIGHT_FRACTION,
@@ -321,7 +322,7 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
     """What the numbers alone do not say: an approximate count, bf16 on a card without it, a length
     past the model's context."""
     out = [f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else []
-    if dev is not None and not dev.get("bf16") and "bf16" in (load, cdtype):
+    if dev is not None and not dev.get("bf16") and BF16 in (load, cdtype):
         out.append(f"{dev.get('name', 'this GPU')} has no bf16 (compute capability < 8.0): use fp16 there")
     context = _context(config)
     tokens = inputs["prompt_tokens"] + inputs["max_new_tokens"] if inputs["training"] is None else None
@@ -378,7 +379,7 @@ def _family_warnings(config, rows: list[EstimateRow], inputs: dict) -> list[str]
 def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, name: str):
     """A pre-quantized checkpoint loads as it was saved: its mode is the only one, "auto" means it (mxfp4 and
     fp8 may also be asked dequantized, as transformers' ``dequantize=True`` loads them: bf16)."""
-    if load not in ("auto", repo.load) and not (repo.method in NATIVE_FORMATS and load == "bf16"):
+    if load not in ("auto", repo.load) and not (repo.method in NATIVE_FORMATS and load == BF16):
         raise EstimateError(
             f"{name} is already quantized ({repo.method}, {repo.load}): it loads as {repo.load} only; pass "
             f"load='auto' or load={repo.load!r}, or estimate the original (unquantized) model for {load}"

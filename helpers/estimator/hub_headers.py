@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sources import hub_offline_reason
+from ..core.sources import hub_offline_reason
+from ..core.vocab import FP32
 from .layout import Layout, fp32_modules
 from .rows import EstimateRow
 
@@ -139,7 +140,7 @@ def header_rows(h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, preq
     and its other floating tensors in the compute dtype; an ordinary checkpoint's floating tensors in the
     load dtype (fp32 where the model keeps them so). Buffers the checkpoint lacks (rotary tables) come
     from the architecture."""
-    half = 4 if load == "fp32" else dtype_bytes
+    half = 4 if load == FP32 else dtype_bytes
     fp32 = fp32_modules(lay, load)
     packed = state = plain = 0
     n_packed = blobs = 0

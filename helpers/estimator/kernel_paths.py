@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..units import format_bytes
+from ..core.units import format_bytes
+from ..core.vocab import BF16
 from .layout import Layout, fp32_modules, should_convert, tied_note, weight_rows
 from .prequantized import RepoQuantization
 from .rows import EstimateError, EstimateRow
@@ -21,7 +22,7 @@ from .rows import EstimateError, EstimateRow
 __all__ = ["KernelPath", "kernel_path", "mxfp4_software", "native_rows", "dequantized_rows", "DEQUANTIZED",
            "MXFP4_CAPABILITY", "FP8_CAPABILITY"]  # fmt: skip
 
-DEQUANTIZED = "bf16"  # what transformers dequantizes mxfp4 and fp8 weights to
+DEQUANTIZED = BF16  # what transformers dequantizes mxfp4 and fp8 weights to
 MXFP4_CAPABILITY = (7, 5)  # transformers' rule: T4, L4, A100, H100 run the mxfp4 Triton kernels
 FP8_CAPABILITY = (8, 9)  # fp8 matmuls: L4, RTX 4090, H100; a T4 (7.5) or an A100 (8.0) dequantizes
 _FP8_CARDS = "a card with compute capability >= 8.9 (L4, RTX 4090, H100)"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..vocab import MODES, QUANTIZED
+from ..core.vocab import BF16, FP32, MODES, QUANTIZED
 from .families import SPEECH_SEQ2SEQ, auto_class, family, frozen_modules
 from .rows import EstimateError, EstimateRow
 
@@ -63,7 +63,7 @@ def fp32_modules(lay: Layout, load: str) -> list[str]:
     """The modules transformers keeps in fp32 for a load: ``_keep_in_fp32_modules`` only when it loads in fp16
     (T5's ``wo``; a bf16 load keeps them bf16), ``_keep_in_fp32_modules_strict`` in fp16 and bf16 alike
     (``PreTrainedModel._get_dtype_plan``). A quantized load's compute dtype is taken as fp16 (a T4's)."""
-    return list(lay.keep_fp32_strict) if load == "bf16" else [*lay.keep_fp32, *lay.keep_fp32_strict]
+    return list(lay.keep_fp32_strict) if load == BF16 else [*lay.keep_fp32, *lay.keep_fp32_strict]
 
 
 def _config_key(config) -> str:
@@ -257,7 +257,7 @@ def adapted_linears(lay: Layout, targets: str | list[str], *, fp32_kept_adapt: b
     output layer never is: peft's rule), else those named in ``targets``; never one of the frozen parts
     (``lay.kept``: a VLM's vision tower and projector, Whisper's encoder), which ``TrainPlan.lora_config``
     excludes by path. ``fp32_kept_adapt``: a module the model keeps in fp32 (T5's ``wo``) is adapted too,
-    as ``helpers.train_plan.target_modules`` picks it (every linear but the output layer)."""
+    as ``helpers.training.plan.target_modules`` picks it (every linear but the output layer)."""
     skip = [n for n in lay.not_convert if n not in lay.keep_fp32] if fp32_kept_adapt else lay.not_convert
     out = []
     for e in lay.entries:
@@ -327,7 +327,7 @@ def weight_rows(
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = _not_convert(lay, skip_modules)
     q_bytes = state_bytes = plain = buffers = experts = kept = n_q = 0
-    half = 4 if load == "fp32" else dtype_bytes
+    half = 4 if load == FP32 else dtype_bytes
     fp32 = fp32_modules(lay, load)
     for e in lay.entries:
         if e.module == "buffer":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..vocab import PREQUANTIZED
+from ..core.vocab import PREQUANTIZED
 from .layout import Layout, should_convert, tied_note
 from .rows import EstimateError, EstimateRow
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..arguments import flag, number, whole_number
-from ..vocab import DEFAULTS, MODES, QUANTIZED
+from ..core.arguments import flag, number, whole_number
+from ..core.vocab import DEFAULTS, MODES, QUANTIZED
 from .families import IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
 from .family_training import seq2seq_activation_rows, vision_training_rows, vlm_layer_bytes, vlm_sequence
 from .layout import Layout, adapted_linears, dims, should_convert

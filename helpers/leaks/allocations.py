@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OomkitError
-from ..html import table
-from ..units import format_bytes
+from ..core.errors import OomkitError
+from ..core.html import table
+from ..core.units import format_bytes
 
 __all__ = [
     "AllocationSites", "AllocationTimeline", "SnapshotError", "allocation_timeline", "load_snapshot",

@@ -9,11 +9,11 @@ from html import escape
 
 import torch
 
-from ..html import table
-from ..object_walk import MAX_OBJECTS, walk
-from ..session import caller_namespace
-from ..tensors import MAX_GRAPH_NODES, NodeBudget, graph_tensors, live_storages, storage_key
-from ..units import format_bytes
+from ..core.html import table
+from ..core.session import caller_namespace
+from ..core.units import format_bytes
+from .object_walk import MAX_OBJECTS, walk
+from .tensors import MAX_GRAPH_NODES, NodeBudget, graph_tensors, live_storages, storage_key
 
 __all__ = ["TensorEntry", "TensorGroup", "TensorCensus", "census", "CensusDiff", "census_diff"]
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import flag, number, whole_number
-from ..html import Markup, badge
-from ..memory import allocated
-from ..session import caller_namespace
-from ..tensors import tensor_bytes
-from ..units import format_bytes
+from ..core.arguments import flag, number, whole_number
+from ..core.html import Markup, badge
+from ..core.memory import allocated
+from ..core.session import caller_namespace
+from ..core.units import format_bytes
 from .census import CensusDiff, census, census_diff
 from .patterns import LeakChecks, leak_checks
+from .tensors import tensor_bytes
 
 __all__ = ["GrowthReport", "GrowthDetector", "WatchReport", "watch"]
 
@@ -301,7 +301,7 @@ def watch(
             if hasattr(e, "add_note"):  # Python 3.11+
                 first = str(e.watch_report).splitlines()[0]
                 e.add_note(
-                    f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
+                    f"helpers.watch: step {i} of {steps} raised this; the {i} steps measured "
                     f"before it are in the exception's .watch_report ({first})"
                 )
             raise

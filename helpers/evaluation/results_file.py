@@ -1,0 +1,273 @@
+"""The crash-safe results file of an evaluation: an append-only JSONL file, one finished sample a line.
+
+``ResultsFile`` locks the file for one run (a second writer gets an error naming the first), reads
+what earlier runs finished, repairs a last line torn by a crash (kept in ``<path>.torn``), and
+appends each record flushed at once and fsynced per batch. ``ResultsWriteError`` is what a failed
+write raises: it carries the records that did not reach the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; runs unlocked
+    fcntl = None
+
+from ..core.errors import EvalError, OomkitError
+
+__all__ = ["ResultsFile", "ResultsWriteError"]
+
+
+class ResultsWriteError(OomkitError, OSError):
+    """A finished result could not be written (disk full, file too large, permissions).
+
+    ``unsaved`` holds the finished records that did not reach the disk, so even then nothing is lost.
+    """
+
+    def __init__(self, message: str, unsaved: list[dict]):
+        super().__init__(message)
+        self.unsaved = unsaved
+
+    def __reduce__(self):
+        # pickled with its records (a worker process handing the error back must not lose them)
+        return type(self), (self.args[0], self.unsaved)
+
+
+class ResultsFile:
+    """An append-only JSONL file of finished samples, flushed per sample and fsynced per batch.
+
+    ``open()`` takes an exclusive lock for the run (``fcntl.flock`` on ``<real path>.lock``, which
+    holds the owner's pid, and on the results file itself), so two writers (a notebook re-run while
+    an old kernel still runs, two tabs, one path reached through a symlink or a hard link) cannot
+    both append: the second gets an error naming the first. It reads what a previous run
+    finished; a last line torn by a crash (no newline, or not valid JSON) is cut off and kept in
+    ``<path>.torn`` for inspection, so it is neither lost nor duplicated. The repair only touches a
+    file no other process holds.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.repaired = False
+        self.backup: Path | None = None  # where resume=False moved an earlier run's results
+        self._fh = None
+        self._lock: int | None = None
+        self._inode_lock: int | None = None  # the results file itself: one lock whatever name reaches it
+
+    @property
+    def lock_path(self) -> Path:
+        """``<path>.lock`` beside the real file (a symlink's target), so every name of it shares one lock."""
+        real = Path(os.path.realpath(self.path))
+        return real.with_name(real.name + ".lock")
+
+    def lock(self) -> bool:
+        """Take the run's exclusive lock (without waiting); False where the file system has no locks.
+
+        Raises:
+            EvalError: another process holds it (the message names its pid).
+        """
+        if fcntl is None or self._lock is not None:
+            return self._lock is not None
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EvalError(
+                    f"{self.path} is being written by another run (process {holder}; this is {os.getpid()}): "
+                    "two writers would duplicate every result. Wait for it to finish or stop it (an old "
+                    "notebook kernel, another tab), or pass results= another path"
+                ) from None
+            return False  # no locks on this file system (some network mounts): run unlocked
+        self._lock = fd
+        try:
+            self._lock_file()
+        except BaseException:
+            self.unlock()
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return True
+
+    def _lock_file(self) -> None:
+        """Lock the results file's own inode too: a hard link is another name with another ``.lock``.
+
+        Taken again after the file is (re)created (``open``), so the lock follows the file written to.
+        """
+        try:
+            st = os.stat(self.path)
+            if self._inode_lock is not None:
+                held = os.fstat(self._inode_lock)
+                if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+                    return
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # not there yet (nothing to share), or unreadable: the name's lock alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EvalError(
+                    f"{self.path} is being written by another run under another name (a hard link to the same "
+                    f"file, inode {st.st_ino}; this is process {os.getpid()}): two writers would duplicate every "
+                    "result. Wait for it to finish or stop it, or pass results= a separate file (not a link)"
+                ) from None
+            return  # no locks on this file system
+        if self._inode_lock is not None:
+            os.close(self._inode_lock)
+        self._inode_lock = fd
+
+    def unlock(self) -> None:
+        if self._inode_lock is not None:
+            os.close(self._inode_lock)  # closing releases its flock
+            self._inode_lock = None
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock, 0)
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
+
+    def read(self) -> dict[str, dict]:
+        """Finished records by id (repairing a torn last line first, unless another process holds the file)."""
+        if not self.path.exists():
+            return {}
+        if self._lock is None:
+            try:
+                self.lock()
+            except EvalError:
+                return self._parse(self.path.read_bytes(), repair=False)  # someone is writing: read only
+            try:
+                return self._parse(self.path.read_bytes(), repair=True)
+            finally:
+                self.unlock()
+        return self._parse(self.path.read_bytes(), repair=True)
+
+    def _parse(self, data: bytes, *, repair: bool) -> dict[str, dict]:
+        data = self.path.read_bytes()
+        records: dict[str, dict] = {}
+        good_end = 0
+        pos = 0
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            end = pos + len(line) + 1  # including the newline
+            last = i == len(lines) - 1
+            if not line.strip():
+                pos = end
+                if not last:
+                    good_end = end
+                continue
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and "id" in rec and not last  # the last piece has no newline: torn
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                if not last and any(x.strip() for x in lines[i + 1 :]):
+                    raise EvalError(
+                        f"{self.path} line {i + 1} is not a valid result record: fix or move the file "
+                        "(only a torn last line is repaired automatically)"
+                    )
+                break
+            records[str(rec["id"])] = rec
+            good_end = pos = end
+        if repair and good_end < len(data):
+            self._set_torn_aside(data, good_end)
+        return records
+
+    def _set_torn_aside(self, data: bytes, good_end: int) -> None:
+        """Move a torn last line to ``<path>.torn`` and cut it off; on a full or read-only disk change
+        nothing and say so (appending after a torn line would corrupt the next record)."""
+        torn = data[good_end:]
+        torn_path = self.path.with_name(self.path.name + ".torn")
+        try:
+            if torn.strip():
+                with open(torn_path, "ab") as f:
+                    f.write(torn + b"\n")
+                self.repaired = True
+            with open(self.path, "r+b") as f:
+                f.truncate(good_end)
+        except OSError as e:
+            raise EvalError(
+                f"{self.path} ends in a torn line that could not be set aside in {torn_path.name} "
+                f"({e.strerror or e}); nothing was changed and every finished record is still in the file. "
+                "Free disk space (or make the folder writable) and run again"
+            ) from None
+
+    def open(self, *, fresh: bool = False) -> dict[str, dict]:
+        """Lock the file, check it can be written (before any generation), return what is already finished.
+
+        ``fresh``: start the file over (only a results file: anything else is refused). The earlier
+        results are moved to ``<path>.<time>.bak`` (``self.backup``), never deleted: a notebook cell
+        re-run after a runtime reset must not wipe an evaluation.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock()
+            if fresh:
+                self._start_over()
+            done = self.read()
+            self._fh = open(self.path, "a", encoding="utf-8")
+            if self._lock is not None:
+                self._lock_file()  # a file created just now (or anew by fresh=True) is locked as well
+        except OSError as e:
+            self.close()
+            raise EvalError(
+                f"cannot write results to {self.path}: {e.strerror or e}. Pass results= a path in a "
+                "writable folder (in Colab, /content/... or a mounted Drive folder)"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        return done
+
+    def _start_over(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb") as f:
+            first = f.readline(1 << 20)
+        try:
+            rec = json.loads(first)
+            ours = isinstance(rec, dict) and "id" in rec and ("output" in rec or "error" in rec)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise EvalError(
+                f"{self.path} is not a safe_generate results file (its first line is no result record), "
+                "so resume=False will not delete it: pass results= another path"
+            )
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = self.path.with_name(f"{self.path.name}.{stamp}.bak")
+        n = 1
+        while backup.exists():
+            n += 1
+            backup = self.path.with_name(f"{self.path.name}.{stamp}-{n}.bak")
+        os.replace(self.path, backup)
+        self.backup = backup
+
+    def append(self, record: dict, *, sync: bool = True) -> None:
+        """Write one record and flush it; ``sync`` also pushes it to the disk (a crash right after keeps it)."""
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync: what was flushed survives a crash of the machine, not only of the process."""
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()
+            self._fh = None
+        self.unlock()
