@@ -43,6 +43,7 @@ from .core.vocab import (
     load_mode_name,
     verdict,
 )
+from .estimator.configs import resolve_config
 from .estimator.core import MemoryEstimate, estimate
 from .estimator.fitting import fit_one_card, format_params
 from .estimator.rows import EstimateError
@@ -410,6 +411,15 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
     return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
 
 
+def _prequantized(model: Any) -> bool:
+    from .estimator.prequantized import repo_quantization
+
+    try:
+        return repo_quantization(resolve_config(model)[0]) is not None
+    except EstimateError:
+        return False  # estimate() says what is wrong with it, below
+
+
 def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS.max_new_tokens, snapshot=None, batch_size: int = DEFAULTS.batch_size,
                prompt_tokens: int = DEFAULTS.prompt_tokens) -> list[Check]:  # fmt: skip
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
@@ -422,6 +432,8 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     bf16 = bool(gpus) and all(g.supports_bf16 for g in gpus)
     half = half_dtype(bf16)
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
+    if load == "auto" and _prequantized(model):
+        loads = ["auto"]  # it loads as saved (GPTQ, AWQ, mxfp4 or fp8 kept or dequantized): no mode to choose
     dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
     host = _Host(half, offload_ram(snapshot) if snapshot is not None and gpus else 0)
     try:

@@ -14,7 +14,8 @@ from helpers.core.vocab import torch_dtype
 from helpers.estimator.configs import resolve_config
 from helpers.placement.device_plan import PlacementError, fits_table, placement_model, plan_devices, reference_configs
 
-SHIPPED = sorted(shipped_configs())
+# a pre-quantized config (gpt-oss mxfp4, Qwen3 fp8) loads only as saved: no fp16 or nf4 plan
+SHIPPED = sorted(m for m, path in shipped_configs().items() if "quantization_config" not in path.read_text())
 
 
 HEADROOM = GiB  # bytes every fake GPU keeps for the runtime

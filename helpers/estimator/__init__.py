@@ -12,7 +12,8 @@ row of the breakdown says which.
 Modules: ``rows`` (the row type and error), ``configs`` (what the user named -> a config),
 ``layout`` (weights per module on the meta device), ``inference`` (generation rows: KV cache,
 prefill and what kernels add to it), ``training`` (training-step rows), ``core`` (``estimate``),
-``hub_headers`` (exact weights from a hub repo's safetensors headers),
+``hub_headers`` (exact weights from a hub repo's safetensors headers), ``prequantized`` (a checkpoint's own
+quantization_config), ``kernel_paths`` (mxfp4/fp8 kept or dequantized on a machine, and their weights),
 ``fitting`` (``fit_one_card``, the verdict on a card, and its ranked fixes; ``helpers.fit`` adds the fixes past one card), ``footprint`` (a loaded model), ``family_rows`` (encoder-decoder
 and VLM generation rows), ``family_training`` (their LoRA steps' activations), ``families`` (decoder-only,
 encoder-decoder, speech, vision-language: the Auto class and the modules kept unquantized).

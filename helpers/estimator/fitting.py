@@ -13,8 +13,20 @@ from ..core.html import badge, bar, table
 from ..core.reducers import kv_cache_available, liger_available
 from ..core.sources import shipped_configs
 from ..core.units import MiB, format_bytes
-from ..core.vocab import DOES_NOT_FIT, FITS, FOUR_BIT, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, lighter_loads, verdict
+from ..core.vocab import (
+    BF16,
+    DOES_NOT_FIT,
+    FITS,
+    FOUR_BIT,
+    QUANTIZED,
+    TIGHT_FRACTION,
+    VERDICT_STATUS,
+    lighter_loads,
+    verdict,
+)
+from .configs import resolve_config
 from .core import MemoryEstimate, cublas_workspace, estimate
+from .families import family
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
@@ -285,6 +297,8 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
     inp = est.inputs
     tr = inp.get("training")
     cands: list[tuple[str, dict]] = []
+    if est.quantized_by == "mxfp4" and est.load == BF16 and inp.get("load") != BF16:  # dequantized: no kernels
+        cands.append(("pip install -U kernels triton (transformers then keeps mxfp4)", {"load": "mxfp4"}))
     for load in lighter_loads(est.load, bf16):  # a T4 or V100 has no bf16
         if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
             cands.append(
@@ -497,13 +511,20 @@ def _shipped_by_size() -> list[tuple[int | None, str]]:
 
 
 def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
-    """The largest shipped model smaller than this one that fits with the same settings and whose
-    context holds the prompt and the new tokens (or the training sequence)."""
+    """The largest shipped model of the same family (a speech model for Whisper, never a text LM) smaller than
+    this one that fits with the same settings and whose context holds the prompt and the new tokens (or the
+    training sequence)."""
     best = None
+    try:
+        own = family(resolve_config(est.source)[0])
+    except Exception:  # noqa: BLE001 - a source that no longer resolves has no smaller sibling to offer
+        return None
     for params, hub_id in _shipped_by_size():  # largest first: the first that fits is the answer
         if params is not None and (params >= est.params or (best is not None and params <= best.params)):
             continue
         try:
+            if family(resolve_config(hub_id)[0]) != own:
+                continue
             new = estimate(hub_id, **est.inputs)
         except Exception:
             continue

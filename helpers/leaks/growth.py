@@ -215,15 +215,16 @@ class GrowthDetector:
 
 
 def _steps_until(room: int, post: list[int], slope: float, accelerating: bool) -> int:
-    if room <= 0:
-        return 0
+    """Steps from now to the first that needs more than ``room``: the step k past the k that growth fills
+    exactly (that one still fits), hence floor(k) + 1; the next step when nothing is left."""
+    room = max(room, 0)
     if accelerating and len(post) >= 6:
         # growth per step rising linearly: room = slope*k + accel*k^2/2
         half = len(post) // 2
         accel = (_theil_sen(post[half:]) - _theil_sen(post[:half])) / max(half, 1)
         if accel > 0:
-            return int((-slope + math.sqrt(slope * slope + 2 * accel * room)) / accel)
-    return int(room / slope)
+            return int((-slope + math.sqrt(slope * slope + 2 * accel * room)) / accel) + 1
+    return int(room / slope) + 1
 
 
 @dataclass
