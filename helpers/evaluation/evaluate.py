@@ -720,7 +720,7 @@ def _raise_score_errors(report: EvalReport, scorer) -> None:
     )
 
 
-# ----------------------------------------------------------------------------- Scoring an output against its reference: ``exact_match``, ``contains_reference``, or a function of the caller's.
+# ----------------------------------------------------------------------------- scoring an output against its reference
 
 
 def _norm(text: str) -> str:

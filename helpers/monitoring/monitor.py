@@ -682,7 +682,7 @@ def _device_index(d, count: int, asked) -> int:
     return index
 
 
-# ----------------------------------------------------------------------------- The monitor's chart pieces: the peak's label, grouped marks, and phases shaded by colour.
+# ----------------------------------------------------------------------------- the chart's pieces: the peak's label, grouped marks, phases shaded by colour
 
 
 # phase fills (areas at low opacity; the label is written in the same hue, readable on white)

@@ -164,7 +164,7 @@ def unload_ipython_extension(ip) -> None:
     uninstall(ip)
 
 
-# ----------------------------------------------------------------------------- CUDA errors that leave the CUDA context unusable, and what to do: restart, not clean up.
+# ----------------------------------------------------------------------------- CUDA errors that break the context: restart, not clean up
 
 
 # lower-case message fragments, each with what it means

@@ -370,7 +370,7 @@ def spill_fix(est) -> str:
     return f"{smaller_load_fix(est.load)}, or a smaller batch or max_new_tokens"
 
 
-# ----------------------------------------------------------------------------- ``fit()``'s fixes past one card: split the model over a machine's GPUs, or offload layers to CPU RAM.
+# ----------------------------------------------------------------------------- fit()'s fixes past one card: a split over the machine's GPUs, or layers offloaded to CPU RAM
 
 
 # a device_map entry that is one block of a ModuleList ("model.layers.29"); the rest are the embeddings,
@@ -482,7 +482,7 @@ def _offload_fix(est: MemoryEstimate, plan: DevicePlan) -> DeviceSuggestion:
                             cost, kind="offload", where=describe_split(plan), plan=plan)  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- Loading on a machine with more than one GPU: how many to use, and the split their free memory allows.
+# ----------------------------------------------------------------------------- several GPUs on a memory readout: how many to use, each one's room, the split
 
 
 def gpu_room(estimate, g: GPUReadout) -> int:

@@ -657,7 +657,7 @@ def _more_room_fix(plan: DevicePlan, prequantized: bool) -> str:
     return "; ".join(options)
 
 
-# ----------------------------------------------------------------------------- What fits where: :func:`fits_table` (the README's Llama 2 table, or any model's :class:`ModelFits`), each
+# ----------------------------------------------------------------------------- what fits where: fits_table
 
 
 # Llama 2's published dimensions (Touvron et al. 2023, table 1 and the hub configs); 7B ships in helpers/data
@@ -798,7 +798,7 @@ def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int,
     return ModelFits(str(name), tokens, batch_size, list(machines), rows)
 
 
-# ----------------------------------------------------------------------------- What fits for one model: every load mode's weights, KV cache at the chosen tokens and total, and
+# ----------------------------------------------------------------------------- ModelFits: one model's load modes x machines, as text, markdown and HTML
 
 
 _STATUS = {"fits": "ok", "tight": "tight", "no": "fail", "n/a": "none"}
