@@ -195,9 +195,11 @@ def _shards(repo, revision, budget: NetBudget, auth: dict) -> list[str] | None:
 
 
 def _read_repo(repo: str, revision: str | None, budget: NetBudget) -> HeaderWeights:
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub import get_token
 
-    auth = build_hf_headers()  # the user's token (a gated repo the user accepted) and user agent
+    # not huggingface_hub's build_hf_headers: it asks the endpoint for a registry of agents, unbounded
+    token = get_token()
+    auth = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
     single = _file_header(repo, revision, SAFE_WEIGHTS, budget, auth)
     if single is not None:
         return HeaderWeights(repo, [SAFE_WEIGHTS], single)
