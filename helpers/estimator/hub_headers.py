@@ -14,7 +14,16 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..sources import SAFE_INDEX, SAFE_WEIGHTS, HttpReply, NetBudget, NetError, http_get, hub_offline_reason
+from ..sources import (
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    HttpReply,
+    NetBudget,
+    NetError,
+    SourceError,
+    http_get,
+    hub_offline_reason,
+)
 from .layout import Layout
 from .rows import EstimateRow
 
@@ -46,6 +55,7 @@ class HeaderTensor:
     dtype: str
     numel: int
     nbytes: int
+    start: int = 0  # where its data begins, after the header
 
     @property
     def floating(self) -> bool:
@@ -100,15 +110,15 @@ _NOT_CACHED = ("connection", "http", "gated")  # a hiccup or a gate the user may
 
 
 def parse_safetensors_header(blob: bytes, where: str) -> dict[str, HeaderTensor]:
-    """The tensors of a safetensors header (the JSON after its 8-byte length); raises :class:`NetError`
-    (kind ``format``) naming ``where`` for anything that is not one (not JSON, no dtype/shape/data_offsets,
-    offsets that run backwards)."""
+    """The tensors of a safetensors header (the JSON after its 8-byte length); raises :class:`SourceError`
+    naming ``where`` for anything that is not one (not JSON, no dtype/shape/data_offsets, offsets that run
+    backwards). Read from the hub here, from a local folder by :mod:`helpers.load_checks`."""
     try:
         header = json.loads(blob)
     except (ValueError, RecursionError):
-        raise NetError(f"{where}: its header is not JSON, so it is no safetensors file", "format") from None
+        raise SourceError(f"{where}: its header is not JSON, so it is no safetensors file") from None
     if not isinstance(header, dict):
-        raise NetError(f"{where}: its header is a JSON {type(header).__name__}, not a table of tensors", "format")
+        raise SourceError(f"{where}: its header is a JSON {type(header).__name__}, not a table of tensors")
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -118,9 +128,9 @@ def parse_safetensors_header(blob: bytes, where: str) -> dict[str, HeaderTensor]
         ints = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
         span = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
         if not isinstance(dtype, str) or not ints or not span or not 0 <= offsets[0] <= offsets[1]:
-            raise NetError(f"{where}: tensor {str(name)[:80]!r} has no valid dtype, shape and data_offsets "
-                           f"({str(info)[:80]})", "format")  # fmt: skip
-        entries[name] = HeaderTensor(dtype, math.prod(shape), offsets[1] - offsets[0])
+            raise SourceError(f"{where}: tensor {str(name)[:80]!r} has no valid dtype, shape and data_offsets "
+                              f"({str(info)[:80]})")  # fmt: skip
+        entries[name] = HeaderTensor(dtype, math.prod(shape), offsets[1] - offsets[0], offsets[0])
     return entries
 
 
@@ -166,7 +176,10 @@ def _file_header(repo, revision, filename: str, budget: NetBudget, auth: dict) -
         body = _hub_get(repo, revision, filename, budget, auth, 8 + n).body
     if len(body) < 8 + n:
         raise NetError(f"{where} ends inside its own header ({len(body):,} of {8 + n:,} bytes)", "format")
-    return parse_safetensors_header(body[8 : 8 + n], where)
+    try:
+        return parse_safetensors_header(body[8 : 8 + n], where)
+    except SourceError as e:
+        raise NetError(str(e), "format") from None
 
 
 def _shards(repo, revision, budget: NetBudget, auth: dict) -> list[str] | None:
