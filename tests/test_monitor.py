@@ -395,7 +395,7 @@ def test_the_callback_watches_every_card_whatever_its_monitor_watches(fake_gpus,
 def test_memory_warnings_are_shown_under_pythons_default_filters():
     """ResourceWarning is ignored by default (Colab, Kaggle, scripts): a crossing would go unseen."""
     code = "import warnings\nfrom helpers.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "MemoryWarning: GPU 1 memory crossed" in done.stderr
 
 
