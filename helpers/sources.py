@@ -31,6 +31,7 @@ __all__ = [
     "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
     "weight_files", "hub_weight_files", "mount_drive", "DriveMount", "closest_shipped",
     "NetError", "NetBudget", "HttpReply", "http_get", "net_timeout_s", "NET_TIMEOUT_ENV", "NET_TIMEOUT_S",
+    "hub_file_sizes",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -330,12 +331,42 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
     if looks_like_path(model):  # asking the hub would only say it is not a valid repo id
         return None, None, f"{model} does not exist; check the path (on Colab: is Drive mounted?)"
     try:
-        from huggingface_hub import HfApi
+        listing = hub_file_sizes(model)
+    except NetError as e:
+        return None, None, f"could not ask the hub ({e}); pass a local path to measure it"
+    return _hub_sizes(listing)
 
-        info = HfApi().model_info(model, files_metadata=True, timeout=10)
-    except Exception as e:
-        return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"
-    return _hub_sizes({s.rfilename: s.size for s in info.siblings or []})
+
+MAX_LISTING_BYTES = 16 << 20  # a repo's file list with sizes (a few kB for a model; 16 MiB is ~100k files)
+
+
+def hub_file_sizes(repo: str, *, timeout_s: float | None = None) -> dict[str, int | None]:
+    """File name -> bytes of a hub repo's files (``/api/models/<repo>?blobs=true``: what
+    ``HfApi.model_info(files_metadata=True)`` asks), in one bounded request (:func:`http_get`: ``timeout_s``
+    seconds, default ``$OOMKIT_NET_TIMEOUT``; at most ``MAX_LISTING_BYTES``). Raises :class:`NetError`."""
+    from huggingface_hub import constants, get_token
+
+    token = get_token()
+    headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(repo, safe='/')}?blobs=true"
+    budget = NetBudget(timeout_s, max_bytes=MAX_LISTING_BYTES + 1, max_requests=MAX_REDIRECTS + 1)
+    reply = http_get(url, budget, headers=headers, max_bytes=MAX_LISTING_BYTES + 1)
+    if reply.status != 200:
+        code = reply.headers.get("x-error-code") or f"HTTP {reply.status}"
+        raise NetError(f"the hub answered {code} for {repo}", "http")
+    if len(reply.body) > MAX_LISTING_BYTES:
+        raise NetError(f"the hub's file list of {repo} is over {MAX_LISTING_BYTES >> 20} MiB", "size")
+    try:
+        siblings = json.loads(reply.body).get("siblings")
+    except (ValueError, RecursionError, AttributeError):
+        siblings = None
+    if not isinstance(siblings, list) or not all(isinstance(s, dict) for s in siblings):
+        raise NetError(f"the hub's answer for {repo} holds no file list", "format")
+    return {
+        s["rfilename"]: s.get("size") if type(s.get("size")) is int else None
+        for s in siblings
+        if isinstance(s.get("rfilename"), str)
+    }
 
 
 def _hub_sizes(listing: dict[str, int | None]) -> tuple[int | None, int | None, str]:
@@ -363,7 +394,8 @@ _CHUNK = 64 * 1024
 
 class NetError(OomkitError, OSError):
     """A network read that broke a bound or failed; ``kind`` says which: ``deadline``, ``size``,
-    ``requests``, ``redirects``, ``connection``, ``http``, ``format`` or ``setting``."""
+    ``requests``, ``redirects``, ``url``, ``connection``, ``http``, ``format`` or ``setting`` (and, for
+    a hub repo's headers, ``missing`` or ``gated``)."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -508,9 +540,12 @@ def _cut(conn: http.client.HTTPConnection) -> None:
 def _get_once(url: str, budget: NetBudget, headers: dict[str, str], max_bytes: int) -> HttpReply:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise budget.fail(NetError(f"{url[:100]!r} is not an http(s) address", "redirects"))
+        raise budget.fail(NetError(f"{url[:100]!r} is not an http(s) address", "url"))
     budget.spend(requests=1)
-    conn, target = _connection(parts, budget.left())
+    try:
+        conn, target = _connection(parts, budget.left())
+    except ValueError as e:  # a port out of range: nothing to connect to
+        raise budget.fail(NetError(f"{url[:100]!r} is not an address to ask ({e})", "url")) from None
     # per-read socket timeouts alone let a server sending a byte a second run forever: the watchdog
     # closes the socket at the deadline whatever it is doing (status line, headers or body)
     watchdog = threading.Timer(budget.left(), _cut, (conn,))
@@ -530,7 +565,7 @@ def _get_once(url: str, budget: NetBudget, headers: dict[str, str], max_bytes: i
         budget.left()  # a body ended by the watchdog is not a complete answer
         cut = len(body) >= max_bytes and not resp.isclosed()
         return HttpReply(url, resp.status, {k.lower(): v for k, v in resp.getheaders()}, bytes(body), cut)
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a URL http.client cannot send
         if isinstance(e, NetError):
             raise
         budget.left()  # a read the watchdog cut reads as the deadline

@@ -138,7 +138,8 @@ def _url(repo: str, revision: str | None, filename: str) -> str:
     from huggingface_hub import constants
 
     rev = urllib.parse.quote(revision or "main", safe="")
-    return f"{constants.ENDPOINT.rstrip('/')}/{repo}/resolve/{rev}/{urllib.parse.quote(filename)}"
+    repo, filename = urllib.parse.quote(repo, safe="/"), urllib.parse.quote(filename)
+    return f"{constants.ENDPOINT.rstrip('/')}/{repo}/resolve/{rev}/{filename}"
 
 
 def _hub_get(repo, revision, filename: str, budget: NetBudget, auth: dict, size: int) -> HttpReply | None:
