@@ -18,7 +18,8 @@ from test_hub_headers import FakeHub, hub  # noqa: F401 - the fake hub fixture, 
 
 from helpers.estimator import estimate
 from helpers.estimator.hub_headers import FIRST_READ, MAX_SHARDS, read_hub_headers
-from helpers.sources import NET_TIMEOUT_ENV, NetBudget, NetError, http_get, net_timeout_s
+from helpers.estimator.rows import EstimateError
+from helpers.sources import NET_TIMEOUT_ENV, NetBudget, NetError, checkpoint_size, http_get, net_timeout_s
 
 HANG_GUARD_S = 120  # a hang guard only: each case ends on its bound, or on a deadline of 1-2 s
 
@@ -41,11 +42,19 @@ class Hostile(FakeHub):
 
     def do_GET(self):
         path = self.path.split("?")[0]
-        case = path.split("/")[2] if path.startswith("/hostile/") else None
-        if case is None or not path.endswith((".safetensors", ".index.json")):
+        parts = path.split("/")
+        case = parts[parts.index("hostile") + 1] if "hostile" in parts[:4] else None
+        hostile = path.endswith((".safetensors", ".index.json")) or case in ("slow-config", "slow-listing")
+        if case is None or not hostile:
             return super().do_GET()
         self.requests.append(f"GET {self.path}")
         getattr(self, "_" + case.replace("-", "_"))(path)
+
+    def _slow_config(self, path):
+        self._slow_body(path)
+
+    def _slow_listing(self, path):
+        self._slow_body(path)
 
     def _start(self, status: int = 200, length: int | None = None, **headers) -> None:
         self.send_response(status)
@@ -214,3 +223,25 @@ def test_the_deadline_is_set_in_one_place(monkeypatch):
         monkeypatch.setenv(NET_TIMEOUT_ENV, bad)
         with pytest.raises(NetError, match=f"{NET_TIMEOUT_ENV}=.* is not a number of seconds"):
             net_timeout_s()
+
+
+def test_a_stalled_config_read_is_one_clear_error(hostile, monkeypatch):
+    """The config itself comes from the hub in one bounded read: a mirror trickling config.json ends in
+    EstimateError at the deadline (transformers' own read would wait on every byte)."""
+    monkeypatch.setenv(NET_TIMEOUT_ENV, "1")
+    (hostile.root / "hostile" / "slow-config").mkdir(parents=True)
+
+    def estimate_it():
+        with pytest.raises(EstimateError, match="could not read the config of 'hostile/slow-config'") as e:
+            estimate("hostile/slow-config", load="fp16")
+        return str(e.value)
+
+    assert "no complete answer within 1 s" in _within_guard(estimate_it)
+
+
+def test_a_stalled_file_listing_gives_no_size_and_the_reason(hostile, monkeypatch):
+    """checkpoint_size (preflight's RAM line) asks the hub's file list in one bounded request."""
+    monkeypatch.setenv(NET_TIMEOUT_ENV, "1")
+    (hostile.root / "hostile" / "slow-listing").mkdir(parents=True)
+    total, largest, why = _within_guard(lambda: checkpoint_size("hostile/slow-listing"))
+    assert total is None and largest is None and "could not ask the hub (no complete answer within 1 s" in why

@@ -8,6 +8,7 @@ headers are the loaded bytes; an ordinary checkpoint's floating-point tensors ar
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import urllib.parse
@@ -35,6 +36,7 @@ __all__ = [
     "clear_header_cache",
     "HEADER_NOTE",
     "parse_safetensors_header",
+    "read_hub_json",
 ]
 
 HEADER_NOTE = "from the safetensors headers"
@@ -95,8 +97,9 @@ _CACHE: dict[tuple[str, str, str | None], tuple[HeaderWeights | None, str | None
 
 
 def clear_header_cache() -> None:
-    """Forget the headers read so far (the next estimate of each repo asks the hub again)."""
+    """Forget the headers and configs read so far (the next estimate of each repo asks the hub again)."""
     _CACHE.clear()
+    _JSON_CACHE.clear()
 
 
 # Bounds of one repo's header read (each breach is a note and the config formula, never a hang)
@@ -230,6 +233,38 @@ def _read_repo(repo: str, revision: str | None, budget: NetBudget) -> HeaderWeig
         except NetError as e:
             raise budget.fail(e) from None  # the other shards stop at their next read
     return HeaderWeights(repo, shards, entries)
+
+
+MAX_CONFIG_BYTES = 4 << 20  # a config.json (a few kB; a multimodal one tens of kB)
+_JSON_CACHE: dict[tuple[str, str, str | None, str], dict] = {}
+
+
+def read_hub_json(
+    repo: str, filename: str = "config.json", *, revision: str | None = None, timeout_s: float | None = None
+) -> dict:
+    """A repo's small JSON file (its ``config.json``) in one bounded request: ``timeout_s`` seconds (default
+    ``$OOMKIT_NET_TIMEOUT`` or 15), at most ``MAX_CONFIG_BYTES``. Raises :class:`NetError`: kind ``missing``
+    (no such repo or file), ``gated``, or a bound or failure of the read. Read once per session."""
+    from huggingface_hub import constants, get_token
+
+    key = (constants.ENDPOINT, repo, revision, filename)
+    if key not in _JSON_CACHE:
+        token = get_token()
+        auth = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+        budget = NetBudget(timeout_s, max_bytes=MAX_CONFIG_BYTES + 1, max_requests=8)
+        reply = _hub_get(repo, revision, filename, budget, auth, MAX_CONFIG_BYTES + 1)
+        if reply is None:
+            raise NetError(f"the hub has no {filename} for {repo!r} (a typo, or a private repo?)", "missing")
+        if len(reply.body) > MAX_CONFIG_BYTES:
+            raise NetError(f"{repo}/{filename} is over {MAX_CONFIG_BYTES >> 20} MiB: no config", "size")
+        try:
+            data = json.loads(reply.body)
+        except (ValueError, RecursionError):
+            raise NetError(f"{repo}/{filename} is not JSON", "format") from None
+        if not isinstance(data, dict):
+            raise NetError(f"{repo}/{filename} holds a JSON {type(data).__name__}, not an object", "format")
+        _JSON_CACHE[key] = data
+    return copy.deepcopy(_JSON_CACHE[key])  # callers change what they get; the next one starts from the file
 
 
 def read_hub_headers(
