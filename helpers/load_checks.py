@@ -8,6 +8,7 @@ reason and the fix.
 from __future__ import annotations
 
 import importlib.util
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,12 @@ from .placement_decision import PlacementDecision, decide_placement
 from .sources import (
     BIN_INDEX,
     SAFE_INDEX,
+    NetBudget,
+    NetError,
     SourceError,
     checkpoint_size,
     drive_hint,
+    http_get,
     hub_offline_reason,
     looks_like_path,
     memory_mapped,
@@ -82,9 +86,19 @@ def check_model_source(model: str, token: str | None = None) -> str:
 
 
 def _hub_access(model: str, token: str | None) -> None:
-    from huggingface_hub import auth_check
+    """What ``huggingface_hub.auth_check`` asks (``/api/models/<id>/auth-check``), in one bounded request
+    (:func:`helpers.sources.http_get`: a stalled mirror is a :class:`NetError` at the deadline, not a hang);
+    raises huggingface_hub's own errors for its answer (gated, not found, malformed id)."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import hf_raise_for_status, validate_repo_id
 
-    auth_check(model, token=token)
+    validate_repo_id(model)
+    url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(model, safe='/')}/auth-check"
+    headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    reply = http_get(url, NetBudget(max_bytes=1 << 20), headers=headers, max_bytes=1 << 20)
+    request = httpx2.Request("GET", url)
+    hf_raise_for_status(httpx2.Response(reply.status, headers=reply.headers, content=reply.body, request=request))
 
 
 def _check_hub(model: str, token: str | None) -> str:
@@ -95,7 +109,7 @@ def _check_hub(model: str, token: str | None) -> str:
             f"({offline}), so the hub cannot be asked whether the model exists",
             "Pass a local directory with config.json and the weights, or go online once to download it",
         )
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 
     try:
         _hub_access(model, token)
@@ -112,6 +126,11 @@ def _check_hub(model: str, token: str | None) -> str:
         raise ModelNotFoundError(
             f"{model!r} is neither an existing path nor a valid hub id: {e}",
             "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory",
+        ) from None
+    except (NetError, HfHubHTTPError) as e:  # a stalled or failing hub (or HF_ENDPOINT mirror)
+        raise LoadRefused(
+            f"the hub did not say whether {model!r} can be loaded: {(str(e).splitlines() or [''])[0][:200]}",
+            "Try again in a minute; check the network (and HF_ENDPOINT, if set), or pass a local folder",
         ) from None
     return "hub"
 

@@ -16,9 +16,11 @@ import time
 import pytest
 from test_hub_headers import FakeHub, hub  # noqa: F401 - the fake hub fixture, reused
 
+from helpers.errors import LoadRefused, ModelNotFoundError
 from helpers.estimator import estimate
 from helpers.estimator.hub_headers import FIRST_READ, MAX_SHARDS, read_hub_headers
 from helpers.estimator.rows import EstimateError
+from helpers.load_checks import check_model_source
 from helpers.sources import NET_TIMEOUT_ENV, NetBudget, NetError, checkpoint_size, http_get, net_timeout_s
 
 HANG_GUARD_S = 120  # a hang guard only: each case ends on its bound, or on a deadline of 1-2 s
@@ -44,7 +46,7 @@ class Hostile(FakeHub):
         path = self.path.split("?")[0]
         parts = path.split("/")
         case = parts[parts.index("hostile") + 1] if "hostile" in parts[:4] else None
-        hostile = path.endswith((".safetensors", ".index.json")) or case in ("slow-config", "slow-listing")
+        hostile = path.endswith((".safetensors", ".index.json")) or case in ("slow-config", "slow-listing", "slow-auth")
         if case is None or not hostile:
             return super().do_GET()
         self.requests.append(f"GET {self.path}")
@@ -54,6 +56,9 @@ class Hostile(FakeHub):
         self._slow_body(path)
 
     def _slow_listing(self, path):
+        self._slow_body(path)
+
+    def _slow_auth(self, path):
         self._slow_body(path)
 
     def _start(self, status: int = 200, length: int | None = None, **headers) -> None:
@@ -245,3 +250,23 @@ def test_a_stalled_file_listing_gives_no_size_and_the_reason(hostile, monkeypatc
     (hostile.root / "hostile" / "slow-listing").mkdir(parents=True)
     total, largest, why = _within_guard(lambda: checkpoint_size("hostile/slow-listing"))
     assert total is None and largest is None and "could not ask the hub (no complete answer within 1 s" in why
+
+
+def test_a_stalled_auth_check_is_a_refusal_with_the_fix(hostile, monkeypatch):
+    """load()'s "does this hub id exist" question (auth-check) is bounded too; the hub's own answers keep
+    their meaning (a missing repo is an unknown model id)."""
+    monkeypatch.setenv(NET_TIMEOUT_ENV, "1")
+
+    def ask(model):
+        def run():
+            with pytest.raises((LoadRefused, ModelNotFoundError)) as e:
+                check_model_source(model)
+            return e.value
+
+        return _within_guard(run)
+
+    stalled = ask("hostile/slow-auth")
+    assert type(stalled) is LoadRefused and "no complete answer within 1 s" in str(stalled)
+    assert "check the network" in stalled.fix
+    missing = ask("someone/no-such-repo")  # the fake hub answers 404 RepoNotFound
+    assert type(missing) is ModelNotFoundError and "Unknown model id 'someone/no-such-repo'" in str(missing)
