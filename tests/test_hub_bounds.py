@@ -93,6 +93,21 @@ class Hostile(FakeHub):
         self._start()  # 200, no length: the whole "file", whatever Range asked
         self._stream(len(header).to_bytes(8, "little") + header)
 
+    def _bad_shard(self, path):
+        """An index of two shards: the first a sound header, the second declaring 2**60 bytes."""
+        if path.endswith("model.safetensors"):
+            return self._error("EntryNotFound")
+        if path.endswith(".index.json"):
+            data = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                              "b": "model-00002-of-00002.safetensors"}}).encode()  # fmt: skip
+        elif path.endswith("model-00001-of-00002.safetensors"):
+            header = json.dumps({"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}}).encode()
+            data = len(header).to_bytes(8, "little") + header + bytes(8)
+        else:
+            data = (2**60).to_bytes(8, "little") + b"{}"
+        self._start(200, len(data))
+        self.wfile.write(data)
+
     def _huge_length(self, path):
         data = (2**60).to_bytes(8, "little") + b"{}"
         self._start(206, len(data))
@@ -270,3 +285,9 @@ def test_a_stalled_auth_check_is_a_refusal_with_the_fix(hostile, monkeypatch):
     assert "check the network" in stalled.fix
     missing = ask("someone/no-such-repo")  # the fake hub answers 404 RepoNotFound
     assert type(missing) is ModelNotFoundError and "Unknown model id 'someone/no-such-repo'" in str(missing)
+
+
+def test_one_bad_shard_of_an_index_is_the_note(hostile, short_deadline):
+    headers, why = _within_guard(lambda: read_hub_headers("hostile/bad-shard"))
+    assert headers is None and "model-00002-of-00002.safetensors declares a header of" in why
+    assert len(hostile.requests) == 4  # the single file (missing), the index, one request per shard

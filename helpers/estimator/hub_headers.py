@@ -224,14 +224,16 @@ def _read_repo(repo: str, revision: str | None, budget: NetBudget) -> HeaderWeig
     if shards is None:
         raise NetError(f"{repo} has no {SAFE_WEIGHTS} or {SAFE_INDEX} at its root (.bin weights only?)", "missing")
     entries: dict[str, HeaderTensor] = {}
-    with ThreadPoolExecutor(min(_WORKERS, len(shards))) as pool:
-        try:
-            for shard, found in zip(shards, pool.map(lambda s: _file_header(repo, revision, s, budget, auth), shards)):
-                if found is None:
-                    raise NetError(f"{repo}/{SAFE_INDEX} lists {shard}, which the hub does not have", "format")
-                entries |= found
-        except NetError as e:
-            raise budget.fail(e) from None  # the other shards stop at their next read
+    pool = ThreadPoolExecutor(min(_WORKERS, len(shards)))
+    try:
+        for shard, found in zip(shards, pool.map(lambda s: _file_header(repo, revision, s, budget, auth), shards)):
+            if found is None:
+                raise NetError(f"{repo}/{SAFE_INDEX} lists {shard}, which the hub does not have", "format")
+            entries |= found
+    except NetError as e:
+        raise budget.fail(e) from None  # the other shards stop at their next read, or at the deadline
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # one failed shard answers now: no wait for the rest
     return HeaderWeights(repo, shards, entries)
 
 
