@@ -502,7 +502,8 @@ def _host(url: str) -> str:
 
 
 def _short(url: str) -> str:
-    return urllib.parse.urlsplit(url).path[-40:] or "/"
+    path = urllib.parse.urlsplit(url).path or "/"
+    return path if len(path) <= 48 else "..." + path[-45:]
 
 
 def _connection(parts: urllib.parse.SplitResult, timeout: float) -> tuple[http.client.HTTPConnection, str]:
