@@ -133,3 +133,15 @@ def test_hub_ids_and_folders_without_weights_are_not_opened(tmp_path):
     assert weight_file_check("Qwen/Qwen2.5-0.5B") is None
     (tmp_path / "config.json").write_text("{}")
     assert weight_file_check(str(tmp_path)) is None
+
+
+def test_the_cli_fails_a_pickle_folder_unless_allowed(folder, capsys):
+    from helpers.cli import main
+
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    assert main(["preflight", "--model", str(folder), "--load", "fp32"]) == 1
+    assert "pytorch_model.bin is a pickle checkpoint" in capsys.readouterr().out
+    main(["preflight", "--model", str(folder), "--load", "fp32", "--allow-pickle"])
+    assert "weight files: 1 pickle (allowed) file(s), each complete" in capsys.readouterr().out
