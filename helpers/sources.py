@@ -343,9 +343,13 @@ MAX_LISTING_BYTES = 16 << 20  # a repo's file list with sizes (a few kB for a mo
 def hub_file_sizes(repo: str, *, timeout_s: float | None = None) -> dict[str, int | None]:
     """File name -> bytes of a hub repo's files (``/api/models/<repo>?blobs=true``: what
     ``HfApi.model_info(files_metadata=True)`` asks), in one bounded request (:func:`http_get`: ``timeout_s``
-    seconds, default ``$OOMKIT_NET_TIMEOUT``; at most ``MAX_LISTING_BYTES``). Raises :class:`NetError`."""
+    seconds, default ``$OOMKIT_NET_TIMEOUT``; at most ``MAX_LISTING_BYTES``). Raises :class:`NetError`
+    (kind ``offline`` where :func:`hub_offline_reason` says the hub cannot be asked: nothing is sent)."""
     from huggingface_hub import constants, get_token
 
+    offline = hub_offline_reason()
+    if offline is not None:
+        raise NetError(offline, "offline")
     token = get_token()
     headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
     url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(repo, safe='/')}?blobs=true"
