@@ -425,6 +425,10 @@ def _pickle_problem(f: Path, allow_pickle: bool) -> tuple[str, str] | None:
         return f"{f.name} is a pickle checkpoint: loading it runs whatever code the file holds", PICKLE_FIX
     import torch
 
+    with open(f, "rb") as fh:
+        magic = fh.read(4)
+    if magic.startswith(b"\x80") and magic != b"PK\x03\x04":
+        return None  # torch.save's legacy (pre-zip) format: only torch.load's weights_only unpickler can judge it
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
     except Exception as e:  # noqa: BLE001 - a short zip, a legacy or foreign file: torch.load fails on it too

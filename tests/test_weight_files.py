@@ -145,3 +145,23 @@ def test_the_cli_fails_a_pickle_folder_unless_allowed(folder, capsys):
     assert "pytorch_model.bin is a pickle checkpoint" in capsys.readouterr().out
     main(["preflight", "--model", str(folder), "--load", "fp32", "--allow-pickle"])
     assert "weight files: 1 pickle (allowed) file(s), each complete" in capsys.readouterr().out
+
+
+def test_a_truncated_pickle_is_refused_when_pickles_are_allowed(folder):
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    raw = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(raw[: len(raw) // 2])  # a zip without its directory
+    check = weight_file_check(str(folder), allow_pickle=True)
+    assert check.status == "fail" and "cannot be read as a torch checkpoint" in check.summary
+    assert check.fix == REDOWNLOAD
+
+
+def test_a_legacy_pickle_is_left_to_torch_when_pickles_are_allowed(folder):
+    """torch.save's pre-zip format cannot be scanned statically: allowed, torch.load's weights_only judges it."""
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert weight_file_check(str(folder), allow_pickle=True).status == "pass"
+    assert weight_file_check(str(folder)).status == "fail"
