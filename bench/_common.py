@@ -33,6 +33,7 @@ sys.dont_write_bytecode = False
 MEASURES: dict[str, list[str]] = {
     "batch_finder": ["helpers/batch_size.py", "helpers/retry.py"],
     "estimate_accuracy": ["helpers/estimator", "helpers/train_plan.py", "helpers/adapters.py", "helpers/load_plan.py"],
+    "fingerprint_cost": ["helpers/fingerprint.py"],
     "eval_throughput": ["helpers/evaluate.py", "helpers/eval_batching.py", "helpers/generation.py",
                         "helpers/batch_size.py", "helpers/retry.py"],
     "hot_spots": ["helpers/estimator", "helpers/batch_size.py", "helpers/reclaim.py", "helpers/leaks", "helpers/tensors.py",
