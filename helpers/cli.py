@@ -68,6 +68,8 @@ def preflight_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULTS.prompt_tokens, help="prompt length in tokens")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="accept a local pickle .bin checkpoint (loading a pickle can run code the file holds)")  # fmt: skip
     args = parser.parse_args(argv)
     from .environment import preflight
 
@@ -79,7 +81,7 @@ def preflight_main(argv: list[str] | None = None) -> int:
         parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
     try:
         report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                           prompt_tokens=args.prompt_tokens)  # fmt: skip
+                           prompt_tokens=args.prompt_tokens, allow_pickle=args.allow_pickle)  # fmt: skip
     except ValueError as e:  # oomkit's refusals of an argument (ArgumentError is a ValueError)
         print(f"error: {e}", file=sys.stderr)
         return 2

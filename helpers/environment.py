@@ -47,7 +47,7 @@ from .estimator.configs import resolve_config
 from .estimator.core import MemoryEstimate, estimate
 from .estimator.fitting import fit_one_card, format_params
 from .estimator.rows import EstimateError
-from .loading.checks import ram_for_loading
+from .loading.checks import ram_for_loading, weight_file_check
 from .placement.decision import (
     PlacementDecision,
     auto_placing,
@@ -674,6 +674,7 @@ def preflight(
     bnb: tuple[bool, str] | None = None,
     colab: bool | None = None,
     checkpoint: tuple[int | None, int | None, str] | None = None,
+    allow_pickle: bool = False,
 ) -> PreflightReport:
     """Check this machine before loading ``model`` (a hub id or a local path; optional).
 
@@ -681,10 +682,13 @@ def preflight(
     the :class:`helpers.LoadPlan`'s, so the next cell's load and panel judge the same budget). The other
     keyword-only arguments replace what would be read from the machine, so any device can be
     simulated: ``snapshot`` (memory readout), ``package_versions``, ``bnb`` (``(usable, why)``),
-    ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes).
+    ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes). A local ``model`` folder's weight
+    files are opened as :func:`helpers.load` will open them (a short or corrupt file, and a pickle ``.bin``
+    unless ``allow_pickle``, is a FAIL with the fix).
     """
     _check_arguments(model, load, max_new_tokens, batch_size, prompt_tokens)
     _check_stand_ins(snapshot, package_versions, bnb, colab)
+    flag("allow_pickle", allow_pickle)
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
@@ -698,6 +702,8 @@ def preflight(
     if model is not None:
         total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
         checks.append(ram_for_loading(snap, total, largest, source))
+        files = weight_file_check(str(model), allow_pickle=allow_pickle)
+        checks += [files] if files is not None else []
     else:
         checks.append(
             Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")

@@ -552,6 +552,10 @@ variables of the frames that an exception kept in a variable still holds (the ex
 and its traceback's lines stay)."""
 
 
+def fingerprint_cost(d: dict) -> str:
+    return d["table"]  # the bench writes its table and the sentence of ratios under it
+
+
 # name -> (heading, renderer); the order is the page's order. A result with no entry still gets a section.
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "readout_overhead": ("Readout overhead", readout_overhead),
@@ -562,6 +566,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "monitor_overhead": ("Monitor overhead", monitor_overhead),
     "leak_detection": ("Leak detection", leak_detection),
     "hot_spots": ("Hot spots, before and after", hot_spots),
+    "fingerprint_cost": ("Fingerprint cost", fingerprint_cost),
 }
 
 

@@ -12,7 +12,7 @@ and one expectation:
   problem (so a notebook shows every check, and the CLI exits 1).
 
 CLI cases expect an exit status (2 bad input, 1 a failed check or a plan that does not fit) and no
-traceback. Each case must answer within ``CASE_S`` seconds; an alarm turns a hang into a failure.
+traceback. Each case must answer within ``CASE_S`` CPU seconds; an alarm turns a hang into a failure.
 ``python tests/test_bad_input.py`` prints a summary of every case that does not hold.
 """
 
@@ -41,7 +41,8 @@ from helpers import cli
 
 HELPERS = Path(helpers.__file__).parent
 REPO = HELPERS.parent
-CASE_S = 2.0  # wall-clock bound per case (the first estimate's transformers import is done beforehand)
+CASE_S = 2.0  # CPU seconds (of the calling thread) per case: a busy machine does not make a case slow
+# (the first estimate's transformers import is done beforehand)
 HANG_S = 10  # an alarm ends a case that hangs
 ERR, OK, FAILED = "error", "accepted", "failed check"
 NAN, INF = math.nan, math.inf
@@ -88,13 +89,13 @@ def judge(case: Case) -> str | None:
     """``None`` when the case holds, else what went wrong (raw / silent / hang / vague / slow)."""
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(HANG_S)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     try:
         result = case.call()
     except Hang:
         return "hang"
     except Exception as e:  # noqa: BLE001 - the point is to look at whatever comes out
-        took = time.perf_counter() - t0
+        took = time.thread_time() - t0
         if case.expect == OK:
             return f"raised {type(e).__name__}: {str(e)[:150]}"
         if not isinstance(e, CLEAR_TYPES) or not (isinstance(e, helpers.OomkitError) or _from_helpers(e)):
@@ -111,7 +112,7 @@ def judge(case: Case) -> str | None:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    took = time.perf_counter() - t0
+    took = time.thread_time() - t0
     if case.expect == ERR:
         return "accepted silently"
     if case.expect == FAILED:
@@ -596,7 +597,7 @@ def run_cli(case: CliCase) -> str | None:
     sys.stdin = io.StringIO(case.stdin)
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(HANG_S)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -611,7 +612,7 @@ def run_cli(case: CliCase) -> str | None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         sys.stdin = old_stdin
-    took = time.perf_counter() - t0
+    took = time.thread_time() - t0
     if "Traceback" in err.getvalue() + out.getvalue():
         return "traceback printed"
     if code != case.code:
@@ -660,9 +661,10 @@ def test_the_cli_sweep_exits_with_a_status_and_a_message_never_a_traceback(sweep
     [["estimate", "Llama-2-7b-hf", "--batch", "0"], ["preflight", "--load", "int3"]],
 )  # fmt: skip
 def test_the_cli_in_a_real_process_exits_2_with_one_line_not_a_traceback(argv):
+    # timeout=300: a hang guard only (the import of torch on a busy machine takes its time)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "helpers", *argv], capture_output=True, text=True, env=env,
-                          timeout=60, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.strip()
 

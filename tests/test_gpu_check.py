@@ -50,13 +50,13 @@ def test_dry_run_runs_every_stage_and_resumes(tmp_path, tiny_llama):
     assert sorted((REPO / "bench" / "results" / "gpu").glob("*.json")) == gpu_results  # nothing written there
 
     again = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--state", str(tmp_path), "--stages",
-                            "weights,recovery"], capture_output=True, text=True, timeout=120)  # fmt: skip
+                            "weights,recovery"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0 and again.stdout.count("done before") == 2, again.stdout[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU a real run starts")
 def test_without_a_gpu_a_real_run_refuses_instead_of_faking():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--stages", "env"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--stages", "env"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 2 and "--dry-run" in run.stderr and "GPU figures come only from a GPU" in run.stderr
 
 

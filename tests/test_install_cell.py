@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -59,9 +58,7 @@ def test_outside_colab_and_kaggle_nothing_is_installed(monkeypatch):
 def test_in_colab_or_kaggle_it_installs_once(monkeypatch, colab, kaggle):
     calls = _run(monkeypatch, colab=colab, kaggle=kaggle, installed=False)
     assert len(calls) == 1 and calls[0][1:5] == ["-m", "pip", "install", "-q"]
-    started = time.perf_counter()
-    assert _run(monkeypatch, colab=colab, kaggle=kaggle, installed=True) == []  # installed: skipped
-    assert time.perf_counter() - started < 1.0
+    assert _run(monkeypatch, colab=colab, kaggle=kaggle, installed=True) == []  # installed: skipped, no pip run
 
 
 def test_a_helpers_file_in_the_working_folder_is_named(monkeypatch, tmp_path):

@@ -27,7 +27,7 @@ def test_samples_in_the_background_and_marks():
         big = torch.ones(64 * MiB // 4)
         rss_alive = psutil.Process().memory_info().rss
         seen = len(mon.samples)
-        deadline = time.monotonic() + 10  # a loaded machine may run the thread late: wait for samples, not time
+        deadline = time.monotonic() + 60  # a loaded machine may run the thread late: wait for samples, not time
         while len(mon.samples) < seen + 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         mon.mark("allocated")
@@ -395,7 +395,7 @@ def test_the_callback_watches_every_card_whatever_its_monitor_watches(fake_gpus,
 def test_memory_warnings_are_shown_under_pythons_default_filters():
     """ResourceWarning is ignored by default (Colab, Kaggle, scripts): a crossing would go unseen."""
     code = "import warnings\nfrom helpers.monitoring.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "MemoryWarning: GPU 1 memory crossed" in done.stderr
 
 

@@ -11,7 +11,9 @@ from helpers import MemoryMonitor
 from helpers.monitoring.monitor import MAX_READ_FAILURES, MemoryWarning
 
 
-def _wait_for(cond, timeout=5.0):
+def _wait_for(cond, timeout=60.0):
+    """Wait for ``cond`` (the thread's work, counted); the timeout only guards against a hang: a busy
+    machine may run the sampling thread seconds late."""
     end = time.monotonic() + timeout
     while not cond() and time.monotonic() < end:
         time.sleep(0.01)

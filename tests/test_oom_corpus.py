@@ -71,8 +71,8 @@ def test_parse_time_over_the_corpus():
     """A sanity bound, not a benchmark: the median well under 5 ms, no message pathologically slow."""
     times = []
     for e in ENTRIES:
-        start = time.perf_counter()
+        start = time.thread_time()  # CPU time of the parse: a busy machine does not slow it
         explain_oom(e["text"])
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     assert statistics.median(times) < 0.005
     assert max(times) < 0.05

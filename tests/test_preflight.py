@@ -129,8 +129,10 @@ def test_cli_json_on_this_machine():
     checks = {c["name"]: c for c in data["checks"]}
     assert checks["GPU"]["status"] == "warn" and "T4 GPU" in checks["GPU"]["fix"]
     ram = data["snapshot"]["ram"]
+    # total is fixed; "available" moves with every other process, so it is checked for shape, not value
+    # (test_memory.py checks the readout against psutil in one process)
     assert ram["total"] == psutil.virtual_memory().total
-    assert abs(ram["available"] - psutil.virtual_memory().available) < 1 * GiB
+    assert 0 < ram["available"] <= ram["total"] and ram["process_rss"] > 0
     assert {d["label"] for d in data["snapshot"]["disks"]} == {"HF cache", "working dir"}
 
 

@@ -6,13 +6,12 @@ import json
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
-import huggingface_hub
 import pytest
 from huggingface_hub import constants as hub_constants
 from transformers.modeling_utils import _get_resolved_checkpoint_files
 
+import helpers.core.sources
 from helpers.core.memory import DiskReadout, MemorySnapshot, RAMReadout
 from helpers.core.sources import (
     SourceError,
@@ -163,8 +162,8 @@ MISTRAL_V03 = {  # mistralai/Mistral-7B-Instruct-v0.3's root and sizes, about
 
 
 def fake_hub(monkeypatch, listing: dict[str, int | None]) -> None:
-    siblings = [SimpleNamespace(rfilename=name, size=size) for name, size in listing.items()]
-    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **kw: SimpleNamespace(siblings=siblings))
+    """The hub's file list with sizes, as :func:`helpers.core.sources.hub_file_sizes` reads it."""
+    monkeypatch.setattr(helpers.core.sources, "hub_file_sizes", lambda repo, **kw: dict(listing))
 
 
 def test_a_hub_repo_with_consolidated_weights_counts_the_hf_shards_only(monkeypatch):

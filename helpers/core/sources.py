@@ -7,10 +7,17 @@ that work offline, the instruction set, evaluation prompts) and is found with
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import os
 import re
 import socket
+import ssl
+import threading
+import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +30,8 @@ __all__ = [
     "SourceError", "data_path", "shipped_configs", "shipped_config", "looks_like_path", "drive_hint",
     "nearest_existing", "persistent_path", "hub_offline_reason", "checkpoint_size", "memory_mapped", "read_json", "DRIVE_MOUNT",
     "weight_files", "hub_weight_files", "mount_drive", "DriveMount", "closest_shipped",
+    "NetError", "NetBudget", "HttpReply", "http_get", "net_timeout_s", "NET_TIMEOUT_ENV", "NET_TIMEOUT_S",
+    "hub_file_sizes",
 ]  # fmt: skip
 
 DRIVE_MOUNT = "from google.colab import drive; drive.mount('/content/drive')"
@@ -322,12 +331,46 @@ def checkpoint_size(model: str) -> tuple[int | None, int | None, str]:
     if looks_like_path(model):  # asking the hub would only say it is not a valid repo id
         return None, None, f"{model} does not exist; check the path (on Colab: is Drive mounted?)"
     try:
-        from huggingface_hub import HfApi
+        listing = hub_file_sizes(model)
+    except NetError as e:
+        return None, None, f"could not ask the hub ({e}); pass a local path to measure it"
+    return _hub_sizes(listing)
 
-        info = HfApi().model_info(model, files_metadata=True, timeout=10)
-    except Exception as e:
-        return None, None, f"could not ask the hub ({type(e).__name__}); pass a local path to measure it"
-    return _hub_sizes({s.rfilename: s.size for s in info.siblings or []})
+
+MAX_LISTING_BYTES = 16 << 20  # a repo's file list with sizes (a few kB for a model; 16 MiB is ~100k files)
+
+
+def hub_file_sizes(repo: str, *, timeout_s: float | None = None) -> dict[str, int | None]:
+    """File name -> bytes of a hub repo's files (``/api/models/<repo>?blobs=true``: what
+    ``HfApi.model_info(files_metadata=True)`` asks), in one bounded request (:func:`http_get`: ``timeout_s``
+    seconds, default ``$OOMKIT_NET_TIMEOUT``; at most ``MAX_LISTING_BYTES``). Raises :class:`NetError`
+    (kind ``offline`` where :func:`hub_offline_reason` says the hub cannot be asked: nothing is sent)."""
+    from huggingface_hub import constants, get_token
+
+    offline = hub_offline_reason()
+    if offline is not None:
+        raise NetError(offline, "offline")
+    token = get_token()
+    headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(repo, safe='/')}?blobs=true"
+    budget = NetBudget(timeout_s, max_bytes=MAX_LISTING_BYTES + 1, max_requests=MAX_REDIRECTS + 1)
+    reply = http_get(url, budget, headers=headers, max_bytes=MAX_LISTING_BYTES + 1)
+    if reply.status != 200:
+        code = reply.headers.get("x-error-code") or f"HTTP {reply.status}"
+        raise NetError(f"the hub answered {code} for {repo}", "http")
+    if len(reply.body) > MAX_LISTING_BYTES:
+        raise NetError(f"the hub's file list of {repo} is over {MAX_LISTING_BYTES >> 20} MiB", "size")
+    try:
+        siblings = json.loads(reply.body).get("siblings")
+    except (ValueError, RecursionError, AttributeError):
+        siblings = None
+    if not isinstance(siblings, list) or not all(isinstance(s, dict) for s in siblings):
+        raise NetError(f"the hub's answer for {repo} holds no file list", "format")
+    return {
+        s["rfilename"]: s.get("size") if type(s.get("size")) is int else None
+        for s in siblings
+        if isinstance(s.get("rfilename"), str)
+    }
 
 
 def _hub_sizes(listing: dict[str, int | None]) -> tuple[int | None, int | None, str]:
@@ -341,3 +384,198 @@ def _hub_sizes(listing: dict[str, int | None]) -> tuple[int | None, int | None, 
         return None, None, f"the hub gives no size for {', '.join(f for f in files if listing[f] is None)}"
     kind = "safetensors" if files[0].endswith(".safetensors") else ".bin"
     return sum(sizes), max(sizes), f"hub {kind} files"
+
+
+# Bounded network reads: every request oomkit makes itself goes through http_get, under one NetBudget
+# (a deadline over connect + every read, bytes and requests), so a hostile or broken mirror (HF_ENDPOINT)
+# costs at most NET_TIMEOUT_S seconds and the bytes asked for: never a hang, never gigabytes in RAM.
+NET_TIMEOUT_ENV = "OOMKIT_NET_TIMEOUT"  # seconds one network question (all its requests) may take
+NET_TIMEOUT_S = 15.0
+MAX_REDIRECTS = 5  # the hub's resolve URL redirects once or twice (renamed repo, then the CDN)
+_REDIRECTS = (301, 302, 303, 307, 308)
+_CHUNK = 64 * 1024
+
+
+class NetError(OomkitError, OSError):
+    """A network read that broke a bound or failed; ``kind`` says which: ``deadline``, ``size``,
+    ``requests``, ``redirects``, ``url``, ``connection``, ``http``, ``format`` or ``setting`` (and, for
+    a hub repo's headers, ``missing`` or ``gated``)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.kind)
+
+
+def net_timeout_s() -> float:
+    """Seconds one network question may take: ``$OOMKIT_NET_TIMEOUT`` when set, else ``NET_TIMEOUT_S``."""
+    raw = os.environ.get(NET_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return NET_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise NetError(f"{NET_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. 15, or unset it",
+                       "setting")  # fmt: skip
+    return seconds
+
+
+class NetBudget:
+    """What one network question may still spend, shared by its requests (and their threads): a deadline
+    ``seconds`` from now, ``max_bytes`` of bodies and ``max_requests`` requests."""
+
+    def __init__(self, seconds: float | None = None, *, max_bytes: int = 256 << 20, max_requests: int = 64):
+        self.seconds = net_timeout_s() if seconds is None else float(seconds)
+        self.until = time.monotonic() + self.seconds
+        self.bytes_left, self.requests_left, self.requests = max_bytes, max_requests, 0
+        self.max_bytes, self.max_requests = max_bytes, max_requests
+        self.failed: NetError | None = None
+        self._lock = threading.Lock()
+
+    def left(self) -> float:
+        """Seconds left; raises :class:`NetError` once the deadline passed (or another request failed)."""
+        if self.failed is not None:
+            raise self.failed
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise self.fail(NetError(f"no complete answer within {self.seconds:g} s (the deadline of one network "
+                                     f"read; {NET_TIMEOUT_ENV} sets it)", "deadline"))  # fmt: skip
+        return left
+
+    def spend(self, nbytes: int = 0, requests: int = 0) -> None:
+        """Count ``nbytes`` read and ``requests`` made; raises :class:`NetError` past either limit."""
+        with self._lock:
+            self.bytes_left -= nbytes
+            self.requests_left -= requests
+            self.requests += requests
+            if self.requests_left < 0:
+                raise self.fail(NetError(f"more than {self.max_requests} requests for one answer", "requests"))
+            if self.bytes_left < 0:
+                raise self.fail(NetError(f"more than {self.max_bytes:,} bytes for one answer", "size"))
+
+    def fail(self, error: NetError) -> NetError:
+        """Mark the question failed (its other requests stop at their next read) and return ``error``."""
+        if self.failed is None:
+            self.failed = error
+        return self.failed
+
+
+@dataclass
+class HttpReply:
+    """One answer: status, headers (lower-case names), the body as read (at most what was asked) and
+    whether the server had more to send than that."""
+
+    url: str
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    cut: bool = False
+
+
+def http_get(
+    url: str, budget: NetBudget, *, headers: dict[str, str] | None = None, max_bytes: int = 1 << 20
+) -> HttpReply:
+    """GET ``url`` within ``budget``, following at most ``MAX_REDIRECTS`` redirects (a loop is refused) and
+    reading at most ``max_bytes`` of the body (a server that sends more, such as one ignoring a Range
+    header, is cut off). Raises :class:`NetError`; an HTTP error status is a reply, not an error."""
+    headers, seen = dict(headers or {}), [url]
+    for _ in range(MAX_REDIRECTS + 1):
+        reply = _get_once(url, budget, headers, max_bytes)
+        if reply.status not in _REDIRECTS or not reply.headers.get("location"):
+            return reply
+        nxt = urllib.parse.urljoin(url, reply.headers["location"])
+        if urllib.parse.urlsplit(nxt).netloc != urllib.parse.urlsplit(url).netloc:  # no token to another host
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        if nxt in seen:
+            raise budget.fail(NetError(f"{_host(url)} redirects in a loop ({' -> '.join(_short(u) for u in seen)} "
+                                       f"-> {_short(nxt)})", "redirects"))  # fmt: skip
+        url = nxt
+        seen.append(url)
+    raise budget.fail(NetError(f"{_host(url)} redirected more than {MAX_REDIRECTS} times", "redirects"))
+
+
+def _host(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc or url[:60]
+
+
+def _short(url: str) -> str:
+    path = urllib.parse.urlsplit(url).path or "/"
+    return path if len(path) <= 48 else "..." + path[-45:]
+
+
+def _connection(parts: urllib.parse.SplitResult, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """A connection to ``parts``' host (through the proxy the environment names, as requests and httpx
+    honour it) and the request target to send."""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if parts.scheme == "http":  # a plain-http proxy takes the whole URL
+            return http.client.HTTPConnection(p.hostname, p.port or 80, timeout=timeout), parts.geturl()
+        conn = http.client.HTTPSConnection(
+            p.hostname, p.port or 80, timeout=timeout, context=ssl.create_default_context()
+        )
+        conn.set_tunnel(parts.hostname, port)
+        return conn, target
+    if parts.scheme == "https":
+        return http.client.HTTPSConnection(
+            parts.hostname, port, timeout=timeout, context=ssl.create_default_context()
+        ), target
+    return http.client.HTTPConnection(parts.hostname, port, timeout=timeout), target
+
+
+def _cut(conn: http.client.HTTPConnection) -> None:
+    """The watchdog: at the deadline, shut the socket so a read blocked on a trickling server returns."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+
+
+def _get_once(url: str, budget: NetBudget, headers: dict[str, str], max_bytes: int) -> HttpReply:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise budget.fail(NetError(f"{url[:100]!r} is not an http(s) address", "url"))
+    budget.spend(requests=1)
+    try:
+        conn, target = _connection(parts, budget.left())
+    except ValueError as e:  # a port out of range: nothing to connect to
+        raise budget.fail(NetError(f"{url[:100]!r} is not an address to ask ({e})", "url")) from None
+    # per-read socket timeouts alone let a server sending a byte a second run forever: the watchdog
+    # closes the socket at the deadline whatever it is doing (status line, headers or body)
+    watchdog = threading.Timer(budget.left(), _cut, (conn,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.request("GET", target, headers=headers)
+        resp = conn.getresponse()
+        body = bytearray()
+        while len(body) < max_bytes:
+            budget.left()
+            chunk = resp.read1(min(_CHUNK, max_bytes - len(body)))
+            if not chunk:
+                break
+            budget.spend(nbytes=len(chunk))
+            body += chunk
+        budget.left()  # a body ended by the watchdog is not a complete answer
+        cut = len(body) >= max_bytes and not resp.isclosed()
+        return HttpReply(url, resp.status, {k.lower(): v for k, v in resp.getheaders()}, bytes(body), cut)
+    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: a URL http.client cannot send
+        if isinstance(e, NetError):
+            raise
+        budget.left()  # a read the watchdog cut reads as the deadline
+        raise budget.fail(NetError(f"{parts.hostname} failed to answer ({type(e).__name__}: {str(e)[:100]})",
+                                   "connection")) from None  # fmt: skip
+    finally:
+        watchdog.cancel()
+        conn.close()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..core.sources import (
+    NetError,
     SourceError,
     closest_shipped,
     data_path,
@@ -23,6 +24,7 @@ from ..core.sources import (
     shipped_config,
     shipped_configs,
 )
+from .hub_headers import read_hub_json
 from .rows import EstimateError
 
 __all__ = ["resolve_config", "hub_repo", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION"]
@@ -192,23 +194,34 @@ def _missing(name: str) -> EstimateError:
     )
 
 
+def _unreadable(name: str, why: str) -> EstimateError:
+    known = ", ".join(shipped_configs()) or "none"
+    typo = closest_shipped(name)
+    return EstimateError(
+        (f"did you mean {typo!r}? " if typo else "") + f"could not read the config of {name!r} ({why}). "
+        f"Offline or private? Pass a local folder or config.json, or one of the configs in "
+        f"{data_path('configs')} that work offline: {known}"
+    )
+
+
 def _from_hub(name: str):
+    """Online: config.json in one bounded request (a stalled or hostile mirror is this error within the
+    network deadline, never a hang); offline: the Hugging Face cache, as transformers reads it."""
     from transformers import AutoConfig
 
+    if hub_offline_reason() is None:
+        try:
+            d = read_hub_json(name, "config.json")
+        except NetError as e:
+            raise _unreadable(name, str(e)) from None
+        return config_from_dict(d, f"the config of {name!r}"), name, None
     try:
-        config = AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None)
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
         rejected = _rejected_on_hub(e, name)
         if rejected is not None:
             raise rejected from None
-        known = ", ".join(shipped_configs()) or "none"
-        typo = closest_shipped(name)
-        raise EstimateError(
-            (f"did you mean {typo!r}? " if typo else "")
-            + f"could not read the config of {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}). "
-            f"Offline or private? Pass a local folder or config.json, or one of the configs in "
-            f"{data_path('configs')} that work offline: {known}"
-        ) from None
+        raise _unreadable(name, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}") from None
     check_config_values(config.to_dict(), f"the config of {name!r}")
     return config, name, None
 

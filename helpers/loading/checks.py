@@ -8,6 +8,7 @@ reason and the fix.
 from __future__ import annotations
 
 import importlib.util
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,23 +19,31 @@ from ..core.devices import bitsandbytes_status
 from ..core.errors import LoadError, LoadRefused, ModelNotFoundError  # defined there so gpu_split can refuse
 from ..core.memory import MemorySnapshot
 from ..core.sources import (
+    BIN_INDEX,
+    SAFE_INDEX,
+    NetBudget,
+    NetError,
     SourceError,
     checkpoint_size,
     drive_hint,
+    http_get,
     hub_offline_reason,
     looks_like_path,
     memory_mapped,
     nearest_existing,
     read_json,
+    weight_files,
 )
 from ..core.units import format_bytes
 from ..core.vocab import MODES, QUANTIZED
+from ..estimator.hub_headers import MAX_HEADER_BYTES, parse_safetensors_header
 from ..placement.decision import PlacementDecision, decide_placement
 from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized
 from .plan import LoadPlan
 
 __all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "ram_for_loading",
-           "check_ram_for_loading", "check_prequantized_map", "find_token"]  # fmt: skip
+           "check_ram_for_loading", "check_prequantized_map", "find_token", "weight_file_check",
+           "check_weight_files"]  # fmt: skip
 
 BNB_INSTALL = "pip install -U bitsandbytes   (in a notebook: %pip install -U bitsandbytes, then restart the runtime)"
 TOKEN_HELP = (
@@ -77,9 +86,19 @@ def check_model_source(model: str, token: str | None = None) -> str:
 
 
 def _hub_access(model: str, token: str | None) -> None:
-    from huggingface_hub import auth_check
+    """What ``huggingface_hub.auth_check`` asks (``/api/models/<id>/auth-check``), in one bounded request
+    (:func:`helpers.sources.http_get`: a stalled mirror is a :class:`NetError` at the deadline, not a hang);
+    raises huggingface_hub's own errors for its answer (gated, not found, malformed id)."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import hf_raise_for_status, validate_repo_id
 
-    auth_check(model, token=token)
+    validate_repo_id(model)
+    url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(model, safe='/')}/auth-check"
+    headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    reply = http_get(url, NetBudget(max_bytes=1 << 20), headers=headers, max_bytes=1 << 20)
+    request = httpx2.Request("GET", url)
+    hf_raise_for_status(httpx2.Response(reply.status, headers=reply.headers, content=reply.body, request=request))
 
 
 def _check_hub(model: str, token: str | None) -> str:
@@ -90,7 +109,7 @@ def _check_hub(model: str, token: str | None) -> str:
             f"({offline}), so the hub cannot be asked whether the model exists",
             "Pass a local directory with config.json and the weights, or go online once to download it",
         )
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 
     try:
         _hub_access(model, token)
@@ -107,6 +126,11 @@ def _check_hub(model: str, token: str | None) -> str:
         raise ModelNotFoundError(
             f"{model!r} is neither an existing path nor a valid hub id: {e}",
             "Use a hub id such as 'Qwen/Qwen2.5-0.5B' or an existing local directory",
+        ) from None
+    except (NetError, HfHubHTTPError) as e:  # a stalled or failing hub (or HF_ENDPOINT mirror)
+        raise LoadRefused(
+            f"the hub did not say whether {model!r} can be loaded: {(str(e).splitlines() or [''])[0][:200]}",
+            "Try again in a minute; check the network (and HF_ENDPOINT, if set), or pass a local folder",
         ) from None
     return "hub"
 
@@ -308,6 +332,7 @@ def check_plan(
         raise ArgumentError(f"check_plan() checks a LoadPlan, got {plan!r:.60}: e.g. check_plan(LoadPlan('org/name'))")
     token = plan.token or find_token()
     source = check_model_source(plan.model, token)
+    check_weight_files(plan.model, allow_pickle=plan.allow_pickle)
     if plan.adapter:
         check_adapter(plan.adapter)
     snap = snapshot if snapshot is not None else take_snapshot()
@@ -332,3 +357,117 @@ def find_token() -> str | None:
         return get_token()
     except Exception:
         return None
+
+
+# What load() opens of a local checkpoint, opened first: transformers reads each safetensors header
+# (safe_open) and torch.load()s each pickle, and either raises a raw library error on a bad file
+REDOWNLOAD = "download or copy the checkpoint again: an interrupted download or copy leaves a short file"
+PICKLE_FIX = (
+    "use the model's safetensors files (model.safetensors) or convert the checkpoint where you trust it; "
+    "if you trust where this file came from, pass allow_pickle=True"
+)
+# bytes per element of each safetensors dtype (the safetensors format's Dtype list)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}  # fmt: skip
+
+
+def _header_problem(f: Path, size: int) -> tuple[int, dict] | str:
+    """``(header length, tensors)`` of a safetensors file, or a sentence saying why it has no header."""
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{f} is {size} bytes long: no safetensors file"
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            return (f"{f} declares a header of {n:,} bytes, and the file holds {size - 8:,} after its length: "
+                    "no complete safetensors file")  # fmt: skip
+        blob = fh.read(n)
+    try:
+        return n, parse_safetensors_header(blob, str(f))
+    except SourceError as e:
+        return str(e)
+
+
+def _safetensors_problem(f: Path) -> tuple[str, str] | None:
+    """Why ``safe_open`` (what transformers runs) would fail on ``f``, with the fix, or ``None``."""
+    size = f.stat().st_size
+    parsed = _header_problem(f, size)
+    if isinstance(parsed, str):
+        return parsed, REDOWNLOAD
+    n, entries = parsed
+    data, end = size - 8 - n, 0
+    for name, t in sorted(entries.items(), key=lambda kv: kv[1].start):
+        if t.start != end:
+            return f"{f}: tensor {name!r} starts at byte {t.start:,} of the data, not {end:,}", REDOWNLOAD
+        if t.dtype in _DTYPE_BYTES and t.nbytes != t.numel * _DTYPE_BYTES[t.dtype]:
+            return (
+                f"{f}: tensor {name!r} spans {t.nbytes:,} bytes, its shape and dtype {t.numel * _DTYPE_BYTES[t.dtype]:,}",
+                REDOWNLOAD,
+            )
+        end += t.nbytes
+    if end != data:
+        what = "is truncated" if end > data else "has bytes after its last tensor"
+        return f"{f} {what}: its tensors need {end:,} bytes of data, the file holds {data:,}", REDOWNLOAD
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt"):
+            pass
+    except Exception as e:  # noqa: BLE001 - whatever safetensors refuses, load() would raise too
+        return f"{f} cannot be opened as safetensors ({type(e).__name__}: {str(e)[:120]})", REDOWNLOAD
+    return None
+
+
+def _pickle_problem(f: Path, allow_pickle: bool) -> tuple[str, str] | None:
+    """A pickle checkpoint: refused unless ``allow_pickle``; with it, refused if it imports anything but
+    tensors (transformers' ``torch.load(weights_only=True)`` would raise)."""
+    if not allow_pickle:
+        return f"{f.name} is a pickle checkpoint: loading it runs whatever code the file holds", PICKLE_FIX
+    import torch
+
+    with open(f, "rb") as fh:
+        magic = fh.read(4)
+    if magic.startswith(b"\x80") and magic != b"PK\x03\x04":
+        return None  # torch.save's legacy (pre-zip) format: only torch.load's weights_only unpickler can judge it
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
+    except Exception as e:  # noqa: BLE001 - a short zip, a legacy or foreign file: torch.load fails on it too
+        return f"{f} cannot be read as a torch checkpoint ({type(e).__name__}: {str(e)[:100]})", REDOWNLOAD
+    if unsafe:
+        return (f"{f.name} holds code, not only weights: it imports {', '.join(unsafe[:3])}; transformers "
+                "(torch.load with weights_only=True) refuses it",
+                "do not load this file; get the model's safetensors files from a source you trust")  # fmt: skip
+    return None
+
+
+def weight_file_check(model: str, *, allow_pickle: bool = False) -> Check | None:
+    """Open what :func:`load` will open of a local checkpoint folder, before it does: each safetensors
+    header complete (its declared length within the file, its tensors' data offsets end to end and within
+    it), every shard its index lists present, and no pickle ``.bin`` (it can run code) unless
+    ``allow_pickle``. ``None`` for a hub id or a folder without weights (nothing here to open)."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return None
+    try:
+        files = weight_files(folder)
+    except SourceError as e:
+        if not any((folder / n).is_file() for n in (SAFE_INDEX, BIN_INDEX)):
+            return None  # no weights at all: the RAM line says so
+        return Check("weight files", "fail", str(e), REDOWNLOAD)
+    problems = [p for f in files if (p := _weight_problem(f, allow_pickle)) is not None]
+    if problems:
+        more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+        return Check("weight files", "fail", problems[0][0] + more, problems[0][1], {"problems": len(problems)})
+    kind = "safetensors" if all(f.suffix == ".safetensors" for f in files) else "pickle (allowed)"
+    return Check("weight files", "pass", f"{len(files)} {kind} file(s), each complete")
+
+
+def _weight_problem(f: Path, allow_pickle: bool) -> tuple[str, str] | None:
+    return _safetensors_problem(f) if f.suffix == ".safetensors" else _pickle_problem(f, allow_pickle)
+
+
+def check_weight_files(model: str, *, allow_pickle: bool = False) -> None:
+    """Raise :class:`LoadRefused` where :func:`weight_file_check` fails (load() would raise a raw error)."""
+    check = weight_file_check(model, allow_pickle=allow_pickle)
+    if check is not None and check.status == "fail":
+        raise LoadRefused(check.summary, check.fix)

@@ -47,6 +47,7 @@ from .checks import (
     check_plan,
     check_prequantized_backend,
     check_prequantized_map,
+    check_weight_files,
     find_token,
 )
 from .plan import LoadPlan, check_fields
@@ -190,6 +191,7 @@ def _checked(plan: LoadPlan, check: bool, snapshot: MemorySnapshot | None, bnb) 
         return check_plan(plan, snapshot=snapshot, bnb=bnb)
     token = plan.token or find_token()
     checked = PlanCheck(plan, check_model_source(plan.model, token), plan.estimate("current"))
+    check_weight_files(plan.model, allow_pickle=plan.allow_pickle)  # a bad file is a certain raw error, not a risk
     if plan.adapter:
         check_adapter(plan.adapter)
     check_bitsandbytes(plan.load, device_kind(), bnb)

@@ -95,6 +95,9 @@ class LoadPlan:
         allow_offload: accept a plan that only fits by offloading weights to CPU or disk (every token
             slower); by default such a plan is refused with the fix, never offloaded silently.
         adapter: optional PEFT adapter directory (LoRA) to attach after loading.
+        allow_pickle: accept a local pickle ``.bin`` checkpoint (loading a pickle can run code the file
+            holds); by default only safetensors load from a local folder. A pickle that imports anything
+            but tensors is refused either way.
         token: Hugging Face token for gated models; ``None`` = ``HF_TOKEN`` / Colab secret / login.
         gpus: how many of this machine's GPUs (from GPU 0) ``device_map="auto"`` may split the model
             over; ``None`` = GPU 0 alone when the plan fits there (the others stay free), else as many
@@ -122,6 +125,7 @@ class LoadPlan:
     token: str | None = field(default=None, repr=False)  # never shown
     gpus: int | None = None
     kv_cache: str = "dynamic"
+    allow_pickle: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, str | os.PathLike) or not str(self.model).strip():
@@ -149,7 +153,7 @@ class LoadPlan:
         """The numbers, flags and placement fields, each refused with its name and value when wrong."""
         for name in ("max_new_tokens", "batch_size", "prompt_tokens"):
             whole_number(name, getattr(self, name), minimum=0 if name == "max_new_tokens" else 1)
-        for name in ("double_quant", "low_cpu_mem_usage", "allow_offload", "trust_remote_code"):
+        for name in ("double_quant", "low_cpu_mem_usage", "allow_offload", "trust_remote_code", "allow_pickle"):
             flag(name, getattr(self, name))
         dm = self.device_map
         if (dm is not None and not isinstance(dm, str | dict | int | torch.device)) or isinstance(dm, bool) or dm == "":
