@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -272,9 +273,16 @@ def adapted_linears(lay: Layout, targets: str | list[str], *, fp32_kept_adapt: b
 
 
 def should_convert(module: str, not_convert: list[str]) -> bool:
+    """transformers' own rule (a regex per pattern), asked once per module name and skip list: a fit()'s
+    fixes re-ask it for every module of every re-estimate, which grew with layers squared."""
+    return _should_convert(module, tuple(not_convert))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _should_convert(module: str, not_convert: tuple[str, ...]) -> bool:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    return should_convert_module(module, not_convert)
+    return should_convert_module(module, list(not_convert))
 
 
 def tied_note(lay: Layout) -> str:

@@ -1,6 +1,6 @@
 """Plan a model across several GPUs (and CPU/disk offload): the device map transformers will use.
 
-:func:`plan_devices` builds the architecture on the meta device (``init_empty_weights``: no memory,
+:func:`plan_devices` builds the architecture on the meta device (``torch.device("meta")``: no memory,
 no download) and runs the placement that ``from_pretrained(device_map="auto")`` runs: the balanced
 ``max_memory`` (``get_balanced_memory``), bitsandbytes' 10 % margin for its buffers, then
 ``infer_auto_device_map`` with the model's ``_no_split_modules``. Quantized linear weights count
@@ -254,7 +254,6 @@ _MODELS: dict[tuple, tuple[torch.nn.Module, set[int]]] = {}
 def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Module, set[int]]:
     """The architecture on the meta device in ``dtype`` and the ids of the parameters bitsandbytes
     quantizes for ``load`` (cached per config, load mode and dtype)."""
-    from accelerate import init_empty_weights
     from transformers.initialization import no_init_weights
 
     key = (config.to_json_string(use_diff=False), load, str(dtype))
@@ -263,8 +262,10 @@ def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Mod
         if lay.approximate:
             raise PlacementError(f"cannot build this architecture on the meta device ({lay.missing[0]})")
         try:
-            # no_init_weights: initialising meta tensors computes nothing but costs ~0.3 s per model
-            with init_empty_weights(), no_init_weights(), contextlib.redirect_stderr(None):
+            # every tensor made on the meta device, as the estimator's layout is built: accelerate's
+            # init_empty_weights() creates each parameter on the CPU first (a fused MoE's experts are really
+            # allocated); no_init_weights: initialising meta tensors computes nothing but costs ~0.3 s per model
+            with torch.device("meta"), no_init_weights(), contextlib.redirect_stderr(None):
                 model = auto_class(config).from_config(copy.deepcopy(config), dtype=dtype)
         except (ValueError, KeyError, ImportError, TypeError) as e:  # no generative class for it (CLIP, BERT, ...)
             raise PlacementError(f"cannot build this architecture on the meta device ({type(e).__name__}: "
