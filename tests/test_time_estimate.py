@@ -19,7 +19,6 @@ from helpers.estimator.timing import (
     estimate_time,
     format_seconds,
     lora_step_flops,
-    lora_step_seconds,
     speed_for,
 )
 
