@@ -3,7 +3,8 @@
 Each mode is loaded on its own with :func:`helpers.loading.load` and unloaded before the next
 (:func:`helpers.reclaim.unload`), so a model that fits a T4 only in 4-bit is compared there too. On the
 user's texts each mode reports perplexity (teacher forced, every token after the first), the share of
-positions where its most likely next token is the reference's (greedy agreement), its measured weight
+positions where its most likely next token is the reference's (greedy agreement), the KL divergence of its
+next-token distributions from the reference's (what the quantization changed), its measured weight
 bytes, and greedy decode tokens/s. The first mode is the reference (16-bit on a GPU, fp32 on CPU).
 
     >>> compare_loads("Qwen/Qwen2.5-0.5B", my_texts)          # doctest: +SKIP
@@ -29,6 +30,9 @@ __all__ = ["LoadCompareError", "LoadQuality", "LoadComparison", "compare_loads"]
 
 MAX_TOKENS = 512  # each text is cut to this many tokens: quality shows in far fewer, time grows with more
 DECODE_TOKENS = 16  # greedy tokens generated to time decoding
+# The reference's next-token distributions are kept (fp16, CPU) for the KL divergence of each other mode
+# over this many positions: 2,048 x a 128k vocabulary is 512 MiB of host RAM.
+KL_TOKENS = 2048
 
 
 class LoadCompareError(OomkitError, ValueError):
@@ -42,6 +46,9 @@ class LoadQuality:
     load: str
     perplexity: float | None = None
     agreement: float | None = None  # share of positions whose argmax next token equals the reference's
+    # mean KL(reference || this mode) of the next-token distributions, nats per token: llama.cpp's measure of
+    # what a quantization changes; unlike a perplexity gap it is never negative and has no first-order noise
+    kl: float | None = None
     weight_bytes: int | None = None  # measured after the load (footprint)
     peak_bytes: int | None = None  # CUDA only: max_memory_allocated while scoring and decoding
     tokens_per_s: float | None = None  # greedy decode, batch 1
@@ -79,12 +86,13 @@ class LoadComparison:
         cells = []
         for r in self.rows:
             if r.error:
-                cells.append([r.load, "failed", "", "", "", "", r.error])
+                cells.append([r.load, "failed", "", "", "", "", "", r.error])
                 continue
             gap = self.gap(r.load)
             cells.append([
                 r.load, f"{r.perplexity:.3f}", "reference" if r is self.reference else
                 ("" if gap is None else f"{gap:+.2%}"),
+                "" if r.kl is None else f"{r.kl:.5f}",
                 "" if r.agreement is None else f"{r.agreement:.1%}",
                 format_bytes(r.weight_bytes) if r.weight_bytes is not None else "",
                 "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}",
@@ -92,7 +100,8 @@ class LoadComparison:
             ])  # fmt: skip
         return cells
 
-    HEADER = ("load", "perplexity", "vs reference", "greedy agreement", "weights", "decode tokens/s", "note")
+    HEADER = ("load", "perplexity", "vs reference", "KL nats/token", "greedy agreement", "weights", "decode tokens/s",
+              "note")  # fmt: skip
 
     def __str__(self) -> str:
         rows = [list(self.HEADER), *self._cells()]
@@ -124,17 +133,26 @@ def _check(texts: Any, loads: Any) -> tuple[list[str], tuple[str, ...]]:
     return list(texts), tuple(load_mode_name(m, error=LoadCompareError) for m in loads)
 
 
-def _score(model, encoded: list[torch.Tensor]) -> tuple[float, int, list[torch.Tensor]]:
-    """(summed negative log-likelihood, tokens scored, argmax next tokens per text)."""
-    nll, count, argmax = 0.0, 0, []
+def _score(model, encoded: list[torch.Tensor]) -> tuple[float, int, list[torch.Tensor], torch.Tensor]:
+    """(summed negative log-likelihood, tokens scored, argmax next tokens per text, the log-probabilities of the
+    first :data:`KL_TOKENS` positions in fp16 on the CPU)."""
+    nll, count, argmax, kept = 0.0, 0, [], []
     with torch.no_grad():
         for ids in encoded:
             logits = model(input_ids=ids.to(model.device)).logits[0, :-1].float()
             target = ids[0, 1:].to(logits.device)
             nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+            room = KL_TOKENS - sum(k.shape[0] for k in kept)
+            if room > 0:
+                kept.append(torch.log_softmax(logits[:room], -1).to("cpu", torch.float16))
             count += target.numel()
             argmax.append(logits.argmax(-1).cpu())
-    return nll, count, argmax
+    return nll, count, argmax, torch.cat(kept)
+
+
+def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    ref, oth = reference.float(), other.float()
+    return float((ref.exp() * (ref - oth)).sum(-1).mean())
 
 
 def _decode_rate(model, ids: torch.Tensor) -> float:
@@ -150,7 +168,7 @@ def _decode_rate(model, ids: torch.Tensor) -> float:
     return DECODE_TOKENS / (time.perf_counter() - started)
 
 
-def _measure(model_path: str, mode: str, texts: list[str], load_kwargs: dict) -> tuple[LoadQuality, list, float, int]:
+def _measure(model_path: str, mode: str, texts: list[str], load_kwargs: dict) -> tuple[LoadQuality, list, Any, int]:
     from .loading import load
     from .reclaim import unload
 
@@ -162,14 +180,14 @@ def _measure(model_path: str, mode: str, texts: list[str], load_kwargs: dict) ->
             raise LoadCompareError("every text is one token or less: nothing to score; pass sentences")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        nll, count, argmax = _score(model, encoded)
+        nll, count, argmax, logprobs = _score(model, encoded)
         rate = _decode_rate(model, encoded[0])
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     finally:
         unload(model, namespace={})  # free before the next mode loads: one model in memory at a time
     row = LoadQuality(mode, perplexity=math.exp(nll / count), weight_bytes=report.measured_weights, peak_bytes=peak,
                       tokens_per_s=rate, load_seconds=report.load_seconds)  # fmt: skip
-    return row, argmax, nll, count
+    return row, argmax, logprobs, count
 
 
 class _quiet_bitsandbytes:
@@ -201,15 +219,16 @@ def compare_loads(
     for mode in loads:
         try:
             with _quiet_bitsandbytes():
-                row, argmax, _, count = _measure(str(model_path), mode, texts, load_kwargs)
+                row, argmax, logprobs, count = _measure(str(model_path), mode, texts, load_kwargs)
         except (LoadError, ImportError, RuntimeError) as e:
             comparison.rows.append(LoadQuality(mode, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
             continue
         if reference is None and not comparison.rows:
-            reference = argmax
+            reference = (argmax, logprobs)
         if reference is not None:
-            same = sum(int((a == b).sum()) for a, b in zip(argmax, reference))
-            row.agreement = same / max(sum(a.numel() for a in reference), 1)
+            same = sum(int((a == b).sum()) for a, b in zip(argmax, reference[0]))
+            row.agreement = same / max(sum(a.numel() for a in reference[0]), 1)
+            row.kl = _kl(reference[1], logprobs)
         comparison.tokens = count
         comparison.rows.append(row)
     return comparison

@@ -32,7 +32,7 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Calibration", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "format_seconds", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "format_seconds", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
 ]  # fmt: skip
 
 GB = 1e9
@@ -346,7 +346,9 @@ def estimate_time(est, device: str | None = None, *, calibration: Calibration | 
 
         calibration = calibrate()
     speed = speed_for(dev, calibration)
-    config, _, loaded = resolve_config(est.source)
+    config, loaded = getattr(est, "config", None), None
+    if config is None:
+        config, _, loaded = resolve_config(est.source)
     inputs = est.inputs
     tr = inputs.get("training") or training
     lora = tr if isinstance(tr, LoraTraining) else None
@@ -376,3 +378,21 @@ def estimate_time(est, device: str | None = None, *, calibration: Calibration | 
         decode_tokens_per_s=decode, answers=answers, answers_seconds=totals, steps=steps if lora else 0,
         step_seconds=step, step_shape=step_shape, notes=notes,
     )  # fmt: skip
+
+
+def time_line(est) -> str:
+    """One line of time for an estimate on a GPU preset with card figures (datasheet x efficiency, no
+    probe): decode speed for a generation plan, the step for a training one; "" when it cannot be timed."""
+    if est.device not in CARDS:
+        return ""
+    try:
+        t = estimate_time(est, batches=(int(est.inputs.get("batch_size", 1)),))
+    except (EstimateError, KeyError, TypeError, ValueError):  # a family whose shape the formulas lack
+        return ""
+    if t.step_seconds is not None:
+        return f"time on {t.device}: {format_seconds(t.step_seconds)} per LoRA step (datasheet x efficiency; .time() for totals)"
+    (batch, rate), (_, total) = next(iter(t.decode_tokens_per_s.items())), next(iter(t.answers_seconds.items()))
+    return (
+        f"time on {t.device}: ~{rate:,.1f} tokens/s decoding at batch {batch}, {t.answers} answers of "
+        f"{t.new_tokens} tokens {format_seconds(total)} (datasheet x efficiency; .time() for more)"
+    )
