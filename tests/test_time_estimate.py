@@ -135,3 +135,12 @@ def test_count_ops_counts_aten_calls():
 
     x = torch.ones(3)
     assert cal_mod.count_ops(lambda: (x + 1) * 2) == 2
+
+
+def test_an_estimate_shows_its_time_in_html_and_times_itself():
+    plan = estimate(MISTRAL, load="nf4", device="t4", batch_size=2, prompt_tokens=256, max_new_tokens=128)
+    html = plan._repr_html_()
+    assert "time on t4:" in html and "tokens/s decoding at batch 2" in html
+    assert plan.time().decode_tokens_per_s == estimate_time(plan).decode_tokens_per_s
+    assert plan.time("a100-80").device == "a100-80"
+    assert "time on" not in estimate(MISTRAL, load="nf4", device="24GiB")._repr_html_()  # no card: no guess
