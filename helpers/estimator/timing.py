@@ -16,7 +16,8 @@ this machine). The model of time, term by term:
 Card figures are datasheet peaks (:data:`CARDS`, one citation each); what a real run reaches of them is
 :data:`MEMORY_EFFICIENCY` / :data:`COMPUTE_EFFICIENCY`, and bitsandbytes' kernels reach less
 (:data:`KERNEL_EFFICIENCY`). A calibration replaces the card figures by measured ones (the probes already
-reach what they reach, so no efficiency is applied to them but the kernel's).
+reach what they reach: only the kernel's efficiency applies to the copy bandwidth, and
+:data:`CALIBRATED_COMPUTE_EFFICIENCY` to the matmul probe).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Calibration", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "format_seconds", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "format_seconds", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY", "CALIBRATED_COMPUTE_EFFICIENCY",
 ]  # fmt: skip
 
 GB = 1e9
@@ -77,6 +78,11 @@ MEMORY_EFFICIENCY = 0.7
 # Share of the datasheet tensor throughput that eager transformers reaches in prefill and LoRA training
 # (model FLOPs utilisation; PaLM reports 46 % for a tuned stack, eager PyTorch reaches less). Assumed.
 COMPUTE_EFFICIENCY = 0.35
+# Share of the matmul probe's throughput (calibrate(): square matmuls, 1024 on CPU, 4096 on GPU) that a model's
+# own prefill and training reach: smaller matmuls, attention, norms and activations between them. Measured on
+# this repository's CPU (bench/time_estimate.py, one thread, tiny Llama at 4 x 128 tokens: prefill 28 and a
+# LoRA step 33 GFLOP/s of model FLOPs against a 72 GFLOP/s probe: 0.39 and 0.46). Not yet measured on a GPU.
+CALIBRATED_COMPUTE_EFFICIENCY = 0.4
 # Decode speed of bitsandbytes' kernels relative to a 16-bit matmul reading the same bytes. Users measure
 # LLM.int8 decode 2.4x (huggingface.co/Open-Orca/OpenOrcaxOpenChat-Preview2-13B/discussions/8: bf16 10.9 s,
 # int8 26.2 s) to 3-5x (huggingface.co/IlyaGusev/saiga2_13b_lora/discussions/4) slower than 16-bit while
@@ -143,7 +149,8 @@ def speed_for(device: str | None = None, calibration: Calibration | None = None)
     """The rates for a device preset (``"t4"``, ``"kaggle-2xt4"``: one of its cards, since layers split over
     cards run one after the other) from its datasheet, or those a calibration measured (``device`` ignored)."""
     if calibration is not None:
-        return Speed(calibration.device, calibration.bandwidth, calibration.flops, calibration.op_seconds,
+        flops = calibration.flops * CALIBRATED_COMPUTE_EFFICIENCY
+        return Speed(calibration.device, calibration.bandwidth, flops, calibration.op_seconds,
                      overlap=not calibration.cpu, basis=f"calibrated: {calibration}",
                      decode_step_seconds=calibration.decode_step_seconds)  # fmt: skip
     key = str(device or "t4").lower()
