@@ -18,7 +18,7 @@ Tiny models on a CPU are dominated by per-op overhead (PyTorch dispatch and tran
 calibration measures it (a per-op and a per-generate-step term), so what this bench checks is mostly that
 overhead model plus the matmul term at batch 4 x 128.
 
-Run: ``python bench/time_estimate.py [--repeats 3] [--threads 1] [--new 32]``.
+Run: ``python bench/time_estimate.py [--repeats 4] [--threads 1] [--new 32]``.
 Writes ``bench/results/time_estimate.json``.
 """
 
@@ -145,7 +145,7 @@ def _round(name: str, new: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=32)
     args = ap.parse_args()
@@ -172,13 +172,14 @@ def main() -> None:
                       f"{first['ops']:.0f} / {first['ops_model']}" if first["ops"] else ""])  # fmt: skip
     header = ["model", "case", "measured", "predicted", "predicted / measured (min-max)", "within 30 %",
               "aten ops counted / model"]  # fmt: skip
-    print(format_table(header, table))
+    markdown = format_table(header, table)
+    print(markdown)
     for c in calibrations:
         print(f"calibration: {c['bandwidth'] / 1e9:.1f} GB/s, {c['flops'] / 1e9:.1f} GFLOP/s, "
               f"{c['op_seconds'] * 1e6:.2f} us/op, {c['decode_step_seconds'] * 1e3:.2f} ms/generate step")  # fmt: skip
     path = write_results("time_estimate", {
         "args": vars(args), "seconds": time.perf_counter() - started, "calibrations": calibrations,
-        "results": results, "rounds": rounds,
+        "results": results, "rounds": rounds, "table": markdown,
     })  # fmt: skip
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
 

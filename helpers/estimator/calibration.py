@@ -93,11 +93,12 @@ def _probe_model(dev: torch.device, layers: int):
 def _per_token(model, dev: torch.device, sync) -> tuple[float, float]:
     """(seconds, aten ops) of one decode step of ``model``'s generate(): 17 tokens less 1 (the prefill)."""
     ids = torch.ones(1, 8, dtype=torch.long, device=dev)
+    mask = torch.ones_like(ids)  # as real callers pass it (safe_generate does): its ops are part of a step
 
     def gen(n: int):
         # no eos: every call generates exactly n tokens
-        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)  # fmt: skip
+        return lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
 
     with torch.no_grad():
         ops = (count_ops(gen(17)) - count_ops(gen(1))) / 16

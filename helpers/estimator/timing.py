@@ -17,7 +17,7 @@ Card figures are datasheet peaks (:data:`CARDS`, one citation each); what a real
 :data:`MEMORY_EFFICIENCY` / :data:`COMPUTE_EFFICIENCY`, and bitsandbytes' kernels reach less
 (:data:`KERNEL_EFFICIENCY`). A calibration replaces the card figures by measured ones (the probes already
 reach what they reach: only the kernel's efficiency applies to the copy bandwidth, and
-:data:`CALIBRATED_COMPUTE_EFFICIENCY` to the matmul probe).
+:data:`CALIBRATED_PREFILL_EFFICIENCY` / :data:`CALIBRATED_TRAINING_EFFICIENCY` to the matmul probe).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Calibration", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "format_seconds", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY", "CALIBRATED_COMPUTE_EFFICIENCY",
+    "estimate_time", "format_seconds", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
 ]  # fmt: skip
 
 GB = 1e9
@@ -79,10 +80,13 @@ MEMORY_EFFICIENCY = 0.7
 # (model FLOPs utilisation; PaLM reports 46 % for a tuned stack, eager PyTorch reaches less). Assumed.
 COMPUTE_EFFICIENCY = 0.35
 # Share of the matmul probe's throughput (calibrate(): square matmuls, 1024 on CPU, 4096 on GPU) that a model's
-# own prefill and training reach: smaller matmuls, attention, norms and activations between them. Measured on
-# this repository's CPU (bench/time_estimate.py, one thread, tiny Llama at 4 x 128 tokens: prefill 28 and a
-# LoRA step 33 GFLOP/s of model FLOPs against a 72 GFLOP/s probe: 0.39 and 0.46). Not yet measured on a GPU.
-CALIBRATED_COMPUTE_EFFICIENCY = 0.4
+# own prefill and training steps reach: smaller matmuls, attention, norms and activations between them, and for
+# training autograd's saved tensors and the optimizer. FITTED, not derived: the values at which
+# bench/time_estimate.py's median ratios came closest to 1 over its runs on this repository's shared CPU (tiny
+# Llama and Qwen2, one thread, 4 x 128 tokens); the bench then checks the rest (op counts, FLOP formulas,
+# overhead) around them. Not yet measured on a GPU.
+CALIBRATED_PREFILL_EFFICIENCY = 0.6
+CALIBRATED_TRAINING_EFFICIENCY = 0.45
 # Decode speed of bitsandbytes' kernels relative to a 16-bit matmul reading the same bytes. Users measure
 # LLM.int8 decode 2.4x (huggingface.co/Open-Orca/OpenOrcaxOpenChat-Preview2-13B/discussions/8: bf16 10.9 s,
 # int8 26.2 s) to 3-5x (huggingface.co/IlyaGusev/saiga2_13b_lora/discussions/4) slower than 16-bit while
@@ -143,16 +147,18 @@ class Speed:
     overlap: bool  # GPU: Python overhead runs while kernels do (max); CPU: it adds up (sum)
     basis: str  # where the figures come from, for the reader
     decode_step_seconds: float | None = None  # generate()'s own work per token (None: its ops x op_seconds)
+    training_share: float = 1.0  # a training step reaches this share of ``flops`` (autograd, optimizer)
 
 
 def speed_for(device: str | None = None, calibration: Calibration | None = None) -> Speed:
     """The rates for a device preset (``"t4"``, ``"kaggle-2xt4"``: one of its cards, since layers split over
     cards run one after the other) from its datasheet, or those a calibration measured (``device`` ignored)."""
     if calibration is not None:
-        flops = calibration.flops * CALIBRATED_COMPUTE_EFFICIENCY
+        flops = calibration.flops * CALIBRATED_PREFILL_EFFICIENCY
         return Speed(calibration.device, calibration.bandwidth, flops, calibration.op_seconds,
                      overlap=not calibration.cpu, basis=f"calibrated: {calibration}",
-                     decode_step_seconds=calibration.decode_step_seconds)  # fmt: skip
+                     decode_step_seconds=calibration.decode_step_seconds,
+                     training_share=CALIBRATED_TRAINING_EFFICIENCY / CALIBRATED_PREFILL_EFFICIENCY)  # fmt: skip
     key = str(device or "t4").lower()
     key = DEVICE_SETS[key][0] if key in DEVICE_SETS else key
     if key not in CARDS:
@@ -229,7 +235,7 @@ def lora_step_seconds(shape: ModelShape, speed: Speed, *, batch: int = 1, tokens
     """One optimizer step of LoRA training on ``batch`` sequences of ``tokens`` (one micro-batch)."""
     flops = lora_step_flops(shape, batch=batch, tokens=tokens, checkpointing=checkpointing)
     per_layer, fixed = LORA_STEP_OPS[bool(checkpointing)]
-    return _combine(speed, flops / speed.flops, per_layer * shape.layers + fixed)
+    return _combine(speed, flops / (speed.flops * speed.training_share), per_layer * shape.layers + fixed)
 
 
 def load_seconds(params: int, weight_bytes: int, load: str, *, cached: bool = False, checkpoint_bytes: int = 2,
