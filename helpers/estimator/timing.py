@@ -183,7 +183,6 @@ class ModelShape:
     layers: int
     attn_width: int  # heads x head_dim: the attention FLOPs' width
     lora_params: int = 0
-    lora_adapts: int = 0  # LoRA-adapted parameters of the base model (their input gradient is computed anyway)
 
 
 def _combine(speed: Speed, device_seconds: float, ops: int, extra: float = 0.0) -> float:
@@ -279,15 +278,13 @@ def model_shape(config, lay, weight_bytes: int, kv_dtype_bytes: int = 2, trainin
 
     d = dims(config)
     embedding = 0 if lay.tied else d["vocab"] * d["h"]  # a lookup, no FLOPs; a tied one is the output layer too
-    lora = adapts = 0
+    lora = 0
     if training is not None and hasattr(training, "r"):
-        adapted = adapted_linears(lay, training.targets)
-        lora = sum(training.r * (e.linear[0] + e.linear[1]) for e in adapted)
-        adapts = sum(e.linear[0] * e.linear[1] for e in adapted)
+        lora = sum(training.r * (e.linear[0] + e.linear[1]) for e in adapted_linears(lay, training.targets))
     return ModelShape(
         matmul_params=max(lay.params - embedding, 0), weight_bytes=int(weight_bytes),
         kv_bytes_per_token=kv_cache_bytes(config, 1, 1, kv_dtype_bytes), layers=d["layers"],
-        attn_width=d["heads"] * d["hd"], lora_params=lora, lora_adapts=adapts,
+        attn_width=d["heads"] * d["hd"], lora_params=lora,
     )  # fmt: skip
 
 
