@@ -144,3 +144,10 @@ def test_an_estimate_shows_its_time_in_html_and_times_itself():
     assert plan.time().decode_tokens_per_s == estimate_time(plan).decode_tokens_per_s
     assert plan.time("a100-80").device == "a100-80"
     assert "time on" not in estimate(MISTRAL, load="nf4", device="24GiB")._repr_html_()  # no card: no guess
+
+
+def test_an_estimate_prints_its_time_on_a_carded_gpu_only():
+    plan = estimate(MISTRAL, load="nf4", device="t4", prompt_tokens=256, max_new_tokens=128)
+    assert str(plan).splitlines()[-1].startswith("  time on t4: ~")
+    assert "time on" not in str(estimate(MISTRAL, load="nf4", device="24GiB"))
+    assert "time on" not in str(estimate("data/tiny/llama", load="fp32", device="cpu"))  # no probe behind a print

@@ -124,7 +124,9 @@ class MemoryEstimate:
         lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
         lines += [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
         lines += [f"  note: {m}" for m in self.warnings]
-        return "\n".join(lines)
+        from .timing import time_line  # the card's datasheet only: no probe, no download
+
+        return "\n".join(lines + ([f"  {line}"] if (line := time_line(self)) else []))
 
     def _repr_html_(self) -> str:
         # each row's share of the card (of the total without one): where the memory goes, at a glance
