@@ -151,3 +151,12 @@ def test_an_estimate_prints_its_time_on_a_carded_gpu_only():
     assert str(plan).splitlines()[-1].startswith("  time on t4: ~")
     assert "time on" not in str(estimate(MISTRAL, load="nf4", device="24GiB"))
     assert "time on" not in str(estimate("data/tiny/llama", load="fp32", device="cpu"))  # no probe behind a print
+
+
+def test_a_gpu_calibrated_in_this_process_times_its_own_preset(monkeypatch):
+    measured = Calibration("cuda:Tesla T4", "fp16", bandwidth=2.5e11, flops=2e13, op_seconds=1e-5,
+                           decode_step_seconds=1e-3, threads=2, probe_seconds=3.0)  # fmt: skip
+    monkeypatch.setattr(cal_mod, "_CACHE", {"cuda": measured})
+    plan = estimate(MISTRAL, load="nf4", device="t4")
+    assert "calibrated" in estimate_time(plan).basis  # the T4 it runs on, measured
+    assert "datasheet" in estimate_time(plan, "a100-80").basis  # another card: its datasheet

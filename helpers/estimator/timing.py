@@ -355,6 +355,7 @@ def estimate_time(est, device: str | None = None, *, calibration: Calibration | 
         from .calibration import calibrate  # this machine's CPU or an unlisted GPU: measure it (once)
 
         calibration = calibrate()
+    calibration = calibration or _measured_card(str(dev))
     speed = speed_for(dev, calibration)
     config, loaded = getattr(est, "config", None), None
     if config is None:
@@ -388,6 +389,19 @@ def estimate_time(est, device: str | None = None, *, calibration: Calibration | 
         decode_tokens_per_s=decode, answers=answers, answers_seconds=totals, steps=steps if lora else 0,
         step_seconds=step, step_shape=step_shape, notes=notes,
     )  # fmt: skip
+
+
+def _measured_card(preset: str) -> Calibration | None:
+    """This process's GPU calibration when that GPU is the preset's card (calibrated on a Colab T4, a plan for
+    "t4" uses what was measured there); None otherwise. Never probes."""
+    from .calibration import cached_calibration
+
+    try:
+        cal = cached_calibration("cuda")
+    except (RuntimeError, ValueError):
+        return None
+    card = DEVICE_SETS.get(preset, (preset,))[0].split("-")[0].upper().replace("RTX", "")
+    return cal if cal is not None and card and card in cal.device.upper() else None
 
 
 def time_line(est) -> str:
