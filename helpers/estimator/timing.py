@@ -230,11 +230,17 @@ def lora_step_flops(shape: ModelShape, *, batch: int, tokens: int, checkpointing
 
 
 def lora_step_seconds(shape: ModelShape, speed: Speed, *, batch: int = 1, tokens: int = 512,
-                      checkpointing: bool = True) -> float:  # fmt: skip
-    """One optimizer step of LoRA training on ``batch`` sequences of ``tokens`` (one micro-batch)."""
+                      checkpointing: bool = True, load: str = "fp16") -> float:  # fmt: skip
+    """One optimizer step of LoRA training on ``batch`` sequences of ``tokens`` (one micro-batch). Every
+    pass (forward, again with checkpointing, backward) reads the weights: hidden under the matmuls for a
+    16-bit load, but QLoRA's bitsandbytes layers dequantize them first, a separate kernel whose time adds."""
     flops = lora_step_flops(shape, batch=batch, tokens=tokens, checkpointing=checkpointing)
+    compute = flops / (speed.flops * speed.training_share)
+    reads = (3 if checkpointing else 2) * shape.weight_bytes / (speed.bandwidth * KERNEL_EFFICIENCY.get(load, 1.0))
+    quantized = MODES.get(load) is not None and MODES[load].quantized
+    device = compute + reads if quantized else max(compute, reads)
     per_layer, fixed = LORA_STEP_OPS[bool(checkpointing)]
-    return _combine(speed, flops / (speed.flops * speed.training_share), per_layer * shape.layers + fixed)
+    return _combine(speed, device, per_layer * shape.layers + fixed)
 
 
 def load_seconds(params: int, weight_bytes: int, load: str, *, cached: bool = False, checkpoint_bytes: int = 2,
@@ -374,7 +380,7 @@ def estimate_time(est, device: str | None = None, *, calibration: Calibration | 
     if lora is not None:
         step_shape = (lora.micro_batch, lora.seq_len)
         step = lora_step_seconds(shape, speed, batch=lora.micro_batch, tokens=lora.seq_len,
-                                 checkpointing=lora.gradient_checkpointing)  # fmt: skip
+                                 checkpointing=lora.gradient_checkpointing, load=est.load)  # fmt: skip
     notes = []
     if str(dev) in DEVICE_SETS:
         notes.append("layers split over cards run one after the other: one card's speed")
