@@ -41,8 +41,8 @@ MEASURES: dict[str, list[str]] = {
     "monitor_overhead": ["helpers/monitor.py", "helpers/memory_callback.py"],
     "panel_latency": ["helpers/widgets.py", "helpers/panel_state.py", "helpers/panel_gpus.py"],
     "readout_overhead": ["helpers/memory.py"],
-    "time_estimate": ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"],
 }  # fmt: skip
+MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
 
 
 def _blob_hash(data: bytes) -> str:
