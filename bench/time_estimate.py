@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 
-from helpers.estimator import LoraTraining, estimate  # noqa: E402
 from helpers.estimator.calibration import calibrate, count_ops  # noqa: E402
 from helpers.estimator.configs import resolve_config  # noqa: E402
+from helpers.estimator.core import estimate  # noqa: E402
 from helpers.estimator.layout import layout  # noqa: E402
 from helpers.estimator.timing import (  # noqa: E402
     DECODE_OPS,
@@ -51,6 +51,7 @@ from helpers.estimator.timing import (  # noqa: E402
     prefill_seconds,
     speed_for,
 )
+from helpers.estimator.training import LoraTraining  # noqa: E402
 
 MODELS = ("llama", "qwen2")
 PROMPT, BATCH, SEQ = 16, 4, 128

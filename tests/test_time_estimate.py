@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers.devices import DEVICE_SETS, DEVICES
-from helpers.estimator import LoraTraining, estimate
 from helpers.estimator import calibration as cal_mod
+from helpers.estimator.core import estimate
 from helpers.estimator.rows import EstimateError
 from helpers.estimator.timing import (
     CARDS,
@@ -22,6 +22,7 @@ from helpers.estimator.timing import (
     lora_step_seconds,
     speed_for,
 )
+from helpers.estimator.training import LoraTraining
 
 MISTRAL = "mistralai/Mistral-7B-v0.1"  # a shipped config: offline
 
