@@ -43,6 +43,7 @@ MEASURES: dict[str, list[str]] = {
     "panel_latency": ["helpers/panels/widgets.py", "helpers/panels/state.py", "helpers/panels/gpus.py"],
     "readout_overhead": ["helpers/core/memory.py"],
 }  # fmt: skip
+MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
 
 
 def _blob_hash(data: bytes) -> str:

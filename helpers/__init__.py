@@ -26,6 +26,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["footprint"], "estimator.footprint"),
     **dict.fromkeys(["max_new_tokens_that_fit", "max_batch_that_fits", "FitVerdict"], "estimator.fitting"),
     **dict.fromkeys(["LoraTraining", "FullTraining"], "estimator.training"),
+    **dict.fromkeys(["estimate_time", "TimeEstimate"], "estimator.timing"),
+    **dict.fromkeys(["calibrate"], "estimator.calibration"),
     **dict.fromkeys(["module_memory", "ModuleMemory"], "loading.model_parts"),
     **dict.fromkeys(["fit"], "placement.decision"),
     **dict.fromkeys(
@@ -37,6 +39,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["decide_placement", "PlacementDecision"], "placement.decision"),
     **dict.fromkeys(["LoadReport"], "loading.report"),
     **dict.fromkeys(["load"], "loading.loader"),
+    **dict.fromkeys(["compare_loads", "LoadComparison"], "loading.compare"),
     **dict.fromkeys(["generate_batched"], "loading.generation"),
     **dict.fromkeys(["plan_devices", "DevicePlan"], "placement.device_plan"),
     **dict.fromkeys(["fits_table", "FitsTable"], "placement.device_plan"),

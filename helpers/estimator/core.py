@@ -65,6 +65,7 @@ class MemoryEstimate:
     quantized_by: str | None = None  # the checkpoint's own quantization ("bitsandbytes", "gptq", "awq")
     context: int | None = None  # the model's max_position_embeddings (None: the config does not say)
     host_rows: list[EstimateRow] = field(default_factory=list)  # host RAM an offload takes, not in total
+    config: Any = field(default=None, repr=False, compare=False)  # what was estimated: time() reads its shape
 
     @property
     def host_total(self) -> int:
@@ -90,6 +91,13 @@ class MemoryEstimate:
     def group_bytes(self, group: str) -> int:
         """Bytes of every row in a group (``"weights"``, ``"kv_cache"``, ``"activations"``, ...)."""
         return sum(r.bytes for r in self.rows if r.group == group)
+
+    def time(self, device: Any = None, **kwargs):
+        """How long this plan takes on ``device`` (default: its own; ``calibration=calibrate()`` for this
+        machine): load, prefill, decode, totals. See :func:`helpers.estimator.timing.estimate_time`."""
+        from .timing import estimate_time
+
+        return estimate_time(self, device, **kwargs)
 
     def replace(self, **changes) -> MemoryEstimate:
         """Re-estimate the same model with some settings changed (``load``, ``max_new_tokens``, ...)."""
@@ -118,7 +126,9 @@ class MemoryEstimate:
         lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
         lines += [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
         lines += [f"  note: {m}" for m in self.warnings]
-        return "\n".join(lines)
+        from .timing import time_line  # the card's datasheet only: no probe, no download
+
+        return "\n".join(lines + ([f"  {line}"] if (line := time_line(self)) else []))
 
     def _repr_html_(self) -> str:
         # each row's share of the card (of the total without one): where the memory goes, at a glance
@@ -132,7 +142,10 @@ class MemoryEstimate:
         html = table(["", "bytes", share, "kind", "note"], rows, title=title)
         if self.capacity:
             html += bar(self.total, self.capacity, f"vs {self.device}")
-        return html + "".join(f"<div>note: {escape(m)}</div>" for m in self.warnings)
+        html += "".join(f"<div>note: {escape(m)}</div>" for m in self.warnings)
+        from .timing import time_line  # the card's datasheet only: no probe, no download
+
+        return html + (f"<div>{escape(line)}</div>" if (line := time_line(self)) else "")
 
 
 def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str, int]:
@@ -256,6 +269,7 @@ def _assembled(model, name: str, load: str, rows: list[EstimateRow], lay, config
         quantized_by=repo.method if repo is not None else None,
         context=_context(config),
         host_rows=host,
+        config=config,
     )
 
 
