@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import math
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .checkpoints import (
     WHY,
     CheckpointError,
     CheckpointWarning,
+    CheckpointWriteError,
     ResumePoint,
     Skipped,
     complete_marker,
@@ -41,6 +43,7 @@ from .checkpoints import (
     read_stamp,
     set_aside,
     set_aside_all,
+    write_failure,
 )
 from .family_data import probe_batch
 from .loading import keep_4bit_layout
@@ -225,6 +228,9 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     args = plan.training_arguments(**overrides)
+    # Trainer's rotation deletes the oldest checkpoint before the newest is marked complete (a kill in
+    # between left no usable one): the marker callback rotates instead, after the marker
+    keep, args.save_total_limit = args.save_total_limit, None
     stamp = run_stamp(plan, args, dataset)
     trainer = _reducing_trainer(Trainer)(
         plan=plan,
@@ -232,7 +238,8 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
         args=args,
         train_dataset=dataset,
         data_collator=lambda ex: collate(ex, pad),
-        callbacks=[*callbacks, complete_marker(stamp)],  # the COMPLETE marker goes last, after everything is saved
+        # the COMPLETE marker goes last, after everything is saved; it rotates the old ones after it
+        callbacks=[*callbacks, complete_marker(stamp, keep)],
     )
     return trainer, stamp
 
@@ -410,12 +417,33 @@ def train(
         return TrainResult(out, point.step, point.step, total, losses, 0.0, history, point.skipped, aside, changed,
                            finished_before=True)  # fmt: skip
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
+    except (OSError, RuntimeError) as e:
+        if not write_failure(e):
+            raise
+        raise _disk_full(out, trainer.state.global_step, e) from e
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
                        time.perf_counter() - started, history, point.skipped, aside, changed,
                        progress=shown.last if shown is not None else None)  # fmt: skip
+
+
+def _disk_full(out: Path, step: int, error: BaseException) -> CheckpointWriteError:
+    """A save that failed for want of space, in words: where, how much is free, what a rerun resumes from."""
+    try:
+        free = f"{shutil.disk_usage(out).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    last = newest_complete(out)
+    then = f"a rerun resumes from {last.name}" if last else "no checkpoint is complete yet, so a rerun starts over"
+    return CheckpointWriteError(
+        f"the disk is full: saving the checkpoint of step {step} in {out} failed ({free}; "
+        f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120] if str(error).strip() else error!r}). "
+        f"Nothing saved before is lost: {then}. Free space (delete old checkpoints or files, empty the Drive "
+        "trash), lower save_total_limit, or point output_dir at a disk with room, then run again"
+    )
 
 
 def _warn_changed(checkpoint: Path, out: Path, changed: list[str], finished: bool) -> None:
