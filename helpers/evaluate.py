@@ -37,7 +37,7 @@ from .attention import keep_attention_fused
 from .batch_size import remembered_batch
 from .errors import EvalError, ScoreError
 from .eval_batching import TokenBudget, batch_cache_key, remember, start_size
-from .eval_inputs import batch_media, prompt_inputs
+from .eval_inputs import batch_media, has_media, prompt_inputs
 from .eval_report import EvalReport
 from .fingerprint import FingerprintError, describe, identity_changes, model_identity
 from .generation import (
@@ -45,6 +45,7 @@ from .generation import (
     can_stream,
     check_generate_kwargs,
     context_length,
+    encode,
     first_prompt_streamer,
     generate_batch,
     model_device,
@@ -54,7 +55,7 @@ from .generation import (
 from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from .prompts import load_prompts, prompt_id
 from .reducers import kv_cache_kwargs
-from .results_file import ResultsFile, ResultsWriteError
+from .results_file import ResultsFile, ResultsWriteError, made_hash
 from .retry import Attempt, Watch, attempt
 from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
 from .units import format_bytes
@@ -182,6 +183,7 @@ def safe_generate(
     )  # fmt: skip
     store, done = _open_results(prompts, results, resume)  # locked for the run: a second writer gets an error
     try:
+        ids = _pending_ids(run, items, ids, done)  # token ids of what is left only: a resume never re-tokenizes
         report = _generate_pending(
             run, items, ids, store, done, resume, batch_size, max_batch_size, progress, on_result
         )
@@ -224,19 +226,39 @@ def _prepare(
         except ReducerError as e:
             raise EvalError(f"kv_cache: {e}") from None
     _check_results_arguments(results, resume)
-    # token ids once (the lengths: sorting, context limits; and the batches), audio and images too
-    items, ids = prompt_inputs(prompts, processor)
+    # token ids once (the lengths: sorting, context limits; and the batches), audio and images too; text
+    # prompts are tokenized once the results file says which are left (_pending_ids)
+    if has_media(prompts):
+        items, ids = prompt_inputs(prompts, processor)
+    else:
+        items, ids = load_prompts(prompts), None
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
     scorer = resolve_scorer(score)
     context = context_length(model, tokenizer)
-    _check_context(items, ids, context)
+    if ids is not None:
+        _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
     run.kv_cache = kv_cache
     keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
     return items, ids, run
+
+
+def _pending_ids(run: _Run, items: list[dict], ids: list | None, done: dict[str, dict]) -> list:
+    """Token ids per item: computed here for the prompts not finished yet (None for the finished ones),
+    whose context is then checked (still before any generation); media prompts come with theirs."""
+    if ids is not None:
+        return ids
+    left = [k for k, it in enumerate(items) if it["id"] not in done or done[it["id"]].get("error")]
+    ids = [None] * len(items)
+    if not left:
+        return ids
+    for k, row in zip(left, encode(run.tokenizer, [items[k]["prompt"] for k in left]), strict=True):
+        ids[k] = row
+    _check_context([items[k] for k in left], [ids[k] for k in left], run.context)
+    return ids
 
 
 def _generate_pending(
@@ -258,7 +280,7 @@ def _generate_pending(
     pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired, backup=store.backup)
     report.skipped = len(items) - len(pending)
-    longest = max(len(row) for row in ids)
+    longest = max((len(row) for _, row in pending), default=1)
     budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
     try:
         _Loop(run, pending, store, report, budget, progress, on_result, failed).run()
@@ -367,10 +389,8 @@ def _settings(model, max_new_tokens: int, gen_kwargs: dict) -> dict:
     return settings
 
 
-def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
-    """Why a finished record is not this run's result for ``item`` (None when it is)."""
-    if rec.get("prompt_hash", prompt_hash(str(rec.get("prompt", "")))) != prompt_hash(item["prompt"]):
-        return "another prompt text under the same id"
+def _context_mismatch(rec: dict, run: _Run) -> str | None:
+    """Why the model or settings that made ``rec`` are not this run's (None when they are)."""
     changes = identity_changes(rec.get("model"), run.model_id)
     old = rec.get("settings") if isinstance(rec.get("settings"), dict) else {}
     for key in sorted(set(old) | set(run.settings), key=str):
@@ -381,9 +401,36 @@ def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
     return "; ".join(changes) or None
 
 
+def _same_prompt(rec: dict, item: dict) -> bool:
+    if "prompt" in rec:
+        return rec["prompt"] == item["prompt"]
+    return rec.get("prompt_hash") == prompt_hash(item["prompt"])  # a record that kept only the hash
+
+
+def _mismatches(done: dict[str, dict], items: list[dict], run: _Run) -> list[tuple[str, str]]:
+    """(id, why) for each finished record this run would not have made. The model and settings are
+    compared once per header (``made``), not once per record; files from before headers once per
+    distinct pair (their records each hold a copy)."""
+    verdicts: dict[Any, str | None] = {run.made: None}
+    problems = []
+    for it in items:
+        rec = done.get(it["id"])
+        if rec is None:
+            continue
+        if not _same_prompt(rec, it):
+            problems.append((it["id"], "another prompt text under the same id"))
+            continue
+        key = rec.get("made") or _canon([rec.get("model"), rec.get("settings")])
+        if key not in verdicts:
+            verdicts[key] = _context_mismatch(rec, run)
+        if verdicts[key]:
+            problems.append((it["id"], verdicts[key]))
+    return problems
+
+
 def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, path: Path) -> None:
     """Finished records are skipped only when this model, these settings and this prompt text made them."""
-    problems = [(it["id"], why) for it in items if it["id"] in done and (why := _mismatch(done[it["id"]], it, run))]
+    problems = _mismatches(done, items, run)
     if not problems:
         return
     by_reason: dict[str, list[str]] = {}
@@ -416,12 +463,14 @@ class _Run:
     scorer: tuple[str, Callable[[str, str], float]] | None
     stop: set[int] = field(default_factory=set)
     model_id: dict = field(default_factory=dict)
+    made: str = ""  # the hash of settings and model identity the results file's header holds them under
     stream: bool = False  # print the first batch's first answer as it is generated
     kv_cache: str | None = None  # the KV cache kind asked for: sizes the estimate's start and the cache key
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
         self.model_id = model_identity(self.model, self.tokenizer)
+        self.made = made_hash(self.settings, self.model_id)
 
     def record(self, item: dict, prompt_tokens: int, new: int, **fields: Any) -> dict:
         """A result record's common fields (what made it, for which prompt) and ``fields``."""
@@ -432,9 +481,9 @@ class _Run:
             **fields,
             "prompt_tokens": prompt_tokens,
             "max_new_tokens": new,
-            "settings": self.settings,
+            "settings": self.settings,  # written once in the file's header for "made" (results_file)
             "model": self.model_id,
-            "prompt_hash": prompt_hash(item["prompt"]),
+            "made": self.made,
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -553,7 +602,8 @@ class _Loop:
         item, row = self.pending[self.i]
         rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
         earlier = self.failed_before.get(item["id"])
-        if earlier is not None and earlier.get("error") == rec["error"] and _mismatch(earlier, item, self.run_) is None:
+        same = earlier is not None and _same_prompt(earlier, item) and _context_mismatch(earlier, self.run_) is None
+        if same and earlier.get("error") == rec["error"]:
             self.report.failed_again += 1  # already on record, made the same way: one line per failure
         else:
             _write(self.store, [rec], self.report)
@@ -642,7 +692,7 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
         report.memory_kind = "GPU allocated"  # the report and its plot name the figure they show
         if torch.cuda.device_count() > 1:  # what to hold against one card's size
             report.peak_by_gpu = {d: peak_allocated(d) for d in range(torch.cuda.device_count())}
-    finished = store.read()
+    finished = store.records  # read once at open(), then each appended record: no second read
     mine = [finished[it["id"]] for it in items if it["id"] in finished]
     report.records = [r for r in mine if not r.get("error")]
     report.failures = [r for r in mine if r.get("error")]

@@ -89,8 +89,14 @@ class Ops:
         torch.save = tensor_file(real_save, 1)
         peft_model.safe_save_file = tensor_file(real_safe, 1)
         for name in ("replace", "rename", "unlink", "remove", "rmdir", "mkdir", "fsync"):
-            real = getattr(os, name)
-            setattr(os, name, (lambda real, name: lambda *a, **kw: (self.before(name), real(*a, **kw))[1])(real, name))
+            setattr(os, name, self._counted(getattr(os, name), name))
+
+    def _counted(self, real, name: str):
+        def call(*a, **kw):
+            self.before(name)
+            return real(*a, **kw)
+
+        return call
 
 
 class Arm(TrainerCallback):
@@ -198,7 +204,9 @@ def test_the_save_and_rotation_are_counted_operation_by_operation(runs):
     assert counted["count"] >= 15
 
 
-def test_a_kill_at_every_file_operation_of_a_save_and_rotation_resumes_with_the_reference_losses(runs, tiny_llama, tmp_path):
+def test_a_kill_at_every_file_operation_of_a_save_and_rotation_resumes_with_the_reference_losses(
+    runs, tiny_llama, tmp_path
+):
     """Before: killed while Trainer deleted checkpoint-4 (after writing checkpoint-6, before its marker),
     resume found neither complete and stopped with CheckpointError; steps 7 on never ran."""
     reference, before, counted = runs
