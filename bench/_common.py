@@ -41,6 +41,7 @@ MEASURES: dict[str, list[str]] = {
     "monitor_overhead": ["helpers/monitor.py", "helpers/memory_callback.py"],
     "panel_latency": ["helpers/widgets.py", "helpers/panel_state.py", "helpers/panel_gpus.py"],
     "readout_overhead": ["helpers/memory.py"],
+    "resume_scale": ["helpers/results_file.py", "helpers/evaluate.py", "helpers/fingerprint.py"],
 }  # fmt: skip
 
 

@@ -181,7 +181,7 @@ def safe_generate(
         model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
         kv_cache,
     )  # fmt: skip
-    store, done = _open_results(prompts, results, resume)  # locked for the run: a second writer gets an error
+    store, done = _open_results(prompts, results, resume, items)  # locked for the run: a second writer gets an error
     try:
         ids = _pending_ids(run, items, ids, done)  # token ids of what is left only: a resume never re-tokenizes
         report = _generate_pending(
@@ -194,11 +194,15 @@ def safe_generate(
     return report
 
 
-def _open_results(prompts: Any, results: str | os.PathLike, resume) -> tuple[ResultsFile, dict[str, dict]]:
+def _open_results(
+    prompts: Any, results: str | os.PathLike, resume, items: list[dict]
+) -> tuple[ResultsFile, dict[str, dict]]:
     """The results file, open and locked for the run, and the records it already holds."""
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
+    store.share(text for it in items for text in (it["id"], it["prompt"], it["reference"]))
     done = store.open(fresh=resume is False)
+    store.share(())  # the records hold them now; the lookup table goes
     if store.backup is not None:
         warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=3)
     return store, done

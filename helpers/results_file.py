@@ -34,6 +34,8 @@ __all__ = ["ResultsFile", "ResultsWriteError", "MADE", "made_hash", "is_record"]
 
 MADE = "oomkit_made"  # a header line's key: what made the records that name its hash
 _SHARED = ("settings", "model")  # stored once in the header, not in each record
+_REPEATED = ("made", "time", "truncated_reason")  # values shared by many records (a header's, a batch's)
+_KNOWN = ("id", "prompt", "reference")  # texts the prompts hold too (see ResultsFile.share)
 _CHUNK = 2048  # lines parsed by one json.loads (one call shares its keys' strings: less memory, less time)
 
 
@@ -85,6 +87,8 @@ class ResultsFile:
         self.records: dict[str, dict] = {}  # by id: read at open(), then each one appended
         self.made: dict[str, dict] = {}  # header hash -> {"settings", "model"}
         self._created = False  # open() created the file: an empty one is removed again at close()
+        self._strings: dict[str, str] = {}  # see _REPEATED
+        self._known: dict[str, str] = {}  # see share()
 
     @property
     def lock_path(self) -> Path:
@@ -163,6 +167,11 @@ class ResultsFile:
             os.close(self._lock)
             self._lock = None
 
+    def share(self, texts) -> None:
+        """Texts the caller holds (prompt ids, prompts, references): a record read with the same text keeps
+        the caller's string instead of a copy (100,000 rows: about 15 MB less)."""
+        self._known = {t: t for t in texts if isinstance(t, str)}
+
     def read(self) -> dict[str, dict]:
         """Finished records by id (repairing a torn last line first, unless another process holds the file)."""
         if not self.path.exists():
@@ -237,6 +246,12 @@ class ResultsFile:
                 if k < len(rows) - 1:
                     raise self._bad_line(numbers[k])
                 return numbers[k]
+            for key in _REPEATED:  # one string object for each value many records repeat
+                if isinstance(rec.get(key), str):
+                    rec[key] = self._strings.setdefault(rec[key], rec[key])
+            for key in _KNOWN:  # the caller's own string when it is the same text (see share)
+                if isinstance(rec.get(key), str):
+                    rec[key] = self._known.get(rec[key], rec[key])
             shared = self.made.get(rec["made"]) if "made" in rec else None
             if shared is not None:
                 rec.update(shared)  # the same two objects in every record made so
