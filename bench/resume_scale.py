@@ -124,7 +124,9 @@ def main() -> None:
               f"{r['cpu_seconds']:.2f}", f"{r['extra_rss_mib']:.0f}"] for r in rows]  # fmt: skip
     header = ["done rows", "file format", "new prompts", "bytes/row", "resume s (wall)", "CPU s", "extra RSS MiB"]
     print(format_table(header, table))
-    path = write_results("resume_scale", {"rows": rows, "target": {"rows": 100_000, "seconds": 5, "extra_rss_mib": 100}})
+    path = write_results(
+        "resume_scale", {"rows": rows, "target": {"rows": 100_000, "seconds": 5, "extra_rss_mib": 100}}
+    )
     print(f"\nwrote {path}")
 
 
