@@ -1,0 +1,68 @@
+"""What makes a result and a score is in its identity (issue 48 item 5): whether the adapter is active,
+the globals a function reads, the scorer's code and the reference it scored against."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.evaluate import EvalError, safe_generate
+from helpers.fingerprint import adapters_disabled, describe, model_identity
+from helpers.loading import load
+from helpers.testing import simulated_budget
+
+NEW = 4
+PROMPTS = ["memory item one", "memory memory item two", "item three"]
+THRESHOLD = 0.5  # read by _reads_a_global below
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
+    torch.set_num_threads(1)
+    model, tok, _ = load(str(tiny_llama), load="fp32", check=False)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return peft_model, tok
+
+
+def test_results_made_with_the_adapter_disabled_are_not_the_adapters(lora, tmp_path):
+    """Before: the identity held the adapter's weights, not whether it ran: a before/after written to one
+    file reported the base model twice."""
+    model, tok = lora
+    path = tmp_path / "r.jsonl"
+    with model.disable_adapter():
+        assert adapters_disabled(model)
+        off = model_identity(model, tok)
+        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert not adapters_disabled(model) and model_identity(model, tok)["adapter"] != off["adapter"]
+    assert "adapter disabled" in off["adapter"]
+    with pytest.raises(EvalError, match="the adapter differs.*adapter disabled"):
+        safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    with model.disable_adapter(), simulated_budget(model, tokens=10**9) as budget:  # the same again: reused
+        again = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=path, progress=False)
+    assert again.skipped == 3 and budget.calls == 0
+
+
+def _reads_a_global(input_ids, scores):
+    return scores * THRESHOLD
+
+
+def test_a_functions_globals_are_part_of_its_fingerprint(monkeypatch):
+    """Before: code, defaults and closure only: a logits processor reading a global changed by the user
+    kept its fingerprint, and a resume reused results made with the old value."""
+    before = describe(_reads_a_global)
+    monkeypatch.setitem(globals(), "THRESHOLD", 0.9)
+    after = describe(_reads_a_global)
+    assert before != after and after["globals"]["THRESHOLD"] == 0.9
+    assert "torch" not in after["globals"]  # modules are not values
+
+    def recursive(n):  # reads itself through the globals of a module: counted by name, no endless descent
+        return n
+
+    assert describe(recursive)["globals"] == {}
