@@ -244,6 +244,7 @@ def _prepare(
         _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
+    run.scored_by = _scorer_id(scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
     run.kv_cache = kv_cache
     keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
@@ -468,6 +469,7 @@ class _Run:
     stop: set[int] = field(default_factory=set)
     model_id: dict = field(default_factory=dict)
     made: str = ""  # the hash of settings and model identity the results file's header holds them under
+    scored_by: str | None = None  # "<name>:<hash of the scorer's code>", kept with each score it gives
     stream: bool = False  # print the first batch's first answer as it is generated
     kv_cache: str | None = None  # the KV cache kind asked for: sizes the estimate's start and the cache key
 
@@ -668,6 +670,7 @@ def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *
         )
         if run.scorer is not None and it["reference"] is not None:
             rec.update(score_fields(run.scorer, text, it["reference"]))  # a raising scorer loses no output
+            rec["scored_by"] = run.scored_by
         records.append(rec)
     return records
 
@@ -698,26 +701,52 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
             report.peak_by_gpu = {d: peak_allocated(d) for d in range(torch.cuda.device_count())}
     finished = store.records  # read once at open(), then each appended record: no second read
     mine = [finished[it["id"]] for it in items if it["id"] in finished]
+    for it, r in zip([it for it in items if it["id"] in finished], mine, strict=True):
+        if r.get("reference") != it["reference"] and not r.get("error"):  # corrected since: its scores are stale
+            r["reference"] = it["reference"]
+            r.pop("score", None)
+            r.pop("score_error", None)
     report.records = [r for r in mine if not r.get("error")]
     report.failures = [r for r in mine if r.get("error")]
     if run.scorer is not None:
-        _score_unscored(report.records, run.scorer)
+        _score_unscored(report.records, run.scorer, run.scored_by)
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
             report.scores[name] = sum(values) / len(values)
 
 
-def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:
-    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, or ones it raised on."""
+def _scorer_id(scorer: tuple[str, Callable[[str, str], float]] | None) -> str | None:
+    """``"<name>:<hash of the function's code, defaults, closure and globals>"``: a score made by another
+    version of a same-named function is made again (None: no scorer; one that cannot be fingerprinted
+    gets a hash of its name and id, so it rescores in each new process)."""
+    if scorer is None:
+        return None
+    name, fn = scorer
+    try:
+        text = _canon(describe(fn, "score"))
+    except FingerprintError:
+        text = f"{name} {id(fn)} {os.getpid()}"
+    return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def _score_unscored(
+    records: list[dict], scorer: tuple[str, Callable[[str, str], float]], scored_by: str | None = None
+) -> None:
+    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, ones it raised
+    on, and ones another version of the scorer (same name, other code) scored; never generating again."""
     name = scorer[0]
     for r in records:
-        if r.get("reference") is None or name in (r.get("score") or {}):
+        if r.get("reference") is None:
+            continue
+        if name in (r.get("score") or {}) and (scored_by is None or r.get("scored_by") == scored_by):
             continue
         fields = score_fields(scorer, r["output"], r["reference"])
         errors = {k: v for k, v in (r.get("score_error") or {}).items() if k != name}
-        r["score"] = {**(r.get("score") or {}), **fields.get("score", {})}
+        stale = {k: v for k, v in (r.get("score") or {}).items() if k != name}  # another version's: replaced
+        r["score"] = {**stale, **fields.get("score", {})}
         r["score_error"] = {**errors, **fields.get("score_error", {})}
+        r["scored_by"] = scored_by
         for key in ("score", "score_error"):
             if not r[key]:
                 del r[key]

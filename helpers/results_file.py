@@ -34,7 +34,7 @@ __all__ = ["ResultsFile", "ResultsWriteError", "MADE", "made_hash", "is_record"]
 
 MADE = "oomkit_made"  # a header line's key: what made the records that name its hash
 _SHARED = ("settings", "model")  # stored once in the header, not in each record
-_REPEATED = ("made", "time", "truncated_reason")  # values shared by many records (a header's, a batch's)
+_REPEATED = ("made", "time", "truncated_reason", "scored_by")  # values shared by many records (a header's, a batch's)
 _KNOWN = ("id", "prompt", "reference")  # texts the prompts hold too (see ResultsFile.share)
 _CHUNK = 2048  # lines parsed by one json.loads (one call shares its keys' strings: less memory, less time)
 

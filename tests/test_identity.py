@@ -66,3 +66,35 @@ def test_a_functions_globals_are_part_of_its_fingerprint(monkeypatch):
         return n
 
     assert describe(recursive)["globals"] == {}
+
+
+def scorer_v1(output, reference):
+    return 0.0
+
+
+def scorer_v2(output, reference):  # the same name, other code: a fixed scorer
+    return 1.0
+
+
+scorer_v2.__name__ = scorer_v1.__name__ = "agree"
+
+
+def test_scores_follow_the_reference_and_the_scorers_code_without_generating_again(lora, tmp_path):
+    """Before: prompt_hash covered the prompt only and scored records were never rescored: a corrected
+    reference, or a fixed scorer of the same name, kept the old scores."""
+    model, tok = lora
+    rows = [{"id": f"q{k}", "prompt": p, "reference": "no match"} for k, p in enumerate(PROMPTS)]
+    path = tmp_path / "r.jsonl"
+    first = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score="exact_match")
+    assert first.scores["exact_match"] == 0.0  # stored with each record
+    rows[0]["reference"] = first.records[0]["output"]  # the reference corrected: that record is scored again
+    with simulated_budget(model, tokens=10**9) as budget:
+        fixed = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score="exact_match")
+    assert budget.calls == 0 and fixed.scores["exact_match"] == pytest.approx(1 / 3)
+    assert fixed.records[0]["reference"] == rows[0]["reference"]
+
+    path = tmp_path / "s.jsonl"
+    v1 = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=scorer_v1)
+    with simulated_budget(model, tokens=10**9) as budget:
+        v2 = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=scorer_v2)
+    assert budget.calls == 0 and v1.scores["agree"] == 0.0 and v2.scores["agree"] == 1.0
