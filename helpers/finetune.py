@@ -46,6 +46,7 @@ from .checkpoints import (
     write_failure,
 )
 from .family_data import probe_batch
+from .fingerprint import weights_fingerprint
 from .loading import keep_4bit_layout
 from .reducers import chunked_lm_loss, offload_activations
 from .train_plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer, target_modules
@@ -232,6 +233,7 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
     # between left no usable one): the marker callback rotates instead, after the marker
     keep, args.save_total_limit = args.save_total_limit, None
     stamp = run_stamp(plan, args, dataset)
+    stamp["base"] = weights_fingerprint(model)  # a resume onto other base weights at the same path is told
     trainer = _reducing_trainer(Trainer)(
         plan=plan,
         model=model,
@@ -290,6 +292,11 @@ def stamp_changes(old: dict | None, new: dict) -> list[str]:
         return []
     before, now = old.get("plan", {}), new["plan"]
     changes = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items() if k in before and before[k] != v]
+    if old.get("base") not in (None, new.get("base")):
+        changes.append(
+            f"the base weights (fingerprint {old['base']} -> {new.get('base')}: other weights at the same path, "
+            "replaced, re-downloaded or edited; the adapter was trained on the old ones)"
+        )
     was, data = old.get("dataset", {}), new["dataset"]
     if was.get("sha256") not in (None, data["sha256"]):
         changes.append(

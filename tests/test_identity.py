@@ -98,3 +98,28 @@ def test_scores_follow_the_reference_and_the_scorers_code_without_generating_aga
     with simulated_budget(model, tokens=10**9) as budget:
         v2 = safe_generate(model, tok, rows, max_new_tokens=NEW, results=path, progress=False, score=scorer_v2)
     assert budget.calls == 0 and v1.scores["agree"] == 0.0 and v2.scores["agree"] == 1.0
+
+
+def test_train_resuming_onto_other_base_weights_says_so(tiny_llama, tmp_path):
+    """Before: train() compared the settings and the data, not the base weights: a model replaced at the
+    same path resumed silently."""
+    from helpers.checkpoints import CheckpointWarning
+    from helpers.finetune import TrainPlan, build_dataset, load_instructions, prepare_qlora, train
+
+    def run(max_steps, nudge=0.0):
+        plan = TrainPlan(str(tiny_llama), load="fp32", seq_len=64, batch_size=2, micro_batch=2, max_steps=max_steps,
+                         save_steps=1, logging_steps=1, output_dir=str(tmp_path / "run"), r=4, alpha=8)  # fmt: skip
+        model, tok, _ = load(plan.load_plan())
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.add_(nudge)  # the same path, other weights
+        model, _ = prepare_qlora(model, plan)
+        return train(model, tok, plan, build_dataset(tok, load_instructions()[:8], plan.seq_len), view=False)
+
+    run(1)
+    same = run(2)  # loaded again, the same weights (max_steps differs, and is said)
+    assert same.resumed_from == 1 and not any("base weights" in c for c in same.changed)
+    with pytest.warns(
+        CheckpointWarning, match=r"the base weights \(fingerprint .* -> .*other weights at the same path"
+    ):
+        other = run(3, nudge=0.01)
+    assert other.resumed_from == 2 and "base weights" in str(other)
