@@ -58,6 +58,7 @@ from .reducers import kv_cache_kwargs
 from .results_file import ResultsFile, ResultsWriteError, made_hash
 from .retry import Attempt, Watch, attempt
 from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
+from .token_checks import token_ids_problem
 from .units import format_bytes
 from .vocab import DEFAULTS, ReducerError
 
@@ -332,6 +333,9 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
             "the tokenizer has no pad token: load with helpers.loading.load, or call "
             "helpers.loading.setup_tokenizer(tokenizer, model) first"
         )
+    missing_row = token_ids_problem(model, tokenizer)
+    if missing_row:
+        raise EvalError(missing_row)
     return gen_kwargs
 
 

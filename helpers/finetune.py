@@ -49,6 +49,7 @@ from .family_data import probe_batch
 from .fingerprint import weights_fingerprint
 from .loading import keep_4bit_layout
 from .reducers import chunked_lm_loss, offload_activations
+from .token_checks import token_ids_problem
 from .train_plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer, target_modules
 from .train_view import TrainProgress
 from .training_data import (
@@ -392,6 +393,9 @@ def train(
     need_plan(plan, "train")
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     need_tokenizer(tokenizer, "train")
+    missing_row = token_ids_problem(model, tokenizer)
+    if missing_row:  # else a raw IndexError from the embedding at the first padded batch
+        raise FinetuneError(missing_row)
     if not isinstance(dataset, list | tuple) or not dataset or not all(isinstance(e, dict) for e in dataset):
         raise FinetuneError(f"dataset must be build_dataset()'s non-empty list of examples, got {dataset!r:.60}")
     keep_4bit_layout(model)
