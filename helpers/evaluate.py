@@ -51,6 +51,7 @@ from .generation import (
     model_device,
     new_tokens_room,
     stop_token_ids,
+    token_ids_problem,
 )
 from .memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from .prompts import load_prompts, prompt_id
@@ -58,7 +59,6 @@ from .reducers import kv_cache_kwargs
 from .results_file import ResultsFile, ResultsWriteError, made_hash
 from .retry import Attempt, Watch, attempt
 from .scoring import SCORERS, contains_reference, exact_match, resolve_scorer, score_fields
-from .token_checks import token_ids_problem
 from .units import format_bytes
 from .vocab import DEFAULTS, ReducerError
 

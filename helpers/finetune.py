@@ -47,9 +47,9 @@ from .checkpoints import (
 )
 from .family_data import probe_batch
 from .fingerprint import weights_fingerprint
+from .generation import token_ids_problem
 from .loading import keep_4bit_layout
 from .reducers import chunked_lm_loss, offload_activations
-from .token_checks import token_ids_problem
 from .train_plan import FinetuneError, TrainPlan, need_model, need_plan, need_tokenizer, target_modules
 from .train_view import TrainProgress
 from .training_data import (
