@@ -13,6 +13,7 @@ from helpers.eval_inputs import MediaError
 from helpers.evaluate import EvalError, safe_generate
 from helpers.family_data import load_processor
 from helpers.loading import load
+from helpers.results_file import is_record
 from helpers.testing import simulated_budget
 
 NEW = 4
@@ -46,7 +47,7 @@ def _run(model, proc, prompts, path, **kw):
 
 
 def _outputs(path) -> dict[str, str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [r for line in path.read_text().splitlines() if is_record(r := json.loads(line))]  # headers left out
     assert len({r["id"] for r in rows}) == len(rows), "a sample was written twice"
     return {r["id"]: r["output"] for r in rows}
 
