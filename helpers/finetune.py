@@ -68,7 +68,8 @@ __all__ = [
     "TrainPlan", "TrainableParams", "MicroBatch", "TrainResult", "AdapterReport", "prepare_qlora",
     "target_modules", "load_instructions", "prompt_text", "answer", "format_example", "build_dataset", "TrainingData", "DatasetWarning", "collate", "find_micro_batch",
     "make_trainer", "train", "last_checkpoint", "save_adapter", "merge_adapter", "CheckpointError",
-    "CheckpointWarning", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash", "AdapterSaveError",
+    "CheckpointWarning", "CheckpointWriteError", "FinetuneError", "run_stamp", "stamp_changes", "dataset_hash",
+    "AdapterSaveError",
 ]  # fmt: skip
 
 
