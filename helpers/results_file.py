@@ -169,7 +169,7 @@ class ResultsFile:
 
     def share(self, texts) -> None:
         """Texts the caller holds (prompt ids, prompts, references): a record read with the same text keeps
-        the caller's string instead of a copy (100,000 rows: about 15 MB less)."""
+        the caller's string instead of a copy (bench/resume_scale.py's 100,000 rows: 108 -> 91 MiB peak)."""
         self._known = {t: t for t in texts if isinstance(t, str)}
 
     def read(self) -> dict[str, dict]:
