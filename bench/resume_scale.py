@@ -4,7 +4,7 @@ Each row runs in a fresh process on the tiny Llama: the prompts (``--done`` of t
 file, plus ``--new`` not yet) are built and the model loaded first; then ``safe_generate(..., resume=True)``
 is timed from outside the call (wall clock, and the process's CPU time: the machine may be shared), and the extra memory is the process's peak RSS during the call
 minus its RSS just before (the peak is reset first through ``/proc/self/clear_refs``, Linux). The file is
-written in the current format (one header, compact records) and, for the smaller size, in the format
+written in the current format (one header, compact records) and, at each size, in the format
 before headers (settings and model identity in every record), which must still resume.
 
 Before (issue 48): 100,000 rows resumed in 49-550 s with +0.8-1.2 GiB RSS. Target: under 5 s, under 100 MiB.
@@ -114,7 +114,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(int(a.child[0]), int(a.child[1]), a.child[2] == "old")))
         return
-    cases = [(n, "header") for n in a.sizes] + [(min(a.sizes), "old")]
+    cases = [(n, "header") for n in a.sizes] + [(n, "old") for n in a.sizes]
     rows = []
     for done, kind in cases:
         out = subprocess.run([sys.executable, __file__, "--child", str(done), str(a.new), kind],

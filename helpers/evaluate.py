@@ -419,7 +419,7 @@ def _same_prompt(rec: dict, item: dict) -> bool:
 def _mismatches(done: dict[str, dict], items: list[dict], run: _Run) -> list[tuple[str, str]]:
     """(id, why) for each finished record this run would not have made. The model and settings are
     compared once per header (``made``), not once per record; files from before headers once per
-    distinct pair (their records each hold a copy)."""
+    distinct pair (equal copies are one object once read)."""
     verdicts: dict[Any, str | None] = {run.made: None}
     problems = []
     for it in items:
@@ -429,7 +429,8 @@ def _mismatches(done: dict[str, dict], items: list[dict], run: _Run) -> list[tup
         if not _same_prompt(rec, it):
             problems.append((it["id"], "another prompt text under the same id"))
             continue
-        key = rec.get("made") or _canon([rec.get("model"), rec.get("settings")])
+        # a header's hash; else (the format before headers) the pair's objects, shared when equal (results_file)
+        key = rec.get("made") or (id(rec.get("model")), id(rec.get("settings")))
         if key not in verdicts:
             verdicts[key] = _context_mismatch(rec, run)
         if verdicts[key]:

@@ -89,6 +89,7 @@ class ResultsFile:
         self._created = False  # open() created the file: an empty one is removed again at close()
         self._strings: dict[str, str] = {}  # see _REPEATED
         self._known: dict[str, str] = {}  # see share()
+        self._pairs: list[tuple] = []  # see _share_inline
 
     @property
     def lock_path(self) -> Path:
@@ -255,8 +256,21 @@ class ResultsFile:
             shared = self.made.get(rec["made"]) if "made" in rec else None
             if shared is not None:
                 rec.update(shared)  # the same two objects in every record made so
+            elif "made" not in rec:
+                self._share_inline(rec)
             records[str(rec["id"])] = rec
         return None
+
+    def _share_inline(self, rec: dict) -> None:
+        """A record of the format before headers holds its own copy of the settings and model: an equal
+        pair seen before replaces it (one object kept, and compared once on resume, not per record)."""
+        pair = (rec.get("settings"), rec.get("model"))
+        for seen in self._pairs:
+            if seen == pair:
+                rec["settings"], rec["model"] = seen
+                return
+        if len(self._pairs) < 16:  # a handful of runs made a file; past that, each keeps its own
+            self._pairs.append(pair)
 
     def _end_of_line(self, number: int) -> int:
         """The byte offset just past line ``number`` (1-based; 0 for none): where a repair cuts."""
