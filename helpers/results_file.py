@@ -229,14 +229,14 @@ class ResultsFile:
         it is the chunk's last (maybe torn), None when all are records; raises for one before the last."""
         try:
             rows = json.loads(b"[" + b",".join(chunk) + b"]")
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: no record of ours
             rows = None
         if rows is None or len(rows) != len(chunk):  # one line in error, or one holding two values
             rows = []
             for line in chunk:
                 try:
                     value = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                     value = None
                 rows.append(value)
         for k, rec in enumerate(rows):

@@ -105,3 +105,6 @@ def test_a_torn_or_bad_line_among_chunks_is_repaired_or_refused(tmp_path):
         ResultsFile(path).read()
     path.write_text("\n".join(rows) + "\n[1, 2]\n\n")  # no record, then only blank lines: a torn end
     assert len(ResultsFile(path).read()) == 5000
+    path.write_text("\n".join(rows[:10] + ["[" * 100_000 + "]" * 100_000] + rows[10:]) + "\n")  # too deep to parse
+    with pytest.raises(EvalError, match="line 11 is not a valid result record"):
+        ResultsFile(path).read()
