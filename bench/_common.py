@@ -21,7 +21,7 @@ REPO = RESULTS.parents[1]
 
 # A user's install carries compiled bytecode (pip compiles the wheel; Python caches the rest on first
 # import). A machine that sets PYTHONDONTWRITEBYTECODE (ours do) would charge every fresh process a bench
-# starts the compile of helpers' sources (about 90 ms for helpers.monitor), a cost no user pays: the
+# starts the compile of helpers' sources (about 90 ms for helpers.monitoring.monitor), a cost no user pays: the
 # benches and the processes they start write the cache and reuse it from the second run on.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
@@ -31,17 +31,18 @@ sys.dont_write_bytecode = False
 # own file is added). The modules the figures measure, not every import: panel_latency times the panel's
 # code, so an estimator change alone does not stale it, though it could move the figure a little.
 MEASURES: dict[str, list[str]] = {
-    "batch_finder": ["helpers/batch_size.py", "helpers/retry.py"],
-    "estimate_accuracy": ["helpers/estimator", "helpers/train_plan.py", "helpers/adapters.py", "helpers/load_plan.py"],
-    "eval_throughput": ["helpers/evaluate.py", "helpers/eval_batching.py", "helpers/generation.py",
-                        "helpers/batch_size.py", "helpers/retry.py"],
-    "hot_spots": ["helpers/estimator", "helpers/batch_size.py", "helpers/reclaim.py", "helpers/leaks", "helpers/tensors.py",
-                  "helpers/monitor.py", "helpers/evaluate.py"],
-    "leak_detection": ["helpers/leaks", "helpers/tensors.py"],
-    "monitor_overhead": ["helpers/monitor.py", "helpers/memory_callback.py"],
-    "panel_latency": ["helpers/widgets.py", "helpers/panel_state.py", "helpers/panel_gpus.py"],
-    "readout_overhead": ["helpers/memory.py"],
-    "resume_scale": ["helpers/results_file.py", "helpers/evaluate.py", "helpers/fingerprint.py"],
+    "batch_finder": ["helpers/oom/batch_size.py", "helpers/oom/retry.py"],
+    "estimate_accuracy": ["helpers/estimator", "helpers/training/plan.py", "helpers/training/adapters.py", "helpers/loading/plan.py"],
+    "eval_throughput": ["helpers/evaluation/evaluate.py", "helpers/evaluation/batching.py", "helpers/loading/generation.py",
+                        "helpers/oom/batch_size.py", "helpers/oom/retry.py"],
+    "hot_spots": ["helpers/estimator", "helpers/oom/batch_size.py", "helpers/oom/reclaim.py", "helpers/leaks", "helpers/leaks/tensors.py",
+                  "helpers/monitoring/monitor.py", "helpers/evaluation/evaluate.py"],
+    "leak_detection": ["helpers/leaks", "helpers/leaks/tensors.py"],
+    "monitor_overhead": ["helpers/monitoring/monitor.py", "helpers/monitoring/memory_callback.py"],
+    "panel_latency": ["helpers/panels/widgets.py", "helpers/panels/state.py", "helpers/panels/gpus.py"],
+    "readout_overhead": ["helpers/core/memory.py"],
+    "resume_scale": ["helpers/evaluation/results_file.py", "helpers/evaluation/evaluate.py",
+                     "helpers/evaluation/fingerprint.py"],
 }  # fmt: skip
 
 

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 from accelerate.utils import find_executable_batch_size  # noqa: E402
 
-from helpers.batch_size import adaptive_batch, find_max_batch_size  # noqa: E402
+from helpers.oom.batch_size import adaptive_batch, find_max_batch_size  # noqa: E402
 
 MiB = 1024**2
 

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import format_table, write_results  # noqa: E402
-from helpers.estimator import estimate, footprint  # noqa: E402
-from helpers.sources import data_path  # noqa: E402
+from helpers.core.sources import data_path  # noqa: E402
+from helpers.estimator.core import estimate
+from helpers.estimator.footprint import footprint  # noqa: E402
 
 CONFIG_DIR = data_path("configs")
 
@@ -56,7 +57,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def build(family: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from helpers.estimator import resolve_config
+    from helpers.estimator.configs import resolve_config
 
     name, overrides = FAMILIES[family]
     d = json.loads((CONFIG_DIR / f"{name}.json").read_text())
@@ -135,7 +136,7 @@ def full_size_rows() -> list[dict]:
     """Every shipped full-size config: accelerate estimate-memory (real code path) and Unsloth's constants
     against oomkit's exact weight bytes (fp16, int8, nf4 + double quant), which match real loads to
     the byte on the scaled-down models above and count the published parameters exactly."""
-    from helpers.sources import shipped_configs
+    from helpers.core.sources import shipped_configs
 
     out = []
     for hub_id, path in shipped_configs().items():
@@ -214,7 +215,7 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
-    from helpers.estimator import LoraTraining
+    from helpers.estimator.training import LoraTraining
 
     cfg = LlamaConfig(**PEAK_CONFIG)
     out = []
@@ -285,9 +286,10 @@ def cuda_qlora_row(seq: int = 256, micro: int = 2) -> dict | None:
     (fp16, paged 8-bit AdamW, checkpointing) with the process capped at a T4's memory. None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    from helpers.devices import DEVICES
-    from helpers.finetune import TrainPlan, prepare_qlora
-    from helpers.loading import load as load_plan
+    from helpers.core.devices import DEVICES
+    from helpers.loading.loader import load as load_plan
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.plan import TrainPlan
 
     tiny = Path(__file__).resolve().parents[1] / "data" / "tiny" / "llama"
     if not (tiny / "config.json").exists():
@@ -339,7 +341,7 @@ def cuda_generate_row(batch: int = 4, prompt: int = 512, new: int = 128) -> dict
         return None
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from helpers.devices import DEVICES
+    from helpers.core.devices import DEVICES
 
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, DEVICES["t4"]["capacity"] / total))

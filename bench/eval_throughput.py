@@ -51,12 +51,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 
-from helpers import batch_size as bs  # noqa: E402
-from helpers.evaluate import load_prompts, safe_generate  # noqa: E402
-from helpers.generation import count_new_tokens, stop_token_ids  # noqa: E402
-from helpers.loading import load  # noqa: E402
-from helpers.oom import is_oom  # noqa: E402
-from helpers.sources import data_path  # noqa: E402
+from helpers.core.sources import data_path  # noqa: E402
+from helpers.evaluation.evaluate import safe_generate  # noqa: E402
+from helpers.evaluation.prompts import load_prompts  # noqa: E402
+from helpers.loading.generation import count_new_tokens, stop_token_ids  # noqa: E402
+from helpers.loading.loader import load  # noqa: E402
+from helpers.oom import batch_size as bs  # noqa: E402
+from helpers.oom.messages import is_oom  # noqa: E402
 from helpers.testing import simulated_budget  # noqa: E402
 
 

@@ -11,7 +11,7 @@ and, where the sides are paired, the median of the per-round ratios before / aft
 
 Rows:
 
-1. ``import helpers.monitor`` after ``import torch`` (the old module imported transformers'
+1. ``import helpers.monitoring.monitor`` after ``import torch`` (the old module imported transformers'
    ``TrainerCallback``, and with it the Trainer, at import time).
 2. The first ``estimate("codellama/CodeLlama-7b-hf", load="nf4")`` after importing the estimator
    module; reference (this tree only, its own fresh process): importing what that call needs from
@@ -74,7 +74,7 @@ def result(**kw):
 IMPORT_MONITOR = """
 import torch
 t = time.perf_counter()
-import helpers.monitor
+import helpers.monitoring.monitor
 dt = time.perf_counter() - t
 result(seconds=dt, transformers_imported="transformers" in sys.modules)
 """
@@ -84,9 +84,13 @@ import statistics
 import torch
 t0 = time.perf_counter()
 import helpers
-try:
-    from helpers.estimator import estimate, fit_one_card as fit
+try:  # the layout by task (one import path per name)
+    from helpers.estimator.core import estimate
+    from helpers.estimator.fitting import fit_one_card as fit
 except ImportError:
+  try:
+    from helpers.estimator import estimate, fit_one_card as fit
+  except ImportError:
     try:  # before the rename
         from helpers.estimator import estimate, fit
     except ImportError:  # the old layout
@@ -112,7 +116,7 @@ import torch
 t0 = time.perf_counter()
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 t1 = time.perf_counter()
-from helpers.estimator import estimate
+from helpers import estimate
 t2 = time.perf_counter()
 first = estimate(MODEL, load="nf4")
 t3 = time.perf_counter()
@@ -122,7 +126,7 @@ result(transformers_import_s=t1 - t0, estimate_after_imports_s=t3 - t2, estimate
 MONITOR = """
 import statistics
 import psutil, torch
-from helpers.monitor import MemoryMonitor, Sample
+from helpers.monitoring.monitor import MemoryMonitor, Sample
 INTERVAL = 0.5
 mon = MemoryMonitor(interval=INTERVAL, warn=False)  # the thread is never started
 store = getattr(mon, "_keep", None) or mon.samples.append  # what sample() does with a reading
@@ -179,7 +183,7 @@ result(points=points)
 CENSUS = f"""
 import gc
 import torch
-from helpers.leaks import census
+from helpers import census
 x = torch.ones(1, requires_grad=True)
 y = x
 for _ in range({CHAIN}):
@@ -202,9 +206,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 logging.set_verbosity_error()
 logging.disable_progress_bar()
-from helpers import batch_size as bs
-from helpers.evaluate import safe_generate
-from helpers.loading import setup_tokenizer
+from helpers.oom import batch_size as bs
+from helpers.evaluation.evaluate import safe_generate
+from helpers.loading.loader import setup_tokenizer
 tiny, prompts_file = sys.argv[1], sys.argv[2]
 prompts = [json.loads(line) for line in open(prompts_file) if line.strip()]
 tok = AutoTokenizer.from_pretrained(tiny)
@@ -233,7 +237,7 @@ ip = InteractiveShell.instance()
 ip.run_cell('''
 import gc, json, sys, time, weakref
 import psutil, torch
-from helpers.reclaim import release_after_oom
+from helpers.oom.reclaim import release_after_oom
 proc = psutil.Process()
 gc.collect()
 rss0 = proc.memory_info().rss
@@ -243,7 +247,7 @@ def step():
     global ref
     big = torch.ones(128 << 20)  # 512 MiB of fp32, alive in this frame
     ref = weakref.ref(big)
-    return torch.empty(1 << 45)  # the CPU allocator fails: an OOM (helpers.oom.is_oom)
+    return torch.empty(1 << 45)  # the CPU allocator fails: an OOM (helpers.oom.hook.is_oom)
 ''')
 if variant.startswith("variable"):
     ip.run_cell('''
@@ -255,7 +259,7 @@ except Exception as e:
 else:
     ip.run_cell("step()")  # uncaught: IPython keeps it (sys.last_*, its traceback formatter)
 ip.run_cell('''
-from helpers.oom import is_oom
+from helpers.oom.hook import is_oom
 held = err if "err" in globals() else sys.last_value
 kind, oom = type(held).__name__, is_oom(held)
 del held
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                      pair["before"]["n"], changed])  # fmt: skip
 
     trainer = {s: all(res("import", s, "transformers_imported")) for s in ("before", "after")}
-    row("import_monitor", "`import helpers.monitor` (after `import torch`)", "wall time, fresh process",
+    row("import_monitor", "`import helpers.monitoring.monitor` (after `import torch`)", "wall time, fresh process",
         paired(res("import", "before", "seconds"), res("import", "after", "seconds")),
         f"TrainerCallback imported on first use of MemoryCallback (transformers imported: "
         f"before {'yes' if trainer['before'] else 'no'}, after {'yes' if trainer['after'] else 'no'})")  # fmt: skip

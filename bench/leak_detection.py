@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from _common import format_table, write_results  # noqa: E402
 
-from helpers import leaks  # noqa: E402
+from helpers import census, census_diff, leak_checks  # noqa: E402
+from helpers.leaks.growth import GrowthDetector  # noqa: E402
 
 STEPS = 30
 BATCH, SEQ = 2, 16
@@ -188,7 +189,7 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
     if setup:
         setup(ns)
     view = ns["_shell"].user_ns if "_shell" in ns else ns  # where the notebook's names live
-    det = leaks.GrowthDetector()
+    det = GrowthDetector()
     baseline = None
     first_flag = None
     check_step = None
@@ -199,16 +200,16 @@ def run(name, kind, setup, step, holder, check_name) -> dict:
         if det.record() and first_flag is None:
             first_flag = i + 1
         if i + 1 == det.warmup:
-            baseline = leaks.census(view)
+            baseline = census(view)
         if i == 0:
-            found = leaks.leak_checks(view).problems
+            found = leak_checks(view).problems
             warned_checks |= {c.name for c in found}
             if check_name in warned_checks:
                 check_step = 1
     report = det.report()
-    final_checks = leaks.leak_checks(view)
+    final_checks = leak_checks(view)
     warned_checks |= {c.name for c in final_checks.problems}
-    suspect = leaks.census_diff(baseline, leaks.census(view)).top_holder if report.leaking else None
+    suspect = census_diff(baseline, census(view)).top_holder if report.leaking else None
     seconds = time.perf_counter() - started
     check_holders = []
     if check_name and check_name in warned_checks:

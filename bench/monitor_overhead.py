@@ -32,10 +32,13 @@ from transformers import TrainerCallback, TrainerControl, TrainerState  # noqa: 
 
 from bench._common import format_table, write_results  # noqa: E402
 from bench.readout_overhead import per_call  # noqa: E402
-from helpers.finetune import TrainPlan, build_dataset, load_instructions, make_trainer, prepare_qlora  # noqa: E402
-from helpers.loading import load  # noqa: E402
-from helpers.memory_callback import MemoryCallback  # noqa: E402
-from helpers.monitor import MemoryMonitor  # noqa: E402
+from helpers.loading.loader import load  # noqa: E402
+from helpers.monitoring.memory_callback import MemoryCallback  # noqa: E402
+from helpers.monitoring.monitor import MemoryMonitor  # noqa: E402
+from helpers.training.adapters import prepare_qlora  # noqa: E402
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import make_trainer
+from helpers.training.plan import TrainPlan
 
 PAIRS = 16  # ABBA pairs per setting
 STEPS = 8  # optimizer steps per round

@@ -4,7 +4,7 @@ Each "move" sets ``max_new_tokens`` on a real ``LoadPanel`` (ipywidgets objects,
 includes the estimate, the fit verdict (and the top fix when it does not fit) and the HTML redraw.
 
 - fresh kernel: a new Python process per run (``--fresh`` runs per case), timing what the first cell
-  of a notebook pays: ``import torch``, ``import helpers.widgets``, building the panel (its first
+  of a notebook pays: ``import torch``, ``import helpers.panels.widgets``, building the panel (its first
   estimate), then the first slider move and the second (both values not seen before);
 - warm: in this process, after the panel is built, ``MOVES`` moves to values not seen before ("new
   setting": the arithmetic on the cached layout, plus the suggestion search when it does not fit),
@@ -48,7 +48,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-from helpers.widgets import LoadPanel
+from helpers.panels.widgets import LoadPanel
 t2 = time.perf_counter()
 model, device, settings = json.loads(sys.argv[1])
 panel = LoadPanel(model, device=device, widgets=True, max_new_tokens=16, **settings)
@@ -57,7 +57,7 @@ panel.controls["max_new_tokens"].value = 32
 t4 = time.perf_counter()
 panel.controls["max_new_tokens"].value = 48
 t5 = time.perf_counter()
-print(json.dumps({"import torch": t1 - t0, "import helpers.widgets": t2 - t1, "build panel": t3 - t2,
+print(json.dumps({"import torch": t1 - t0, "import helpers.panels.widgets": t2 - t1, "build panel": t3 - t2,
                   "first move": t4 - t3, "second move": t5 - t4}))
 """
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.fresh):
         for label, model, device, settings in CASES:
             fresh[label].append(fresh_kernel(model, device, settings))
-    from helpers.widgets import LoadPanel
+    from helpers.panels.widgets import LoadPanel
 
     results, rows = {}, []
     for label, model, device, settings in CASES:
@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         phases = {k: _ms([r[k] for r in fresh[label]]) for k in fresh[label][0]}
         r = {"fresh_kernel": phases, "new setting": _ms(new), "seen setting": _ms(seen), "verdict": panel.state.verdict}
         results[label] = r
-        first_cell = sum(phases[k]["median_ms"] for k in ("import torch", "import helpers.widgets", "build panel"))
+        first_cell = sum(
+            phases[k]["median_ms"] for k in ("import torch", "import helpers.panels.widgets", "build panel")
+        )
         rows.append(
             [
                 label,

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table, write_results  # noqa: E402
 
-from helpers.memory import allocated, ram_readout, reserved, snapshot  # noqa: E402
+from helpers.core.memory import allocated, ram_readout, reserved, snapshot  # noqa: E402
 
 ROUNDS = 7
 BARE = "allocated() + reserved()"

@@ -57,8 +57,8 @@ def _peak() -> int:
 
 def _write_file(path: Path, done: int, old_format: bool, model, tok) -> list[dict]:
     """A results file of ``done`` finished rows made by this model and settings; the prompts to resume."""
-    from helpers.evaluate import safe_generate
-    from helpers.results_file import MADE, is_record
+    from helpers.evaluation.evaluate import safe_generate
+    from helpers.evaluation.results_file import MADE, is_record
 
     seed = path.with_suffix(".seed.jsonl")
     safe_generate(model, tok, ["a seed prompt"], max_new_tokens=4, results=seed, progress=False)
@@ -83,8 +83,8 @@ def child(done: int, new: int, old_format: bool) -> dict:
     """One row, in this (fresh) process."""
     import torch
 
-    from helpers.evaluate import safe_generate
-    from helpers.loading import load
+    from helpers.evaluation.evaluate import safe_generate
+    from helpers.loading.loader import load
 
     torch.set_num_threads(1)
     model, tok, _ = load(str(MODEL), load="fp32", check=False)

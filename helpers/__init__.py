@@ -11,55 +11,63 @@ import importlib
 import logging
 from typing import Any
 
-from . import session
+from .core import session
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it; the one table of the notebook API
 _API: dict[str, str] = {
-    **dict.fromkeys(["GiB", "MiB", "format_bytes", "parse_bytes"], "units"),
-    **dict.fromkeys(["OomkitError"], "errors"),
-    **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved", "peak_allocated"], "memory"),
-    **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "reclaim"),
+    **dict.fromkeys(["GiB", "MiB", "format_bytes", "parse_bytes"], "core.units"),
+    **dict.fromkeys(["OomkitError"], "core.errors"),
+    **dict.fromkeys(["MemorySnapshot", "snapshot", "allocated", "reserved", "peak_allocated"], "core.memory"),
+    **dict.fromkeys(["CleanupReport", "cleanup", "free", "unload"], "oom.reclaim"),
     **dict.fromkeys(["PreflightReport", "preflight"], "environment"),
+    **dict.fromkeys(["estimate", "MemoryEstimate"], "estimator.core"),
+    **dict.fromkeys(["footprint"], "estimator.footprint"),
+    **dict.fromkeys(["max_new_tokens_that_fit", "max_batch_that_fits", "FitVerdict"], "estimator.fitting"),
+    **dict.fromkeys(["LoraTraining", "FullTraining"], "estimator.training"),
+    **dict.fromkeys(["module_memory", "ModuleMemory"], "loading.model_parts"),
+    **dict.fromkeys(["fit"], "placement.decision"),
     **dict.fromkeys(
-        ["estimate", "footprint", "max_new_tokens_that_fit", "max_batch_that_fits", "LoraTraining",
-         "FullTraining", "MemoryEstimate", "FitVerdict"], "estimator"),
-    **dict.fromkeys(["module_memory", "ModuleMemory"], "model_parts"),
-    **dict.fromkeys(["fit"], "device_fixes"),  # the estimator's verdict with the fixes past one card
-    **dict.fromkeys(["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"], "sources"),
-    **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "runtime"),
-    **dict.fromkeys(["LoadPlan"], "load_plan"),
-    **dict.fromkeys(["check_plan"], "load_checks"),
-    **dict.fromkeys(["decide_placement", "PlacementDecision"], "placement_decision"),
-    **dict.fromkeys(["LoadReport"], "load_report"),
-    **dict.fromkeys(["load"], "loading"),
-    **dict.fromkeys(["generate_batched"], "generation"),
-    **dict.fromkeys(["plan_devices", "DevicePlan"], "device_plan"),
-    **dict.fromkeys(["fits_table", "FitsTable", "ModelFits"], "placement"),
-    **dict.fromkeys(["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"], "distributed"),
-    **dict.fromkeys(["write_launch_config", "launch_plan", "launch_qlora", "LaunchConfig"], "launch_config"),
-    **dict.fromkeys(["rank_ram", "RankRam"], "host_ram"),
-    **dict.fromkeys(["LoadPanel"], "widgets"),
-    **dict.fromkeys(["TrainPanel"], "train_panel"),
-    **dict.fromkeys(["is_oom"], "oom_messages"),
-    **dict.fromkeys(["explain_oom", "OOMReport"], "oom_diagnosis"),
-    **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "batch_size"),
-    **dict.fromkeys(["load_prompts"], "prompts"),
-    **dict.fromkeys(["safe_generate"], "evaluate"),
-    **dict.fromkeys(["EvalReport"], "eval_report"),
+        ["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"],
+        "core.sources"),
+    **dict.fromkeys(["configure_allocator", "needs_restart_for", "gpu_notice"], "core.runtime"),
+    **dict.fromkeys(["LoadPlan"], "loading.plan"),
+    **dict.fromkeys(["check_plan"], "loading.checks"),
+    **dict.fromkeys(["decide_placement", "PlacementDecision"], "placement.decision"),
+    **dict.fromkeys(["LoadReport"], "loading.report"),
+    **dict.fromkeys(["load"], "loading.loader"),
+    **dict.fromkeys(["generate_batched"], "loading.generation"),
+    **dict.fromkeys(["plan_devices", "DevicePlan"], "placement.device_plan"),
+    **dict.fromkeys(["fits_table", "FitsTable"], "placement.device_plan"),
+    **dict.fromkeys(["ModelFits"], "placement.device_plan"),
+    **dict.fromkeys(
+        ["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"],
+        "training.distributed"),
+    **dict.fromkeys(["write_launch_config", "launch_plan", "launch_qlora", "LaunchConfig"], "training.launch_config"),
+    **dict.fromkeys(["rank_ram", "RankRam"], "loading.host_ram"),
+    **dict.fromkeys(["LoadPanel"], "panels.widgets"),
+    **dict.fromkeys(["TrainPanel"], "panels.train_panel"),
+    **dict.fromkeys(["is_oom"], "oom.messages"),
+    **dict.fromkeys(["explain_oom", "OOMReport"], "oom.diagnosis"),
+    **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "oom.batch_size"),
+    **dict.fromkeys(["load_prompts"], "evaluation.prompts"),
+    **dict.fromkeys(["safe_generate"], "evaluation.evaluate"),
+    **dict.fromkeys(["EvalReport"], "evaluation.report"),
     **dict.fromkeys(["simulated_budget"], "testing"),
-    **dict.fromkeys(["TrainPlan", "FinetuneError"], "train_plan"),
-    **dict.fromkeys(["prepare_qlora", "save_adapter", "merge_adapter"], "adapters"),
-    **dict.fromkeys(["load_instructions", "build_dataset", "answer"], "training_data"),
-    **dict.fromkeys(["load_processor", "build_family_dataset"], "family_data"),
-    **dict.fromkeys(["find_micro_batch", "train"], "finetune"),
-    **dict.fromkeys(["CheckpointError"], "checkpoints"),
-    **dict.fromkeys(["MemoryMonitor"], "monitor"),
-    **dict.fromkeys(["MemoryCallback"], "memory_callback"),
-    **dict.fromkeys(["TrainView", "TrainProgress"], "train_view"),
-    **dict.fromkeys(
-        ["census", "census_diff", "watch", "leak_checks", "record_allocations", "top_allocation_sites"], "leaks"),
+    **dict.fromkeys(["TrainPlan", "FinetuneError"], "training.plan"),
+    **dict.fromkeys(["prepare_qlora", "save_adapter", "merge_adapter"], "training.adapters"),
+    **dict.fromkeys(["load_instructions", "build_dataset", "answer"], "training.data"),
+    **dict.fromkeys(["load_processor", "build_family_dataset"], "training.family_data"),
+    **dict.fromkeys(["find_micro_batch", "train"], "training.finetune"),
+    **dict.fromkeys(["CheckpointError"], "training.checkpoints"),
+    **dict.fromkeys(["MemoryMonitor"], "monitoring.monitor"),
+    **dict.fromkeys(["MemoryCallback"], "monitoring.memory_callback"),
+    **dict.fromkeys(["TrainView", "TrainProgress"], "training.view"),
+    **dict.fromkeys(["census", "census_diff"], "leaks.census"),
+    **dict.fromkeys(["watch"], "leaks.growth"),
+    **dict.fromkeys(["leak_checks"], "leaks.patterns"),
+    **dict.fromkeys(["record_allocations", "top_allocation_sites"], "leaks.allocations"),
 }  # fmt: skip
 
 __all__ = sorted(_API)
@@ -92,8 +100,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_optional_cpu
 session.enable_colab_widgets()
 
 # Modules that hook into IPython when a notebook runs `%load_ext helpers`; each has
-# `load_ipython_extension(ip)` / `unload_ipython_extension(ip)` (so `%load_ext helpers.oom` works alone too).
-IPYTHON_EXTENSIONS = ["helpers.oom", "helpers.cellstats"]
+# `load_ipython_extension(ip)` / `unload_ipython_extension(ip)` (so `%load_ext helpers.oom.hook` works alone too).
+IPYTHON_EXTENSIONS = ["helpers.oom.hook", "helpers.monitoring.cellstats"]
 
 
 def _extension_modules():

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from .vocab import DEFAULTS, LOAD_MODES
+from .core.vocab import DEFAULTS, FITS_TOKENS, LOAD_MODES
 
 __all__ = ["main", "COMMANDS"]
 
@@ -88,8 +88,9 @@ def preflight_main(argv: list[str] | None = None) -> int:
 
 
 def _parse_lora(text: str):
-    """``--lora r=16,seq_len=1024`` as a :class:`~helpers.estimator.LoraTraining`."""
-    from .estimator import EstimateError, LoraTraining
+    """``--lora r=16,seq_len=1024`` as a :class:`~helpers.LoraTraining`."""
+    from .estimator.rows import EstimateError
+    from .estimator.training import LoraTraining
 
     kw: dict[str, Any] = {}
     for part in filter(None, text.split(",")):
@@ -125,8 +126,8 @@ def _parse_lora(text: str):
 
 
 def estimate_main(argv: list[str] | None = None) -> int:
-    from .devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
-    from .sources import shipped_configs
+    from .core.devices import DEFAULT_DEVICE, DEVICE_SETS, DEVICES, device_set
+    from .core.sources import shipped_configs
 
     parser = _Parser(
         prog="python -m helpers estimate",
@@ -151,9 +152,11 @@ def estimate_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the breakdown and verdict as JSON")
     args = parser.parse_args(argv)
-    from .device_fixes import fit
-    from .estimator import EstimateError, FullTraining, estimate
-    from .units import parse_bytes
+    from .core.units import parse_bytes
+    from .estimator.core import estimate
+    from .estimator.rows import EstimateError
+    from .estimator.training import FullTraining
+    from .placement.decision import fit
 
     try:
         device: Any = args.device
@@ -187,7 +190,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
 
 def fits_main(argv: list[str] | None = None) -> int:
     """``python -m helpers fits MODEL [--tokens N] [--batch B] [--markdown | --json]``."""
-    from .sources import shipped_configs
+    from .core.sources import shipped_configs
 
     parser = _Parser(
         prog="python -m helpers fits",
@@ -196,13 +199,15 @@ def fits_main(argv: list[str] | None = None) -> int:
         epilog=f"Offline configs: {', '.join(shipped_configs())}",
     )
     parser.add_argument("model", help="hub id, shipped config name (e.g. Llama-2-7b-hf), folder or config.json")
-    parser.add_argument("--tokens", type=int, default=768, help="tokens per sequence, prompt + answer (default 768)")
+    parser.add_argument(
+        "--tokens", type=int, default=FITS_TOKENS, help=f"tokens per sequence, prompt + answer (default {FITS_TOKENS})"
+    )
     parser.add_argument("--batch", type=int, default=DEFAULTS.batch_size)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
-    from .estimator import EstimateError
-    from .placement import fits_table
+    from .estimator.rows import EstimateError
+    from .placement.device_plan import fits_table
 
     try:
         table = fits_table(args.model, tokens=args.tokens, batch_size=args.batch)
@@ -220,11 +225,18 @@ def _message(source: str | None) -> str | None:
     """The OOM text ``explain`` was given: a file's contents, the message pasted as the argument, or stdin;
     None (after saying why on stderr) when a named file cannot be read."""
     if source and source != "-" and not os.path.exists(source):
-        from .oom_messages import is_oom_text
+        from .oom.messages import is_oom_text
 
         if " " in source or is_oom_text(source):
             return source  # the message pasted as the argument, not a file name
     if source and source != "-":
+        from .core.arguments import regular_file
+
+        try:
+            regular_file(source, "the file", OSError)
+        except OSError as e:
+            print(f"cannot read {source}: {e}", file=sys.stderr)
+            return None
         try:
             with open(source, encoding="utf-8", errors="replace") as f:
                 return f.read()
@@ -254,7 +266,7 @@ def explain_main(argv: list[str] | None = None) -> int:
     if not text.strip():
         print("no message given: pass a file or pipe the error text in", file=sys.stderr)
         return 2
-    from .oom_diagnosis import explain_oom
+    from .oom.diagnosis import explain_oom
 
     report = explain_oom(text)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)

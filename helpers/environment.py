@@ -1,10 +1,10 @@
 """Preflight: before loading anything, check the GPU, versions, RAM, disk and (with a model) the fit.
 
 Every check returns pass / warn / fail / info with a one-line reason and the fix. Device facts
-come from a :class:`~helpers.memory.MemorySnapshot`, which tests pass in to simulate a T4, a
+come from a :class:`~helpers.MemorySnapshot`, which tests pass in to simulate a T4, a
 busy GPU, Kaggle's two T4s or a small-RAM machine without touching torch. With several GPUs each
 one is checked, and a model that does not fit GPU 0 is planned across all of them as
-``from_pretrained(device_map="auto")`` splits it (:func:`helpers.placement.plan_devices`).
+``from_pretrained(device_map="auto")`` splits it (:func:`helpers.plan_devices`).
 """
 
 from __future__ import annotations
@@ -19,22 +19,18 @@ from typing import Any
 
 import torch
 
-from .arguments import ArgumentError, flag, whole_number
-from .checks import Check
-from .devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
-from .errors import OomkitError
-from .estimator import EstimateError, MemoryEstimate, estimate, fit_one_card, format_params
-from .gpu_split import held_hint, offload_ram
-from .html import badge, table
-from .loading import ram_for_loading
-from .memory import GPUReadout, MemorySnapshot
-from .memory import snapshot as take_snapshot
-from .placement import DevicePlan
-from .placement_decision import PlacementDecision, auto_placing, decide_placement, devices_snapshot, spill_why
-from .session import in_colab
-from .sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
-from .units import GiB, MiB, format_bytes
-from .vocab import (
+from .core.arguments import ArgumentError, flag, whole_number
+from .core.checks import Check
+from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
+from .core.errors import OomkitError
+from .core.html import badge, table
+from .core.memory import GPUReadout, MemorySnapshot
+from .core.memory import snapshot as take_snapshot
+from .core.session import in_colab
+from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
+from .core.units import GiB, MiB, format_bytes
+from .core.vocab import (
+    BF16,
     DEFAULTS,
     DOES_NOT_FIT,
     FITS,
@@ -43,9 +39,25 @@ from .vocab import (
     TIGHT,
     VERDICT_STATUS,
     auto_load_order,
+    half_dtype,
     load_mode_name,
     verdict,
 )
+from .estimator.configs import resolve_config
+from .estimator.core import MemoryEstimate, estimate
+from .estimator.fitting import fit_one_card, format_params
+from .estimator.rows import EstimateError
+from .loading.checks import ram_for_loading
+from .placement.decision import (
+    PlacementDecision,
+    auto_placing,
+    decide_placement,
+    devices_snapshot,
+    held_hint,
+    offload_ram,
+    spill_why,
+)
+from .placement.device_plan import DevicePlan
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -361,7 +373,7 @@ class _Host:
 def _decide(est: MemoryEstimate, caps: list[int], host: _Host, gpus: int | None = None) -> PlacementDecision:
     """:func:`decide_placement` of ``est`` on GPUs of ``caps`` usable bytes (a full GPU still counts as one:
     1 MiB, the smallest size a device takes, so the shares keep their GPU's index)."""
-    devices = [{"name": f"GPU {i}", "capacity": max(c, MiB), "bf16": host.half == "bf16"} for i, c in enumerate(caps)]
+    devices = [{"name": f"GPU {i}", "capacity": max(c, MiB), "bf16": host.half == BF16} for i, c in enumerate(caps)]
     return decide_placement(auto_placing(gpus=gpus), est, devices_snapshot(est, devices, host.ram))
 
 
@@ -399,6 +411,15 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
     return next((o for o in planned if o.verdict == TIGHT), planned[-1]), seen
 
 
+def _prequantized(model: Any) -> bool:
+    from .estimator.prequantized import repo_quantization
+
+    try:
+        return repo_quantization(resolve_config(model)[0]) is not None
+    except EstimateError:
+        return False  # estimate() says what is wrong with it, below
+
+
 def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS.max_new_tokens, snapshot=None, batch_size: int = DEFAULTS.batch_size,
                prompt_tokens: int = DEFAULTS.prompt_tokens) -> list[Check]:  # fmt: skip
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
@@ -409,8 +430,10 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     # What this process can use on each GPU; without one, Colab's T4
     caps = [_usable_memory(g) for g in gpus] or [DEVICES[DEFAULT_DEVICE]["capacity"]]
     bf16 = bool(gpus) and all(g.supports_bf16 for g in gpus)
-    half = "bf16" if bf16 else "fp16"
+    half = half_dtype(bf16)
     loads = list(auto_load_order(bf16)) if load == "auto" else [load]
+    if load == "auto" and _prequantized(model):
+        loads = ["auto"]  # it loads as saved (GPTQ, AWQ, mxfp4 or fp8 kept or dequantized): no mode to choose
     dev_arg: Any = caps[0] if gpus else DEFAULT_DEVICE
     host = _Host(half, offload_ram(snapshot) if snapshot is not None and gpus else 0)
     try:
@@ -598,7 +621,7 @@ def _split_check(chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPURead
 def _smaller_load(est: MemoryEstimate, caps: list[int], host: _Host, tried: list[MemoryEstimate]) -> str | None:
     """``"load=nf4: fits GPU 0 alone"`` (or across the GPUs) for the first load mode that load="auto" would
     try, has smaller weights than ``est`` and fits; None when none does."""
-    loads = [m for m in auto_load_order(host.half == "bf16") if m not in {e.load for e in tried}]
+    loads = [m for m in auto_load_order(host.half == BF16) if m not in {e.load for e in tried}]
     others = [est.replace(load=m, compute_dtype=_compute(m, host.half)) for m in loads]
     smaller = [e for e in others if e.weights < est.weights]
     if not smaller:

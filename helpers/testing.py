@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arguments import ArgumentError, number, whole_number
-from .units import format_bytes
+from .core.arguments import ArgumentError, number, whole_number
+from .core.units import format_bytes
 
 __all__ = ["SimulatedBudget", "simulated_budget"]
 

@@ -92,7 +92,7 @@ OUTPUT_DIR = "runs/05_multi_gpu"  # @param {type:"string"}
 from IPython.display import display
 
 from helpers import format_bytes, preflight
-from helpers.devices import resolve_devices
+from helpers.core.devices import resolve_devices
 
 gpus = resolve_devices("current")
 for label, dev in gpus:
@@ -124,7 +124,7 @@ fits_table()
 
 # %%
 from helpers import estimate, fit, plan_devices
-from helpers.placement import reference_configs
+from helpers.placement.device_plan import reference_configs
 
 big = reference_configs()[BIG_MODEL]
 fit(estimate(big, load="fp16", device="t4"), DEVICES)  # not on GPU 0 alone: the fixes, both GPUs among them
@@ -242,7 +242,7 @@ free("model")  # the training below loads its own copy in every process
 # %%
 import torch
 
-from helpers.distributed import run_ddp_qlora
+from helpers.training.distributed import run_ddp_qlora
 
 n = min(DDP_PROCESSES, torch.cuda.device_count()) if gpus else DDP_PROCESSES
 run = run_ddp_qlora(MODEL, OUTPUT_DIR, num_processes=n, steps=DDP_STEPS, seq_len=SEQ_LEN, learning_rate=LEARNING_RATE)

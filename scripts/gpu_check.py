@@ -117,7 +117,7 @@ class Run:
     def bnb(self) -> tuple[bool, str]:
         """bitsandbytes_status on this run's device, once: modes that need it are skipped when it fails."""
         if self._bnb is None:
-            from helpers.devices import bitsandbytes_status
+            from helpers.core.devices import bitsandbytes_status
 
             self._bnb = bitsandbytes_status(self.device)
         return self._bnb
@@ -163,10 +163,10 @@ def act_as_t4(run: Run) -> None:
     """Cap this process so that what PyTorch may allocate is what a T4 leaves it: the T4's capacity
     minus the CUDA context (on a T4 the context comes out of those bytes; on a big card it lives
     outside the fraction). The context is the one the context stage measured, else the rule of thumb."""
-    from helpers.devices import CUDA_CONTEXT, DEVICES
+    from helpers.core.devices import CUDA_CONTEXT, DEVICES
 
     t4 = DEVICES["t4"]["capacity"]
-    context, source = CUDA_CONTEXT, "rule of thumb (helpers.devices.CUDA_CONTEXT)"
+    context, source = CUDA_CONTEXT, "rule of thumb (helpers.core.devices.CUDA_CONTEXT)"
     measured = RESULTS / "context.json"
     if measured.exists() and not run.dry:
         rows = json.loads(measured.read_text()).get("rows", [])
@@ -176,7 +176,7 @@ def act_as_t4(run: Run) -> None:
     if run.dry or not run.capped:
         return
     # a T4 (sm75) has neither flash nor cuDNN attention: without them a bigger card picks the T4's
-    # kernels (memory-efficient or math), so prefill memory and helpers.attention's fix are the T4's
+    # kernels (memory-efficient or math), so prefill memory and helpers.core.attention's fix are the T4's
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
     run.cap["attention"] = "flash and cuDNN SDPA off (as on a T4)"

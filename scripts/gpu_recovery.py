@@ -19,10 +19,10 @@ import psutil
 import torch
 
 from helpers import cleanup, explain_oom, find_max_batch_size, safe_generate
-from helpers.monitor import MemoryMonitor
-from helpers.retry import attempt
+from helpers.core.units import GiB, MiB, format_bytes
+from helpers.monitoring.monitor import MemoryMonitor
+from helpers.oom.retry import attempt
 from helpers.testing import simulated_budget
-from helpers.units import GiB, MiB, format_bytes
 
 DRY_BUDGET_TOKENS = 400  # the dry run's simulated card: batch x (prompt + new tokens) <= 400
 
@@ -145,7 +145,7 @@ def cleanup_after_oom(run) -> dict:
     """What an OOM's traceback pins (a tensor local to the failed call) comes back with cleanup():
     allocated memory back to its level before the OOM, and the reserved memory returned to the card."""
     size = 64 * MiB if run.dry else 2 * GiB
-    from helpers.tensors import tensor_bytes
+    from helpers.leaks.tensors import tensor_bytes
 
     allocated = tensor_bytes if run.dry else torch.cuda.memory_allocated
     reserved = tensor_bytes if run.dry else torch.cuda.memory_reserved

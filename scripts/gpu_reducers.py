@@ -29,10 +29,10 @@ from gpu_stages import (
     without_context,
 )
 
-from helpers.estimator import estimate
-from helpers.loading import load
-from helpers.reclaim import unload
-from helpers.reducers import kv_cache_available, kv_cache_kwargs
+from helpers.core.reducers import kv_cache_available, kv_cache_kwargs
+from helpers.estimator.core import estimate
+from helpers.loading.loader import load
+from helpers.oom.reclaim import unload
 
 # (loss, offload_activations, gradient_checkpointing): the plain cell of each pair first
 TRAIN_CELLS = (("plain", False, True), ("chunked", False, True), ("plain", False, False), ("plain", True, False))
@@ -70,7 +70,7 @@ def _name(cell: tuple) -> str:
 
 
 def _train_row(cell: tuple, path, base, tokenizer, run) -> tuple[dict, object]:
-    from helpers.finetune import TrainPlan
+    from helpers.training.plan import TrainPlan
 
     loss, offload, checkpointing = cell
     plan = TrainPlan(str(path), load="nf4", micro_batch=1, batch_size=1, gradient_checkpointing=checkpointing,

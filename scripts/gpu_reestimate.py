@@ -22,10 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from helpers.estimator import estimate  # noqa: E402
+from helpers.core.sources import read_json, shipped_config  # noqa: E402
 from helpers.estimator.configs import config_from_dict  # noqa: E402
-from helpers.finetune import TrainPlan  # noqa: E402
-from helpers.sources import read_json, shipped_config  # noqa: E402
+from helpers.estimator.core import estimate  # noqa: E402
+from helpers.training.plan import TrainPlan  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu"
 OUT = RESULTS / "estimates_now.json"

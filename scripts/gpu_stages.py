@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from helpers import footprint, unload
+from helpers.core.sources import read_json, shipped_config
+from helpers.core.units import format_bytes
 from helpers.environment import versions
-from helpers.estimator import estimate
-from helpers.loading import LoadPlan, load
-from helpers.sources import read_json, shipped_config
-from helpers.units import format_bytes
+from helpers.estimator.core import estimate
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "data" / "tiny" / "llama"
@@ -231,7 +232,7 @@ def save_partial(run, stage: str, rows: list[dict]) -> None:
 
 
 def _t4() -> int:
-    from helpers.devices import DEVICES
+    from helpers.core.devices import DEVICES
 
     return DEVICES["t4"]["capacity"]
 
@@ -453,7 +454,7 @@ def _generate_row(model, tokenizer, est, b: int, p: int, n: int) -> dict:
 
 def stage_qlora(run) -> dict:
     """One QLoRA step's peak vs TrainPlan(...).estimate(), over micro-batch, checkpointing and optimizer."""
-    from helpers.finetune import TrainPlan
+    from helpers.training.plan import TrainPlan
 
     if skipped := bnb_skipped(run, "the qlora stage (7B in nf4)"):
         return skipped
@@ -496,7 +497,9 @@ def stage_qlora(run) -> dict:
 def qlora_row(plan, est, base, tokenizer, run):
     """One cell on ``base``; returns the row and the base model to use next (reloaded if it could not be
     taken back from the adapters)."""
-    from helpers.finetune import build_dataset, load_instructions, make_trainer, prepare_qlora
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.data import build_dataset, load_instructions
+    from helpers.training.finetune import make_trainer
 
     row = {"micro_batch": plan.micro_batch, "checkpointing": plan.gradient_checkpointing,
            "optimizer": plan.optimizer, "estimate": without_context(est), "predicted_fit": est.total <= _t4()}  # fmt: skip
@@ -598,7 +601,7 @@ def _savers(root) -> dict[int, str]:
 
 def stage_context(run) -> dict:
     """What lives on the card outside PyTorch's allocator (CUDA context, kernels) vs the rule of thumb."""
-    from helpers.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT
+    from helpers.core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT
 
     rule = CUDA_CONTEXT + CUBLAS_WORKSPACE
     what = "CUDA context + cuBLAS"
@@ -622,12 +625,12 @@ def stage_context(run) -> dict:
 
 
 def stage_attention(run) -> dict:
-    """helpers.attention's grouped-query fix on TinyLlama (32 query heads, 4 key/value heads): the
+    """helpers.core.attention's grouped-query fix on TinyLlama (32 query heads, 4 key/value heads): the
     prefill peak of a 2048-token prompt without and with it, flash and cuDNN attention off as on a
     T4, against the estimate (which prices the fixed path), and the two runs' last logits compared."""
     from transformers.integrations import sdpa_attention
 
-    from helpers.attention import keep_gqa_off_math_kernel
+    from helpers.core.attention import keep_gqa_off_math_kernel
 
     prompt, mode = (64, "fp32") if run.dry else (2048, "fp16")
     path = model_path("tinyllama", run) if not run.dry else TINY
@@ -652,7 +655,7 @@ def stage_attention(run) -> dict:
     saved = [r["measured"] for r in rows]
     notes = [f"last-token logits, largest difference between the two: {same}",
              "the estimate prices the fixed path (one layer's expanded K/V); the unfixed row shows what a T4 "
-             "pays without helpers.attention"]  # fmt: skip
+             "pays without helpers.core.attention"]  # fmt: skip
     if None not in saved:
         notes.insert(0, f"the fix saves {format_bytes(saved[0] - saved[1])} of prefill peak at {prompt} tokens")
     return {"rows": rows, "notes": notes, "logits_max_diff": same}

@@ -310,14 +310,14 @@ def panel_latency(d: dict) -> str:
         else f"Warm, the slowest new value takes {slowest:.1f} ms (median), over the {PANEL_TARGET_MS} ms target"
     )
     fk = [c["fresh_kernel"] for c in cases]
-    imp = [f["import torch"]["median_ms"] + f["import helpers.widgets"]["median_ms"] for f in fk]
+    imp = [f["import torch"]["median_ms"] + f["import helpers.panels.widgets"]["median_ms"] for f in fk]
     build = [f["build panel"]["median_ms"] for f in fk]
     return f"""{d["table"]}
 
 Each `max_new_tokens` slider move on a real `LoadPanel` (ipywidgets, no front end) includes the
 estimate, the fit verdict (and its top fix when it does not fit) and the HTML redraw. Fresh kernel:
 {d["fresh_runs"]} new Python processes per case, timing what a notebook's first cell pays (importing torch and
-`helpers.widgets`, {min(imp) / 1e3:.2f} to {max(imp) / 1e3:.2f} s; building the panel, i.e. its first estimate,
+`helpers.panels.widgets`, {min(imp) / 1e3:.2f} to {max(imp) / 1e3:.2f} s; building the panel, i.e. its first estimate,
 {min(build):.0f} to {max(build):.0f} ms) and then the first slider move (slowest case {first:.1f} ms, median). Warm:
 {d["moves"]} moves to values not seen before, then back over them (seen values come from the panel's cache).
 {verdict}."""
@@ -496,7 +496,7 @@ def hot_spots(d: dict) -> str:
         "no difference beyond the noise" if unclear("first_estimate") else f"{x(r['first_estimate'])} before / after"
     )
     err = rel["ipython-release"]
-    err_words = f"`{err['error']}`" + (", which `helpers.oom.is_oom` counts as an OOM" if err["is_oom"] else "")
+    err_words = f"`{err['error']}`" + (", which `helpers.oom.hook.is_oom` counts as an OOM" if err["is_oom"] else "")
     if err["error"] != "OutOfMemoryError":
         err_words += f"; this torch raises `{err['error']}`, not `torch.OutOfMemoryError`, for a failed CPU allocation"
     gen_words = (
@@ -513,7 +513,7 @@ before / after (below 1: after is slower).
 
 {d["table"]}
 
-`import helpers.monitor` after `import torch`: {pair("import_monitor")} ({x(r["import_monitor"])}); the old module
+`import helpers.monitoring.monitor` after `import torch`: {pair("import_monitor")} ({x(r["import_monitor"])}); the old module
 imported transformers' `TrainerCallback` at import time, the new one on first use of `MemoryCallback`.
 
 The first `estimate()` in a fresh process: {pair("first_estimate")}, {est_words}; on both sides it is
@@ -718,7 +718,7 @@ def render_readme_table(results: dict[str, dict] | None = None) -> str:
         rows.append(
             [
                 f"hot spots, before (`{r['hot_spots']['before']['commit'][:7]}`) / after",
-                f"`import helpers.monitor` {ba('import_monitor')}; `peak()` at 100k samples "
+                f"`import helpers.monitoring.monitor` {ba('import_monitor')}; `peak()` at 100k samples "
                 f"{ba('peak_100000')}; census of a {cen['nodes']:,}-node chain survived "
                 f"{cen['before']['survived']} / {cen['after']['survived']} of {cen['after']['runs']}; "
                 f"`safe_generate` {ba('safe_generate_warm')}",

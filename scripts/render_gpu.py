@@ -171,7 +171,7 @@ def gpu_section(g: dict | None = None) -> str:
         verdicts(g),
         "### Generation, CodeLlama-7B in nf4 (all 32 layers), every new token forced\n\n" + _generate(g),
         "### One QLoRA step, CodeLlama-7B nf4, sequence 512, r=16 on all linear layers\n\n" + _qlora(g),
-        "### Grouped-query attention on a T4's kernels (flash and cuDNN off): `helpers.attention`'s fix\n\n"
+        "### Grouped-query attention on a T4's kernels (flash and cuDNN off): `helpers.core.attention`'s fix\n\n"
         + _attention(g),
         "### Weights after `load()`\n\n" + _weights(g),
         "### Real OOMs and the CUDA tests\n\nThe recovery checks ran on CodeLlama-7B's first 8 layers (same layer "

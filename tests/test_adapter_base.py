@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import helpers
-from helpers.errors import LoadError
+from helpers.core.errors import LoadError
 
 
 def _adapter(base, out):

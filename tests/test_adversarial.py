@@ -17,7 +17,7 @@ import pytest
 
 import helpers
 from helpers.cli import estimate_main, preflight_main
-from helpers.units import GiB
+from helpers.core.units import GiB
 
 HELPERS = Path(helpers.__file__).parent
 LIMIT_S = 20

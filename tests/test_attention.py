@@ -1,4 +1,4 @@
-"""Grouped-query attention stays off SDPA's math kernel on pre-Ampere GPUs (helpers.attention)."""
+"""Grouped-query attention stays off SDPA's math kernel on pre-Ampere GPUs (helpers.core.attention)."""
 
 import inspect
 import types
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import sdpa_attention
 
-from helpers import attention
+from helpers.core import attention
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from helpers.batch_size import BatchSizeError, Trial, adaptive_batch, clear_cache, find_max_batch_size
+from helpers.oom.batch_size import BatchSizeError, Trial, adaptive_batch, clear_cache, find_max_batch_size
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +190,7 @@ def test_adaptive_batch_non_oom_propagates():
 
 def test_step_that_never_runs_out_of_memory_stops_at_the_default_limit():
     """Issue 16 item 9: without limit= a step that never OOMs (CPU, or ignoring its argument) grew forever."""
-    from helpers.batch_size import DEFAULT_LIMIT
+    from helpers.oom.batch_size import DEFAULT_LIMIT
 
     calls: list[int] = []
 

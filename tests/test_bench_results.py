@@ -53,16 +53,16 @@ def test_published_figures_were_measured_on_the_code_as_it_is_now(name):
 
 def test_a_changed_added_or_removed_file_is_named():
     common = _common()
-    measures = ["helpers/memory.py", "helpers/leaks"]
+    measures = ["helpers/core/memory.py", "helpers/leaks"]
     files = common.source_hashes(measures)
-    data = (REPO / "helpers/memory.py").read_bytes()
-    assert files["helpers/memory.py"] == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's
+    data = (REPO / "helpers/core/memory.py").read_bytes()
+    assert files["helpers/core/memory.py"] == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's
     assert "helpers/leaks/census.py" in files and not any("__pycache__" in f for f in files)
     assert common.stale_files({"measures": measures, "files": files}) == []
-    edited = {**files, "helpers/memory.py": "0" * 40}
+    edited = {**files, "helpers/core/memory.py": "0" * 40}
     gone = {f: h for f, h in files.items() if f != "helpers/leaks/census.py"}
     extra = {**files, "helpers/leaks/old.py": "1" * 40}
-    assert common.stale_files({"measures": measures, "files": edited}) == ["helpers/memory.py"]
+    assert common.stale_files({"measures": measures, "files": edited}) == ["helpers/core/memory.py"]
     assert common.stale_files({"measures": measures, "files": gone}) == ["helpers/leaks/census.py"]
     assert common.stale_files({"measures": measures, "files": extra}) == ["helpers/leaks/old.py"]
     with pytest.raises(FileNotFoundError, match="not in the repository"):

@@ -29,10 +29,10 @@ import pytest
 import run_notebooks
 from browser_lab import LabPage, LabServer, chromium_page, errors, missing_requirements, parameterized_copy
 
-from helpers.estimator import estimate
-from helpers.estimator import fit_one_card as fit
-from helpers.units import GiB, format_bytes, parse_bytes
-from helpers.widgets import LoadPanel
+from helpers.core.units import GiB, format_bytes, parse_bytes
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.panels.widgets import LoadPanel
 
 pytestmark = pytest.mark.browser
 
@@ -294,7 +294,7 @@ def t4_notebook(dest_dir: Path) -> Path:
     nb = nbformat.v4.new_notebook(
         cells=[
             nbformat.v4.new_code_cell(
-                "import ipywidgets\nfrom helpers.widgets import LoadPanel\nprint('ipywidgets', ipywidgets.__version__)"
+                "import ipywidgets\nfrom helpers.panels.widgets import LoadPanel\nprint('ipywidgets', ipywidgets.__version__)"
             ),
             nbformat.v4.new_code_cell(f"LoadPanel({args})"),
             # what notebooks 02 and 03 show while they work: a tqdm bar, a widget when one can render
@@ -438,7 +438,7 @@ def ux_notebook(dest_dir: Path, tiny: Path) -> Path:
     knobs = "\n".join(f"{k} = {v}" for k, v in UX_KNOBS.items())
     cells = [
         "%load_ext helpers\nimport torch\nfrom helpers import TrainPanel, TrainPlan, estimate, fits_table\n"
-        "from helpers.widgets import LoadPanel",
+        "from helpers.panels.widgets import LoadPanel",
         "fits_table('codellama/CodeLlama-7b-hf', tokens=768)",  # notebook 00: fits, tight and no
         "estimate('codellama/CodeLlama-7b-hf', load='nf4', device='t4')",
         f"LoadPanel({T4_PANEL['model']!r}, "
@@ -524,7 +524,7 @@ def _hex(css: str) -> str:
 def look_problems(look: dict) -> list[str]:
     """What a person would not read: text under 4.5:1, a number cell wrapped or a label not left, a slider value
     cut off."""
-    from helpers.html import contrast_ratio
+    from helpers.core.html import contrast_ratio
 
     bad = []
     for t in look["texts"]:

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 import torch
 
-from helpers import cellstats
+from helpers.monitoring import cellstats
 
 # With CUDA the tools measure GPU memory; these tests grow CPU tensors (the cuda tests cover GPUs).
 CPU_MEMORY = pytest.mark.skipif(torch.cuda.is_available(), reason="measures CPU memory")
@@ -88,7 +88,7 @@ def test_a_peak_reset_during_the_cell_makes_the_peak_a_lower_bound(fake_gpus):
     not "under" a figure the cell went far past (13 GiB read as "peak under 4 GiB" before)."""
     import types
 
-    from helpers.memory import reset_peak_allocated
+    from helpers.core.memory import reset_peak_allocated
 
     gib = 2**30
     cuda = fake_gpus(1)

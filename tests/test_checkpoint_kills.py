@@ -22,9 +22,12 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from helpers.checkpoints import COMPLETE, checkpoint_folders, find_resume
-from helpers.finetune import TrainPlan, build_dataset, load_instructions, prepare_qlora, train
-from helpers.loading import load
+from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora
+from helpers.training.checkpoints import COMPLETE, checkpoint_folders, find_resume
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import train
+from helpers.training.plan import TrainPlan
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="the kills run in forked processes"), pytest.mark.slow]
 

@@ -16,7 +16,9 @@ import torch
 import transformers
 from peft import get_peft_model_state_dict, load_peft_weights
 
-from helpers.checkpoints import (
+from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora  # fmt: skip
+from helpers.training.checkpoints import (
     COMPLETE,
     RUN,
     CheckpointError,
@@ -25,16 +27,9 @@ from helpers.checkpoints import (
     find_resume,
     problem,
 )
-from helpers.finetune import (
-    TrainPlan,
-    build_dataset,
-    last_checkpoint,
-    load_instructions,
-    make_trainer,
-    prepare_qlora,
-    train,
-)  # fmt: skip
-from helpers.loading import load
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import last_checkpoint, make_trainer, train
+from helpers.training.plan import TrainPlan
 
 ROWS = load_instructions()[:24]
 
@@ -353,7 +348,7 @@ def test_no_complete_checkpoint_is_one_clear_error(reference, tiny_llama, tmp_pa
 
 def _remark(folder):
     """The marker rewritten over the damaged files: whole, sized as listed; only loading them tells."""
-    from helpers.checkpoints import mark_complete
+    from helpers.training.checkpoints import mark_complete
 
     (folder / COMPLETE).unlink()
     mark_complete(folder, int(folder.name.split("-")[1]))
@@ -580,7 +575,7 @@ def test_when_no_checkpoint_loads_one_clear_error_then_a_fresh_start(reference, 
 
 
 def test_a_good_checkpoint_is_proven(reference, tiny_llama):
-    from helpers.checkpoint_proof import prove
+    from helpers.training.checkpoint_proof import prove
 
     out, _ = reference
     model, _tok, _ = load(_plan(tiny_llama, out).load_plan())
@@ -589,7 +584,7 @@ def test_a_good_checkpoint_is_proven(reference, tiny_llama):
 
 
 def test_a_checkpoint_of_another_rank_is_a_settings_error_not_set_aside(reference, tiny_llama, tmp_path):
-    from helpers.finetune import FinetuneError
+    from helpers.training.plan import FinetuneError
 
     out = _cut_at_3(reference, tmp_path)
     with warnings.catch_warnings():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import cleanup, free, unload
-from helpers.errors import ModelUnloadedError
-from helpers.reclaim import CleanupReport
+from helpers.core.errors import ModelUnloadedError
+from helpers.oom.reclaim import CleanupReport
 
 
 def test_cleanup_frees_tensor_held_by_stored_traceback():
@@ -178,7 +178,7 @@ def test_unload_drops_the_optimizer_state_a_trainer_keeps(tiny_llama):
 
     from transformers import AutoModelForCausalLM
 
-    from helpers.tensors import tensor_bytes
+    from helpers.leaks.tensors import tensor_bytes
 
     start = tensor_bytes()  # what other tests' fixtures keep alive
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
@@ -198,7 +198,8 @@ def test_unload_drops_the_optimizer_state_a_trainer_keeps(tiny_llama):
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_unload_releases_quantized_weights_and_their_state(tiny_llama, mode):
     """bitsandbytes keeps more than .data: int8's CB (the int8 weight) and SCB, 4-bit's quant_state."""
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     model, _, _ = load(LoadPlan(str(tiny_llama), load=mode), check=False)
     layer = model.model.layers[0].self_attn.q_proj.weight
@@ -224,7 +225,7 @@ def test_unload_rejects_non_modules():
 
 def _oom_mid_generate(model, tok, at_call: int = 3):
     """Run generate until a real allocator failure inside a decoder layer; the input ids' weak reference."""
-    from helpers.oom import is_oom
+    from helpers.oom.messages import is_oom
 
     calls = {"n": 0}
 
@@ -249,8 +250,8 @@ def test_release_after_oom_skips_the_full_collection_when_refcounting_freed_the_
     """A generate that ran out of memory mid-forward dies with its exception: no gc.collect() needed."""
     import gc
 
-    from helpers.loading import load
-    from helpers.reclaim import release_after_oom
+    from helpers.loading.loader import load
+    from helpers.oom.reclaim import release_after_oom
 
     model, tok, _ = load(str(tiny_llama), load="fp32", check=False)
     gc.disable()  # only refcounting may free it
@@ -266,7 +267,7 @@ def test_release_after_oom_collects_when_the_failed_call_is_still_alive():
     """Frames caught in a reference cycle keep the inputs alive: the full collection runs and frees them."""
     import gc
 
-    from helpers.reclaim import release_after_oom
+    from helpers.oom.reclaim import release_after_oom
 
     class Node:
         pass

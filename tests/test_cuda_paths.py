@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers.units import GiB, MiB
+from helpers.core.units import GiB, MiB
 
 pytestmark = pytest.mark.cuda
 
@@ -26,13 +26,13 @@ def capped(fraction: float):
 
 
 def _t4_fraction() -> float:
-    from helpers.devices import DEVICES
+    from helpers.core.devices import DEVICES
 
     return min(1.0, DEVICES["t4"]["capacity"] / torch.cuda.get_device_properties(0).total_memory)
 
 
 def test_gpu_readout_mem_get_info_and_nvml_agree():
-    from helpers.memory import gpu_readouts
+    from helpers.core.memory import gpu_readouts
 
     x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     g = gpu_readouts(processes=True)[0]
@@ -47,7 +47,7 @@ def test_gpu_readout_mem_get_info_and_nvml_agree():
 
 
 def test_estimate_current_device_reads_the_per_process_cap():
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     with capped(_t4_fraction()) as cap:
         est = estimate("TinyLlama/TinyLlama-1.1B-Chat-v1.0", load="nf4", device="current")
@@ -63,7 +63,8 @@ def _oom_under_cap(cap: int):
 
 
 def test_explain_oom_on_a_live_cuda_oom_under_a_cap():
-    from helpers.oom import explain_oom, is_oom
+    from helpers.oom.diagnosis import explain_oom
+    from helpers.oom.messages import is_oom
 
     with capped(_t4_fraction()) as cap:
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -78,7 +79,7 @@ def test_explain_oom_on_a_live_cuda_oom_under_a_cap():
 
 
 def test_cleanup_regains_what_an_oom_traceback_pinned():
-    from helpers.reclaim import cleanup
+    from helpers.oom.reclaim import cleanup
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -97,7 +98,7 @@ def test_cleanup_regains_what_an_oom_traceback_pinned():
 
 
 def test_release_after_oom_collects_only_when_the_failed_call_is_pinned():
-    from helpers.reclaim import release_after_oom
+    from helpers.oom.reclaim import release_after_oom
 
     base = torch.cuda.memory_allocated()
     assert release_after_oom(baseline=base) is False  # nothing above the baseline: no full collection
@@ -107,7 +108,7 @@ def test_release_after_oom_collects_only_when_the_failed_call_is_pinned():
 
 
 def test_find_max_batch_size_on_real_cuda_ooms():
-    from helpers.batch_size import find_max_batch_size
+    from helpers.oom.batch_size import find_max_batch_size
 
     with capped(_t4_fraction()) as cap:
         per = 256 * MiB
@@ -121,8 +122,8 @@ def test_find_max_batch_size_on_real_cuda_ooms():
 
 
 def test_load_report_measures_the_cuda_allocation(tiny_llama):
-    from helpers.estimator import footprint
-    from helpers.loading import load
+    from helpers.estimator.footprint import footprint
+    from helpers.loading.loader import load
 
     model, _, report = load(str(tiny_llama), load="fp16", device_map={"": 0})
     assert next(model.parameters()).device.type == "cuda"
@@ -131,8 +132,8 @@ def test_load_report_measures_the_cuda_allocation(tiny_llama):
 
 
 def test_precision_and_optimizer_follow_the_gpu():
-    from helpers.finetune import TrainPlan
-    from helpers.loading import auto_compute_dtype
+    from helpers.loading.plan import auto_compute_dtype
+    from helpers.training.plan import TrainPlan
 
     major = torch.cuda.get_device_capability()[0]
     assert auto_compute_dtype() == ("bf16" if major >= 8 else "fp16")
@@ -147,7 +148,8 @@ def test_a_bitsandbytes_layer_offloaded_along_a_device_map_stays_unquantized_and
     llm_int8_enable_fp32_cpu_offload): the CPU layer is a plain Linear in the compute dtype, as the RAM
     check sized it, and generation runs through accelerate's offload hook. Read from transformers'
     and accelerate's code and tried on CPU; this is the GPU proof (issue 21)."""
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     layout = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
               "model.layers.2": "cpu", "model.layers.3": 0, "model.norm": 0, "lm_head": 0}  # fmt: skip

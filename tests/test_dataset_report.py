@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from helpers import build_dataset, load_instructions
-from helpers.finetune import DatasetWarning, FinetuneError
+from helpers.training.data import DatasetWarning
+from helpers.training.plan import FinetuneError
 
 
 @pytest.fixture(scope="module")

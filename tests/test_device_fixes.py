@@ -8,13 +8,17 @@ import re
 
 import pytest
 
-from helpers import device_fixes as device_fixes_module
 from helpers import fit
-from helpers.devices import DEVICES, OFFLOAD_RAM_SHARE
-from helpers.estimator import DeviceSuggestion, EstimateError, LoraTraining, estimate, fitting
+from helpers.core.devices import DEVICES, OFFLOAD_RAM_SHARE
+from helpers.core.units import GiB
+from helpers.estimator import fitting
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import DeviceSuggestion
 from helpers.estimator.reducers import HOST_RAM
-from helpers.placement import plan_devices
-from helpers.units import GiB
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import LoraTraining
+from helpers.placement import decision as device_fixes_module
+from helpers.placement.device_plan import plan_devices
 
 LLAMA3 = "meta-llama/Llama-3.1-8B"
 
@@ -68,36 +72,27 @@ def test_the_offload_is_plan_devices_answer_for_colabs_ram(one_t4):
     assert [s.total for s in off.plan.shares] == [s.total for s in plan.shares]
 
 
-def test_kaggle_2xt4_gets_the_split_with_layers_and_gib_per_card(kaggle, fp16):
-    assert kaggle.device == "t4 (GPU 0 of kaggle-2xt4)" and kaggle.verdict == "does not fit"
-    (split,) = device_fixes(kaggle)
+def test_kaggle_2xt4_fits_split_with_layers_and_gib_per_card(kaggle, fp16):
+    """On a machine the verdict is where load() puts the model: split over both cards, each about half full."""
+    assert kaggle.device == "kaggle-2xt4" and kaggle.verdict == "fits" and not kaggle.suggestions
+    assert "layers 0-15" in kaggle.where and "layers 16-31" in kaggle.where
+    assert kaggle.used < 0.6 * kaggle.capacity < kaggle.estimate.total  # about 8 GiB on each 14.74 GiB card
+    (split,) = device_fixes_module.device_fixes(fp16, ["t4", "t4"])  # the split, as a fix, for the panel's alternative
     assert split.kind == "split" and split.kwargs == {"device_map": "auto", "gpus": 2}
     assert split.change.startswith("use both GPUs: LoadPlan(..., gpus=2)")
-    assert "layers 0-15" in split.where and "layers 16-31" in split.where
     assert "no speedup" in split.cost and "one after the other" in split.cost
     plan = plan_devices(LLAMA3, load="fp16", devices="kaggle-2xt4")
     assert plan.fits and split.plan.device_map == plan.device_map
-    for share in split.plan.gpus:
-        assert share.total < 0.6 * share.capacity  # about 8 GiB on each 14.74 GiB card
-    assert not device_fixes(kaggle, "offload")  # the split fits: offloading would only be slower
 
 
 def test_a_t4_with_gpus_2_is_planned_as_two_t4s(fp16, kaggle):
     two = fit(fp16, "t4", gpus=2)
-    assert two.device == "t4 (one of 2)"
-    (split,) = device_fixes(two)
-    assert split.change == device_fixes(kaggle)[0].change and split.where == device_fixes(kaggle)[0].where
-    assert not device_fixes(fit(fp16, "kaggle-2xt4", gpus=1), "split")  # one card of the two: no split
+    assert two.device == "2x t4" and two.verdict == kaggle.verdict and two.where == kaggle.where
+    one = fit(fp16, "kaggle-2xt4", gpus=1)  # one card of the two: its own verdict, no split
+    assert one.verdict == "does not fit" and not device_fixes(one, "split")
 
 
-def test_same_card_fixes_that_keep_the_inputs_rank_before_the_split_and_every_fit_before_the_offload(one_t4, kaggle):
-    # the split: after int8 and nf4 (one card leaves the other free and skips the pipeline hop), before a
-    # smaller model
-    assert (
-        position(kaggle, "load=int8") < position(kaggle, "load=nf4") < position(kaggle, device_fixes(kaggle)[0].change)
-    )
-    smaller = next(s.change for s in kaggle.suggestions if "model" in s.kwargs)
-    assert position(kaggle, device_fixes(kaggle)[0].change) < position(kaggle, smaller)
+def test_same_card_fixes_rank_every_fit_before_the_offload(one_t4):
     # the offload: after every fix that fits at full speed, before those that do not fit
     off = position(one_t4, device_fixes(one_t4)[0].change)
     assert all(s.verdict_on(one_t4.capacity) == "fits" for s in one_t4.suggestions[:off])
@@ -112,20 +107,20 @@ def test_a_model_that_fits_one_t4_gets_neither(device):
 
 
 def test_str_and_html_show_each_device_fix(one_t4, kaggle):
-    for v in (one_t4, kaggle):
-        (fix,) = device_fixes(v)
-        assert fix.change in str(v) and fix.where in str(v) and fix.cost in str(v)
-        html = v._repr_html_()
-        assert "device_map=&#x27;auto&#x27;" in html and ("decoder layers" in html or "both GPUs" in html)
-        row = next(s for s in v.to_dict()["suggestions"] if s.get("kind") == fix.kind)
-        assert row["where"] == fix.where and row["total"] == fix.total
+    (fix,) = device_fixes(one_t4)
+    assert fix.change in str(one_t4) and fix.where in str(one_t4) and fix.cost in str(one_t4)
+    html = one_t4._repr_html_()
+    assert "device_map=&#x27;auto&#x27;" in html and "decoder layers" in html
+    row = next(s for s in one_t4.to_dict()["suggestions"] if s.get("kind") == fix.kind)
+    assert row["where"] == fix.where and row["total"] == fix.total
+    assert kaggle.where in str(kaggle) and "layers 16-31" in kaggle._repr_html_()
+    assert kaggle.to_dict()["where"] == kaggle.where and kaggle.to_dict()["used"] == kaggle.used
 
 
 def test_html_escapes_a_described_gpus_name(fp16):
     card = {"name": "<b>T4</b>", "capacity": DEVICES["t4"]["capacity"], "bf16": False}
     v = fit(fp16, [card, card])
-    (split,) = device_fixes(v)
-    assert "<b>T4</b>" in split.where
+    assert v.verdict == "fits" and "<b>T4</b>" in v.where
     html = v._repr_html_()
     assert "<b>T4</b>" not in html and "&lt;b&gt;T4&lt;/b&gt;" in html
 
@@ -162,14 +157,12 @@ def test_this_machine_with_two_gpus_gets_the_split(fp16, monkeypatch):
     monkeypatch.setattr(fitting, "resolve_devices", lambda d: [("0: Tesla T4", t4), ("1: Tesla T4", t4)])
     monkeypatch.setattr(fitting, "resolve_device", lambda d: ("Tesla T4", t4) if d == "current" else real(d))
     v = fit(fp16, "current")
-    assert v.device == "Tesla T4 (GPU 0 of 2)"
-    (split,) = device_fixes(v)
-    assert split.kind == "split" and "layers 16-31" in split.where
+    assert v.device == "this machine (2 GPUs)" and v.verdict == "fits" and "layers 16-31" in v.where
 
 
 def test_the_cli_takes_a_machine_and_prints_the_split(capsys):
     from helpers.cli import estimate_main
 
-    assert estimate_main([LLAMA3, "--load", "fp16", "--device", "kaggle-2xt4"]) == 1  # GPU 0 alone: no
+    assert estimate_main([LLAMA3, "--load", "fp16", "--device", "kaggle-2xt4"]) == 0  # split over both: it fits
     out = capsys.readouterr().out
-    assert "on t4 (GPU 0 of kaggle-2xt4)" in out and "use both GPUs: LoadPlan(..., gpus=2)" in out
+    assert "on the fullest GPU of kaggle-2xt4" in out and "split over 2 GPUs" in out and "layers 16-31" in out

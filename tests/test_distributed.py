@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import GLOO_CONNECT  # noqa: E402
 
-from helpers import distributed
-from helpers.distributed import DistributedError, largest_layer_params, launch, run_ddp_qlora, training_memory
-from helpers.estimator import resolve_config
+from helpers.estimator.configs import resolve_config
+from helpers.training import distributed
+from helpers.training.distributed import DistributedError, largest_layer_params, launch, run_ddp_qlora, training_memory
 
 MODEL = "meta-llama/Llama-2-7b-hf"
 PSI = 6_738_415_616  # Llama-2-7b's published parameter count (the hub's safetensors metadata)
@@ -57,9 +57,10 @@ def test_qlora_replicates_the_4bit_base_under_ddp():
     one = training_memory(MODEL, strategy="single", qlora=True)
     ddp = training_memory(MODEL, strategy="ddp", world_size=2, qlora=True)
     fsdp = training_memory(MODEL, strategy="fsdp", world_size=2, qlora=True, quant_storage_sharded=True)
-    assert ddp.bytes("base") == one.bytes("base") and fsdp.bytes("base") == one.bytes("base") // 2
+    base = one.bytes("weights")
+    assert ddp.bytes("weights") == base and abs(fsdp.bytes("weights") - base // 2) <= 4  # each row halved
     assert ddp.trainable < ddp.params // 100 and "replicated" in ddp.notes[0]
-    assert ddp.bytes("comm") == ddp.bytes("states.grads")
+    assert ddp.bytes("comm") == ddp.bytes("training.gradients") > 0
 
 
 def test_bad_inputs():
@@ -74,7 +75,7 @@ def test_bad_inputs():
 
 @pytest.mark.slow
 def test_ddp_through_torchrun(tiny_llama, tmp_path):
-    """The launcher a notebook falls back to once CUDA is initialised: torchrun on python -m helpers.distributed."""
+    """The launcher a notebook falls back to once CUDA is initialised: torchrun on python -m helpers.training.distributed."""
     run = run_ddp_qlora(str(tiny_llama), tmp_path, num_processes=2, via="subprocess", steps=3, seq_len=32)
     assert len(run.ranks) == 2 and run.in_sync and run.loss_fell
 
@@ -101,10 +102,10 @@ def test_a_notebook_kernels_own_threads_leave_the_forking_launcher_chosen():
         via, why = distributed.choose_launcher()
         if not torch.cuda.is_available():  # another test's thread (tqdm's monitor) may run: never a kernel one
             assert via == "debug" or ("threads" in why and not any(t.name in why for t in kernel)), why
-        sampler = _thread_from("helpers.monitor", stop)
+        sampler = _thread_from("helpers.monitoring.monitor", stop)
         assert sampler.name in distributed.other_threads()
         via, why = distributed.choose_launcher()
-        assert via == "subprocess" and "from helpers.monitor" in why and "are running" in why
+        assert via == "subprocess" and "from helpers.monitoring.monitor" in why and "are running" in why
     finally:
         stop.set()
 
@@ -141,7 +142,7 @@ def test_torchrun_refuses_what_its_processes_cannot_import_before_starting_them(
 def test_a_failed_torchrun_run_quotes_the_ranks_error_not_torchruns_summary():
     lines = [
         "[rank0]: Traceback (most recent call last):",
-        '[rank0]:   File "helpers/distributed.py", line 400, in _main',
+        '[rank0]:   File "helpers/training/distributed.py", line 400, in _main',
         "[rank0]: AttributeError: module '__main__' has no attribute 'my_step'",
         "[rank1]: AttributeError: module '__main__' has no attribute 'my_step'",
         "E1123 18:34:55 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0",
@@ -181,8 +182,8 @@ def test_in_a_real_notebook_kernel_a_notebook_function_runs_on_every_rank(tmp_pa
     code = f"""
 import os, threading
 import torch
-from helpers import distributed
-from helpers.distributed import launch
+from helpers.training import distributed
+from helpers.training.distributed import launch
 def my_step(out):
     import torch.distributed as dist
     open(os.path.join(out, f"rank{{dist.get_rank()}}"), "w").close()

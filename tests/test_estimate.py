@@ -12,23 +12,17 @@ import torch
 
 import helpers.estimator.layout as E
 from helpers.cli import estimate_main
-from helpers.devices import DEVICES, DeviceError, resolve_device
+from helpers.core.devices import DEVICES, DeviceError, resolve_device
+from helpers.core.sources import shipped_configs
+from helpers.core.units import GiB, MiB
 from helpers.environment import fit_checks
-from helpers.estimator import (
-    EstimateError,
-    FullTraining,
-    LoraTraining,
-    estimate,
-    footprint,
-    kv_cache_bytes,
-    max_batch_that_fits,
-    max_new_tokens_that_fit,
-)
-from helpers.estimator import (
-    fit_one_card as fit,
-)
-from helpers.sources import shipped_configs
-from helpers.units import GiB, MiB
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.fitting import max_batch_that_fits, max_new_tokens_that_fit
+from helpers.estimator.footprint import footprint
+from helpers.estimator.layout import kv_cache_bytes
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import FullTraining, LoraTraining
 
 QUANT = {"int8": dict(load_in_8bit=True)}
 for _qt in ("nf4", "fp4"):
@@ -120,7 +114,7 @@ def test_gqa_kv_cache_uses_kv_heads():
 
 
 def test_kv_cache_sliding_window_and_explicit_head_dim():
-    from helpers.estimator import resolve_config
+    from helpers.estimator.configs import resolve_config
 
     gemma, _, _ = resolve_config("gemma-2-2b")
     # alternating sliding (4096) and global layers; head_dim 256 is explicit (2304 / 8 = 288 is wrong)
@@ -241,7 +235,7 @@ def test_a_combined_fix_names_each_setting_once():
 
 
 def test_a_top_fix_that_falls_short_says_so():
-    from helpers.widgets import LoadPanel
+    from helpers.panels.widgets import LoadPanel
 
     # a made-up card with room for little more than the CUDA context the estimate counts: nothing fits
     panel = LoadPanel("openai-community/gpt2", device=440 * MiB, load="fp16", batch_size=2, widgets=False)
@@ -258,7 +252,7 @@ def test_preflight_auto_picks_a_mode_that_fits():
 
 
 def _cpu_snapshot():
-    from helpers.memory import MemorySnapshot, RAMReadout
+    from helpers.core.memory import MemorySnapshot, RAMReadout
 
     return MemorySnapshot("cpu", [], RAMReadout(12 * GiB, 11 * GiB, GiB, 500 * MiB), [])
 
@@ -266,7 +260,8 @@ def _cpu_snapshot():
 @pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
 def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code = estimate_main([hub_id, "--load", "nf4", "--json"])
+    prequantized = "quantization_config" in shipped_configs()[hub_id].read_text()  # loads only as saved
+    code = estimate_main([hub_id, "--load", "auto" if prequantized else "nf4", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["params"] > 0 and out["total"] == sum(r["bytes"] for r in out["rows"])
     assert out["fit"]["verdict"] in ("fits", "tight", "does not fit")
@@ -388,7 +383,7 @@ def test_typical_mistakes_get_a_message_that_says_what_to_pass(tmp_path, capsys)
 
 
 def test_fixes_on_a_t4_never_propose_bf16_and_leave_the_margin():
-    from helpers.vocab import TIGHT_FRACTION
+    from helpers.core.vocab import TIGHT_FRACTION
 
     cap = DEVICES["t4"]["capacity"]
     for est in (estimate("Llama-2-7b-hf", load="fp32"), estimate("Llama-2-7b-hf", load="fp16", max_new_tokens=8192)):
@@ -408,7 +403,7 @@ def test_estimate_warns_about_bf16_on_a_t4_and_a_length_past_the_context():
 
 
 def test_every_dtype_spelling_is_accepted():
-    from helpers.loading import LoadPlan
+    from helpers.loading.plan import LoadPlan
 
     base = estimate("Llama-2-7b-hf", load="nf4", compute_dtype="fp16").total
     for spelling in (torch.float16, "float16", "torch.float16", "half", "FP16"):
@@ -423,7 +418,8 @@ def test_every_dtype_spelling_is_accepted():
 def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256, num_local_experts=4)  # fmt: skip
@@ -440,7 +436,8 @@ def test_moe_experts_are_a_row_with_words_and_match_a_real_nf4_load(tmp_path, ti
 
 @pytest.mark.bnb
 def test_a_saved_bnb_4bit_checkpoint_is_estimated_from_its_own_quantization_config(tmp_path, tiny_llama):
-    from helpers.loading import LoadPlan, load
+    from helpers.loading.loader import load
+    from helpers.loading.plan import LoadPlan
 
     model, tokenizer, _ = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=False))
     model.save_pretrained(tmp_path)  # a "-bnb-4bit" repo, as Unsloth and others publish them
@@ -492,8 +489,8 @@ def test_an_unquantized_load_is_counted_in_its_own_dtype_whatever_the_compute_dt
 def test_fixes_that_keep_the_inputs_and_a_margin_rank_before_truncating_the_prompt():
     """Llama-2-7B fp16 on a T4 is tight; halving the prompt leaves 35 MiB below the tight line, int8
     leaves 6 GiB: the load mode ranks first, the truncation last and says how little it leaves."""
+    from helpers.core.vocab import TIGHT_FRACTION
     from helpers.estimator.fitting import fix_margin
-    from helpers.vocab import TIGHT_FRACTION
 
     cap = DEVICES["t4"]["capacity"]
     verdict = fit(estimate("Llama-2-7b-hf", load="fp16"), "t4")
@@ -543,12 +540,16 @@ def test_new_tokens_and_smaller_models_stay_within_the_context():
 def test_the_smaller_model_is_the_largest_shipped_one_that_fits(model, kwargs):
     """The fix's search goes largest first and stops early (a slider move asks it each time); its answer
     is what estimating every shipped config with the same settings picks."""
-    from helpers.sources import shipped_configs
-    from helpers.vocab import TIGHT_FRACTION
+    from helpers.core.sources import shipped_configs
+    from helpers.core.vocab import TIGHT_FRACTION
+    from helpers.estimator.configs import resolve_config
+    from helpers.estimator.families import family
 
     est, cap = estimate(model, **kwargs), DEVICES["t4"]["capacity"]
     tokens = est.inputs["prompt_tokens"] + est.inputs["max_new_tokens"]
-    every = [estimate(hub_id, **est.inputs) for hub_id in shipped_configs()]
+    own = family(resolve_config(model)[0])  # a smaller model of the same family: no speech model for an LM
+    same = [h for h in shipped_configs() if family(resolve_config(h)[0]) == own]
+    every = [estimate(h, **est.inputs) for h in same if "quantization_config" not in shipped_configs()[h].read_text()]
     fitting = [
         e for e in every
         if e.params < est.params and e.total <= cap * TIGHT_FRACTION and (e.context is None or e.context >= tokens)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.estimator import EstimateError, estimate, family
+from helpers.estimator.core import estimate
+from helpers.estimator.families import family
+from helpers.estimator.rows import EstimateError
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
 
@@ -122,7 +124,7 @@ def test_a_quantized_vlm_says_its_vision_tower_stays_16_bit(tiny_vlm):
 
 
 def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_models, tiny_t5, tiny_llama):
-    from helpers.estimator import FullTraining, LoraTraining
+    from helpers.estimator.training import FullTraining, LoraTraining
 
     # LoRA steps of every family have their own formulas (tests/test_estimate_family_training.py) ...
     for name in ("t5", "whisper", "llava", "llama"):
@@ -136,7 +138,7 @@ def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_models,
 
 
 def test_fit_suggests_fewer_images_and_a_shorter_encoder_input(tiny_vlm, tiny_t5):
-    from helpers.estimator import fit_one_card as fit
+    from helpers.estimator.fitting import fit_one_card as fit
 
     for model, inputs, change in [
         (tiny_vlm, {"images": 8, "prompt_tokens": 64}, {"images": 4}),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.estimator import LoraTraining, estimate
+from helpers.estimator.core import estimate
+from helpers.estimator.training import LoraTraining
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
 
@@ -24,9 +25,9 @@ def _tracker():
 
 
 def _lora_model(path, ckpt: bool, tmp_path):
-    from helpers.adapters import prepare_qlora
-    from helpers.finetune import TrainPlan
-    from helpers.loading import load
+    from helpers.loading.loader import load
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.plan import TrainPlan
 
     plan = TrainPlan(str(path), load="fp32", gradient_checkpointing=ckpt, output_dir=str(tmp_path))
     model, _, _ = load(plan.load_plan(), device_map=None)
@@ -125,7 +126,7 @@ def test_a_vlm_seq_len_holds_the_image_tokens(tiny_vlm):
 
 
 def test_whisper_cross_attention_follows_the_encoder_positions(tiny_whisper):
-    from helpers.estimator import resolve_config
+    from helpers.estimator.configs import resolve_config
 
     config, _, _ = resolve_config(str(tiny_whisper))
     tr = LoraTraining(seq_len=32, micro_batch=2, gradient_checkpointing=False)

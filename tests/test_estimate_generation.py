@@ -10,11 +10,14 @@ import gc
 import pytest
 import torch
 
-from helpers.devices import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_HOPPER, CUDA_CONTEXT
-from helpers.estimator import EstimateError, estimate, kv_cache_bytes, resolve_config
-from helpers.estimator import fit_one_card as fit
+from helpers.core.devices import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_HOPPER, CUDA_CONTEXT
+from helpers.core.units import MiB
+from helpers.estimator.configs import resolve_config
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
 from helpers.estimator.inference import SAMPLING_BYTES, dequantizes_4bit
-from helpers.units import MiB
+from helpers.estimator.layout import kv_cache_bytes
+from helpers.estimator.rows import EstimateError
 
 
 def _phases(h: int, inter: int, heads: int, kv: int, hd: int, tokens: int, b: int = 2) -> tuple[int, int]:
@@ -180,8 +183,9 @@ def test_qlora_rows_follow_what_the_upcast_model_keeps_under_fp16_autocast(tiny_
     the fp32 output layer. The estimate counts both, as 4-byte hidden states and a vocab x hidden x 2 row."""
     import warnings
 
-    from helpers.finetune import TrainPlan, prepare_qlora
-    from helpers.loading import load
+    from helpers.loading.loader import load
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.plan import TrainPlan
 
     plan = TrainPlan(str(tiny_llama), precision="fp16", seq_len=32, batch_size=2, micro_batch=2,
                      output_dir=str(tmp_path / "o"))  # fmt: skip

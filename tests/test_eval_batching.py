@@ -6,9 +6,9 @@ import types
 
 import torch
 
-import helpers.estimator as estimator
-from helpers import eval_batching
-from helpers.eval_batching import batch_cache_key, start_size
+import helpers.estimator.fitting as estimator
+from helpers.evaluation import batching as eval_batching
+from helpers.evaluation.batching import batch_cache_key, start_size
 
 
 def _model(name: str = "org/m"):

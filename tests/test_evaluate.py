@@ -16,20 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import batch_size as bs
-from helpers.evaluate import (
-    EvalError,
-    ResultsFile,
-    ResultsWriteError,
-    ScoreError,
-    batch_cache_key,
-    contains_reference,
-    exact_match,
-    load_prompts,
-    prompt_id,
-    safe_generate,
-)
-from helpers.results_file import is_record
+from helpers.core.errors import EvalError, ScoreError
+from helpers.evaluation.batching import batch_cache_key
+from helpers.evaluation.evaluate import contains_reference, exact_match, safe_generate
+from helpers.evaluation.prompts import load_prompts, prompt_id
+from helpers.evaluation.results_file import ResultsFile, ResultsWriteError, is_record
+from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +37,7 @@ def tiny(tiny_llama):
     every OOM's full ``gc.collect()`` would otherwise walk all of transformers' objects (0.2 s);
     what a failed batch creates after the freeze is still collected.
     """
-    from helpers.loading import load
+    from helpers.loading.loader import load
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -106,8 +98,8 @@ def test_a_kv_cache_kind_runs_through_to_generate_and_is_remembered_apart(tiny, 
     """safe_generate(kv_cache="fp8"): transformers' 8-bit cache in every batch (greedy tokens equal on the
     tiny model, as tests/test_reducers.py checks), the kind in the recorded settings, and the batch size
     it learned remembered under its own key."""
-    from helpers.batch_size import remembered_batch
-    from helpers.eval_batching import batch_cache_key
+    from helpers.evaluation.batching import batch_cache_key
+    from helpers.oom.batch_size import remembered_batch
 
     model, tok = tiny
     report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "fp8.jsonl", progress=False,
@@ -234,8 +226,8 @@ def test_sigkill_midway_then_resume(tiny, reference, tmp_path, tiny_llama):
     path = tmp_path / "r.jsonl"
     script = textwrap.dedent(f"""
         import time
-        from helpers.loading import load
-        from helpers.evaluate import safe_generate
+        from helpers.loading.loader import load
+        from helpers.evaluation.evaluate import safe_generate
         model, tok, _ = load({str(tiny_llama)!r}, load="fp32", check=False)
         safe_generate(model, tok, {PROMPTS!r}, max_new_tokens={NEW}, results={str(path)!r}, progress=False,
                       batch_size=2, on_result=lambda rec: time.sleep(0.3))
@@ -433,7 +425,7 @@ def test_a_search_stopped_by_its_limit_does_not_cap_the_evaluation(tiny, tmp_pat
 
 @pytest.mark.cuda
 def test_runs_on_cuda_and_reports_gpu_memory(tmp_path, tiny_llama):  # pragma: no cover - needs a GPU
-    from helpers.loading import load
+    from helpers.loading.loader import load
 
     model, tok, _ = load(str(tiny_llama), load="fp16")
     report = safe_generate(model, tok, PROMPTS, max_new_tokens=NEW, results=tmp_path / "r.jsonl", progress=False)
@@ -613,8 +605,8 @@ def test_bad_results_and_generation_arguments_say_what_to_pass(tiny, tmp_path):
 
 
 def test_eval_plot_reads_whole_batches_and_marks_the_ooms(tmp_path):
-    from helpers.evaluate import EvalReport
-    from helpers.units import MiB
+    from helpers.core.units import MiB
+    from helpers.evaluation.report import EvalReport
 
     report = EvalReport(tmp_path / "r.jsonl", total=47, done=22, skipped=25, oom_retries=1, batch_sizes=[6, 3, 8])
     report.timeline = [(0.1, 6, 402 * MiB), (0.3, 3, 403 * MiB), (0.5, 8, 403 * MiB)]
@@ -632,7 +624,8 @@ def test_eval_plot_reads_whole_batches_and_marks_the_ooms(tmp_path):
 def test_a_split_models_second_card_is_read_and_its_cache_given_back(fake_gpus):
     """A model split over 2×T4 generates on both cards: the memory timeline adds them up, and a cache
     left on GPU 1 (12 GiB reserved, 2 GiB in tensors) is given back, where GPU 0 alone showed nothing."""
-    from helpers import evaluate, memory
+    from helpers.core import memory
+    from helpers.evaluation import evaluate
 
     cuda = fake_gpus(2, 15 * 2**30)
     cuda.set(0, 3 * 2**30, 3 * 2**30)
@@ -666,7 +659,7 @@ def test_a_results_write_error_keeps_its_unsaved_records_through_pickle():
 
 
 def test_a_torn_line_that_cannot_be_set_aside_is_a_clear_error_and_changes_nothing(tmp_path):
-    from helpers.results_file import ResultsFile
+    from helpers.evaluation.results_file import ResultsFile
 
     path = tmp_path / "r.jsonl"
     path.write_text('{"id": "a", "output": "x"}\n{"id": "b", "out')

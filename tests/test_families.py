@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.estimator import auto_class, estimate, family, resolve_config
-from helpers.loading import load, model_class
+from helpers.estimator.configs import resolve_config
+from helpers.estimator.core import estimate
+from helpers.estimator.families import auto_class, family
+from helpers.loading.loader import load, model_class
 
 
 @pytest.fixture(scope="module")

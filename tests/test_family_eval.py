@@ -8,13 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from helpers import batch_size as bs
-from helpers.eval_inputs import MediaError
-from helpers.evaluate import EvalError, safe_generate
-from helpers.family_data import load_processor
-from helpers.loading import load
-from helpers.results_file import is_record
+from helpers.core.errors import EvalError
+from helpers.evaluation.evaluate import safe_generate
+from helpers.evaluation.inputs import MediaError
+from helpers.evaluation.results_file import is_record
+from helpers.loading.loader import load
+from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
+from helpers.training.family_data import load_processor
 
 NEW = 4
 

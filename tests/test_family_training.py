@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.adapters import prepare_qlora
-from helpers.estimator import estimate
-from helpers.family_data import build_family_dataset, load_processor
-from helpers.finetune import TrainPlan, last_checkpoint, train
-from helpers.loading import load
-from helpers.train_plan import FinetuneError
-from helpers.training_data import IGNORE, collate
+from helpers.estimator.core import estimate
+from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora
+from helpers.training.data import IGNORE, collate
+from helpers.training.family_data import build_family_dataset, load_processor
+from helpers.training.finetune import last_checkpoint, train
+from helpers.training.plan import FinetuneError, TrainPlan
 
 pytestmark = pytest.mark.bnb
 
@@ -130,8 +130,8 @@ def test_an_interrupted_whisper_run_resumes_at_its_checkpoint(family_paths, tmp_
 
 @pytest.mark.parametrize("name", ["t5", "whisper", "llava"])
 def test_find_micro_batch_runs_real_steps_with_the_familys_inputs(family_paths, name, tmp_path):
-    from helpers.family_data import probe_batch
-    from helpers.finetune import find_micro_batch
+    from helpers.training.family_data import probe_batch
+    from helpers.training.finetune import find_micro_batch
 
     plan, model, _, _ = _setup(family_paths[name], name, tmp_path)
     inputs = probe_batch(model, 2, plan.seq_len)
@@ -143,7 +143,7 @@ def test_find_micro_batch_runs_real_steps_with_the_familys_inputs(family_paths, 
 
 
 def test_a_vlm_probe_needs_room_for_its_image_tokens(family_paths, tmp_path):
-    from helpers.family_data import probe_batch
+    from helpers.training.family_data import probe_batch
 
     _, model, _, _ = _setup(family_paths["llava"], "llava", tmp_path)
     with pytest.raises(FinetuneError, match="an image takes 16 tokens"):
@@ -180,8 +180,8 @@ def test_find_micro_batch_makes_up_native_resolution_images(kind):
     """Qwen2-VL's and SmolVLM's images (as many tokens as the estimator counts) go through a real training
     step, so find_micro_batch measures these models instead of asking for micro_batch by hand."""
     from helpers.estimator.family_rows import image_tokens
-    from helpers.family_data import probe_batch
-    from helpers.finetune import find_micro_batch
+    from helpers.training.family_data import probe_batch
+    from helpers.training.finetune import find_micro_batch
 
     torch.manual_seed(0)
     model = _tiny_native_resolution_vlm(kind)

@@ -11,25 +11,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
-from helpers.finetune import (
-    TrainPlan,
-    answer,
-    build_dataset,
-    collate,
-    find_micro_batch,
-    format_example,
-    last_checkpoint,
-    load_instructions,
-    make_trainer,
-    prepare_qlora,
-    prompt_text,
-    save_adapter,
-    target_modules,
-    train,
-)  # fmt: skip
-from helpers.loading import LoadPlan, load
-from helpers.memory_callback import MemoryCallback
-from helpers.monitor import MemoryMonitor
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
+from helpers.monitoring.memory_callback import MemoryCallback
+from helpers.monitoring.monitor import MemoryMonitor
+from helpers.training.adapters import prepare_qlora, save_adapter  # fmt: skip
+from helpers.training.data import answer, build_dataset, collate, format_example, load_instructions, prompt_text
+from helpers.training.finetune import find_micro_batch, last_checkpoint, make_trainer, train
+from helpers.training.plan import TrainPlan, target_modules
 
 ROWS = load_instructions()[:48]
 
@@ -133,7 +122,7 @@ def test_typical_plan_and_data_mistakes_say_what_to_do(tiny_llama, tmp_path):
 
 def test_answer_refuses_a_bare_string_as_generate_batched_does(tiny_llama, monkeypatch):
     """A string is a sequence of characters: answer() ran one prompt per character and returned that many."""
-    import helpers.training_data as training_data
+    import helpers.training.data as training_data
 
     calls = []
     monkeypatch.setattr(training_data, "generate_batched", lambda model, tok, prompts, **kw: calls.append(prompts))
@@ -185,7 +174,7 @@ def _cpu_repacks() -> bool:
 def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_llama, tmp_path, recwarn):
     """On AVX512-bf16 CPUs an inference forward repacks bitsandbytes' 4-bit weights for a kernel with no
     autograd; prepare_qlora undoes it, so the gradients match a model that never generated."""
-    from helpers.finetune import answer
+    from helpers.training.data import answer
 
     plan = _plan(tiny_llama, tmp_path)
     model, tok, _ = load(plan.load_plan())
@@ -217,7 +206,7 @@ def test_generating_before_training_keeps_the_4bit_layers_differentiable(tiny_ll
 def test_preparing_a_prepared_model_again_returns_it_with_its_adapters(tiny_llama, tmp_path):
     """The prepare cell run twice: the second kbit preparation froze the adapters and get_peft_model failed
     on {'base_layer'}, leaving 0 trainable parameters. Now the model comes back as is, adapters kept."""
-    from helpers.finetune import FinetuneError
+    from helpers.training.plan import FinetuneError
 
     plan = _plan(tiny_llama, tmp_path)
     model, tok, _ = load(plan.load_plan())
@@ -369,7 +358,7 @@ def test_cuda_qlora_step_peak_is_reported(tiny_llama):
 
 
 def test_checkpoints_go_to_drive_on_colab(monkeypatch, tmp_path):
-    import helpers.sources as sources
+    import helpers.core.sources as sources
 
     drive = tmp_path / "MyDrive"
     monkeypatch.setattr(sources, "DRIVE", drive)
@@ -386,7 +375,7 @@ def test_non_finite_numbers_unknown_optimizers_and_bad_seq_len_are_refused(tiny_
     deep inside transformers, precision took only fp16/bf16/fp32, seq_len=-1 dropped a token silently."""
     from transformers import AutoTokenizer
 
-    from helpers.errors import OomkitError
+    from helpers.core.errors import OomkitError
 
     for name in ("learning_rate", "epochs", "dropout"):
         for bad in (float("nan"), float("inf"), float("-inf")):
@@ -416,7 +405,7 @@ def test_non_finite_numbers_unknown_optimizers_and_bad_seq_len_are_refused(tiny_
 
 
 def test_persistent_files_go_to_drive_when_it_is_mounted(monkeypatch, tmp_path):
-    import helpers.sources as sources
+    import helpers.core.sources as sources
 
     monkeypatch.setattr(sources, "DRIVE", tmp_path / "MyDrive")
     monkeypatch.setattr(sources, "in_colab", lambda: True)

@@ -9,10 +9,11 @@ import shutil
 import pytest
 import torch
 
-from helpers.evaluate import EvalError, FingerprintError, prompt_hash, safe_generate
-from helpers.fingerprint import adapter_fingerprint, describe, model_identity, weights_fingerprint
-from helpers.loading import load, setup_tokenizer
-from helpers.results_file import MADE, is_record
+from helpers.core.errors import EvalError, FingerprintError
+from helpers.evaluation.evaluate import prompt_hash, safe_generate
+from helpers.evaluation.fingerprint import adapter_fingerprint, describe, model_identity, weights_fingerprint
+from helpers.evaluation.results_file import MADE, is_record
+from helpers.loading.loader import load, setup_tokenizer
 from helpers.testing import simulated_budget
 
 PROMPTS = ["memory item one", "memory memory item two", "item three"]

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from helpers.cli import main
-from helpers.placement import ModelFits, PlacementError, fits_table
-from helpers.units import GiB
-from helpers.vocab import LOAD_MODES
+from helpers.core.units import GiB
+from helpers.core.vocab import LOAD_MODES
+from helpers.placement.device_plan import ModelFits, PlacementError, fits_table
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""helpers.generation: one left-padded batched generate, new text only, token ids computed once."""
+"""helpers.loading.generation: one left-padded batched generate, new text only, token ids computed once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers.generation import (
+from helpers.loading.generation import (
     count_new_tokens,
     encode,
     generate_batch,
@@ -13,14 +13,14 @@ from helpers.generation import (
     pad_left,
     stop_token_ids,
 )
-from helpers.retry import Watch
+from helpers.oom.retry import Watch
 
 PROMPTS = ["memory memory memory item", "short", "a somewhat longer prompt about memory use"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    from helpers.loading import load
+    from helpers.loading.loader import load
 
     model, tokenizer, _ = load(str(tiny_llama), load="fp32", check=False)
     return model, tokenizer
@@ -87,7 +87,7 @@ def test_safe_generate_streams_its_first_batch(tiny, tmp_path, capsys, budget):
     """The first batch that runs streams its first answer once, also when earlier attempts ran out of memory."""
     import contextlib
 
-    from helpers.evaluate import safe_generate
+    from helpers.evaluation.evaluate import safe_generate
     from helpers.testing import simulated_budget
 
     model, tok = tiny
@@ -115,7 +115,7 @@ def test_stream_steps_aside_for_beam_search_and_a_callers_streamer(tiny, capsys)
 
 def test_prompts_past_the_context_are_refused_or_capped_when_asked(tiny, monkeypatch):
     import helpers
-    from helpers.errors import ContextLengthError
+    from helpers.core.errors import ContextLengthError
 
     model, tok = tiny
     lengths = [len(row) for row in encode(tok, PROMPTS)]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.estimator import estimate
+from helpers.estimator.core import estimate
 from helpers.estimator.training import LoraTraining
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,14 +4,17 @@ plan stays on GPU 0, when and how it is split, what is refused, and what the loa
 import pytest
 import torch
 
-import helpers.load_plan as load_plan
-import helpers.loading as loading
-from helpers import gpu_split
-from helpers.estimator import estimate
-from helpers.loading import LoadPlan, LoadRefused, check_plan, load
-from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import PlacementError, plan_devices, reference_configs
-from helpers.units import GiB, MiB
+import helpers.loading.loader as loading
+import helpers.loading.plan as load_plan
+from helpers.core.errors import LoadRefused
+from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_plan
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
+from helpers.placement import decision as gpu_split
+from helpers.placement.device_plan import PlacementError, plan_devices, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

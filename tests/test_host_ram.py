@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 import helpers
-from helpers.distributed import DistributedError
-from helpers.host_ram import MACHINE_RAM, PROCESS_RUNTIME_RAM, RankRamError, rank_ram
-from helpers.units import GiB, MiB
+from helpers.core.devices import MACHINE_RAM
+from helpers.core.units import GiB, MiB
+from helpers.loading.host_ram import PROCESS_RUNTIME_RAM, RankRamError, rank_ram
+from helpers.training.distributed import DistributedError
 
 
 def _bin_checkpoint(folder, size: int):
@@ -56,4 +57,4 @@ def test_the_written_config_carries_the_check_and_launch_refuses_what_ram_cannot
     assert "host RAM: 2 processes" in str(config)
     config.host_ram.runtime = 10**15  # a rank that no machine holds: refused before any process starts
     with pytest.raises(DistributedError, match="not launched: 2 processes .* do not fit"):
-        helpers.launch_plan(config, "helpers.distributed")
+        helpers.launch_plan(config, "helpers.training.distributed")

@@ -11,10 +11,14 @@ import pytest
 import torch
 import transformers
 
-from helpers.checkpoints import COMPLETE, CheckpointWriteError, find_resume, problem, write_failure
-from helpers.evaluate import EvalError, safe_generate
-from helpers.finetune import FinetuneError, TrainPlan, build_dataset, load_instructions, prepare_qlora, train
-from helpers.loading import load
+from helpers.core.errors import EvalError
+from helpers.evaluation.evaluate import safe_generate
+from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora
+from helpers.training.checkpoints import COMPLETE, CheckpointWriteError, find_resume, problem, write_failure
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import train
+from helpers.training.plan import FinetuneError, TrainPlan
 
 ROWS = load_instructions()[:8]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from helpers.batch_size import BatchSearch, Trial
+from helpers.core.memory import DiskReadout, GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB
 from helpers.environment import preflight
-from helpers.estimator import estimate
-from helpers.estimator import fit_one_card as fit
-from helpers.memory import DiskReadout, GPUReadout, MemorySnapshot, RAMReadout
-from helpers.units import GiB, MiB
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.oom.batch_size import BatchSearch, Trial
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 

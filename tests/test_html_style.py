@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.html import (
+from helpers.core.html import (
     COLORS,
     DARK_BACKGROUNDS,
     LIGHT_BACKGROUND,
@@ -81,7 +81,7 @@ def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
 
 
 def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     html = estimate(str(tiny_llama), load="fp16", max_new_tokens=64)._repr_html_()
     figures = re.findall(r"<td class='oomkit-num'[^>]*>([^<]*)</td>", html)
@@ -91,8 +91,8 @@ def test_the_estimate_table_keeps_its_figures_on_one_line(tiny_llama):
 
 def test_each_estimate_row_shows_its_share_of_the_card_as_a_mini_bar():
     """Where the memory goes at a glance: a bar per row, its percent of the card beside it (of the total without one)."""
-    from helpers.estimator import estimate
-    from helpers.html import mini_bar
+    from helpers.core.html import mini_bar
+    from helpers.estimator.core import estimate
 
     est = estimate("Llama-2-7b-hf", load="nf4", device="t4", max_new_tokens=512)
     html = est._repr_html_()
@@ -108,7 +108,7 @@ def test_each_estimate_row_shows_its_share_of_the_card_as_a_mini_bar():
 
 def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
     """At 760 px the figures of a fixed-width bar ran past the right edge (tests/test_browser.py measures it)."""
-    from helpers.html import bar
+    from helpers.core.html import bar
 
     html = bar(3 << 30, 15 << 30, "Disk (working dir)")
     assert "class='oomkit-bar'" in html and "flex-wrap:wrap" in html
@@ -117,7 +117,7 @@ def test_a_bar_wraps_its_figures_under_it_in_a_narrow_column():
 
 def test_a_charts_line_reads_on_light_and_dark_backgrounds():
     """WCAG asks 3:1 of graphics; the training view's memory line sits on the notebook's own background."""
-    from helpers.html import DARK_BACKGROUNDS, LIGHT_BACKGROUND, LINE_COLOR, contrast_ratio, sparkline
+    from helpers.core.html import DARK_BACKGROUNDS, LIGHT_BACKGROUND, LINE_COLOR, contrast_ratio, sparkline
 
     assert all(contrast_ratio(LINE_COLOR, bg) >= 3 for bg in (LIGHT_BACKGROUND, *DARK_BACKGROUNDS))
     svg = sparkline([(0, 5), (1, 5)], "flat")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.estimator import estimate
+from helpers.estimator.core import estimate
 from helpers.estimator.hub_headers import HEADER_NOTE, clear_header_cache, read_hub_headers
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

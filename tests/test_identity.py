@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.evaluate import EvalError, safe_generate
-from helpers.fingerprint import adapters_disabled, describe, model_identity
-from helpers.loading import load
+from helpers.core.errors import EvalError
+from helpers.evaluation.evaluate import safe_generate
+from helpers.evaluation.fingerprint import adapters_disabled, describe, model_identity
+from helpers.loading.loader import load
 from helpers.testing import simulated_budget
 
 NEW = 4
@@ -103,8 +104,11 @@ def test_scores_follow_the_reference_and_the_scorers_code_without_generating_aga
 def test_train_resuming_onto_other_base_weights_says_so(tiny_llama, tmp_path):
     """Before: train() compared the settings and the data, not the base weights: a model replaced at the
     same path resumed silently."""
-    from helpers.checkpoints import CheckpointWarning
-    from helpers.finetune import TrainPlan, build_dataset, load_instructions, prepare_qlora, train
+    from helpers.training.adapters import prepare_qlora
+    from helpers.training.checkpoints import CheckpointWarning
+    from helpers.training.data import build_dataset, load_instructions
+    from helpers.training.finetune import train
+    from helpers.training.plan import TrainPlan
 
     def run(max_steps, nudge=0.0):
         plan = TrainPlan(str(tiny_llama), load="fp32", seq_len=64, batch_size=2, micro_batch=2, max_steps=max_steps,

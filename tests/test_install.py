@@ -1,8 +1,8 @@
 """How Colab gets oomkit: the built wheel, the version ranges, the restart and no-GPU flows.
 
 - ``pyproject.toml``'s lower bounds are the ones ``make test-compat`` runs, and Python is not capped;
-- :mod:`helpers.compat` picks the right keyword for the installed transformers;
-- :mod:`helpers.runtime` sets the allocator before CUDA starts, and says when a restart is needed.
+- :mod:`helpers.core.compat` picks the right keyword for the installed transformers;
+- :mod:`helpers.core.runtime` sets the allocator before CUDA starts, and says when a restart is needed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compat, runtime
+from helpers.core import compat, runtime
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = (REPO / "pyproject.toml").read_text()

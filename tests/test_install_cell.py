@@ -73,7 +73,7 @@ def test_a_helpers_file_in_the_working_folder_is_named(monkeypatch, tmp_path):
 
 
 def test_mount_drive_asks_once_and_a_refused_pop_up_goes_on_without_drive(monkeypatch, tmp_path):
-    import helpers.sources as sources
+    import helpers.core.sources as sources
 
     asked = []
 

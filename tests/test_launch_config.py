@@ -17,9 +17,9 @@ from accelerate.utils import DistributedType
 from accelerate.utils.deepspeed import HfDeepSpeedConfig
 from conftest import retry_gloo_connect  # noqa: E402
 
-from helpers.distributed import DistributedError, RankReport
-from helpers.finetune import TrainPlan
-from helpers.launch_config import launch_plan, launch_qlora, write_launch_config
+from helpers.training.distributed import DistributedError, RankReport
+from helpers.training.launch_config import launch_plan, launch_qlora, write_launch_config
+from helpers.training.plan import TrainPlan
 
 MODEL = "meta-llama/Llama-2-7b-hf"
 
@@ -182,12 +182,12 @@ def test_a_gpu_config_is_not_launched_on_a_cpu_machine(tmp_path, monkeypatch):
     written = write_launch_config(_plan(), tmp_path, devices="kaggle-2xt4", strategy="zero2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DistributedError, match="written for GPUs and this machine has none"):
-        launch_plan(written, "helpers.distributed")
+        launch_plan(written, "helpers.training.distributed")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(DistributedError, match="pip install deepspeed"):
-            launch_plan(written, "helpers.distributed")
+            launch_plan(written, "helpers.training.distributed")
 
 
 def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[RankReport], float]:
@@ -209,13 +209,13 @@ def test_a_one_machine_launch_meets_on_a_free_port_and_a_written_port_is_kept(tm
     for 120 s while notebook 05 launched beside it); each now names a port the OS just handed out."""
     plan = TrainPlan("Qwen/Qwen2.5-0.5B", load="nf4", batch_size=4, micro_batch=2, seq_len=32)
     one = write_launch_config(plan, tmp_path / "one", devices=2)
-    cmd = one.command("helpers.distributed")
+    cmd = one.command("helpers.training.distributed")
     port = int(cmd[cmd.index("--main_process_port") + 1])
     assert port != DEFAULT_PORT and 1024 <= port <= 65535
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free: nothing listens there
     fixed = write_launch_config(plan, tmp_path / "fixed", devices=2, main_process_port=29611)
-    assert "--main_process_port" not in fixed.command("helpers.distributed")  # the config's own port
+    assert "--main_process_port" not in fixed.command("helpers.training.distributed")  # the config's own port
     assert _accelerate(fixed.config_file).main_process_port == 29611
 
 
@@ -244,7 +244,7 @@ def test_a_launch_past_its_timeout_is_stopped_and_said(tmp_path):
     written = write_launch_config(_plan(), tmp_path, devices=1, strategy="ddp")
     started = time.perf_counter()
     with pytest.raises(DistributedError, match="ran past timeout=3 s"):
-        launch_plan(written, "helpers.distributed", ["time:sleep", "[60]"], timeout=3)
+        launch_plan(written, "helpers.training.distributed", ["time:sleep", "[60]"], timeout=3)
     assert time.perf_counter() - started < 30
 
 
@@ -252,7 +252,7 @@ def test_a_launch_past_its_timeout_is_stopped_and_said(tmp_path):
 def test_a_failing_rank_becomes_a_distributed_error_with_its_exception(tmp_path):
     written = write_launch_config(_plan(), tmp_path, devices=1, strategy="ddp")
     with pytest.raises(DistributedError, match="ModuleNotFoundError.*no_such_module"):
-        launch_plan(written, "helpers.distributed", ["no_such_module:f", "[]"], timeout=60)
+        launch_plan(written, "helpers.training.distributed", ["no_such_module:f", "[]"], timeout=60)
 
 
 def test_accelerates_deepspeed_plugin_takes_the_written_files(tmp_path, monkeypatch):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import leaks
+from helpers.leaks import allocations as leaks_allocations
+from helpers.leaks import census as leaks_census
+from helpers.leaks import growth as leaks_growth
+from helpers.leaks import patterns as leaks_patterns
 
 # With CUDA the tools measure GPU memory; these tests grow CPU tensors (the cuda tests cover GPUs).
 CPU_MEMORY = pytest.mark.skipif(torch.cuda.is_available(), reason="measures CPU memory")
@@ -19,7 +22,7 @@ def _grad_tensor():
 def test_census_names_holders_and_counts_views_once():
     big = torch.zeros(1000, 250)  # 1,000,000 bytes
     ns = {"losses": [torch.ones(10) for _ in range(3)], "cache": {"512x512": big}, "view": big[:10]}
-    c = leaks.census(ns)
+    c = leaks_census.census(ns)
     entry = next(e for e in c.entries if e.nbytes == 1_000_000)
     assert entry.shape == (1000, 250)
     assert 'cache["512x512"]' in entry.holders and "view" in entry.holders  # one storage, two names
@@ -35,17 +38,17 @@ def test_census_walks_modules_and_attributes():
             self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
 
     ns = {"trainer": Trainer()}
-    names = {h for e in leaks.census(ns).entries for h in e.holders}
+    names = {h for e in leaks_census.census(ns).entries for h in e.holders}
     assert "trainer.model[1].weight" in names and "trainer.model[0].bias" in names
 
 
 def test_graph_activations_are_counted_and_attributed():
     ns = {"losses": []}
-    before = leaks.census(ns)
+    before = leaks_census.census(ns)
     for _ in range(3):
         ns["losses"].append(_grad_tensor())
-    after = leaks.census(ns)
-    d = leaks.census_diff(before, after)
+    after = leaks_census.census(ns)
+    d = leaks_census.census_diff(before, after)
     assert d.top_holder == "losses[…] (autograd graph)"
     assert d.new_bytes >= 3 * 32 * 64 * 4  # the saved tanh outputs at least
     assert any(e.grad_fn for e in after.held_by("losses"))
@@ -56,7 +59,7 @@ def _run(detector, values):
 
 
 def test_detector_flags_steady_growth_and_predicts_oom():
-    det = leaks.GrowthDetector(capacity=100 * 2**20)
+    det = leaks_growth.GrowthDetector(capacity=100 * 2**20)
     flags = _run(det, [10 * 2**20 + i * 2**20 for i in range(20)])
     r = det.report()
     assert r.leaking and flags[-1] and r.detected_at <= 20
@@ -66,7 +69,7 @@ def test_detector_flags_steady_growth_and_predicts_oom():
 
 
 def test_detector_sees_acceleration():
-    det = leaks.GrowthDetector(capacity=2**40)
+    det = leaks_growth.GrowthDetector(capacity=2**40)
     _run(det, [int(1e6 + 2000 * i * i) for i in range(30)])
     assert det.report().accelerating
 
@@ -81,7 +84,7 @@ def test_detector_sees_acceleration():
     ],
 )
 def test_detector_has_no_false_positive(name, values):
-    det = leaks.GrowthDetector()
+    det = leaks_growth.GrowthDetector()
     assert not any(_run(det, values)), name
     assert not det.report().leaking
 
@@ -89,9 +92,11 @@ def test_detector_has_no_false_positive(name, values):
 @CPU_MEMORY
 def test_watch_finds_a_planted_leak_and_its_holder():
     ns = {"kept": []}
-    report = leaks.watch(lambda i: ns["kept"].append(torch.zeros(4096)), 16, namespace=ns)  # 15: its first verdict
+    report = leaks_growth.watch(
+        lambda i: ns["kept"].append(torch.zeros(4096)), 16, namespace=ns
+    )  # 15: its first verdict
     assert report.leaking and report.suspect == "kept[…]"
-    clean = leaks.watch(lambda: torch.zeros(4096).sum(), 16, namespace={"x": 1})
+    clean = leaks_growth.watch(lambda: torch.zeros(4096).sum(), 16, namespace={"x": 1})
     assert not clean.leaking
 
 
@@ -104,14 +109,14 @@ def test_watch_keeps_the_measured_steps_when_a_step_raises():
         ns["kept"].append(torch.zeros(4096))
 
     with pytest.raises(KeyError) as e:
-        leaks.watch(step, 20, namespace=ns)
+        leaks_growth.watch(step, 20, namespace=ns)
     assert len(e.value.watch_report.growth.samples) == 6
     if hasattr(e.value, "add_note"):
         assert "watch: step 6 of 20 raised this; the 6 steps measured before it are in" in e.value.__notes__[0]
     with pytest.raises(TypeError, match="pass the step itself"):
-        leaks.watch(torch.zeros(3), 5)
+        leaks_growth.watch(torch.zeros(3), 5)
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got '5'"):
-        leaks.watch(lambda: None, "5")
+        leaks_growth.watch(lambda: None, "5")
 
 
 def test_checks_find_each_pattern():
@@ -132,7 +137,7 @@ def test_checks_find_each_pattern():
         "errors": [err],
         "cache": {(1, n): torch.zeros(n) for n in range(20)},
     }
-    found = leaks.leak_checks(ns)
+    found = leaks_patterns.leak_checks(ns)
     assert {c.name for c in found.problems} == {
         "graph in container",
         "hooks",
@@ -146,7 +151,7 @@ def test_checks_find_each_pattern():
     assert found.check("grads after eval").data["holders"] == ["model"]
     assert "val_losses" in found.check("graph in container").data["holders"]
     assert all(c.fix for c in found.problems)
-    assert not leaks.leak_checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
+    assert not leaks_patterns.leak_checks({"x": torch.zeros(3), "small": {(1, 2): torch.zeros(2)}}).problems
 
 
 def test_an_exception_raised_from_another_is_followed_to_the_first_ones_frames():
@@ -161,19 +166,19 @@ def test_an_exception_raised_from_another_is_followed_to_the_first_ones_frames()
             raise ValueError("wrapped") from e
     except ValueError as e:
         ns = {"err": e}
-    check = leaks.leak_checks(ns).check("stored traceback")
+    check = leaks_patterns.leak_checks(ns).check("stored traceback")
     assert check.status == "warn" and "err keeps frames alive with 4.00 MiB" in check.summary
-    held = [e for e in leaks.census(ns).entries if e.nbytes == 4 << 20]
+    held = [e for e in leaks_census.census(ns).entries if e.nbytes == 4 << 20]
     assert held and "err.__cause__" in held[0].holders[0]
 
 
 def test_output_history_check_in_ipython(ipython_shell):
     ipython_shell.run_cell("import torch", store_history=True)
     ipython_shell.run_cell("torch.zeros(1000)", store_history=True)
-    found = leaks.leak_checks(ipython_shell.user_ns)
+    found = leaks_patterns.leak_checks(ipython_shell.user_ns)
     c = found.check("output history")
     assert c.status == "warn" and c.data["holders"][0].startswith("Out[")
-    names = {h for e in leaks.census(ipython_shell.user_ns).entries for h in e.holders}
+    names = {h for e in leaks_census.census(ipython_shell.user_ns).entries for h in e.holders}
     assert any(n.startswith("Out[") for n in names)
 
 
@@ -196,7 +201,7 @@ def test_top_allocation_sites_groups_by_user_line():
             }
         ]
     }
-    sites = leaks.top_allocation_sites(snap)
+    sites = leaks_allocations.top_allocation_sites(snap)
     assert sites.sites[0] == ("/content/train.py:12 step", 8192, 2)
     assert sites.total == 8192 + 512
 
@@ -204,7 +209,7 @@ def test_top_allocation_sites_groups_by_user_line():
 @pytest.mark.cuda
 def test_record_allocations_on_cuda(tmp_path):
     path = tmp_path / "snap.pickle"
-    with leaks.record_allocations(path) as rec:
+    with leaks_allocations.record_allocations(path) as rec:
         kept = [torch.zeros(1 << 20, device="cuda") for _ in range(4)]
     assert path.exists() and rec.sites.total >= 4 * 4 * (1 << 20)
     assert any("test_leaks.py" in s for s, _, _ in rec.sites.sites)
@@ -231,7 +236,7 @@ def _fake_trace_snapshot() -> dict:
 
 
 def test_allocation_timeline_from_a_fake_snapshot():
-    from helpers.leaks import allocation_timeline
+    from helpers.leaks.allocations import allocation_timeline
 
     tl = allocation_timeline(_fake_trace_snapshot())
     assert tl.device == 1  # the first trace with events
@@ -254,7 +259,7 @@ def test_recording_renders_its_timeline_inline(tmp_path):
     assert "recording to" in rec._repr_html_()
     with pytest.raises(RuntimeError, match="after"):
         rec.plot()
-    rec.snapshot, rec.sites = snap, leaks.top_allocation_sites(snap)
+    rec.snapshot, rec.sites = snap, leaks_allocations.top_allocation_sites(snap)
     html = rec._repr_html_()
     assert "data:image/png;base64," in html and "<script>" not in html
     assert "allocation events" in str(rec)
@@ -264,7 +269,7 @@ def test_recording_renders_its_timeline_inline(tmp_path):
 def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):
     import pickle
 
-    from helpers.leaks import SnapshotError, top_allocation_sites
+    from helpers.leaks.allocations import SnapshotError, top_allocation_sites
 
     marker = tmp_path / "ran"
 
@@ -286,7 +291,7 @@ def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):
 def test_leak_views_escape_holder_names():
     hostile = "<img src=x onerror=alert(1)>"
     ns = {hostile: [torch.ones(3, requires_grad=True) * 2 for _ in range(2)]}
-    for view in (leaks.census(ns), leaks.leak_checks(ns)):
+    for view in (leaks_census.census(ns), leaks_patterns.leak_checks(ns)):
         html = view._repr_html_()
         assert "<img" not in html and "&lt;img" in html, type(view).__name__
 
@@ -305,7 +310,7 @@ def test_the_oom_forecast_on_two_cards_uses_the_fuller_card_that_holds_the_run(f
         level[0] += 100 * mib
         return level[0]
 
-    det = leaks.GrowthDetector(warmup=1, window=4, measure=grow)
+    det = leaks_growth.GrowthDetector(warmup=1, window=4, measure=grow)
     for _ in range(10):
         det.record()
     assert abs(det.report().predicted_oom_step - (10 + 2 * gib / (100 * mib))) <= 1  # ~20 steps, not ~113
@@ -318,7 +323,7 @@ def test_a_leak_on_the_second_card_is_seen_by_default(fake_gpus):
     while GPU 0, the current card, stays flat."""
     cuda = fake_gpus(2, 15 * 2**30)
     cuda.set(0, 3 * 2**30)
-    det = leaks.GrowthDetector(warmup=1, window=4)
+    det = leaks_growth.GrowthDetector(warmup=1, window=4)
     for step in range(10):
         cuda.set(1, 2**30 + step * 100 * 2**20)
         det.record()
@@ -337,5 +342,5 @@ def test_a_dead_weakref_proxy_in_the_namespace_is_walked_past():
     node.data = torch.ones(1024)
     del parent
     ns = {"node": node}
-    assert any("node.data" in h for e in leaks.census(ns).entries for h in e.holders)
-    leaks.leak_checks(ns)
+    assert any("node.data" in h for e in leaks_census.census(ns).entries for h in e.holders)
+    leaks_patterns.leak_checks(ns)

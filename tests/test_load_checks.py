@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from helpers import LoadPlan, estimate, load
-from helpers.errors import LoadRefused
-from helpers.load_checks import PREQUANTIZED_BACKENDS, check_prequantized_backend
+from helpers.core.errors import LoadRefused
+from helpers.loading.checks import PREQUANTIZED_BACKENDS, check_prequantized_backend
 
 
 def _gptq_repo(tiny_llama, tmp_path, method: str = "gptq"):

@@ -9,26 +9,23 @@ import torch
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-import helpers.load_checks as load_checks
-import helpers.load_plan as load_plan
-import helpers.load_report as load_report
-import helpers.loading as loading
-import helpers.placement_decision as placement_decision
-import helpers.sources as sources
-from helpers import gpu_split
-from helpers.estimator import estimate
-from helpers.loading import (
-    LoadPlan,
-    LoadRefused,
-    ModelNotFoundError,
-    check_plan,
-    generate_batched,
-    load,
-    max_memory_for,
-)  # fmt: skip
-from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import PlacementError, reference_configs
-from helpers.units import GiB, MiB, format_bytes
+import helpers.core.sources as sources
+import helpers.loading.checks as load_checks
+import helpers.loading.loader as loading
+import helpers.loading.plan as load_plan
+import helpers.loading.report as load_report
+import helpers.placement.decision as placement_decision
+from helpers.core.errors import LoadRefused, ModelNotFoundError
+from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB, format_bytes
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_plan
+from helpers.loading.generation import generate_batched
+from helpers.loading.loader import load
+from helpers.loading.plan import LoadPlan
+from helpers.placement import decision as gpu_split
+from helpers.placement.decision import max_memory_for  # fmt: skip
+from helpers.placement.device_plan import PlacementError, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")
@@ -528,7 +525,7 @@ def test_importing_helpers_quiets_only_bitsandbytes_optional_cpu_kernel_line():
 def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
     """Generation on CPU must not repack the 4-bit weights (bf16 absmax, nested state expanded):
     the footprint after generating is still the one measured at load and estimated."""
-    from helpers.estimator import footprint
+    from helpers.estimator.footprint import footprint
 
     model, tok, report = load(LoadPlan(str(tiny_llama), load="nf4", double_quant=True), check=False)
     assert footprint(model) == report.measured_weights
@@ -541,7 +538,7 @@ def test_a_4bit_model_keeps_the_measured_layout_after_generating(tiny_llama):
 @pytest.mark.bnb
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_auto_compute_dtype_means_the_same_in_estimate_and_load(tiny_llama, mode):
-    from helpers.estimator import footprint
+    from helpers.estimator.footprint import footprint
 
     predicted = estimate(str(tiny_llama), load=mode, device="current").weights  # plain "auto", as the panel asks
     model, _, _ = load(LoadPlan(str(tiny_llama), load=mode))
@@ -585,7 +582,7 @@ def test_placement_and_footprint_count_the_quantization_state_before_and_after_a
     """The report's per-device placement sums to the measured weights (the scales and absmax were left
     out), and footprint() still counts int8's SCB after the first forward moves it to the layer's state."""
     from helpers import footprint, generate_batched
-    from helpers.loading import placement
+    from helpers.loading.report import placement
 
     model, tok, report = load(LoadPlan(str(tiny_llama), load=mode))
     assert sum(placement(model).values()) == report.measured_weights == footprint(model)
@@ -595,7 +592,7 @@ def test_placement_and_footprint_count_the_quantization_state_before_and_after_a
 
 def test_load_auto_means_what_estimate_auto_means(fake_gpus, tmp_path):
     """Issue 31: LoadPlan(load="auto") raised ValueError although estimate(load="auto") exists."""
-    from helpers.estimator import estimate as estimate_memory
+    from helpers.estimator.core import estimate as estimate_memory
 
     fake_gpus(1, 12 * 2**30)  # a 12 GiB card: a 7B does not fit in fp16, so "auto" is nf4
     plan = LoadPlan("Llama-2-7b-hf", load="auto")

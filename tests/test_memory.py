@@ -4,8 +4,8 @@ import psutil
 import pytest
 import torch
 
-from helpers.memory import GPUProcess, GPUReadout, MemorySnapshot, RAMReadout, snapshot
-from helpers.units import GiB, MiB
+from helpers.core.memory import GPUProcess, GPUReadout, MemorySnapshot, RAMReadout, snapshot
+from helpers.core.units import GiB, MiB
 
 
 def test_snapshot_on_cpu_says_there_is_no_gpu():
@@ -96,7 +96,7 @@ def test_nvml_handle_matches_the_torch_device_by_uuid(monkeypatch):
     """NVML counts devices in PCI order and ignores CUDA_VISIBLE_DEVICES: torch's device 0 may be NVML's 1."""
     import types
 
-    from helpers.memory import nvml_handle
+    from helpers.core.memory import nvml_handle
 
     calls = []
     fake = types.SimpleNamespace(
@@ -124,8 +124,9 @@ def test_nvml_handle_matches_the_torch_device_by_uuid(monkeypatch):
 def test_all_sums_every_gpu_for_the_readouts_a_split_model_needs(monkeypatch):
     """A model split over two cards: cleanup's report, the cell accounting and the load report add
     both cards up (they read GPU 0 alone before, so half of an unload went unreported)."""
-    from helpers import memory, reclaim
-    from helpers.cellstats import CellStats
+    from helpers.core import memory
+    from helpers.monitoring.cellstats import CellStats
+    from helpers.oom import reclaim
 
     per_gpu = {"alloc": {0: 5 * MiB, 1: 7 * MiB}, "res": {0: 8 * MiB, 1: 9 * MiB}, "peak": {0: 6 * MiB, 1: 7 * MiB}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import footprint, module_memory
-from helpers.model_parts import ModuleMemory
+from helpers.loading.model_parts import ModuleMemory
 
 
 def _load(path, quant: dict | None = None):
@@ -89,7 +89,7 @@ def test_plain_module_without_layers():
 
 
 def test_rejects_a_non_module():
-    from helpers.estimator import EstimateError
+    from helpers.estimator.rows import EstimateError
 
     with pytest.raises(EstimateError, match="loaded model"):
         module_memory("TinyLlama")

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from helpers.memory_callback import MemoryCallback
-from helpers.monitor import Mark, MemoryMonitor, MemoryWarning, Sample
-from helpers.units import MiB
+from helpers.core.units import MiB
+from helpers.monitoring.memory_callback import MemoryCallback
+from helpers.monitoring.monitor import Mark, MemoryMonitor, MemoryWarning, Sample
 
 
 def test_samples_in_the_background_and_marks():
@@ -205,7 +205,7 @@ def test_importing_the_monitor_does_not_import_the_trainer():
     import subprocess
     import sys
 
-    code = "import sys, helpers.monitor; print('transformers' in sys.modules)"
+    code = "import sys, helpers.monitoring.monitor; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -216,9 +216,9 @@ def test_interval_is_finite_and_not_below_the_floor():
 
 
 def _two_cards(fake_gpus, monkeypatch):
-    import helpers.monitor
+    import helpers.monitoring.monitor
 
-    monkeypatch.setattr(helpers.monitor, "nvml_handle", lambda index: (None, None))  # no driver view here
+    monkeypatch.setattr(helpers.monitoring.monitor, "nvml_handle", lambda index: (None, None))  # no driver view here
     return fake_gpus(2, 15 * 2**30)
 
 
@@ -327,10 +327,10 @@ def _driver_view(monkeypatch, used: dict[int, int]):
     """NVML as the driver reports each card (``used[i]``: every process on card i, context included)."""
     import types
 
-    import helpers.monitor
+    import helpers.monitoring.monitor
 
     nvml = types.SimpleNamespace(nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[handle]))
-    monkeypatch.setattr(helpers.monitor, "nvml_handle", lambda index: (nvml, index))
+    monkeypatch.setattr(helpers.monitoring.monitor, "nvml_handle", lambda index: (nvml, index))
 
 
 def test_each_card_is_judged_on_the_drivers_view_and_plotted_with_it(fake_gpus, monkeypatch):
@@ -394,7 +394,7 @@ def test_the_callback_watches_every_card_whatever_its_monitor_watches(fake_gpus,
 
 def test_memory_warnings_are_shown_under_pythons_default_filters():
     """ResourceWarning is ignored by default (Colab, Kaggle, scripts): a crossing would go unseen."""
-    code = "import warnings\nfrom helpers.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
+    code = "import warnings\nfrom helpers.monitoring.monitor import MemoryWarning\nwarnings.warn('GPU 1 memory crossed', MemoryWarning)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "MemoryWarning: GPU 1 memory crossed" in done.stderr
 
@@ -455,7 +455,7 @@ def test_plot_without_matplotlib_is_text(monkeypatch):
 def test_running_monitor_receives_generation_phases(tiny_llama):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from helpers.generation import generate_batched
+    from helpers.loading.generation import generate_batched
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -472,7 +472,7 @@ def test_running_monitor_receives_generation_phases(tiny_llama):
 
 
 def test_load_is_a_phase_on_a_running_monitor(tiny_llama):
-    from helpers.loading import load
+    from helpers.loading.loader import load
 
     with MemoryMonitor(interval=10, warn=False) as mon:
         model, _, report = load(tiny_llama, load="fp32")

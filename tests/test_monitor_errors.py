@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from helpers import MemoryMonitor
-from helpers.monitor import MAX_READ_FAILURES, MemoryWarning
+from helpers.monitoring.monitor import MAX_READ_FAILURES, MemoryWarning
 
 
 def _wait_for(cond, timeout=5.0):

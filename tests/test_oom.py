@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.oom import explain_oom, install, is_oom, uninstall
-from helpers.units import GiB, MiB
+from helpers.core.units import GiB, MiB
+from helpers.oom.diagnosis import explain_oom
+from helpers.oom.hook import install, uninstall
+from helpers.oom.messages import is_oom
 
 CUDA_NOW = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
@@ -189,8 +191,8 @@ def test_a_whole_message_in_a_log_borrows_nothing_from_an_earlier_one():
 
 
 def test_a_live_fragmentation_oom_does_not_send_you_to_restart_for_a_setting_already_in_force(monkeypatch):
-    from helpers import oom_diagnosis
-    from helpers.runtime import RestartCheck
+    from helpers.core.runtime import RestartCheck
+    from helpers.oom import diagnosis as oom_diagnosis
 
     assert explain_oom(CUDA_FRAGMENTED, live=True).fixes[0].startswith("Set PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -207,7 +209,7 @@ def test_traceback_names_read_frames_whose_locals_are_a_proxy():
     must not fail there (the notebook handler would unregister itself)."""
     import types
 
-    from helpers.oom_diagnosis import _traceback_names
+    from helpers.oom.diagnosis import _traceback_names
 
     t = torch.ones(3)
     frame = types.SimpleNamespace(
@@ -291,7 +293,7 @@ def test_a_process_cap_is_named_as_the_cause_when_the_card_had_room():
 def test_the_estimators_fixes_follow_a_steady_state_diagnosis():
     """Given the estimate of what ran, its fit() suggestions for the memory this process had come after
     the general fixes (before, the lookup of a FIX_LADDER that never existed always gave nothing)."""
-    from helpers.estimator import estimate
+    from helpers.estimator.core import estimate
 
     est = estimate("Qwen/Qwen2.5-7B", load="fp16", device="t4")
     plain, guided = explain_oom(CUDA_NOW), explain_oom(CUDA_NOW, memory_estimate=est)
@@ -312,9 +314,9 @@ SPLIT_GPU1 = (
 
 
 def _split_machine(fake_gpus, monkeypatch, gpu0_free: int):
-    import helpers.memory
+    import helpers.core.memory
 
-    monkeypatch.setattr(helpers.memory, "nvml_handle", lambda index: (None, None))  # no driver here
+    monkeypatch.setattr(helpers.core.memory, "nvml_handle", lambda index: (None, None))  # no driver here
     cuda = fake_gpus(2, 15 * GiB)
     cuda.set(0, 15 * GiB - gpu0_free)
     cuda.set(1, int(13.9 * GiB), 14 * GiB)

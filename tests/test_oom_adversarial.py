@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from helpers.oom import explain_oom
+    from helpers.oom.hook import explain_oom
     texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
 
     def log(size):
@@ -84,7 +84,7 @@ def test_logs_of_real_messages_complete_and_grow_linearly():
 
 
 def test_the_last_message_of_a_log_is_the_one_explained():
-    from helpers.oom import explain_oom
+    from helpers.oom.diagnosis import explain_oom
 
     texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
     last = next(t for t in texts if "capacty of 12.00 GiB" in t)  # request larger than the card

@@ -10,8 +10,10 @@ import os
 import pytest
 import torch
 
-from helpers.oom import CAUSES, explain_oom, is_oom, is_oom_text
-from helpers.units import GiB, MiB
+from helpers.core.units import GiB, MiB
+from helpers.oom.causes import CAUSES
+from helpers.oom.diagnosis import explain_oom
+from helpers.oom.messages import is_oom, is_oom_text
 
 XPU_EMPTY = (
     "torch.OutOfMemoryError: XPU out of memory. Tried to allocate 4.66 GiB. GPU 0 has a total capacity of 5.65 GiB "

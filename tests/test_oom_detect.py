@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from helpers.oom import is_oom
+from helpers.oom.messages import is_oom
 
 
 def test_real_cpu_allocation_failure_is_oom():

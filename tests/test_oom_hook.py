@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import helpers.oom as oom
-from helpers.cuda_errors import BrokenContext, broken_context
-from helpers.knobs import KNOBS, knob_fixes, register_control, register_knob, smaller
-from helpers.oom import explain_oom, install, uninstall
+import helpers.oom.hook as oom
+from helpers.core.knobs import KNOBS, knob_fixes, register_control, register_knob, smaller
+from helpers.oom.diagnosis import explain_oom
+from helpers.oom.hook import BrokenContext, broken_context, install, uninstall
 
 STEADY = (
     "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 14.75 GiB of which 3.06 MiB "
@@ -81,9 +81,9 @@ def test_in_jupyter_the_card_is_html_in_the_cell(hooked, capsys, monkeypatch):
     [ILLEGAL, "CUDA error: device-side assert triggered", "CUDA error: unspecified launch failure"],
 )
 def test_a_broken_cuda_context_is_answered_with_restart_never_a_cleanup(hooked, capsys, monkeypatch, message):
-    import helpers.reclaim
+    import helpers.oom.reclaim
 
-    monkeypatch.setattr(helpers.reclaim, "cleanup", lambda *a, **k: pytest.fail("cleanup on a broken context"))
+    monkeypatch.setattr(helpers.oom.reclaim, "cleanup", lambda *a, **k: pytest.fail("cleanup on a broken context"))
     hooked.run_cell(f"raise RuntimeError({message!r})")
     out = _out(capsys)
     assert "Restart" in out and "Survives the restart" in out and "Drive" in out
@@ -139,8 +139,8 @@ def test_a_users_own_handler_is_chained_not_replaced(ipython_shell, capsys):
 
 
 def test_a_panel_with_widgets_registers_its_controls_for_the_fixes(tiny_llama, monkeypatch):
-    from helpers.knobs import Knob
-    from helpers.widgets import LoadPanel
+    from helpers.core.knobs import Knob
+    from helpers.panels.widgets import LoadPanel
 
     monkeypatch.setitem(KNOBS, "max_new_tokens", Knob("max_new_tokens", ["MAX_NEW_TOKENS"]))
     LoadPanel(str(tiny_llama), device="t4", widgets=True)

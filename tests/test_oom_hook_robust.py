@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from helpers.oom import install, uninstall
-from helpers.oom_messages import is_oom, oom_in
+from helpers.oom.hook import install, uninstall
+from helpers.oom.messages import is_oom, oom_in
 
 
 def test_an_exception_whose_str_raises_leaves_the_hook_installed(ipython_shell, capsys):

@@ -1,4 +1,4 @@
-"""The one placement decision (helpers.placement_decision): where a model goes on simulated machines (one T4,
+"""The one placement decision (helpers.placement.decision): where a model goes on simulated machines (one T4,
 Kaggle's 2×T4, a CPU runtime), and that load(), the load panel and preflight each show that answer."""
 
 import copy
@@ -6,15 +6,17 @@ import types
 
 import pytest
 
-import helpers.widgets as widgets_mod
-from helpers.devices import DEVICE_SETS, DEVICES, GPU_MARGIN
+import helpers.panels.widgets as widgets_mod
+from helpers.core.devices import DEVICE_SETS, DEVICES, GPU_MARGIN
+from helpers.core.errors import LoadRefused
+from helpers.core.memory import GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.units import GiB, MiB
+from helpers.core.vocab import DOES_NOT_FIT, FITS, TIGHT
 from helpers.environment import preflight
-from helpers.errors import LoadRefused
-from helpers.estimator import estimate
-from helpers.loading import LoadPlan, check_plan
-from helpers.memory import GPUReadout, MemorySnapshot, RAMReadout
-from helpers.placement import PREQUANTIZED_OFFLOAD_FIX, reference_configs
-from helpers.placement_decision import (
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_plan
+from helpers.loading.plan import LoadPlan
+from helpers.placement.decision import (
     ALONE,
     OFFLOAD,
     REFUSE,
@@ -25,8 +27,7 @@ from helpers.placement_decision import (
     spill_fix,
     spill_why,
 )
-from helpers.units import GiB, MiB
-from helpers.vocab import DOES_NOT_FIT, FITS, TIGHT
+from helpers.placement.device_plan import PREQUANTIZED_OFFLOAD_FIX, reference_configs
 
 T4 = {**DEVICES["t4"], "name": "Tesla T4"}
 RAM = 20 * GiB
@@ -50,7 +51,7 @@ def saved_bnb_70b():
 
 
 def test_a_readout_of_devices_gives_each_card_its_capacity_as_room():
-    from helpers.gpu_split import gpu_room
+    from helpers.placement.decision import gpu_room
 
     est = estimate("mistralai/Mistral-7B-v0.1", load="nf4", device="t4")
     snap = devices_snapshot(est, [T4, {"name": "A100", "capacity": 40 * GiB, "bf16": True}], ram=3 * GiB)

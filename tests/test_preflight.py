@@ -7,10 +7,10 @@ import sys
 import psutil
 import pytest
 
+from helpers.core.memory import DiskReadout, GPUProcess, GPUReadout, MemorySnapshot, RAMReadout
+from helpers.core.sources import checkpoint_size
+from helpers.core.units import GiB, MiB
 from helpers.environment import COLAB_GPU_FIX, preflight
-from helpers.memory import DiskReadout, GPUProcess, GPUReadout, MemorySnapshot, RAMReadout
-from helpers.sources import checkpoint_size
-from helpers.units import GiB, MiB
 
 VERSIONS = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2",
             "bitsandbytes": "0.50.2", "cuda": "12.4", "python": "3.11.7"}  # fmt: skip
@@ -269,7 +269,7 @@ def test_a_model_too_big_for_two_gpus_does_not_fit_with_a_fix(tmp_path):
     assert "weights alone (29.92 GiB)" in fit.summary and fit.fix == "load=fp16: fits across 2 GPUs"
     # Llama-2-70B: neither fp16 nor nf4 fits both T4s; the fix is load()'s: a smaller model, or the CPU offload
     # load() takes with allow_offload (the RAM holds it)
-    from helpers.placement import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
     report = run(two_gpus(), str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"))
@@ -371,7 +371,7 @@ def test_a_plan_too_big_for_colabs_t4_names_kaggles_2xt4_when_it_holds_it(tmp_pa
     assert check.status == "fail" and check.data["kaggle_2xt4"] == "fp16"
     assert "Kaggle's free 2×T4 holds it with load='fp16'" in check.fix and "gpus=2" in check.fix
     assert check.fix.index("load=") < check.fix.index("Kaggle")  # quantizing on this T4 comes first
-    from helpers.placement import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-70b"].save_pretrained(tmp_path)
     huge = run(machine(), model=str(tmp_path), checkpoint=(130 * GiB, 10 * GiB, "local"), load="fp16").check("fit")
@@ -415,7 +415,7 @@ def test_the_fit_line_and_fit_current_say_the_same_of_the_card(fake_gpus):
     """Another process holds 3.1 GiB of the T4: preflight judges what is usable now (does not fit), fit(est,
     "current") the card's whole memory (tight). The fit line says both, and what holds the difference."""
     from helpers import estimate, fit
-    from helpers.memory import snapshot
+    from helpers.core.memory import snapshot
 
     cuda = fake_gpus(1, T4_TOTAL)
     cuda.others[0] = int(3.1 * GiB)

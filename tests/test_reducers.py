@@ -9,10 +9,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers.estimator import EstimateError, LoraTraining, estimate
-from helpers.estimator import fit_one_card as fit
-from helpers.reducers import chunked_lm_loss, kv_cache_kwargs, offload_activations
-from helpers.vocab import ReducerError
+from helpers.core.reducers import chunked_lm_loss, kv_cache_kwargs, offload_activations
+from helpers.core.vocab import ReducerError
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.rows import EstimateError
+from helpers.estimator.training import LoraTraining
 
 
 class _Peak(TorchDispatchMode):
@@ -158,8 +160,8 @@ def test_offload_under_checkpointing_is_not_proposed_and_saves_nothing():
 
 
 def test_unknown_reducers_are_refused_with_the_choices():
-    from helpers.finetune import FinetuneError, TrainPlan
-    from helpers.loading import LoadPlan
+    from helpers.loading.plan import LoadPlan
+    from helpers.training.plan import FinetuneError, TrainPlan
 
     with pytest.raises(EstimateError, match="int4"):
         estimate("Qwen/Qwen2.5-0.5B", load="fp16", kv_cache="4bit")
@@ -180,7 +182,7 @@ def test_unknown_reducers_are_refused_with_the_choices():
 def test_use_kv_cache_replaces_a_previous_kind_and_keeps_a_models_own():
     from types import SimpleNamespace
 
-    from helpers.reducers import fp8_kv_available, use_kv_cache
+    from helpers.core.reducers import fp8_kv_available, use_kv_cache
 
     if not fp8_kv_available():
         pytest.skip("this transformers has no fp8 QuantizedCache backend")

@@ -10,10 +10,11 @@ import json
 import pytest
 import torch
 
-from helpers import evaluate, results_file
-from helpers.evaluate import EvalError, safe_generate
-from helpers.loading import load
-from helpers.results_file import MADE, ResultsFile, is_record
+from helpers.core.errors import EvalError
+from helpers.evaluation import evaluate, results_file
+from helpers.evaluation.evaluate import safe_generate
+from helpers.evaluation.results_file import MADE, ResultsFile, is_record
+from helpers.loading.loader import load
 
 NEW = 4
 PROMPTS = [f"{' '.join(['memory'] * (1 + k % 5))} item {k}" for k in range(8)]

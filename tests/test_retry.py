@@ -1,4 +1,4 @@
-"""helpers.retry.attempt: the one OOM-retry step (catch precisely, release after the except block)."""
+"""helpers.oom.retry.attempt: the one OOM-retry step (catch precisely, release after the except block)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from helpers.retry import Attempt, Watch, attempt
+from helpers.oom.retry import Attempt, Watch, attempt
 
 
 def test_success_returns_the_value():

@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from helpers import save_adapter
-from helpers.finetune import AdapterSaveError
+from helpers.training.adapters import AdapterSaveError
 
 
 class _Adapter:

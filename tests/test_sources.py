@@ -13,10 +13,8 @@ import pytest
 from huggingface_hub import constants as hub_constants
 from transformers.modeling_utils import _get_resolved_checkpoint_files
 
-from helpers.estimator import estimate
-from helpers.loading import check_ram_for_loading
-from helpers.memory import DiskReadout, MemorySnapshot, RAMReadout
-from helpers.sources import (
+from helpers.core.memory import DiskReadout, MemorySnapshot, RAMReadout
+from helpers.core.sources import (
     SourceError,
     checkpoint_size,
     hub_weight_files,
@@ -24,7 +22,9 @@ from helpers.sources import (
     shipped_configs,
     weight_files,
 )
-from helpers.units import GiB, MiB
+from helpers.core.units import GiB, MiB
+from helpers.estimator.core import estimate
+from helpers.loading.checks import check_ram_for_loading
 
 GB = 10**9  # hub sizes are in decimal units
 REPO = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_the_no_config_help_names_the_model_and_every_shipped_config():
 
 
 def test_persistent_files_go_to_kaggle_working_on_kaggle(monkeypatch, tmp_path):
-    import helpers.sources as sources
+    import helpers.core.sources as sources
 
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
     assert sources.persistent_path("adapter") == Path("adapter")

@@ -11,10 +11,11 @@ from importlib import resources
 
 import pytest
 
-from helpers.devices import DEVICES, capacity_range
-from helpers.estimator import estimate, max_new_tokens_that_fit
-from helpers.estimator import fit_one_card as fit
-from helpers.units import format_bytes, parse_bytes
+from helpers.core.devices import DEVICES, capacity_range
+from helpers.core.units import format_bytes, parse_bytes
+from helpers.estimator.core import estimate
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.estimator.fitting import max_new_tokens_that_fit
 
 EVIDENCE = [
     json.loads(line)

@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from helpers.tensors import MAX_GRAPH_NODES, largest_tensors, live_storages, tensor_bytes
+from helpers.leaks.tensors import MAX_GRAPH_NODES, largest_tensors, live_storages, tensor_bytes
 
 
 def test_activations_kept_by_a_graph_are_counted_once():
@@ -30,7 +30,7 @@ def test_freeing_a_50k_node_graph_after_a_census_does_not_crash():
     stops at MAX_GRAPH_NODES, and the census says so. In a subprocess, so a crash fails the test."""
     code = textwrap.dedent("""
         import torch
-        from helpers.leaks import census
+        from helpers.leaks.census import census
         x = torch.ones(4, requires_grad=True)
         y = x
         for _ in range(50_000):
@@ -49,7 +49,7 @@ def test_walks_of_a_chain_that_keeps_growing_stay_within_the_budget():
     detector: the wrappers from earlier walks count, so the chain never holds too many to free."""
     code = textwrap.dedent("""
         import torch
-        from helpers.tensors import tensor_bytes
+        from helpers.leaks.tensors import tensor_bytes
         x = torch.ones(4, requires_grad=True)
         y = x
         for step in range(5):

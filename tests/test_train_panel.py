@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.estimator import fit_one_card as fit
-from helpers.finetune import FinetuneError, TrainPlan, find_micro_batch
-from helpers.train_panel import TrainPanel, divisors
+from helpers.estimator.fitting import fit_one_card as fit
+from helpers.panels.train_panel import TrainPanel, divisors
+from helpers.training.finetune import find_micro_batch
+from helpers.training.plan import FinetuneError, TrainPlan
 
 SEVEN_B = "codellama/CodeLlama-7b-hf"  # shipped config: offline, arithmetic only
 
@@ -214,7 +215,7 @@ def test_panel_plan_carries_the_reducers_and_set_validates_them(panel):
 
 @pytest.mark.parametrize("installed", [False, True])
 def test_fused_loss_says_why_it_cannot_run_here(monkeypatch, installed):
-    import helpers.reducers as reducers
+    import helpers.core.reducers as reducers
 
     monkeypatch.setattr(reducers, "liger_available", lambda: installed)
     panel = TrainPanel(TrainPlan(LLAMA3, seq_len=2048, batch_size=16, micro_batch=2), device="t4", widgets=True)

@@ -3,9 +3,12 @@ ends with one summary line (peak reserved, share of the card, wall time)."""
 
 from __future__ import annotations
 
-from helpers.finetune import TrainPlan, build_dataset, load_instructions, prepare_qlora, train
-from helpers.loading import load
-from helpers.train_view import TrainProgress, TrainView, format_seconds
+from helpers.loading.loader import load
+from helpers.training.adapters import prepare_qlora
+from helpers.training.data import build_dataset, load_instructions
+from helpers.training.finetune import train
+from helpers.training.plan import TrainPlan
+from helpers.training.view import TrainProgress, TrainView, format_seconds
 
 ROWS = load_instructions()[:24]
 
@@ -78,7 +81,7 @@ def test_in_a_notebook_one_output_is_updated_in_place(monkeypatch):
 
     import IPython.display
 
-    import helpers.train_view as train_view
+    import helpers.training.view as train_view
 
     shown, updates = [], []
     handle = types.SimpleNamespace(update=lambda bundle, raw: updates.append(bundle))
@@ -106,7 +109,7 @@ def test_the_memory_chart_draws_each_point_and_the_cards_limit():
 
 
 def test_a_long_run_keeps_a_bounded_chart_with_its_first_and_last_step():
-    from helpers.train_view import MAX_POINTS
+    from helpers.training.view import MAX_POINTS
 
     view = TrainView(lambda p: None)
     for step in range(5 * MAX_POINTS):

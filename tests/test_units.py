@@ -1,6 +1,6 @@
 import pytest
 
-from helpers.units import GiB, KiB, MiB, format_bytes, parse_bytes, percent
+from helpers.core.units import GiB, KiB, MiB, format_bytes, parse_bytes, percent
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_wrong_types_say_which_function_to_use():
     import numpy as np
     import pytest
 
-    from helpers.units import format_bytes, parse_bytes
+    from helpers.core.units import format_bytes, parse_bytes
 
     assert format_bytes(np.int64(3 * 2**30)) == "3.00 GiB"  # numpy counts are byte counts too
     with pytest.raises(TypeError, match="use parse_bytes"):

@@ -1,12 +1,12 @@
-"""helpers.vocab: each word defined once. The load-mode table answers what code used to compare names for."""
+"""helpers.core.vocab: each word defined once. The load-mode table answers what code used to compare names for."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import vocab
-from helpers.errors import OomkitError
-from helpers.vocab import MODES, LoadModeError, load_mode
+from helpers.core import vocab
+from helpers.core.errors import OomkitError
+from helpers.core.vocab import MODES, LoadModeError, load_mode
 
 
 def test_the_mode_table_is_what_the_word_lists_say():
@@ -14,7 +14,9 @@ def test_the_mode_table_is_what_the_word_lists_say():
     assert vocab.QUANTIZED == ("int8", "nf4", "fp4")
     assert vocab.FOUR_BIT == ("nf4", "fp4")
     assert vocab.HALF == ("fp16", "bf16")
-    assert vocab.SMALLER_LOAD == {"fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4"}
+    assert {m: vocab.lighter_load(m) for m in vocab.LOAD_MODES} == {
+        "fp32": "fp16", "fp16": "int8", "bf16": "int8", "int8": "nf4", "nf4": None, "fp4": None}  # fmt: skip
+    assert vocab.lighter_loads("fp32", bf16=True) == ["bf16", "int8", "nf4"]
 
 
 @pytest.mark.parametrize(
@@ -64,7 +66,7 @@ def test_default_sizes_are_one_value_every_entry_point_starts_from():
     import inspect
 
     import helpers
-    from helpers.estimator import LoraTraining
+    from helpers.estimator.training import LoraTraining
 
     d = vocab.DEFAULTS
     assert (d.batch_size, d.prompt_tokens, d.max_new_tokens, d.seq_len, d.micro_batch) == (1, 512, 256, 512, 1)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_wheel_holds_the_package_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "helpers/compat.py" in names and "helpers/runtime.py" in names
+    assert "helpers/core/compat.py" in names and "helpers/core/runtime.py" in names
     assert any(n.startswith("helpers/data/configs/") and n.endswith(".json") for n in names)
     assert {"helpers/data/instructions.jsonl", "helpers/data/eval_prompts.jsonl"} <= set(names)
 
@@ -102,7 +102,7 @@ def test_notebook_05s_ddp_runs_trained_in_step_on_two_gloo_processes(wheel_noteb
     """Notebook 05's two DDP QLoRA runs on the tiny model (2 CPU processes, gloo), checked from the reports
     its ranks wrote: the launcher a notebook starts (run_ddp_qlora) and the accelerate config it writes
     (write_launch_config + launch_qlora). One run each serves the notebook and these assertions."""
-    from helpers.distributed import collect_ranks
+    from helpers.training.distributed import collect_ranks
 
     steps = next(r for r in RUNS if r.notebook.stem == "05_multi_gpu").parameters["DDP_STEPS"]
     run = collect_ranks(wheel_notebooks.work / "05_multi_gpu", 2)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import helpers.widgets as widgets_mod
-from helpers.devices import DEVICES
-from helpers.loading import LoadError
-from helpers.widgets import LoadPanel, widgets_available
+import helpers.panels.widgets as widgets_mod
+from helpers.core.devices import DEVICES
+from helpers.core.errors import LoadError
+from helpers.panels.widgets import LoadPanel, widgets_available
 
 REPO = Path(__file__).resolve().parents[1]
 BIG = "mistralai/Mistral-7B-v0.1"  # shipped config: works offline, only arithmetic
@@ -105,7 +105,7 @@ def test_verdict_and_top_fix_follow_the_sliders():
 
 def test_device_size_is_shown_once():
     """A byte-count device has no name: the panel says its size once, a preset keeps its name."""
-    from helpers.units import MiB
+    from helpers.core.units import MiB
 
     panel = LoadPanel(BIG, device=15000 * MiB, load="nf4", widgets=True)
     s = panel.state
@@ -231,7 +231,7 @@ def test_load_button_loads_the_current_plan(panel):
 
 @pytest.mark.bnb
 def test_sliders_after_load_reuse_the_model_and_a_new_mode_frees_the_old_one(panel):
-    from helpers.estimator import footprint
+    from helpers.estimator.footprint import footprint
 
     first, _, _ = panel.load()
     panel.set(max_new_tokens=128, batch_size=2)  # a generation budget: no reload
@@ -255,7 +255,7 @@ def test_load_button_with_a_bad_plan_keeps_the_panel_usable(tmp_path):
 
 
 def test_cpu_device_and_a_missing_model_path(tiny_llama):
-    from helpers.estimator import EstimateError
+    from helpers.estimator.rows import EstimateError
 
     panel = LoadPanel(str(tiny_llama), device="cpu", load="fp32", widgets=False)  # was: TypeError on None
     assert panel.state.device == "CPU RAM" and panel.state.verdict == "fits"
@@ -393,7 +393,7 @@ def test_a_fix_no_candidate_confirms_is_the_placements_advice_escaped(monkeypatc
 
 
 def test_lists_and_dicts_of_gpus_split_as_the_named_set_does():
-    from helpers.units import GiB
+    from helpers.core.units import GiB
 
     named = LoadPanel(BIG, device="kaggle-2xt4", **SPLIT_FP16).placement
     listed = LoadPanel(BIG, device=["t4", "t4"], **SPLIT_FP16)
@@ -468,7 +468,7 @@ def test_one_gpu_that_does_not_fit_says_whether_its_multi_gpu_set_would():
 def test_a_t4_panel_does_not_call_fitting_what_load_would_refuse_as_an_offload(tmp_path):
     """A 13B int8 estimate fits a T4, but the placement from_pretrained computes leaves layers for the CPU:
     load() refuses it, so the panel says does not fit, and why, in its text and HTML."""
-    from helpers.placement import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     reference_configs()["Llama-2-13b"].save_pretrained(tmp_path)  # a config-only folder: nothing to download
     panel = LoadPanel(str(tmp_path), device="t4", load="int8", widgets=True)
@@ -485,7 +485,7 @@ def test_gpus_1_on_two_cards_refuses_what_load_would_refuse_as_an_offload():
 
 
 def test_a_panel_given_a_config_object_says_how_to_pass_it():
-    from helpers.placement import reference_configs
+    from helpers.placement.device_plan import reference_configs
 
     with pytest.raises(TypeError, match="save_pretrained"):
         LoadPanel(reference_configs()["Llama-2-7b"], device="t4", widgets=False)
@@ -495,7 +495,7 @@ def test_a_panel_given_a_config_object_says_how_to_pass_it():
 
 
 def test_kv_cache_dropdown_changes_the_estimate_and_the_plan():
-    from helpers.loading import LoadPlan
+    from helpers.loading.plan import LoadPlan
 
     kw = dict(load="nf4", batch_size=8, max_new_tokens=4096, prompt_tokens=4096)
     panel = LoadPanel(BIG, device="t4", widgets=True, **kw)
@@ -515,7 +515,7 @@ def test_kv_cache_dropdown_changes_the_estimate_and_the_plan():
 
 
 def test_a_kv_cache_that_cannot_run_here_says_why(tiny_llama, monkeypatch):
-    import helpers.reducers as reducers
+    import helpers.core.reducers as reducers
 
     real = reducers.installed
     monkeypatch.setattr(reducers, "installed", lambda m: False if m in ("optimum.quanto", "hqq") else real(m))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..sources import (
+from ..core.sources import (
     SourceError,
     closest_shipped,
     data_path,
@@ -65,14 +66,81 @@ def check_config_values(d: dict, where: str) -> None:
             )
     if "model_type" in d and not isinstance(d["model_type"], str):
         raise EstimateError(f"model_type in {where} is {d['model_type']!r}, not a name such as 'llama'; {fix}")
+    _check_shape(d, where)
     if isinstance(d.get("text_config"), dict):
         check_config_values(d["text_config"], f"{where} (text_config)")
+
+
+def _first(d: dict, *keys: str) -> tuple[str | None, Any]:
+    key = next((k for k in keys if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+    return key, d.get(key) if key else None
+
+
+def _check_shape(d: dict, where: str) -> None:
+    """Sizes that must agree with each other, which some config classes accept and the model then cannot
+    run (Qwen2 takes 13 heads for a width of 896; any class takes 5 KV heads for 32 query heads)."""
+    fix = f"fix {where} (copy the model's config.json from its hub page) or pass another model"
+    heads_key, heads = _first(d, "num_attention_heads", "n_head")
+    width_key, width = _first(d, "hidden_size", "n_embd", "d_model")
+    if heads and width and d.get("head_dim") is None and width % heads:
+        raise EstimateError(f"{width_key} {width} in {where} is not a multiple of {heads_key} {heads} (and no head_dim "
+                            f"is given): each head would be {width / heads:.2f} wide; {fix}")  # fmt: skip
+    kv_key, kv = _first(d, "num_key_value_heads", "num_kv_heads")
+    if heads and kv and heads % kv:
+        raise EstimateError(f"{kv_key} {kv} in {where} does not divide {heads_key} {heads}: each key/value head "
+                            f"serves a whole group of query heads ({heads} heads take {_divisors(heads)}); {fix}")  # fmt: skip
+    k_key, k = _first(d, "num_experts_per_tok", "experts_per_token", "moe_topk", "num_experts_per_token")
+    n_key, n = _first(d, "num_local_experts", "num_experts", "n_routed_experts")
+    if k and n and k > n:
+        raise EstimateError(f"{k_key} {k} in {where} is more than {n_key} {n}: a token cannot be routed to more "
+                            f"experts than the layer has; {fix}")  # fmt: skip
+
+
+def _divisors(n: int) -> str:
+    found = [i for i in range(1, min(n, 4096) + 1) if n % i == 0]
+    return ", ".join(map(str, found[:-1])) + f" or {found[-1]}" if len(found) > 1 else str(found[0])
+
+
+def _rejected(e: Exception, d: dict, where: str, model_type: str) -> EstimateError:
+    """One EstimateError for a config transformers' validation refuses (huggingface_hub's strict dataclass
+    errors, a ValueError or KeyError from the config's __init__): the field, its value and the fix."""
+    cause = e.__cause__ or e  # a strict dataclass error wraps the validator's own
+    reason = " ".join(str(cause).strip("'\" ").split()) or type(cause).__name__
+    named = re.search(r"field '(\w+)'", str(e))
+    spaced = reason.replace(" ", "_").lower()  # "The hidden size (4096) is not ..." names hidden_size
+    keys = sorted((k for k in d if k in reason or k.lower() in spaced), key=len, reverse=True)
+    field = named.group(1) if named else (keys[0] if keys else None)
+    if field is None and "rope_parameters" in reason:
+        field = "rope_parameters"
+    if field == "rope_parameters" and "rope_parameters" not in d and "rope_scaling" in d:
+        field = "rope_scaling"  # transformers 5 reads rope_scaling into rope_parameters
+    value = f"{field}={d[field]!r} " if field in d else (f"{field} " if field else "")
+    return EstimateError(
+        f"{value}in {where} is rejected by transformers' {model_type} config ({type(cause).__name__}: "
+        f"{reason[:200]}); fix {field or 'that field'} (copy the model's config.json from its hub page) or pass "
+        "another model"
+    )
+
+
+def _missing_width(config, d: dict, where: str) -> None:
+    """A text config without its width would be counted at its class's default width (4096 for Qwen2)."""
+    if config.get_text_config() is not config or not hasattr(config, "hidden_size"):
+        return
+    alias = getattr(type(config), "attribute_map", {}).get("hidden_size", "hidden_size")
+    # the spellings config classes take in __init__ without an attribute_map entry (BLOOM's n_embed, ...)
+    spellings = {"hidden_size", alias, "n_embed", "n_embd", "d_model", "dim", "hidden_dim", "model_dim", "embed_dim"}
+    if not spellings & set(d):
+        raise EstimateError(
+            f"{where} has no {alias}: transformers would take its default ({config.hidden_size}) and the count would "
+            f"be another model's; pass the model's full config.json (with {alias})"
+        )
 
 
 def config_from_dict(d: dict, where: str):
     """A transformers config for a config.json dict; an unknown or missing ``model_type`` gives a
     generic config (counted from its dimensions, marked approximate) instead of an error."""
     from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     check_config_values(d, where)
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
@@ -80,14 +148,16 @@ def config_from_dict(d: dict, where: str):
     why = None
     if model_type is None:
         why = f"{where} has no 'model_type' field, so the architecture is unknown"
+    elif model_type not in CONFIG_MAPPING:
+        why = f"model_type {model_type!r} in {where} is not known to this transformers version"
     else:
         try:
-            return AutoConfig.for_model(model_type, **d)
-        except (ValueError, KeyError) as e:
-            why = (
-                f"model_type {model_type!r} in {where} is not known to this transformers version "
-                f"({str(e).splitlines()[0][:100]})"
-            )
+            # a deep copy: transformers rewrites nested dicts (rope_scaling) in place, and they are the caller's
+            config = AutoConfig.for_model(model_type, **copy.deepcopy(d))
+        except Exception as e:  # noqa: BLE001 - every refusal of the config's own validation, named below
+            raise _rejected(e, d, where, model_type) from None
+        _missing_width(config, d, where)
+        return config
     config = PretrainedConfig(**d)
     config.oomkit_unknown = why
     return config
@@ -128,6 +198,9 @@ def _from_hub(name: str):
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=hub_offline_reason() is not None)
     except Exception as e:
+        rejected = _rejected_on_hub(e, name)
+        if rejected is not None:
+            raise rejected from None
         known = ", ".join(shipped_configs()) or "none"
         typo = closest_shipped(name)
         raise EstimateError(
@@ -138,6 +211,21 @@ def _from_hub(name: str):
         ) from None
     check_config_values(config.to_dict(), f"the config of {name!r}")
     return config, name, None
+
+
+def _rejected_on_hub(e: Exception, name: str) -> EstimateError | None:
+    """A hub config that was read but that its class's validation refuses (not a network or access error):
+    the EstimateError naming the field and its value, read back from the file just downloaded."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import PretrainedConfig
+
+    if not isinstance(e, StrictDataclassError | KeyError | TypeError):
+        return None
+    try:
+        d, _ = PretrainedConfig.get_config_dict(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - without the file, the error still names the field
+        d = {}
+    return _rejected(e, d, f"the config of {name!r}", str(d.get("model_type", "its")))
 
 
 def hub_repo(model: Any) -> str | None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..arguments import flag, whole_number
-from ..devices import (
+from ..core.arguments import flag, whole_number
+from ..core.devices import (
     CUBLAS_WORKSPACE,
     CUBLAS_WORKSPACE_HOPPER,
     CUBLAS_WORKSPACE_HOPPER_MAJORS,
@@ -17,9 +17,10 @@ from ..devices import (
     cuda_capability,
     resolve_device,
 )
-from ..html import Markup, bar, mini_bar, table
-from ..units import format_bytes
-from ..vocab import (
+from ..core.html import Markup, bar, mini_bar, table
+from ..core.units import format_bytes
+from ..core.vocab import (
+    BF16,
     DEFAULTS,
     DTYPE_BYTES,
     TIGHT_FRACTION,
@@ -36,8 +37,9 @@ from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens
 from .family_training import vlm_sequence
 from .hub_headers import header_rows, read_hub_headers
 from .inference import Generation, generation_rows
+from .kernel_paths import dequantized_rows, kernel_path, native_rows, path_note
 from .layout import layout, weight_rows
-from .prequantized import PACKED_METHODS, packed_rows, repo_quantization
+from .prequantized import NATIVE_FORMATS, PACKED_METHODS, SHIPS_PREQUANTIZED, packed_rows, repo_quantization
 from .rows import HOST, EstimateError, EstimateRow
 from .training import FullTraining, LoraTraining, training_rows
 
@@ -199,10 +201,18 @@ def estimate(
     label, dev = resolve_device(device)
     config, name, loaded = resolve_config(model)
     check_family_inputs(config, family_inputs)
-    repo = repo_quantization(config)
+    repo, path = repo_quantization(config), None
     if repo is not None:
+        requested = load
         load, double_quant, skip_modules = _repo_settings(repo, load, double_quant, skip_modules, name)
-        inputs.update(load=load, double_quant=double_quant)
+        if repo.method in (*NATIVE_FORMATS, "compressed-tensors"):
+            # inputs keep the load as asked: on another device (a fix's bigger card) the path may differ
+            kind = None if training is None else ("full" if isinstance(training, FullTraining) else "lora")
+            path = kernel_path(repo, _with_capability(device, dev), requested, kind)
+            load = path.load
+            inputs.update(double_quant=double_quant)
+        else:
+            inputs.update(load=load, double_quant=double_quant)
     elif load == "auto":
         return _auto(model, inputs)
     else:
@@ -210,7 +220,10 @@ def estimate(
         inputs.update(load=load)
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
-    rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)
+    if path is not None:
+        rows, header_notes = _path_weights(lay, repo, path, b)
+    else:
+        rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)
     if training is None:
         shape = Generation(batch_size, prompt_tokens, max_new_tokens, b, cdtype, dev, load, double_quant,
                            skip_modules, sampling, inputs["kv_cache"])  # fmt: skip
@@ -237,7 +250,7 @@ def _assembled(model, name: str, load: str, rows: list[EstimateRow], lay, config
         device=label,
         capacity=(dev or {}).get("capacity"),
         approximate=lay.approximate,
-        warnings=first + _moe_warning(rows, load) + _family_warnings(config, rows, inputs) + notes,
+        warnings=first + _moe_warning(rows, load, config) + _family_warnings(config, rows, inputs) + notes,
         inputs=inputs,
         source=model,
         quantized_by=repo.method if repo is not None else None,
@@ -262,6 +275,14 @@ def _weights(model, lay, load: str, b: int, repo, double_quant: bool, skip_modul
     if load in PACKED_METHODS:
         return packed_rows(lay, repo, b), notes
     return weight_rows(lay, load, b, double_quant, skip_modules), notes
+
+
+def _path_weights(lay, repo, path, b: int) -> tuple[list[EstimateRow], list]:
+    """An mxfp4/fp8/compressed-tensors checkpoint's weights on the path transformers takes on this device,
+    and a note naming it (and, when dequantized, what the packed format would hold and the fix)."""
+    native = native_rows(lay, repo, b) if repo.method in NATIVE_FORMATS else []
+    rows = dequantized_rows(lay, path, repo) if path.dequantized else native
+    return rows, [path_note(path, repo, rows, native)]
 
 
 def _count_note(headers, lay, repo) -> list[str]:
@@ -301,7 +322,7 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
     """What the numbers alone do not say: an approximate count, bf16 on a card without it, a length
     past the model's context."""
     out = [f"parameter count is approximate (dimension-based): {lay.missing[0]}"] if lay.approximate else []
-    if dev is not None and not dev.get("bf16") and "bf16" in (load, cdtype):
+    if dev is not None and not dev.get("bf16") and BF16 in (load, cdtype):
         out.append(f"{dev.get('name', 'this GPU')} has no bf16 (compute capability < 8.0): use fp16 there")
     context = _context(config)
     tokens = inputs["prompt_tokens"] + inputs["max_new_tokens"] if inputs["training"] is None else None
@@ -313,15 +334,19 @@ def _warnings(lay, config, load: str, cdtype: str, dev: dict | None, inputs: dic
     return out
 
 
-def _moe_warning(rows: list[EstimateRow], load: str) -> list[str]:
+def _moe_warning(rows: list[EstimateRow], load: str, config=None) -> list[str]:
     experts = next((r.bytes for r in rows if r.key == "weights.moe_experts"), 0)
     if not experts:
         return []
     total = sum(r.bytes for r in rows if r.group == "weights")
+    fix = "a pre-quantized checkpoint (GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
+    shipped = SHIPS_PREQUANTIZED.get(getattr(config, "model_type", None))
+    if shipped:  # its checkpoints already are pre-quantized: this config lost its quantization_config
+        fix = (f"this architecture's checkpoints ship in {shipped}: estimate the checkpoint's own config.json, with "
+               f"its quantization_config ({shipped} is read, and where transformers keeps it), or more GPUs")  # fmt: skip
     return [
         f"{format_bytes(experts)} of the {format_bytes(total)} of weights are MoE expert tensors that bitsandbytes "
-        f"does not quantize: {load} saves far less here than on a dense model. Fix: a pre-quantized checkpoint "
-        "(GPTQ/AWQ) of this model, more GPUs, or a dense model of similar quality"
+        f"does not quantize: {load} saves far less here than on a dense model. Fix: {fix}"
     ]
 
 
@@ -352,8 +377,9 @@ def _family_warnings(config, rows: list[EstimateRow], inputs: dict) -> list[str]
 
 
 def _repo_settings(repo, load: str, double_quant: bool, skip: list[str] | None, name: str):
-    """A pre-quantized checkpoint loads as it was saved: its mode is the only one, "auto" means it."""
-    if load not in ("auto", repo.load):
+    """A pre-quantized checkpoint loads as it was saved: its mode is the only one, "auto" means it (mxfp4 and
+    fp8 may also be asked dequantized, as transformers' ``dequantize=True`` loads them: bf16)."""
+    if load not in ("auto", repo.load) and not (repo.method in NATIVE_FORMATS and load == BF16):
         raise EstimateError(
             f"{name} is already quantized ({repo.method}, {repo.load}): it loads as {repo.load} only; pass "
             f"load='auto' or load={repo.load!r}, or estimate the original (unquantized) model for {load}"
@@ -392,6 +418,15 @@ def _check_reducers(training) -> None:
         raise EstimateError(f"training.loss: {e}") from None
     if not isinstance(training.offload_activations, bool):
         raise EstimateError(f"training.offload_activations must be True or False, got {training.offload_activations!r}")
+
+
+def _with_capability(device: Any, dev: dict | None) -> dict | None:
+    """``dev`` with its compute capability: "current" reads this GPU's (its dict carries none), as
+    :func:`cublas_workspace` does; transformers decides the mxfp4/fp8 kernel path on it."""
+    if dev is not None and dev.get("capability") is None and isinstance(device, str):
+        if device.strip().lower() == "current":
+            return {**dev, "capability": cuda_capability()}
+    return dev
 
 
 _WORKSPACE_CONFIG = {CUBLAS_WORKSPACE: ":4096:2:16:8", CUBLAS_WORKSPACE_HOPPER: ":4096:8"}

@@ -5,7 +5,7 @@ Families: ``causal`` (decoder-only LMs), ``seq2seq`` (T5, BART: a text encoder a
 cross-attention), ``speech_seq2seq`` (Whisper: an audio encoder over mel frames) and ``image_text``
 (LLaVA, Qwen2-VL, Idefics/SmolVLM: a vision tower and a projector in front of an LM). The one
 home of the "which Auto class" decision: the estimator builds the meta model with it and
-:func:`helpers.loading.load` loads the checkpoint with it.
+:func:`helpers.load` loads the checkpoint with it.
 """
 
 from __future__ import annotations

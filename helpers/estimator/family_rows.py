@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..arguments import whole_number
+from ..core.arguments import whole_number
 from .families import FAMILIES, IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
 from .rows import EstimateError, EstimateRow
 

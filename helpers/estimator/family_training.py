@@ -1,6 +1,6 @@
 """The activations of a LoRA training step for the families beyond decoder-only LMs.
 
-What trains follows :func:`helpers.estimator.families.frozen_modules`, as ``helpers.adapters.prepare_qlora``
+What trains follows :func:`helpers.estimator.families.frozen_modules`, as ``helpers.prepare_qlora``
 sets it up:
 
 - **T5** (text encoder-decoder): adapters in every layer of both stacks, so each encoder layer keeps its
@@ -13,7 +13,7 @@ sets it up:
   encoder's positions (1500 for real Whisper), whatever the audio's length.
 - **Vision-language**: the vision tower and projector are frozen and run without a graph (a transient
   at the start of the step); the LM trains as a decoder-only model over ``seq_len`` tokens, which hold
-  each sample's image tokens (``helpers.family_data`` refuses an example longer than ``seq_len``, and
+  each sample's image tokens (``helpers.training.family_data`` refuses an example longer than ``seq_len``, and
   ``probe_batch`` puts the image inside it).
 
 Per token, the formulas count the tensors autograd keeps, found by what was alive at the peak of real

@@ -7,19 +7,32 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from ..arguments import flag, whole_number
-from ..devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
-from ..html import badge, bar, table
-from ..reducers import kv_cache_available, liger_available
-from ..sources import shipped_configs
-from ..units import MiB, format_bytes
-from ..vocab import DOES_NOT_FIT, FITS, FOUR_BIT, QUANTIZED, TIGHT_FRACTION, VERDICT_STATUS, verdict
+from ..core.arguments import flag, whole_number
+from ..core.devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
+from ..core.html import badge, bar, table
+from ..core.reducers import kv_cache_available, liger_available
+from ..core.sources import shipped_configs
+from ..core.units import MiB, format_bytes
+from ..core.vocab import (
+    BF16,
+    DOES_NOT_FIT,
+    FITS,
+    FOUR_BIT,
+    QUANTIZED,
+    TIGHT_FRACTION,
+    VERDICT_STATUS,
+    lighter_loads,
+    verdict,
+)
+from .configs import resolve_config
 from .core import MemoryEstimate, cublas_workspace, estimate
+from .families import family
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
+    "target_cards",
     "Suggestion", "DeviceSuggestion", "FitVerdict", "fit_one_card", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
     "fix_margin",
 ]  # fmt: skip
@@ -74,7 +87,7 @@ class Suggestion:
 class DeviceSuggestion(Suggestion):
     """A fix that keeps every setting and places the model past one card: split over several GPUs
     (``kind="split"``) or with some decoder layers in CPU RAM (``kind="offload"``), as
-    :func:`helpers.plan_devices` places it (``plan``, its :class:`helpers.placement.DevicePlan`; ``where``
+    :func:`helpers.plan_devices` places it (``plan``, its :class:`helpers.DevicePlan`; ``where``
     its split in words). ``kwargs`` are :class:`helpers.LoadPlan` fields, not ``estimate()`` ones;
     ``saving`` and :attr:`total` are the fullest GPU's share."""
 
@@ -111,23 +124,32 @@ class FitVerdict:
     estimate: MemoryEstimate
     suggestions: list[Suggestion] = field(default_factory=list)
     note: str = ""  # why the verdict is less sure than its headroom says (a capacity that varies)
+    where: str = ""  # on a machine of several GPUs that load() splits the model over: the split, in words
+    used: int | None = None  # then: the bytes on its fullest card (the verdict's); None: the whole estimate, one card
 
     @property
     def fits(self) -> bool:
         return self.verdict != DOES_NOT_FIT
 
+    @property
+    def placed_bytes(self) -> int:
+        """What the verdict weighs against ``capacity``: the estimate, or its fullest card's share when split."""
+        return self.estimate.total if self.used is None else self.used
+
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
                                  "total": s.total, "cost": s.cost, **_placed(s)} for s in self.suggestions],
-                **({"note": self.note} if self.note else {})}  # fmt: skip
+                **({"note": self.note} if self.note else {}),
+                **({"where": self.where, "used": self.used} if self.where else {})}  # fmt: skip
 
     def __str__(self) -> str:
+        on = f"the fullest GPU of {self.device}" if self.where else self.device
         head = (
-            f"{self.verdict.upper()}: {format_bytes(self.estimate.total)} of {format_bytes(self.capacity)} on "
-            f"{self.device} (headroom {format_bytes(self.headroom)})"
+            f"{self.verdict.upper()}: {format_bytes(self.placed_bytes)} of {format_bytes(self.capacity)} on "
+            f"{on} (headroom {format_bytes(self.headroom)})"
         )
-        lines = [head] + ([f"  {self.note}"] if self.note else [])
+        lines = [head] + [f"  {x}" for x in (self.where, self.note) if x]
         for i, s in enumerate(self.suggestions, 1):
             lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
         return "\n".join(lines)
@@ -136,10 +158,9 @@ class FitVerdict:
         status = VERDICT_STATUS[self.verdict]
         html = (
             f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
-            f"{format_bytes(self.headroom)}</div>" + bar(self.estimate.total, self.capacity, self.estimate.model)
+            f"{format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
         )
-        if self.note:
-            html += f"<div>{escape(self.note)}</div>"
+        html += "".join(f"<div>{escape(x)}</div>" for x in (self.where, self.note) if x)
         if self.suggestions:
             rows = [
                 [
@@ -200,8 +221,8 @@ def fit_one_card(
         gpus: how many of these cards a split may use: ``"t4", gpus=2`` plans for two T4s; for a set or
             ``"current"``, at most this many of theirs. ``None``: every GPU the device names.
         place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
-            (:func:`helpers.device_fixes.fit`) passes ``device_fixes``, which places with
-            ``helpers.placement``, a layer above this one. ``None``: same-card fixes only.
+            (:func:`helpers.fit`) passes ``device_fixes``, which places with
+            ``helpers.placement.device_plan``, a layer above this one. ``None``: same-card fixes only.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
@@ -211,7 +232,7 @@ def fit_one_card(
         )
     if device is None:
         device = est.inputs.get("device") or DEFAULT_DEVICE
-    device, cards, of = _target(device, gpus)
+    device, cards, of = target_cards(device, gpus)
     label, dev = resolve_device(device)
     if dev is None:
         raise EstimateError("no CUDA device here: pass device='t4' (or another preset, or a byte count)")
@@ -228,7 +249,7 @@ def fit_one_card(
     return out
 
 
-def _target(device: Any, gpus: int | None) -> tuple[Any, list | None, str]:
+def target_cards(device: Any, gpus: int | None) -> tuple[Any, list | None, str]:
     """``(the card the verdict is on, the cards a fix may place the model over, what the label adds)``.
     A byte count or a described GPU gets no cards: it is a budget a caller computed (free memory, cards
     added up), not a machine whose GPUs and RAM are known, so no split or offload is suggested for it."""
@@ -276,20 +297,18 @@ def _candidates(est: MemoryEstimate, device, cap, bf16: bool = True) -> list[tup
     inp = est.inputs
     tr = inp.get("training")
     cands: list[tuple[str, dict]] = []
-    order = ["fp32", "bf16", "fp16", "int8", "nf4"]
-    if est.load in order:
-        for load in order[order.index(est.load) + 1 :]:
-            if load == "bf16" and (est.load == "fp16" or not bf16):  # a T4 or V100 has no bf16
-                continue
-            if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
-                cands.append(
-                    (
-                        f"QLoRA: load={load} with LoraTraining()",
-                        {"load": load, "training": LoraTraining(seq_len=tr.seq_len, micro_batch=tr.micro_batch)},
-                    )
+    if est.quantized_by == "mxfp4" and est.load == BF16 and inp.get("load") != BF16:  # dequantized: no kernels
+        cands.append(("pip install -U kernels triton (transformers then keeps mxfp4)", {"load": "mxfp4"}))
+    for load in lighter_loads(est.load, bf16):  # a T4 or V100 has no bf16
+        if tr is not None and isinstance(tr, FullTraining) and load in QUANTIZED:
+            cands.append(
+                (
+                    f"QLoRA: load={load} with LoraTraining()",
+                    {"load": load, "training": LoraTraining(seq_len=tr.seq_len, micro_batch=tr.micro_batch)},
                 )
-                continue
-            cands.append((f"load={load}", {"load": load}))
+            )
+            continue
+        cands.append((f"load={load}", {"load": load}))
     if est.load in FOUR_BIT and not inp.get("double_quant"):
         cands.append(("double_quant=True", {"double_quant": True}))
     cands += _reducer_candidates(inp, tr)
@@ -492,13 +511,20 @@ def _shipped_by_size() -> list[tuple[int | None, str]]:
 
 
 def _smaller_model(est: MemoryEstimate, cap: int) -> Suggestion | None:
-    """The largest shipped model smaller than this one that fits with the same settings and whose
-    context holds the prompt and the new tokens (or the training sequence)."""
+    """The largest shipped model of the same family (a speech model for Whisper, never a text LM) smaller than
+    this one that fits with the same settings and whose context holds the prompt and the new tokens (or the
+    training sequence)."""
     best = None
+    try:
+        own = family(resolve_config(est.source)[0])
+    except Exception:  # noqa: BLE001 - a source that no longer resolves has no smaller sibling to offer
+        return None
     for params, hub_id in _shipped_by_size():  # largest first: the first that fits is the answer
         if params is not None and (params >= est.params or (best is not None and params <= best.params)):
             continue
         try:
+            if family(resolve_config(hub_id)[0]) != own:
+                continue
             new = estimate(hub_id, **est.inputs)
         except Exception:
             continue

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sources import hub_offline_reason
-from .layout import Layout
+from ..core.sources import hub_offline_reason
+from ..core.vocab import FP32
+from .layout import Layout, fp32_modules
 from .rows import EstimateRow
 
 __all__ = ["HeaderTensor", "HeaderWeights", "read_hub_headers", "header_rows", "clear_header_cache", "HEADER_NOTE"]
@@ -139,7 +140,8 @@ def header_rows(h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, preq
     and its other floating tensors in the compute dtype; an ordinary checkpoint's floating tensors in the
     load dtype (fp32 where the model keeps them so). Buffers the checkpoint lacks (rotary tables) come
     from the architecture."""
-    half = 4 if load == "fp32" else dtype_bytes
+    half = 4 if load == FP32 else dtype_bytes
+    fp32 = fp32_modules(lay, load)
     packed = state = plain = 0
     n_packed = blobs = 0
     for name, t in h.entries.items():
@@ -152,7 +154,7 @@ def header_rows(h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, preq
         elif not t.floating:
             plain += t.nbytes
         else:
-            plain += t.numel * (4 if any(k in name for k in lay.keep_fp32) else half)
+            plain += t.numel * (4 if any(k in name for k in fp32) else half)
     buffers = sum(
         e.numel * (e.fixed_bytes or half) for e in lay.entries if e.module == "buffer" and e.name not in h.entries
     )

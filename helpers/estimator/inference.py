@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..units import format_bytes
-from ..vocab import MODES
+from ..core.units import format_bytes
+from ..core.vocab import BF16, FP16, FP32, MODES
 from .layout import Layout, dims, kv_cache_bytes, largest_quantized_linear
 from .reducers import kv_cache_rows
 from .rows import EstimateRow
@@ -128,7 +128,7 @@ def _attention_extra(d: dict, lay: Layout, g: Generation) -> _Extra | None:
         n = g.batch * heads * g.prompt * g.prompt
         # q @ k.T in the compute dtype, then softmax(dtype=float32) and .to(dtype) with the input still
         # alive (fp16 on CUDA goes straight to fp32; bf16 is converted first, one more fp32 matrix)
-        per = b + 4 + (b if b < 4 else 0) + (4 if g.cdtype == "bf16" else 0)
+        per = b + 4 + (b if b < 4 else 0) + (4 if g.cdtype == BF16 else 0)
         kinds = len(set(d["types"][: d["layers"]])) or 1
         masks = kinds * g.batch * g.prompt * g.prompt * b  # one float (B, 1, S, S) mask per attention kind
         note = (f"no SDPA for this architecture: {g.batch} x {heads} heads x {g.prompt}^2 scores x {per} B in one "
@@ -151,7 +151,7 @@ def dequantizes_4bit(rows: int, cdtype: str, capability: tuple[int, int] | None)
         return False
     if rows > DEQUANT_ALWAYS_ROWS:
         return True
-    if cdtype == "fp32" or (capability is not None and tuple(capability) < (7, 5)):
+    if cdtype == FP32 or (capability is not None and tuple(capability) < (7, 5)):
         return rows > DEQUANT_ROWS_NO_MMA
     return rows > DEQUANT_ROWS
 
@@ -169,7 +169,7 @@ def _matmul_extra(d: dict, lay: Layout, g: Generation) -> _Extra | None:
     if mode.bits == 8:
         # int8_vectorwise_quant's int8 copy of the input and row scales, int8_linear_matmul's int32
         # out x tokens product (alive with the dequantized output), an fp16 copy of a bf16/fp32 input
-        extra = t * (inp + 4 * out + 4) + (2 * t * inp if g.cdtype != "fp16" else 0)
+        extra = t * (inp + 4 * out + 4) + (2 * t * inp if g.cdtype != FP16 else 0)
         note = (f"largest linear ({out} x {inp}): {t} tokens x {out} outputs x 4 B (int32 product) + the int8 "
                 f"input ({format_bytes(extra)})")  # fmt: skip
         return _Extra("activations.int8_matmul", "int8 matmul buffers", "linear", extra, 0, note)

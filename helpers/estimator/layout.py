@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from ..vocab import MODES, QUANTIZED
+from ..core.vocab import BF16, FP32, MODES, QUANTIZED
 from .families import SPEECH_SEQ2SEQ, auto_class, family, frozen_modules
 from .rows import EstimateError, EstimateRow
 
@@ -25,6 +26,7 @@ __all__ = [
     "largest_quantized_linear",
     "quantization_skip_modules",
     "adapted_linears",
+    "fp32_modules",
 ]
 
 
@@ -54,6 +56,14 @@ class Layout:
         default_factory=list
     )  # a VLM's vision tower and projector, Whisper's encoder: never quantized
     speech: bool = False  # kept is an audio encoder (Whisper), not a vision tower
+    keep_fp32_strict: list[str] = field(default_factory=list)  # kept in fp32 in bf16 loads too
+
+
+def fp32_modules(lay: Layout, load: str) -> list[str]:
+    """The modules transformers keeps in fp32 for a load: ``_keep_in_fp32_modules`` only when it loads in fp16
+    (T5's ``wo``; a bf16 load keeps them bf16), ``_keep_in_fp32_modules_strict`` in fp16 and bf16 alike
+    (``PreTrainedModel._get_dtype_plan``). A quantized load's compute dtype is taken as fp16 (a T4's)."""
+    return list(lay.keep_fp32_strict) if load == BF16 else [*lay.keep_fp32, *lay.keep_fp32_strict]
 
 
 def _config_key(config) -> str:
@@ -100,6 +110,7 @@ def _meta_model(config):
 
     # no_init_weights: initialising meta tensors computes nothing but costs tens of ms per model; it also
     # skips the weight tying init_weights does, so that is done here (tied embeddings count once)
+    config = _untied_as_checkpoint(config)
     with torch.device("meta"), no_init_weights():
         try:
             model = auto_class(config).from_config(config, dtype=torch.bfloat16)
@@ -107,6 +118,20 @@ def _meta_model(config):
             model = transformers.AutoModel.from_config(config, dtype=torch.bfloat16)
     model.tie_weights()
     return model
+
+
+def _untied_as_checkpoint(config):
+    """A multimodal config whose text_config says ``tie_word_embeddings: false`` while the top level does not
+    (Mistral3, Gemma3: the field absent, the class default True): the checkpoint stores lm_head apart, and
+    from_pretrained, finding both matrices with different values, does not tie them. Build it untied too."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config or getattr(text, "tie_word_embeddings", None) is not False:
+        return config
+    if not getattr(config, "tie_word_embeddings", False):
+        return config
+    config = copy.copy(config)  # the caller's config (and the layout cache's key) stay as given
+    config.tie_word_embeddings = False
+    return config
 
 
 def _default_attention(cls) -> str:
@@ -126,6 +151,7 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
     from transformers.quantizers.base import HfQuantizer
 
     keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     try:
         not_convert = HfQuantizer.get_modules_to_not_convert(model, None, keep_fp32)
     except Exception:
@@ -165,6 +191,7 @@ def _layout_of(model: torch.nn.Module, config, attention: str = "sdpa") -> Layou
         tied=_tied(config),
         kept=kept,
         speech=family(config) == SPEECH_SEQ2SEQ,
+        keep_fp32_strict=strict,
     )
 
 
@@ -230,7 +257,7 @@ def adapted_linears(lay: Layout, targets: str | list[str], *, fp32_kept_adapt: b
     output layer never is: peft's rule), else those named in ``targets``; never one of the frozen parts
     (``lay.kept``: a VLM's vision tower and projector, Whisper's encoder), which ``TrainPlan.lora_config``
     excludes by path. ``fp32_kept_adapt``: a module the model keeps in fp32 (T5's ``wo``) is adapted too,
-    as ``helpers.train_plan.target_modules`` picks it (every linear but the output layer)."""
+    as ``helpers.training.plan.target_modules`` picks it (every linear but the output layer)."""
     skip = [n for n in lay.not_convert if n not in lay.keep_fp32] if fp32_kept_adapt else lay.not_convert
     out = []
     for e in lay.entries:
@@ -300,7 +327,8 @@ def weight_rows(
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
     not_convert = _not_convert(lay, skip_modules)
     q_bytes = state_bytes = plain = buffers = experts = kept = n_q = 0
-    half = 4 if load == "fp32" else dtype_bytes
+    half = 4 if load == FP32 else dtype_bytes
+    fp32 = fp32_modules(lay, load)
     for e in lay.entries:
         if e.module == "buffer":
             buffers += e.numel * (e.fixed_bytes or half)
@@ -312,7 +340,7 @@ def weight_rows(
         elif load in QUANTIZED and lay.kept and _in_kept(e.module, lay.kept):
             kept += e.numel * half
         else:
-            plain += e.numel * (4 if any(k in e.name for k in lay.keep_fp32) else half)
+            plain += e.numel * (4 if any(k in e.name for k in fp32) else half)
     rows = []
     mode = MODES.get(load)
     label = (load if mode.bits == 8 else f"{mode.bits}-bit {load}") if mode is not None and mode.quantized else None

@@ -1,14 +1,14 @@
 """The price of each memory reducer: its rows (GPU and host RAM) and what it costs in speed.
 
-Each formula names its source. The reducers themselves run in :mod:`helpers.reducers`:
+Each formula names its source. The reducers themselves run in :mod:`helpers.core.reducers`:
 
 - **loss**: ``"plain"`` keeps three fp32 batch x seq x vocab buffers at the loss's backward
   (log-softmax's output, its incoming gradient and the one it returns); ``"chunked"``
-  (``helpers.reducers.chunked_cross_entropy``) the same three for one chunk of tokens (Liger Kernel's
+  (``helpers.core.reducers.chunked_cross_entropy``) the same three for one chunk of tokens (Liger Kernel's
   chunk rule) plus the hidden states' fp32 gradient; ``"fused"`` (Liger Kernel's
   ``fused_linear_cross_entropy``) one chunk's scores in the compute dtype plus the hidden states'
   gradient, computed in forward.
-- **activation offload** (``helpers.reducers.offload_activations``, saved-tensor hooks as
+- **activation offload** (``helpers.core.reducers.offload_activations``, saved-tensor hooks as
   ``torch.autograd.graph.save_on_cpu``): what the forward pass saves waits in pinned RAM; one
   layer's worth is on the GPU at a time. Under gradient checkpointing the checkpoints hold the
   layers' inputs themselves, so only the loss's saved scores move, and they come back for the
@@ -22,15 +22,15 @@ Each formula names its source. The reducers themselves run in :mod:`helpers.redu
 
 from __future__ import annotations
 
-from ..devices import PCIE_BYTES_PER_S  # host <-> GPU copies, as a T4 in Colab sees them
-from ..reducers import KV_GROUP, KV_RESIDUAL_TOKENS, loss_chunk_tokens
-from ..units import format_bytes
-from ..vocab import KV_CACHE_BITS
+from ..core.devices import MACHINE_RAM, PCIE_BYTES_PER_S  # host <-> GPU copies, as a T4 in Colab sees them
+from ..core.reducers import KV_GROUP, KV_RESIDUAL_TOKENS, loss_chunk_tokens
+from ..core.units import format_bytes
+from ..core.vocab import KV_CACHE_BITS
 from .rows import HOST, EstimateRow
 
 __all__ = ["HOST_RAM", "loss_bytes", "offload_rows", "kv_cache_rows", "host_cost"]
 
-HOST_RAM = int(12.7e9)  # a free Colab runtime's RAM: what an offload must fit in, with the process itself
+HOST_RAM = MACHINE_RAM["colab"]  # what an offload must fit in, with the process itself: a free Colab runtime's
 
 
 def _seconds(nbytes: float) -> str:
@@ -46,7 +46,7 @@ def loss_bytes(d: dict, tokens: int, b: int, loss: str) -> tuple[int, str]:
     chunk = loss_chunk_tokens(tokens, vocab, h)
     if loss == "chunked":
         return chunk * vocab * 12 + tokens * h * 4, (
-            f"chunked cross-entropy (helpers.reducers): {chunk} tokens x vocab x 3 fp32 buffers at a time, "
+            f"chunked cross-entropy (helpers.core.reducers): {chunk} tokens x vocab x 3 fp32 buffers at a time, "
             "each chunk recomputed in backward, + the hidden states' fp32 gradient"
         )
     return chunk * vocab * (b + 4) + tokens * h * b, (
@@ -116,7 +116,9 @@ def host_cost(rows: list[EstimateRow]) -> str:
         return ""
     total = sum(r.bytes for r in host)
     share = (
-        f" (Colab has {HOST_RAM / 1e9:.1f} GB)" if total < HOST_RAM else f", more than Colab's {HOST_RAM / 1e9:.1f} GB"
+        f" (Colab has {format_bytes(HOST_RAM)})"
+        if total < HOST_RAM
+        else f", more than Colab's {format_bytes(HOST_RAM)} GB"
     )
     speed = "; ".join(r.note.split("~", 1)[1] for r in host if "~" in r.note)
     return f"+{format_bytes(total)} host RAM{share}" + (f", ~{speed}" if speed else "")

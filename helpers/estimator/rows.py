@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import OomkitError
+from ..core.errors import OomkitError
 
 __all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS", "HOST"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..arguments import flag, number, whole_number
-from ..vocab import DEFAULTS, MODES, QUANTIZED
+from ..core.arguments import flag, number, whole_number
+from ..core.vocab import DEFAULTS, MODES, QUANTIZED
 from .families import IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
 from .family_training import seq2seq_activation_rows, vision_training_rows, vlm_layer_bytes, vlm_sequence
 from .layout import Layout, adapted_linears, dims, should_convert
@@ -19,6 +19,14 @@ OPTIMIZERS = {  # bytes of optimizer state per trainable parameter (None: same d
     "adamw_torch": None, "adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2,
     "adamw_bnb_8bit": 2, "sgd": 0, "sgd_momentum": None, "adafactor": 0,
 }  # fmt: skip
+# States an optimizer of ``None`` above keeps per parameter, each in the parameter's dtype: AdamW its two
+# moments, SGD with momentum the one momentum_buffer torch.optim.SGD allocates (plain SGD none: 0 above)
+STATE_COPIES = {"sgd_momentum": 1}
+
+
+def _state_copies(optimizer: str) -> int:
+    return STATE_COPIES.get(optimizer, 2)
+
 
 # Capacity as torch.cuda.get_device_properties().total_memory reports it (what OOM messages call
 
@@ -122,7 +130,7 @@ def _lora_rows(
         EstimateRow(
             "training.optimizer",
             f"optimizer states ({tr.optimizer})",
-            (8 if per_param is None else per_param) * n_lora,
+            (4 * _state_copies(tr.optimizer) if per_param is None else per_param) * n_lora,
             "formula",
             "AdamW 32-bit 8 bytes/param, 8-bit 2",
         )
@@ -143,20 +151,20 @@ def _lora_rows(
 def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[EstimateRow], int]:
     """Gradients, optimizer states and master weights when every parameter trains."""
     rows = []
-    if load in QUANTIZED:
+    if load in QUANTIZED or load not in MODES:  # bitsandbytes, or a GPTQ/AWQ/mxfp4/fp8 checkpoint's packed weights
         raise EstimateError(f"full fine-tuning cannot train {load} weights; use LoraTraining or load=bf16/fp16/fp32")
     trainable = lay.params
     pb = 4 if MODES[load].bits == 32 else b  # an fp32 load trains in fp32, a 16-bit one in its dtype
     rows.append(EstimateRow("training.gradients", f"gradients ({load})", pb * trainable, "exact"))
     per_param = OPTIMIZERS.get(tr.optimizer)
-    opt = 2 * pb * trainable if per_param is None else per_param * trainable
+    opt = _state_copies(tr.optimizer) * pb * trainable if per_param is None else per_param * trainable
     rows.append(
         EstimateRow(
             "training.optimizer",
             f"optimizer states ({tr.optimizer})",
             opt,
             "formula",
-            "torch AdamW: 2 states in the parameter dtype",
+            f"torch: {_state_copies(tr.optimizer)} state(s) per parameter in its dtype" if per_param is None else "",
         )
     )
     if tr.master_weights and MODES[load].bits != 32:

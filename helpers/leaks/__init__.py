@@ -13,26 +13,3 @@
 Memory for the detector is CUDA allocated on every card (``allocated("all")``) and, elsewhere, the bytes of
 live tensors found by the census (so the detector works the same on a CPU-only machine).
 """
-
-from __future__ import annotations
-
-from ..tensors import tensor_bytes
-from .allocations import (
-    AllocationSites,
-    AllocationTimeline,
-    SnapshotError,
-    allocation_timeline,
-    load_snapshot,
-    record_allocations,
-    top_allocation_sites,
-)
-from .census import CensusDiff, TensorCensus, TensorEntry, TensorGroup, census, census_diff
-from .growth import GrowthDetector, GrowthReport, WatchReport, watch
-from .patterns import LeakChecks, leak_checks
-
-__all__ = [
-    "TensorEntry", "TensorGroup", "TensorCensus", "census", "tensor_bytes", "CensusDiff", "census_diff",
-    "GrowthReport", "GrowthDetector", "WatchReport", "watch", "LeakChecks", "leak_checks",
-    "AllocationSites", "SnapshotError", "load_snapshot", "record_allocations", "top_allocation_sites",
-    "AllocationTimeline", "allocation_timeline",
-]  # fmt: skip

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OomkitError
-from ..html import table
-from ..units import format_bytes
+from ..core.arguments import regular_file
+from ..core.errors import OomkitError
+from ..core.html import table
+from ..core.units import format_bytes
 
 __all__ = [
     "AllocationSites", "AllocationTimeline", "SnapshotError", "allocation_timeline", "load_snapshot",
@@ -78,7 +79,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def load_snapshot(path: str | Path, *, trusted: bool = False) -> dict:
     """Read a snapshot pickle; only plain data is admitted unless ``trusted`` (your own file)."""
-    path = Path(path)
+    path = regular_file(path, "memory snapshot", SnapshotError)
     try:
         with path.open("rb") as f:
             data = pickle.load(f) if trusted else _PlainUnpickler(f).load()

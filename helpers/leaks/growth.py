@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import flag, number, whole_number
-from ..html import Markup, badge
-from ..memory import allocated
-from ..session import caller_namespace
-from ..tensors import tensor_bytes
-from ..units import format_bytes
+from ..core.arguments import flag, number, whole_number
+from ..core.html import Markup, badge
+from ..core.memory import allocated
+from ..core.session import caller_namespace
+from ..core.units import format_bytes
 from .census import CensusDiff, census, census_diff
 from .patterns import LeakChecks, leak_checks
+from .tensors import tensor_bytes
 
 __all__ = ["GrowthReport", "GrowthDetector", "WatchReport", "watch"]
 
@@ -215,15 +215,16 @@ class GrowthDetector:
 
 
 def _steps_until(room: int, post: list[int], slope: float, accelerating: bool) -> int:
-    if room <= 0:
-        return 0
+    """Steps from now to the first that needs more than ``room``: the step k past the k that growth fills
+    exactly (that one still fits), hence floor(k) + 1; the next step when nothing is left."""
+    room = max(room, 0)
     if accelerating and len(post) >= 6:
         # growth per step rising linearly: room = slope*k + accel*k^2/2
         half = len(post) // 2
         accel = (_theil_sen(post[half:]) - _theil_sen(post[:half])) / max(half, 1)
         if accel > 0:
-            return int((-slope + math.sqrt(slope * slope + 2 * accel * room)) / accel)
-    return int(room / slope)
+            return int((-slope + math.sqrt(slope * slope + 2 * accel * room)) / accel) + 1
+    return int(room / slope) + 1
 
 
 @dataclass
@@ -300,7 +301,7 @@ def watch(
             if hasattr(e, "add_note"):  # Python 3.11+
                 first = str(e.watch_report).splitlines()[0]
                 e.add_note(
-                    f"helpers.leaks.watch: step {i} of {steps} raised this; the {i} steps measured "
+                    f"helpers.watch: step {i} of {steps} raised this; the {i} steps measured "
                     f"before it are in the exception's .watch_report ({first})"
                 )
             raise

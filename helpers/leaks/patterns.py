@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arguments import whole_number
-from ..checks import Check
-from ..html import badge, table
-from ..object_walk import walk
-from ..session import caller_namespace, ipython
-from ..tensors import graph_tensors, storage_key
-from ..units import format_bytes
+from ..core.arguments import whole_number
+from ..core.checks import Check
+from ..core.html import badge, table
+from ..core.session import caller_namespace, ipython
+from ..core.units import format_bytes
+from .object_walk import walk
+from .tensors import graph_tensors, storage_key
 
 __all__ = ["LeakChecks", "leak_checks"]
 

@@ -1,0 +1,1 @@
+"""The words, readouts and rules every task shares: units, errors, argument checks, load modes and verdicts, device presets, memory readouts, HTML, the session, runtime settings, where a model comes from."""

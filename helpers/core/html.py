@@ -1,0 +1,193 @@
+"""Small HTML pieces shared by every ``_repr_html_``: one stylesheet, a usage bar, a table, coloured text.
+
+Every table goes through :func:`table`: labels left, numbers (bytes, counts, shapes, times) right
+and never wrapped. Coloured text uses :data:`TEXT_COLORS`, a light-theme colour (inline, so it holds
+where no stylesheet applies) and a dark-theme one that :data:`STYLE` switches to in JupyterLab's and
+Colab's dark themes; each has a WCAG contrast of at least 4.5:1 on its theme's background
+(:func:`contrast_ratio`, tested). :data:`COLORS` are fills (bars, badges' backgrounds), not text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from html import escape
+
+from .units import format_bytes
+from .vocab import DOES_NOT_FIT, FITS, TIGHT, verdict
+
+# fills: bar segments and badge backgrounds (white text on them: each >= 4.5:1 against white)
+COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a00",
+          "fail": "#c5221f", "info": "#1967d2", "none": "#5f6368"}  # fmt: skip
+# bar fills for the usage level: bright hues read best as areas (text never goes on these)
+# a chart's line: >= 3:1 (WCAG's ratio for graphics) on white and on JupyterLab's dark backgrounds alike
+LINE_COLOR = "#4285f4"
+LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
+_VERDICT_FILL = {FITS: "ok", TIGHT: "warn", DOES_NOT_FIT: "fail"}
+# text: (on a light background, on a dark one)
+TEXT_COLORS = {
+    "ok": ("#137333", "#81c995"), "pass": ("#137333", "#81c995"), "warn": ("#8a5a00", "#fdd663"),
+    "tight": ("#8a5a00", "#fdd663"), "fail": ("#c5221f", "#f28b82"), "info": ("#1967d2", "#8ab4f8"),
+    "none": ("#5f6368", "#bdc1c6"),
+}  # fmt: skip
+LIGHT_BACKGROUND = "#ffffff"
+DARK_BACKGROUNDS = ("#111111", "#212121")  # JupyterLab dark theme: --jp-layout-color0 and -color1
+_DARK = ("body[data-jp-theme-light='false'] .oomkit-{0}", "html[theme='dark'] .oomkit-{0}")
+NUMBER_STYLE = "text-align:right;white-space:nowrap"
+# inline too: JupyterLab right-aligns every cell with a more specific rule than a class selector
+# (`:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`), which turned labels right (browser-tested)
+LABEL_STYLE = "text-align:left"
+STYLE = (
+    "<style>"
+    ".oomkit-table{border-collapse:collapse;font-family:monospace}"
+    ".oomkit-table th,.oomkit-table td{padding:2px 8px;text-align:left;vertical-align:top}"
+    f".oomkit-table .oomkit-num{{{NUMBER_STYLE}}}"
+    ".oomkit-table caption{text-align:left;font-weight:bold;white-space:nowrap}"
+    + "".join(f"{','.join(d.format(s) for d in _DARK)}{{color:{dark} !important}}"
+              for s, (_, dark) in TEXT_COLORS.items())
+    + "</style>"
+)  # fmt: skip
+
+_WORDS = re.compile(r"[A-Za-z]+")
+_UNITS = {"B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB", "s", "ms", "min", "h", "x", "of", "tokens"}
+
+
+def contrast_ratio(foreground: str, background: str) -> float:
+    """WCAG 2 contrast ratio of two ``#rrggbb`` colours (1 to 21; AA asks 4.5 for text)."""
+
+    def luminance(color: str) -> float:
+        rgb = [int(color.lstrip("#")[i : i + 2], 16) / 255 for i in (0, 2, 4)]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def is_number(text: str) -> bool:
+    """True for what reads as a figure: ``1.63 MiB``, ``-120``, ``12 / 60``, ``(4096, 4096)``, ``0:07``, ``95%``."""
+    t = text.strip().lstrip("+-−~≈")
+    if not t or not (t[0].isdigit() or (t[0] in "([" and t[1:2].isdigit())):
+        return False
+    return all(word in _UNITS for word in _WORDS.findall(t))
+
+
+def level_color(used: float, total: float = 1.0) -> str:
+    """The fill of the verdict on ``used`` of ``total`` (:func:`helpers.core.vocab.verdict`: green fits, amber
+    tight, red does not fit), so a bar never disagrees with the verdict printed beside it."""
+    return LEVEL_FILLS[_VERDICT_FILL[verdict(used, total)]]
+
+
+def color_attrs(status: str) -> str:
+    """``class=... style=...`` attributes colouring an element's text for ``status`` in either theme."""
+    status = status if status in TEXT_COLORS else "none"
+    return f"class='oomkit-{status}' style='color:{TEXT_COLORS[status][0]}'"
+
+
+def colored(text: str, status: str, tag: str = "span") -> Markup:
+    """``text`` (escaped) coloured for ``status`` (``ok``, ``tight``, ``fail``...), readable in light and dark themes."""
+    return Markup(f"<{tag} {color_attrs(status)}>{escape(text)}</{tag}>")
+
+
+def bar(used: int | None, total: int | None, label: str, color: str | None = None, width: int = 260) -> str:
+    """A Colab-style bar: ``label  [#####.....]  used / total``."""
+    if used is None or not total:
+        return f"<div style='font-family:monospace'>{escape(label)}: n/a</div>"
+    share = used / total  # shown as it is (over 100 % when it does not fit); the fill stops at the end
+    frac = max(0.0, min(1.0, share))
+    color = color or level_color(used, total)
+    return (
+        # wrap: in a narrow column (760 px) the figures go under the bar instead of past the right edge
+        "<div class='oomkit-bar' style='display:flex;flex-wrap:wrap;align-items:center;gap:8px;"
+        "font-family:monospace;margin:2px 0'>"
+        f"<span style='min-width:150px'>{escape(label)}</span>"
+        f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:#e8eaed;"
+        "border-radius:3px'>"
+        f"<span style='display:block;width:{frac * 100:.1f}%;height:100%;background:{color};border-radius:3px'></span>"
+        "</span>"
+        f"<span style='white-space:nowrap'>{format_bytes(used)} / {format_bytes(total)} ({share * 100:.0f}%)</span></div>"
+    )
+
+
+def mini_bar(part: int, whole: int | None, width: int = 80) -> Markup:
+    """A small inline bar of ``part`` out of ``whole`` for a table cell (the share of one row), its percent
+    beside it; empty when ``whole`` is unknown. A row of 0.3 % still shows a sliver: it exists."""
+    if not whole or part is None or part < 0:
+        return Markup("")
+    frac = min(1.0, part / whole)
+    fill = 0 if part == 0 else max(1, round(frac * width))
+    return Markup(
+        f"<span style='white-space:nowrap'><span style='display:inline-block;width:{width}px;height:8px;"
+        f"background:#e8eaed;border-radius:2px;vertical-align:middle'><span style='display:block;width:{fill}px;"
+        f"height:100%;background:{COLORS['info']};border-radius:2px'></span></span> {frac * 100:.0f}%</span>"
+    )
+
+
+def sparkline(
+    points: Sequence[tuple[float, int]], label: str, cap: int | None = None, width: int = 320, height: int = 56
+) -> Markup:
+    """An inline SVG line of ``(x, bytes)`` points (memory per training step), the card's ``cap`` dashed
+    when given; nothing with fewer than two points. Pure SVG: it redraws in an updating output, no plot library."""
+    if len(points) < 2:
+        return Markup("")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs)
+    top = 1.1 * max(max(ys), cap or 0) or 1  # headroom: a flat line at the peak stays off the frame
+    sx = (width - 2) / ((x1 - x0) or 1)
+    y = lambda v: height - 2 - (height - 4) * v / top  # noqa: E731
+    line = " ".join(f"{1 + (x - x0) * sx:.1f},{y(v):.1f}" for x, v in points)
+    limit = (f"<line x1='0' x2='{width}' y1='{y(cap):.1f}' y2='{y(cap):.1f}' stroke='{COLORS['fail']}' "
+             "stroke-dasharray='4 3' stroke-width='1'/>") if cap else ""  # fmt: skip
+    return Markup(
+        f"<div class='oomkit-sparkline' style='font-family:monospace;margin:4px 0'>"
+        f"<div>{escape(label)}: {format_bytes(ys[-1])} now, peak {format_bytes(max(ys))}"
+        + (f" of {format_bytes(cap)}" if cap else "")
+        + "</div>"
+        f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img' "
+        f"aria-label='{escape(label)}' style='border:1px solid #9aa0a6;border-radius:3px'>{limit}"
+        f"<polyline points='{line}' fill='none' stroke='{LINE_COLOR}' stroke-width='1.5'/></svg></div>"
+    )
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | None = None) -> str:
+    """An HTML table in the shared style; cells are escaped unless they are already ``Markup`` (str subclass).
+
+    A cell that reads as a number (:func:`is_number`) is right-aligned and never wrapped; so is its
+    column's header when every filled cell of the column is one.
+    """
+    rows = [list(r) for r in rows]
+
+    def cell(v: object, tag: str = "td") -> str:
+        text = str(v)
+        if isinstance(v, Markup):
+            return f"<{tag} style='{LABEL_STYLE}'>{text}</{tag}>"
+        if is_number(text):
+            return f"<{tag} class='oomkit-num' style='{NUMBER_STYLE}'>{escape(text)}</{tag}>"
+        return f"<{tag} style='{LABEL_STYLE}'>{escape(text)}</{tag}>"
+
+    numeric = [
+        bool(column) and all(is_number(str(c)) for c in column if not isinstance(c, Markup))
+        for column in ([str(r[i]) for r in rows if i < len(r) and str(r[i]).strip()] for i in range(len(header)))
+    ]
+    head = "".join(
+        f"<th class='oomkit-num' style='{NUMBER_STYLE}'>{escape(h)}</th>"
+        if num
+        else f"<th style='{LABEL_STYLE}'>{escape(h)}</th>"
+        for h, num in zip(header, numeric, strict=True)
+    )
+    body = "".join("<tr>" + "".join(cell(c) for c in r) + "</tr>" for r in rows)
+    cap = f"<caption>{escape(title)}</caption>" if title else ""
+    return f"{STYLE}<table class='oomkit-table'>{cap}<tr>{head}</tr>{body}</table>"
+
+
+class Markup(str):
+    """A string that is already HTML and must not be escaped by :func:`table`."""
+
+
+def badge(status: str) -> Markup:
+    """``status`` as white text on its colour (contrast >= 4.5:1 whatever the theme)."""
+    color = COLORS.get(status, COLORS["none"])
+    return Markup(
+        f"<span style='background:{color};color:#ffffff;padding:0 6px;border-radius:3px;white-space:nowrap'>"
+        f"{escape(status)}</span>"
+    )

@@ -1,0 +1,876 @@
+"""Plan a model across several GPUs (and CPU/disk offload): the device map transformers will use.
+
+:func:`plan_devices` builds the architecture on the meta device (``init_empty_weights``: no memory,
+no download) and runs the placement that ``from_pretrained(device_map="auto")`` runs: the balanced
+``max_memory`` (``get_balanced_memory``), bitsandbytes' 10 % margin for its buffers, then
+``infer_auto_device_map`` with the model's ``_no_split_modules``. Quantized linear weights count
+0.5 (4-bit) or 1 (int8) byte per element, as transformers' quantizers count them. transformers 5
+ships its own copy of accelerate's two functions (with a different balancing buffer); the plan uses
+that copy where it exists, so the map is the one ``from_pretrained`` computes, and accelerate's
+functions otherwise (``special_dtypes``). Per device it then adds up the exact weights (the
+estimator's per-module layout: quantization state included), the KV cache of the layers placed
+there, the activations and the CUDA context, and refuses what transformers or bitsandbytes would
+refuse (int8/4-bit offload needs ``llm_int8_enable_fp32_cpu_offload``; 4-bit cannot go to disk).
+
+    >>> plan = plan_devices("meta-llama/Llama-2-7b-hf", load="fp16", devices="kaggle-2xt4")  # doctest: +SKIP
+    >>> plan.fits, plan.device_map, plan.max_memory                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import re
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+import psutil
+import torch
+
+from ..core.arguments import flag, number
+from ..core.compat import supported_kwargs
+from ..core.devices import (
+    CUBLAS_WORKSPACE,
+    CUDA_CONTEXT,
+    DISK_BYTES_PER_S,
+    GPU_MARGIN,
+    OFFLOAD_RAM_SHARE,
+    PCIE_BYTES_PER_S,
+    resolve_devices,
+)
+from ..core.errors import OomkitError
+from ..core.html import Markup, colored, table
+from ..core.units import format_bytes, parse_bytes
+from ..core.vocab import (
+    DEFAULTS,
+    DTYPE_BYTES,
+    FITS,
+    FITS_TOKENS,
+    FOUR_BIT,
+    FP32,
+    LOAD_MODES,
+    MODES,
+    QUANTIZED,
+    half_dtype,
+    lighter_load,
+    load_mode_name,
+    torch_dtype,
+    verdict,
+)
+from ..estimator.configs import resolve_config
+from ..estimator.core import FRAGMENTATION, estimate
+from ..estimator.families import auto_class
+from ..estimator.layout import Layout, dims, layout, should_convert, weight_rows
+
+__all__ = [
+    "FitsCell", "FitsRow", "ModelFits", "reference_configs", "FitsTable", "fits_table",
+    "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
+    "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
+    "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES",
+]  # fmt: skip
+
+BNB_MARGIN = 0.90  # bitsandbytes' quantizers keep 10 % of every device's max_memory for their buffers
+# the device_map strings from_pretrained places by itself (transformers' _get_device_map): "auto" and "balanced"
+# balance the weights over the GPUs, "balanced_low_0" leaves GPU 0 as little as the others cannot hold (room for
+# generate's work there), "sequential" fills GPU 0, then GPU 1, ... each up to its max_memory
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# the strategies that put more than an even share of the layers on one card, and so of the KV cache
+UNEVEN_STRATEGIES = ("balanced_low_0", "sequential")
+
+# transformers (5.1 to 5.23) loads a saved bitsandbytes checkpoint with its own quantization_config and ignores one
+# passed to from_pretrained (it warns; BitsAndBytesConfig is not among the configs whose loading attributes it merges),
+# so the offload flag cannot be passed that way. Set in the checkpoint's own config instead, it builds the layers a
+# device_map dict offloads as plain nn.Linear, which the saved packed weights do not fit (5.23: size mismatch at load;
+# 5.1 and int8: the load succeeds, the first forward fails); with device_map="auto" the layers are replaced before the
+# map exists, and an offloaded one quantizes the saved packed bytes again at its first forward (seen with disk offload)
+PREQUANTIZED_OFFLOAD = (
+    "a checkpoint saved quantized by bitsandbytes cannot be offloaded to CPU or disk (transformers refuses it without "
+    "llm_int8_enable_fp32_cpu_offload, and with it the offloaded layers cannot take the saved 4-bit/8-bit weights)"
+)
+PREQUANTIZED_OFFLOAD_FIX = (
+    "load the original (unquantized) checkpoint with load='nf4' instead: bitsandbytes then quantizes it while loading "
+    "and can offload what does not fit"
+)
+
+
+def bnb_prequantized(est) -> bool:
+    """Whether the estimate is of a checkpoint saved quantized by bitsandbytes (a ``*-bnb-4bit`` repo): its
+    layers can only be loaded where they fit, never offloaded (see ``PREQUANTIZED_OFFLOAD``)."""
+    return getattr(est, "quantized_by", None) == "bitsandbytes"
+
+
+class PlacementError(OomkitError, ValueError):
+    """A placement that cannot be planned (bad devices, an architecture that cannot be built)."""
+
+
+class DeviceMapError(PlacementError):
+    """A device map or ``max_memory`` that cannot be right: a device the plan lacks, a weight left out."""
+
+
+@dataclass
+class DeviceShare:
+    """What one device holds under a plan: weights, its layers' KV cache, activations, context."""
+
+    device: Any  # 0, 1, ... "cpu", "disk"
+    label: str
+    capacity: int | None
+    weights: int = 0
+    kv_cache: int = 0
+    activations: int = 0
+    overhead: int = 0
+    layers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+    def row(self) -> list[str]:
+        cap = format_bytes(self.capacity) if self.capacity else "-"
+        cells = [self.weights, self.kv_cache, self.activations, self.overhead, self.total]
+        verdict = "" if self.capacity is None else ("fits" if self.fits else "DOES NOT FIT")
+        return [self.label, str(self.layers), *map(format_bytes, cells), cap, verdict]
+
+
+@dataclass
+class DevicePlan:
+    """Where every module goes, what each device holds, and whether transformers would accept it.
+
+    ``device_map`` and ``max_memory`` are the arguments for ``from_pretrained`` (see
+    :meth:`from_pretrained_kwargs`); ``placed_max_memory`` is what the placement itself saw (balanced,
+    and with bitsandbytes' margin)."""
+
+    model: str
+    load: str
+    compute_dtype: str
+    shares: list[DeviceShare]
+    device_map: dict[str, Any]
+    max_memory: dict
+    placed_max_memory: dict
+    weights: int  # single-device estimate of the weights, the sum of the shares' weights
+    crossings: list[tuple[Any, Any, int]] = field(default_factory=list)  # (from, to, bytes per token)
+    reasons: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    quantization_changes: dict = field(default_factory=dict)
+    offload_folder: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+    @property
+    def gpus(self) -> list[DeviceShare]:
+        return [s for s in self.shares if isinstance(s.device, int)]
+
+    def offloaded(self, where: str = "cpu") -> int:
+        """Bytes of weights placed on ``"cpu"`` or ``"disk"``."""
+        return sum(s.weights for s in self.shares if s.device == where)
+
+    @property
+    def slowdown(self) -> str:
+        """The rule of thumb for what offload costs per generated token ('' without offload)."""
+        cpu, disk = self.offloaded("cpu"), self.offloaded("disk")
+        parts = []
+        if cpu:
+            parts.append(f"{format_bytes(cpu)} cross PCIe every token: ~{cpu / PCIE_BYTES_PER_S * 1000:.0f} ms/token "
+                         f"at {format_bytes(PCIE_BYTES_PER_S)}/s, typically 5-20x slower than all on GPU")  # fmt: skip
+        if disk:
+            parts.append(f"{format_bytes(disk)} read from disk every token: ~{disk / DISK_BYTES_PER_S:.1f} s/token")
+        return "; ".join(parts)
+
+    @property
+    def summary(self) -> str:
+        """One line: the verdict, each GPU's share and the offload."""
+        gpus = ", ".join(f"GPU {s.device} {format_bytes(s.total)}/{format_bytes(s.capacity)}" for s in self.gpus)
+        off = f"; {self.slowdown}" if self.slowdown else ""
+        verdict = "fits" if self.fits else "does not fit: " + self.reasons[0]
+        return f"{self.model} {self.load} on {len(self.gpus)} GPU(s) {verdict} ({gpus or 'CPU only'}){off}"
+
+    def cpu_device_map(self) -> dict[str, str]:
+        """The same split with every part on the CPU: rehearse the load on a machine without GPUs."""
+        return {k: "cpu" for k in self.device_map}
+
+    def from_pretrained_kwargs(self, plan=None) -> dict[str, Any]:
+        """Keyword arguments for ``from_pretrained``: a :class:`helpers.LoadPlan`'s (when given)
+        with this ``device_map``, ``max_memory``, offload folder and bitsandbytes' offload flag."""
+        kwargs = plan.replace(device_map=None).from_pretrained_kwargs() if plan is not None else {}
+        kwargs.update(device_map=dict(self.device_map), max_memory=dict(self.max_memory))
+        if self.offload_folder:
+            kwargs["offload_folder"] = self.offload_folder
+        qc = kwargs.get("quantization_config")
+        for k, v in self.quantization_changes.items():
+            if qc is not None:
+                setattr(qc, k, v)
+        return kwargs
+
+    def rows(self) -> list[list[str]]:
+        return [s.row() for s in self.shares]
+
+    def __str__(self) -> str:
+        head = ["device", "layers", "weights", "KV cache", "activations", "context+margin", "total", "capacity", ""]
+        rows = [head, *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines = [f"{self.model} as {self.load} ({self.compute_dtype} compute) on {len(self.gpus)} GPU(s): {verdict}"]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += [f"  crosses {a} -> {b}: {format_bytes(n)} per token" for a, b, n in self.crossings]
+        lines += [f"  offload: {self.slowdown}"] if self.slowdown else []
+        lines += [f"  refused: {r}" for r in self.reasons] + [f"  fix: {f}" for f in self.fixes]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  max_memory={_mm_text(self.max_memory)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    def _repr_html_(self) -> str:
+        title = f"{self.model} as {self.load}: {'fits' if self.fits else 'does not fit'}"
+        head = ["device", "layers", "weights", "KV cache", "activations", "context+margin", "total", "capacity", ""]
+        html = table(head, self.rows(), title=title)
+        extra = [f"crosses {a} &rarr; {b}: {format_bytes(n)} per token" for a, b, n in self.crossings]
+        extra += [f"offload: {escape(self.slowdown)}"] if self.slowdown else []
+        extra += [f"<b>refused</b>: {escape(r)}" for r in self.reasons] + [f"fix: {escape(f)}" for f in self.fixes]
+        extra += [f"note: {escape(n)}" for n in self.notes]
+        extra.append(f"<code>max_memory={escape(_mm_text(self.max_memory))}</code>")
+        return html + "".join(f"<div>{Markup(x)}</div>" for x in extra)
+
+
+def _mm_text(mm: dict) -> str:
+    return "{" + ", ".join(f"{k!r}: {format_bytes(int(v))!r}" for k, v in mm.items()) + "}"
+
+
+# ----------------------------------------------------------------------------- the meta model
+
+
+_MODELS: dict[tuple, tuple[torch.nn.Module, set[int]]] = {}
+
+
+def placement_model(config, load: str, dtype: torch.dtype) -> tuple[torch.nn.Module, set[int]]:
+    """The architecture on the meta device in ``dtype`` and the ids of the parameters bitsandbytes
+    quantizes for ``load`` (cached per config, load mode and dtype)."""
+    from accelerate import init_empty_weights
+    from transformers.initialization import no_init_weights
+
+    key = (config.to_json_string(use_diff=False), load, str(dtype))
+    if key not in _MODELS:
+        lay = layout(config)
+        if lay.approximate:
+            raise PlacementError(f"cannot build this architecture on the meta device ({lay.missing[0]})")
+        try:
+            # no_init_weights: initialising meta tensors computes nothing but costs ~0.3 s per model
+            with init_empty_weights(), no_init_weights(), contextlib.redirect_stderr(None):
+                model = auto_class(config).from_config(copy.deepcopy(config), dtype=dtype)
+        except (ValueError, KeyError, ImportError, TypeError) as e:  # no generative class for it (CLIP, BERT, ...)
+            raise PlacementError(f"cannot build this architecture on the meta device ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:120]})") from None  # fmt: skip
+        model.tie_weights()  # tied embeddings count once, as transformers counts them
+        params = dict(model.named_parameters())
+        quantized = {
+            id(params[e.name])
+            for e in lay.entries
+            if load in QUANTIZED and e.linear and e.module != "buffer" and should_convert(e.module, lay.not_convert)
+            and e.name in params
+        }  # fmt: skip
+        _MODELS[key] = (model, quantized)
+    return _MODELS[key]
+
+
+def element_sizes(load: str, quantized: set[int]):
+    """Bytes per element as transformers' bitsandbytes quantizers count them (0.5 for 4-bit, 1 for int8)."""
+    q = MODES[load].weight_bytes if load in MODES else 0.5
+
+    class _Sizes:  # the two methods transformers' placement asks a quantizer for
+        def param_element_size(self, model, name, param):
+            return q if id(param) in quantized else param.element_size()
+
+        def adjust_max_memory(self, max_memory):
+            return {k: v * BNB_MARGIN for k, v in max_memory.items()}
+
+    return _Sizes() if load in QUANTIZED else None
+
+
+def _special_dtypes(model, load: str, quantized: set[int]) -> dict | None:
+    from accelerate.utils import CustomDtype
+
+    if load not in QUANTIZED:
+        return None
+    target = torch.int8 if MODES[load].bits == 8 else CustomDtype.INT4
+    return {n: target for n, p in model.named_parameters() if id(p) in quantized}
+
+
+@contextlib.contextmanager
+def _quiet_fake_devices():
+    # accelerate warns "Device 0 is not available" for every planned GPU this machine lacks
+    logs = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
+    levels = [lg.level for lg in logs]
+    for lg in logs:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(logs, levels):
+            lg.setLevel(lv)
+
+
+def device_map_for(
+    model, load: str, quantized: set[int], max_memory: dict, strategy: str = "auto"
+) -> tuple[dict, dict]:
+    """``(device_map, placed_max_memory)`` as ``from_pretrained(device_map=strategy, max_memory=...)`` computes
+    them: transformers' ``_get_device_map`` step by step (balanced caps unless ``"sequential"``, which takes the
+    caps as they are; then bitsandbytes' margin; then ``infer_auto_device_map``)."""
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    with _quiet_fake_devices():
+        try:  # transformers >= 5 places with its own copy of accelerate's functions
+            from transformers.integrations.accelerate import (
+                get_balanced_memory,
+                get_max_memory,
+                infer_auto_device_map,
+            )
+        except ImportError:
+            return _accelerate_map(model, load, quantized, max_memory, no_split, strategy)
+        sizes = element_sizes(load, quantized)
+        if strategy == "sequential":
+            placed = get_max_memory(dict(max_memory))
+        else:
+            placed = get_balanced_memory(model, dict(max_memory), no_split, hf_quantizer=sizes,
+                                         low_zero=strategy == "balanced_low_0")  # fmt: skip
+        if sizes is not None:
+            placed = sizes.adjust_max_memory(placed)
+        extra = supported_kwargs(
+            infer_auto_device_map, no_placement_params=getattr(model, "_no_placement_params", None)
+        )
+        dm = infer_auto_device_map(model, max_memory=dict(placed), no_split_module_classes=no_split,
+                                   hf_quantizer=sizes, **extra)  # fmt: skip
+    return dict(dm), placed
+
+
+def _accelerate_map(model, load, quantized, max_memory, no_split, strategy: str = "auto") -> tuple[dict, dict]:
+    """transformers 4's placement (accelerate's functions, quantized sizes as ``special_dtypes``)."""
+    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+    sd = _special_dtypes(model, load, quantized)
+    if strategy == "sequential":
+        placed = get_max_memory(dict(max_memory))
+    else:
+        placed = get_balanced_memory(model, dict(max_memory), no_split, special_dtypes=sd,
+                                     low_zero=strategy == "balanced_low_0")  # fmt: skip
+    if load in QUANTIZED:
+        placed = {k: v * BNB_MARGIN for k, v in placed.items()}
+    dm = infer_auto_device_map(model, max_memory=dict(placed), no_split_module_classes=no_split, special_dtypes=sd)
+    return dict(dm), placed
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _compute_dtype(load: str, compute_dtype: str, gpus: list[tuple[str, dict]]) -> str:
+    if compute_dtype != "auto":
+        return compute_dtype
+    if load in DTYPE_BYTES:
+        return load
+    if not gpus:
+        return FP32
+    return half_dtype(all(d["bf16"] for _, d in gpus))
+
+
+def _where(name: str, device_map: dict) -> Any:
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        key = ".".join(parts[:i])
+        if key in device_map:
+            return device_map[key]
+    raise PlacementError(f"{name} is not covered by the device map")
+
+
+def _headroom(headroom: Any, runtime: int) -> int:
+    if headroom in (None, "auto"):
+        return runtime
+    value = parse_bytes(headroom) if isinstance(headroom, str) else headroom
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise PlacementError(f"headroom is bytes per GPU ('2GiB', 2 * GiB) or 'auto', got {headroom!r}")
+    return int(value)
+
+
+def _layer_devices(model, device_map: dict) -> list[Any]:
+    """The device of each decoder layer (the model's no-split blocks), in order."""
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    names = [n for n, m in model.named_modules() if type(m).__name__ in no_split]
+    names.sort(key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"\.", n)])
+    return [_where(n, device_map) for n in names]
+
+
+def _weights_by_device(
+    lay: Layout, device_map: dict, load: str, b: int, double_quant: bool, offload: bool = True
+) -> dict[Any, int]:
+    """Exact weight bytes per device; int8/4-bit modules offloaded to CPU/disk stay unquantized (as transformers
+    loads them with ``llm_int8_enable_fp32_cpu_offload``)."""
+    groups: dict[Any, list] = {}
+    for e in lay.entries:
+        groups.setdefault(_where(e.name, device_map), []).append(e)
+    offloaded = [k for k, v in device_map.items() if v in ("cpu", "disk")]
+    out = {}
+    for dev, entries in groups.items():
+        sub = Layout(lay.params, entries, lay.not_convert, lay.keep_fp32, lay.n_layers)
+        skip = lay.not_convert + offloaded if offload and dev in ("cpu", "disk") and load in QUANTIZED else None
+        out[dev] = sum(r.bytes for r in weight_rows(sub, load, b, double_quant, skip))
+    return out
+
+
+def _runtime(est, n_gpus: int) -> dict[str, int]:
+    """What a GPU needs besides weights while generating: its KV share, activations, context, margins."""
+    kv = est.group_bytes("kv_cache")
+    logits = est.row("activations.logits").bytes
+    # prefill and what kernels add to it (a 4-bit layer's dequantized copy, int8's product, eager scores)
+    act = est.group_bytes("activations") - logits
+    context = CUDA_CONTEXT + CUBLAS_WORKSPACE
+    return {"kv": kv, "act": act, "logits": logits, "context": context,
+            "headroom": context + act + logits + kv // max(1, n_gpus) + int((kv / max(1, n_gpus) + act) * FRAGMENTATION)
+            + GPU_MARGIN}  # fmt: skip
+
+
+def plan_devices(
+    model: Any,
+    *,
+    load: str,
+    devices: Any = "current",
+    cpu_offload: bool = False,
+    disk_offload: bool = False,
+    headroom: Any = "auto",
+    cpu_memory: int | None = None,
+    compute_dtype: str = "auto",
+    double_quant: bool = True,
+    batch_size: int = DEFAULTS.batch_size,
+    prompt_tokens: int = DEFAULTS.prompt_tokens,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
+    offload_folder: str = "offload",
+    device_map: dict | None = None,
+    max_memory: dict | None = None,
+    strategy: str = "auto",
+    kv_cache: str = "dynamic",
+) -> DevicePlan:
+    """Plan ``model`` in ``load`` mode across ``devices`` as ``from_pretrained(device_map=strategy)`` places it.
+
+    Args:
+        model: what :func:`helpers.estimate` takes (hub id, shipped config name, folder, config).
+        load: fp32, fp16, bf16, int8, nf4 or fp4.
+        devices: ``"current"`` (this machine's GPUs), a set such as ``"kaggle-2xt4"``, a list of presets
+            or sizes (``["t4", "t4"]``) or ``{0: bytes, 1: bytes}``.
+        cpu_offload, disk_offload: let modules that do not fit the GPUs go to CPU RAM, then to disk.
+        headroom: bytes kept free on every GPU for the KV cache, activations and the CUDA context;
+            ``"auto"`` sizes it from the generation budget (``batch_size``, ``prompt_tokens``, ``max_new_tokens``).
+        cpu_memory: RAM offloaded weights may use (default 80 % of the available RAM).
+        device_map: a map chosen by hand (``{"model.layers.0": 0, ..., "lm_head": 1}``) to check instead of
+            computing accelerate's; its ``"cpu"`` and ``"disk"`` entries count as asked-for offload.
+        max_memory: caps of your own for the placement (``{0: "13GiB", 1: "13GiB", "cpu": "20GiB"}``), as
+            ``from_pretrained`` takes them; each card is still checked against ``devices``' capacity.
+        strategy: the ``device_map`` string to place as: ``"auto"`` (= ``"balanced"``), ``"balanced_low_0"``
+            or ``"sequential"``. With the automatic headroom and no ``max_memory`` of yours, a strategy that
+            stacks layers on one card (the last two) gets that card's cap lowered until its KV cache fits.
+        kv_cache: the KV cache ``generate()`` keeps (``LoadPlan(kv_cache=...)``): a quantized or offloaded
+            one leaves each GPU more room for layers, as the estimate prices it.
+    """
+    load = load_mode_name(load, error=PlacementError)
+    if strategy not in DEVICE_MAP_STRATEGIES:
+        raise PlacementError(f"unknown strategy {strategy!r}; use one of {', '.join(DEVICE_MAP_STRATEGIES)}")
+    flag("cpu_offload", cpu_offload, error=PlacementError)
+    flag("disk_offload", disk_offload, error=PlacementError)
+    number("cpu_memory (bytes)", cpu_memory, low=0, none_ok=True, error=PlacementError)
+    config, name, _ = resolve_config(model)
+    gpus = resolve_devices(devices)
+    cd = _compute_dtype(load, compute_dtype, gpus)
+    b = DTYPE_BYTES[cd]
+    est = estimate(config, load=load, double_quant=double_quant, compute_dtype=cd, batch_size=batch_size,
+                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
+                   device=None)  # fmt: skip
+    rt = _runtime(est, len(gpus))
+    room = _headroom(headroom, rt["headroom"])
+    ram = int(psutil.virtual_memory().available * OFFLOAD_RAM_SHARE) if cpu_memory is None else int(cpu_memory)
+    caps = _user_caps(max_memory, len(gpus)) if max_memory is not None else None
+    if caps is not None:
+        cpu_offload = cpu_offload or "cpu" in caps
+        ram = caps.get("cpu", ram)
+    max_memory = {i: max(0, d["capacity"] - room) if caps is None else caps.get(i, 0) for i, (_, d) in enumerate(gpus)}
+    if cpu_offload or not gpus:
+        max_memory["cpu"] = ram
+    meta, quantized = placement_model(config, load, torch_dtype(cd))
+    given = device_map is not None
+    if given:
+        device_map = _given_map(device_map, meta, len(gpus))
+        cpu_offload = cpu_offload or "cpu" in device_map.values()
+        disk_offload = disk_offload or "disk" in device_map.values()
+        if cpu_offload and "cpu" not in max_memory:
+            max_memory["cpu"] = ram
+
+    def place(mm: dict) -> DevicePlan:
+        if given:
+            dm, placed = device_map, dict(mm)
+        elif gpus:
+            dm, placed = device_map_for(meta, load, quantized, mm, strategy)
+        else:
+            dm, placed = {"": "cpu"}, dict(mm)
+        out = DevicePlan(str(name), load, cd, [], dm, mm, placed, est.weights,
+                         offload_folder=offload_folder if disk_offload else None)  # fmt: skip
+        _fill_shares(out, meta, config, est, gpus, rt, b, double_quant, ram, cpu_offload or disk_offload)
+        return out
+
+    plan = place(max_memory)
+    if strategy in UNEVEN_STRATEGIES and not given and caps is None and headroom in (None, "auto"):
+        plan = _settle_uneven(plan, place)
+    _check_rules(plan, gpus, cpu_offload, disk_offload, bnb_prequantized(est))
+    return plan
+
+
+def _settle_uneven(plan: DevicePlan, place) -> DevicePlan:
+    """The automatic caps keep every GPU an even share of the KV cache free; "sequential" and "balanced_low_0"
+    give one card more layers than that, and so more cache. Lower each overflowing card's cap by what it
+    overflows and place again (what you would do by hand: a lower ``max_memory`` for the card that ran out),
+    until every card holds its share or the caps stop changing; ``place(max_memory)`` re-plans."""
+    for _ in range(8):  # a card's overflow shrinks every round (a layer moves off it); a few rounds settle it
+        over = {s.device: s.total - s.capacity for s in plan.gpus if not s.fits}
+        if not over:
+            break
+        caps = {k: max(0, v - over.get(k, 0)) if isinstance(k, int) else v for k, v in plan.max_memory.items()}
+        if caps == plan.max_memory:
+            break
+        plan = place(caps)
+    return plan
+
+
+def _user_caps(max_memory: dict, n_gpus: int) -> dict:
+    """``max_memory`` as ``{gpu index: bytes, "cpu": bytes}`` (sizes such as ``"13GiB"`` read)."""
+    out: dict[Any, int] = {}
+    for key, value in max_memory.items():
+        dev = key if isinstance(key, int) and not isinstance(key, bool) else str(key)
+        if isinstance(dev, str) and dev.startswith("cuda"):
+            dev = int(dev.partition(":")[2] or 0)
+        if dev == "disk":
+            continue
+        if dev != "cpu" and not (isinstance(dev, int) and 0 <= dev < n_gpus):
+            raise DeviceMapError(f"max_memory caps {key!r}: this plan has GPUs 0-{n_gpus - 1} and 'cpu'")
+        out[dev] = parse_bytes(value) if isinstance(value, str) else int(value)
+    return out
+
+
+def _given_map(device_map: dict, meta: torch.nn.Module, n_gpus: int) -> dict:
+    """``device_map`` checked: every value a GPU of the plan, ``"cpu"`` or ``"disk"``; every weight covered."""
+    out = {}
+    for name, dev in device_map.items():
+        if isinstance(dev, torch.device):
+            dev = (dev.index or 0) if dev.type == "cuda" else dev.type
+        if isinstance(dev, str) and dev.startswith("cuda"):
+            dev = int(dev.partition(":")[2] or 0)
+        if dev not in ("cpu", "disk") and not (isinstance(dev, int) and 0 <= dev < n_gpus):
+            raise DeviceMapError(f"device_map puts {name or 'the model'!r} on {dev!r}: this plan has GPUs "
+                                 f"0-{n_gpus - 1}, 'cpu' and 'disk'")  # fmt: skip
+        out[name] = dev
+    for name, _ in meta.named_parameters():
+        try:
+            _where(name, out)
+        except PlacementError:
+            raise DeviceMapError(f"the device_map leaves {name} out: name a device for every module") from None
+    return out
+
+
+def _fill_shares(plan: DevicePlan, meta, config, est, gpus, rt: dict, b: int, double_quant: bool, ram: int,
+                 offload: bool) -> None:  # fmt: skip
+    lay = layout(config)
+    weights = _weights_by_device(lay, plan.device_map, plan.load, b, double_quant, offload)
+    layer_devs = _layer_devices(meta, plan.device_map)
+    n_layers = max(1, len(layer_devs))
+    head = _where("lm_head", plan.device_map) if "lm_head" in dict(meta.named_modules()) else None
+    used = [d for d in ("cpu", "disk") if d in weights]
+    for dev in [*range(len(gpus)), *used]:
+        gpu = isinstance(dev, int)
+        label = gpus[dev][0] if gpu else dev
+        cap = gpus[dev][1]["capacity"] if gpu else (ram if dev == "cpu" else None)
+        share = DeviceShare(dev, label, cap, weights.get(dev, 0), layers=layer_devs.count(dev))
+        # offloaded layers run on GPU 0 (accelerate's hooks copy them in): their cache and activations stay there
+        runs_here = share.layers + (sum(layer_devs.count(d) for d in used) if dev == 0 else 0)
+        if gpu and (runs_here or share.weights):
+            share.kv_cache = rt["kv"] * runs_here // n_layers
+            share.activations = (rt["act"] if runs_here else 0) + (rt["logits"] if head in (dev, "cpu", "disk") else 0)
+            share.overhead = rt["context"] + int((share.kv_cache + share.activations) * FRAGMENTATION)
+        plan.shares.append(share)
+    d = dims(config)
+    order = [x for i, x in enumerate(layer_devs) if i == 0 or layer_devs[i - 1] != x]
+    hidden = d["h"] * b  # one token's hidden state per sequence crosses at each boundary
+    plan.crossings = [(a, c, hidden) for a, c in zip(order, order[1:])]
+    if len(plan.gpus) > 1 and any(isinstance(a, int) and isinstance(c, int) for a, c, _ in plan.crossings):
+        plan.notes.append("the hidden state crosses devices between consecutive layers only (pipeline, one GPU "
+                          "busy at a time): the cards together hold a bigger model, they do not generate faster")  # fmt: skip
+
+
+def _check_rules(plan: DevicePlan, gpus, cpu_offload: bool, disk_offload: bool, prequantized: bool) -> None:
+    cpu, disk = plan.offloaded("cpu"), plan.offloaded("disk")
+    if not gpus:
+        plan.notes.append("no GPU: every module on the CPU")
+        if plan.shares and not plan.shares[0].fits:
+            plan.reasons.append(
+                f"the weights ({format_bytes(cpu)}) exceed the RAM offered ({format_bytes(plan.shares[0].capacity)})"
+            )
+            plan.fixes.append("use a smaller model or a 4-bit load")
+        return
+    spill = cpu + disk
+    if spill and not (cpu_offload or disk_offload):
+        plan.reasons.append(f"{format_bytes(spill)} of weights do not fit on the {len(gpus)} GPU(s)")
+        plan.fixes.append(_more_room_fix(plan, prequantized))
+        return
+    if spill and prequantized:
+        plan.reasons.append(PREQUANTIZED_OFFLOAD)
+        plan.fixes.append(_more_room_fix(plan, prequantized))
+        return
+    if disk and not disk_offload:
+        plan.reasons.append(f"{format_bytes(disk)} of weights do not fit the GPUs and the CPU RAM offered")
+        plan.fixes.append("disk_offload=True (seconds per token), more GPUs, or a 4-bit load")
+    if disk and plan.load in FOUR_BIT:
+        plan.reasons.append("bitsandbytes 4-bit weights cannot be offloaded to disk")
+        plan.fixes.append("give the CPU enough RAM (cpu_memory) for the offloaded layers, add GPUs, or load int8/fp16")
+    if plan.load in QUANTIZED and spill:
+        plan.quantization_changes["llm_int8_enable_fp32_cpu_offload"] = True
+        plan.notes.append("int8/4-bit offload needs BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) and this "
+                          "device_map; offloaded modules stay unquantized (counted so)")  # fmt: skip
+    for s in plan.gpus:
+        if not s.fits:
+            plan.reasons.append(f"GPU {s.device} needs {format_bytes(s.total)} of {format_bytes(s.capacity)}")
+            plan.fixes.append("lower headroom needs (max_new_tokens, batch_size) or add a GPU")
+    ram_share = next((s for s in plan.shares if s.device == "cpu"), None)
+    if ram_share is not None and not ram_share.fits:
+        # accelerate sized the offload at the quantized width; bitsandbytes leaves offloaded modules unquantized
+        plan.reasons.append(f"the {format_bytes(ram_share.weights)} of weights offloaded to CPU RAM exceed the "
+                            f"{format_bytes(ram_share.capacity)} offered")  # fmt: skip
+        plan.fixes.append("a 4-bit load, more GPUs, or a smaller model")
+
+
+def _more_room_fix(plan: DevicePlan, prequantized: bool) -> str:
+    if prequantized:  # its load mode is the saved one, and it cannot be offloaded
+        return f"more GPUs; or {PREQUANTIZED_OFFLOAD_FIX}"
+    smaller = lighter_load(plan.load)
+    options = ["cpu_offload=True (slow: see the slowdown)", "more GPUs"]
+    if smaller:
+        options.insert(0, f"load={smaller!r}")
+    return "; ".join(options)
+
+
+# ----------------------------------------------------------------------------- what fits where: fits_table
+
+
+# Llama 2's published dimensions (Touvron et al. 2023, table 1 and the hub configs); 7B ships in helpers/data
+_LLAMA2 = {
+    "Llama-2-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                        intermediate_size=13824),
+    "Llama-2-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=28672),
+}  # fmt: skip
+FITS_DEVICES = {"T4": ["t4"], "2×T4 (Kaggle)": "kaggle-2xt4", "L4": ["l4"], "A100 40GB": ["a100-40"],
+                "A100 80GB": ["a100-80"]}  # fmt: skip
+
+
+def reference_configs() -> dict[str, Any]:
+    """Llama-2 7B (the shipped config), 13B and 70B (its config with the published dimensions)."""
+    base, _, _ = resolve_config("meta-llama/Llama-2-7b-hf")
+    out = {"Llama-2-7b": base}
+    for name, dims_ in _LLAMA2.items():
+        c = copy.deepcopy(base)
+        for k, v in dims_.items():
+            setattr(c, k, v)
+        c._name_or_path = f"meta-llama/{name}-hf"
+        out[name] = c
+    return out
+
+
+@dataclass
+class FitsTable:
+    """Which model fits which machine in which load mode (each cell a :func:`plan_devices` plan)."""
+
+    models: list[str]
+    loads: list[str]
+    machines: list[str]
+    cells: dict[tuple[str, str, str], DevicePlan]
+
+    def cell(self, model: str, load: str, machine: str) -> str:
+        p = self.cells[(model, load, machine)]
+        if not p.fits:
+            return "no"
+        fullest = max(p.gpus, key=lambda s: s.total / s.capacity)
+        return f"{verdict(fullest.total, fullest.capacity)} ({fullest.total / fullest.capacity:.0%})"  # fits / tight
+
+    def rows(self) -> list[list[str]]:
+        return [[m.replace("Llama-2-", ""), ld, *(self.cell(m, ld, d) for d in self.machines)]
+                for m in self.models for ld in self.loads]  # fmt: skip
+
+    def markdown(self) -> str:
+        head = ["model", "load", *self.machines]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows()])
+
+    def __str__(self) -> str:
+        head = ["model", "load", *self.machines]
+        rows = [head, *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
+        return self.__str__()
+
+    def _repr_html_(self) -> str:
+        title = "Llama 2 generating 512 + 256 tokens, batch 1 (fullest GPU's share of its memory)"
+        return table(["model", "load", *self.machines], self.rows(), title=title)
+
+
+def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
+    taken = {"model", "load", "devices"} & set(plan_kwargs)
+    if taken:
+        raise PlacementError(
+            f"fits_table() sets {', '.join(sorted(taken))} itself (each load, each machine); pass the model as its first argument, or "
+            "use plan_devices(model, load=..., devices=...) for one model"
+        )
+    if (
+        isinstance(loads, str)
+        or not isinstance(loads, list | tuple)
+        or not loads
+        or any(m not in LOAD_MODES for m in loads)
+    ):
+        raise PlacementError(f"loads must be a list of load modes from {', '.join(LOAD_MODES)}, got {loads!r:.60}")
+    if not isinstance(machines, dict) or not machines:
+        raise PlacementError(
+            f"machines must be a dict of label -> devices such as {{'T4': 't4', '2xT4': ['t4', 't4']}}, got "
+            f"{machines!r:.60}"
+        )
+
+
+def fits_table(
+    model: Any = None, *, tokens: int = FITS_TOKENS, loads=None, machines: dict | None = None, batch_size: int = 1,
+    **plan_kwargs,
+) -> FitsTable | ModelFits:  # fmt: skip
+    """What fits where. Without ``model``: Llama 2 7B/13B/70B in fp16, int8 and nf4 on a T4, Kaggle's 2×T4, an
+    L4 and an A100 40/80 GB (no offload): the README's table. With ``model`` (hub id, shipped config name,
+    folder or config): every load mode's weights, KV cache at ``tokens`` per sequence and total, and the
+    verdict on each of those machines and on this GPU (when there is one), as :class:`ModelFits`."""
+    machines = FITS_DEVICES if machines is None else machines
+    if model is None:
+        loads = ("fp16", "int8", "nf4") if loads is None else loads
+        _check_table(loads, machines, plan_kwargs)
+        configs = reference_configs()
+        cells = {}
+        for name, config in configs.items():
+            for load in loads:
+                for label, devs in machines.items():
+                    cells[(name, load, label)] = plan_devices(config, load=load, devices=devs, **plan_kwargs)
+        return FitsTable(list(configs), list(loads), list(machines), cells)
+    loads = LOAD_MODES if loads is None else loads
+    _check_table(loads, machines, plan_kwargs)
+    return _model_fits(model, tokens, loads, machines, batch_size, plan_kwargs)
+
+
+def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int, plan_kwargs: dict) -> ModelFits:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise PlacementError(f"tokens is the sequence length to plan for (prompt + answer), at least 2; got {tokens!r}")
+    machines = dict(machines)
+    if torch.cuda.is_available():
+        machines["this GPU"] = "current"
+    new = max(1, tokens * DEFAULTS.max_new_tokens // FITS_TOKENS)  # split as estimate()'s defaults split theirs
+    shape = dict(batch_size=batch_size, prompt_tokens=tokens - new, max_new_tokens=new)
+    config, _, _ = resolve_config(model)
+    rows = []
+    for load in loads:
+        est = estimate(config, load=load, device=None, **shape)
+        row = FitsRow(load, est.weights, est.group_bytes("kv_cache"), est.total)
+        for label, devs in machines.items():
+            try:
+                plan = plan_devices(config, load=load, devices=devs, **shape, **plan_kwargs)
+            except (OomkitError, ValueError) as e:
+                row.cells[label] = FitsCell("n/a", why=str(e))
+                continue
+            if not plan.fits:
+                row.cells[label] = FitsCell("no")
+                continue
+            fullest = max(plan.gpus, key=lambda s: s.total / s.capacity)
+            share = fullest.total / fullest.capacity
+            row.cells[label] = FitsCell("fits" if verdict(fullest.total, fullest.capacity) == FITS else "tight", share)
+        rows.append(row)
+    name = model if isinstance(model, str) else getattr(config, "_name_or_path", None) or type(model).__name__
+    return ModelFits(str(name), tokens, batch_size, list(machines), rows)
+
+
+# ----------------------------------------------------------------------------- ModelFits: one model's load modes x machines, as text, markdown and HTML
+
+
+_STATUS = {"fits": "ok", "tight": "tight", "no": "fail", "n/a": "none"}
+
+
+@dataclass
+class FitsCell:
+    """One machine for one load mode: ``fits``, ``tight``, ``no`` (or ``n/a``) and the fullest card's share."""
+
+    word: str
+    share: float | None = None  # the fullest GPU's total / capacity
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.word} ({self.share:.0%})" if self.share is not None and self.word != "no" else self.word
+
+
+@dataclass
+class FitsRow:
+    load: str
+    weights: int
+    kv_cache: int
+    total: int
+    cells: dict[str, FitsCell] = field(default_factory=dict)
+
+
+@dataclass
+class ModelFits:
+    """Load modes × (weights, KV cache, total) × machines for one model, ``tokens`` per sequence."""
+
+    model: str
+    tokens: int
+    batch_size: int
+    machines: list[str]
+    rows: list[FitsRow]
+
+    def header(self) -> list[str]:
+        return ["load", "weights", f"KV @ {self.tokens} tok", "total", *self.machines]
+
+    def table_rows(self) -> list[list[str]]:
+        return [[r.load, format_bytes(r.weights), format_bytes(r.kv_cache), format_bytes(r.total),
+                 *(str(r.cells[m]) for m in self.machines)] for r in self.rows]  # fmt: skip
+
+    def best(self, machine: str) -> str | None:
+        """The widest load mode that fits ``machine`` comfortably (else tightly), or None."""
+        for word in ("fits", "tight"):
+            for r in self.rows:
+                if r.cells[machine].word == word:
+                    return r.load
+        return None
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.header()) + " |", "|" + "---|" * len(self.header())]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.table_rows()])
+
+    def title(self) -> str:
+        return f"What fits for {self.model}: {self.tokens} tokens per sequence, batch {self.batch_size}"
+
+    def __str__(self) -> str:
+        rows = [self.header(), *self.table_rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        body = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+        return f"{self.title()}\n{body}"
+
+    def __repr__(self) -> str:  # papermill and terminals show this
+        return self.__str__()
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for r in self.rows:
+            cells = [colored(str(r.cells[m]), _STATUS.get(r.cells[m].word, "none")) for m in self.machines]
+            rows.append([r.load, format_bytes(r.weights), format_bytes(r.kv_cache), format_bytes(r.total), *cells])
+        note = Markup("<div style='font-family:monospace'>estimated; fits: under 85 % of the fullest card, "
+                      "tight: under 100 %</div>")  # fmt: skip
+        return table(self.header(), rows, title=self.title()) + note
