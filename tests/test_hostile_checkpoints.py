@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -15,7 +16,7 @@ from helpers.core.errors import EvalError
 from helpers.evaluation.evaluate import safe_generate
 from helpers.loading.loader import load
 from helpers.training.adapters import prepare_qlora
-from helpers.training.checkpoints import COMPLETE, CheckpointWriteError, find_resume, problem, write_failure
+from helpers.training.checkpoints import COMPLETE, CheckpointWriteError, find_resume, problem, rotate, write_failure
 from helpers.training.data import build_dataset, load_instructions
 from helpers.training.finetune import train
 from helpers.training.plan import FinetuneError, TrainPlan
@@ -63,8 +64,6 @@ def test_a_marker_naming_a_file_outside_its_folder_is_refused_unread(saved, tmp_
     if name == "link-to-zero":
         (newest / name).symlink_to("/dev/zero")
     if name == "fifo":
-        import os
-
         os.mkfifo(newest / name)
     _mark(newest, {name: 123})
     found = problem(newest)
@@ -117,3 +116,19 @@ def test_a_pad_token_added_without_resizing_is_a_clear_error(tiny_llama, tmp_pat
     model, _ = prepare_qlora(model, plan)
     with pytest.raises(FinetuneError, match=r"pad token '\[PAD\]'.*tokenizer.pad_token = tokenizer.eos_token"):
         train(model, tok, plan, build_dataset(tok, ROWS, plan.seq_len), view=False)
+
+
+def test_rotation_keeps_a_folder_it_cannot_rename_and_never_deletes_before_the_marker(saved, tmp_path, monkeypatch):
+    out = shutil.copytree(saved, tmp_path / "run")
+    (out / "checkpoint-2" / COMPLETE).unlink()  # the newest is not marked: nothing may go
+    assert rotate(out, 1, 2) == [] and (out / "checkpoint-1").is_dir()
+    shutil.copy(saved / "checkpoint-2" / COMPLETE, out / "checkpoint-2" / COMPLETE)
+
+    def refuse(*a, **kw):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", refuse)
+        assert rotate(out, 1, 2) == [] and (out / "checkpoint-1").is_dir()  # kept; training goes on
+    assert rotate(out, 1, 2) == [out / "checkpoint-1"] and not (out / "checkpoint-1").exists()
+    assert not list(out.glob(".removing-*")) and find_resume(out).checkpoint.name == "checkpoint-2"

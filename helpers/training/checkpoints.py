@@ -402,7 +402,10 @@ def rotate(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
     gone = []
     for folder in [f for f in older if _step(f) < oldest_kept]:
         doomed = folder.with_name(REMOVING + folder.name)
-        os.replace(folder, doomed)
+        try:
+            os.replace(folder, doomed)
+        except OSError:  # a file system that refuses the rename: the folder stays (more disk used, nothing lost)
+            continue
         _fsync(out)
         shutil.rmtree(doomed, ignore_errors=True)
         gone.append(folder)
