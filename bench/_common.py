@@ -33,7 +33,7 @@ sys.dont_write_bytecode = False
 MEASURES: dict[str, list[str]] = {
     "batch_finder": ["helpers/oom/batch_size.py", "helpers/oom/retry.py"],
     "estimate_accuracy": ["helpers/estimator", "helpers/training/plan.py", "helpers/training/adapters.py", "helpers/loading/plan.py"],
-    "fingerprint_cost": ["helpers/evaluation/fingerprint.py"],
+    "fingerprint_cost": ["helpers/loading/fingerprint.py"],
     "eval_throughput": ["helpers/evaluation/evaluate.py", "helpers/evaluation/batching.py", "helpers/loading/generation.py",
                         "helpers/oom/batch_size.py", "helpers/oom/retry.py"],
     "hot_spots": ["helpers/estimator", "helpers/oom/batch_size.py", "helpers/oom/reclaim.py", "helpers/leaks", "helpers/leaks/tensors.py",
@@ -42,6 +42,8 @@ MEASURES: dict[str, list[str]] = {
     "monitor_overhead": ["helpers/monitoring/monitor.py", "helpers/monitoring/memory_callback.py"],
     "panel_latency": ["helpers/panels/widgets.py", "helpers/panels/state.py", "helpers/panels/gpus.py"],
     "readout_overhead": ["helpers/core/memory.py"],
+    "resume_scale": ["helpers/evaluation/results_file.py", "helpers/evaluation/evaluate.py",
+                     "helpers/loading/fingerprint.py"],
 }  # fmt: skip
 MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
 

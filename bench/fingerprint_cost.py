@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import format_table, write_results  # noqa: E402
 
-from helpers.evaluation.fingerprint import SAMPLE, weights_fingerprint  # noqa: E402
+from helpers.loading.fingerprint import SAMPLE, weights_fingerprint  # noqa: E402
 
 ROUNDS = 7
 SIDES = (256, 1024, 4096)  # 65k, 1M and 16M elements per matrix

@@ -215,7 +215,7 @@ report.plot()
 import json
 
 with open(RESULTS) as f:
-    rows = [json.loads(line) for line in f]
+    rows = [r for r in map(json.loads, f) if "id" in r]  # header lines (what made the results) hold no id
 ids = [r["id"] for r in rows]
 assert len(ids) == len(set(ids)) == len(prompts), "a sample is missing or duplicated"
 assert set(ids) == {p["id"] for p in prompts}

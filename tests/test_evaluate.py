@@ -20,8 +20,8 @@ from helpers.core.errors import EvalError, ScoreError
 from helpers.evaluation.batching import batch_cache_key
 from helpers.evaluation.evaluate import contains_reference, exact_match, safe_generate
 from helpers.evaluation.prompts import load_prompts, prompt_id
-from helpers.evaluation.results_file import ResultsFile, ResultsWriteError
-from helpers.oom.hook import batch_size as bs
+from helpers.evaluation.results_file import ResultsFile, ResultsWriteError, is_record
+from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,9 +59,10 @@ def reference(tiny, tmp_path_factory):
 
 
 def _lines(path: Path) -> list[dict]:
+    """The result records of a results file (its header lines, what made them, left out)."""
     text = path.read_text()
     assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
+    return [rec for line in text.splitlines() if is_record(rec := json.loads(line))]
 
 
 def _assert_complete(path: Path, reference: dict[str, str]) -> None:
@@ -105,7 +106,7 @@ def test_a_kv_cache_kind_runs_through_to_generate_and_is_remembered_apart(tiny, 
                            kv_cache="fp8")  # fmt: skip
     assert report.done == len(PROMPTS)
     assert {r["id"]: r["output"] for r in report.records} == reference
-    settings = json.dumps(_lines(tmp_path / "fp8.jsonl")[0])
+    settings = json.dumps(report.records[0]["settings"])
     assert "fp8" in settings  # recorded with the generation settings, so a resume with another cache re-runs
     assert remembered_batch(batch_cache_key(model, NEW, "fp8")) is not None
 
@@ -447,7 +448,7 @@ def test_resume_refuses_results_of_another_model_or_prompt_text(tiny, tmp_path, 
         "load": "fp32",
         "adapter": None,
     }
-    assert len(rec["prompt_hash"]) == 16
+    assert rec["prompt"] == rows[0]["prompt"] and len(rec["made"]) == 16  # compared on resume
     with monkeypatch.context() as m:
         m.setattr(model.config, "_name_or_path", "someone/another-model")
         with pytest.raises(EvalError, match=r"3 of these prompt ids made differently.*another model.*new file"):
@@ -529,7 +530,7 @@ def test_a_second_writer_through_a_link_to_the_same_file_gets_an_error(tiny, tmp
 
 
 def _lines_prefix(data: bytes) -> list[dict]:
-    return [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
+    return [rec for line in data.split(b"\n")[:-1] if line.strip() and is_record(rec := json.loads(line))]
 
 
 def test_a_prompt_that_never_fits_is_recorded_as_failed_and_the_rest_goes_on(tiny, tmp_path):
@@ -640,7 +641,7 @@ def test_a_split_models_second_card_is_read_and_its_cache_given_back(fake_gpus):
 
     report = evaluate.EvalReport(results_path="r.jsonl")
     run = types.SimpleNamespace(device=gpu, scorer=None)
-    evaluate._finish(report, run, types.SimpleNamespace(read=dict), [])  # what a finished run records
+    evaluate._finish(report, run, types.SimpleNamespace(records={}), [])  # what a finished run records
     assert report.peak_memory == 10 * 2**30 and report.peak_by_gpu == {0: 4 * 2**30, 1: 6 * 2**30}
     assert "10.00 GiB (GPU 0 4.00 GiB; GPU 1 6.00 GiB)" in str(report)  # what to hold against one card
     memory.reset_peak_allocated("all")

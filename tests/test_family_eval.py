@@ -11,6 +11,7 @@ import pytest
 from helpers.core.errors import EvalError
 from helpers.evaluation.evaluate import safe_generate
 from helpers.evaluation.inputs import MediaError
+from helpers.evaluation.results_file import is_record
 from helpers.loading.loader import load
 from helpers.oom import batch_size as bs
 from helpers.testing import simulated_budget
@@ -47,7 +48,7 @@ def _run(model, proc, prompts, path, **kw):
 
 
 def _outputs(path) -> dict[str, str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [r for line in path.read_text().splitlines() if is_record(r := json.loads(line))]  # headers left out
     assert len({r["id"] for r in rows}) == len(rows), "a sample was written twice"
     return {r["id"]: r["output"] for r in rows}
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from helpers.core.errors import EvalError, FingerprintError
-from helpers.evaluation.evaluate import safe_generate
-from helpers.evaluation.fingerprint import adapter_fingerprint, describe, model_identity, weights_fingerprint
+from helpers.evaluation.evaluate import prompt_hash, safe_generate
+from helpers.evaluation.results_file import MADE, is_record
+from helpers.loading.fingerprint import adapter_fingerprint, describe, model_identity, weights_fingerprint
 from helpers.loading.loader import load, setup_tokenizer
 from helpers.testing import simulated_budget
 
@@ -199,11 +200,39 @@ def test_a_changed_tokenizer_padding_side_is_refused(base, tmp_path):
         tok.padding_side = "left"
 
 
+def _old_format(path) -> list[dict]:
+    """The records of a results file as oomkit wrote them before header lines: settings and model in each."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    made = {r[MADE]: r for r in lines if MADE in r}
+    rows = [r for r in lines if is_record(r)]
+    for r in rows:
+        header = made[r.pop("made")]
+        r.update(settings=header["settings"], model=header["model"], prompt_hash=prompt_hash(r["prompt"]))
+    return rows
+
+
+def test_results_files_of_the_format_before_headers_still_resume(base, tmp_path):
+    """Each record held its own copy of the settings and model (about 1 KB): such a file resumes as it is,
+    and the records this run adds are compact, after one header."""
+    model, tok = base
+    path = tmp_path / "r.jsonl"
+    _run(model, tok, path)
+    rows = _old_format(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    with simulated_budget(model, tokens=10**9) as budget:
+        again = _run(model, tok, path)
+    assert again.skipped == 2 and again.done == 1 and budget.calls > 0
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [MADE in r for r in lines] == [False, False, True, False]  # old, old, the header, the new record
+    assert "settings" not in lines[3] and lines[3]["made"] == lines[2][MADE]
+    assert {r["id"] for r in again.records} == {r["id"] for r in rows}
+
+
 def test_old_records_without_a_weights_fingerprint_are_refused_clearly(base, tmp_path):
     model, tok = base
     path = tmp_path / "r.jsonl"
     _run(model, tok, path)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = _old_format(path)
     for r in rows:  # what oomkit wrote before issue 31
         r["model"] = {"name": r["model"]["name"], "load": "fp32", "adapter": None}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -248,7 +277,7 @@ def test_a_7b_sized_tensor_is_sampled_within_its_bounds():
 def test_fingerprint_reads_a_fixed_sample_per_tensor(monkeypatch):
     """The sample is fixed-size: a big tensor costs what a small one does (the 7B claim rests on this).
     Counted in bytes read, not timed: a busy machine cannot fail it (bench/hot_spots.py times it)."""
-    import helpers.evaluation.fingerprint as fp
+    import helpers.loading.fingerprint as fp
 
     read: list[int] = []
     sample = fp._sample

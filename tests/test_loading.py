@@ -23,9 +23,9 @@ from helpers.loading.checks import check_plan
 from helpers.loading.generation import generate_batched
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
+from helpers.placement import decision as gpu_split
 from helpers.placement.decision import max_memory_for  # fmt: skip
 from helpers.placement.device_plan import PlacementError, reference_configs
-from helpers.placement.device_plan import decision as gpu_split
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")
@@ -82,9 +82,9 @@ def test_int8_and_half_precision_kwargs():
 def test_auto_compute_dtype_follows_the_device(monkeypatch):
     assert LoadPlan("m", load="nf4").resolved_compute_dtype("cpu") == "fp32"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert loading.auto_compute_dtype("cuda") == "fp16"  # T4: no bf16
+    assert load_plan.auto_compute_dtype("cuda") == "fp16"  # T4: no bf16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert loading.auto_compute_dtype("cuda") == "bf16"
+    assert load_plan.auto_compute_dtype("cuda") == "bf16"
     assert LoadPlan("m", load="fp16").resolved_compute_dtype("cuda") == "fp16"
 
 

@@ -130,7 +130,7 @@ def test_all_sums_every_gpu_for_the_readouts_a_split_model_needs(monkeypatch):
     both cards up (they read GPU 0 alone before, so half of an unload went unreported)."""
     from helpers.core import memory
     from helpers.monitoring.cellstats import CellStats
-    from helpers.oom.hook import reclaim
+    from helpers.oom import reclaim
 
     per_gpu = {"alloc": {0: 5 * MiB, 1: 7 * MiB}, "res": {0: 8 * MiB, 1: 9 * MiB}, "peak": {0: 6 * MiB, 1: 7 * MiB}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

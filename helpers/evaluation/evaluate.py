@@ -34,29 +34,32 @@ import torch
 
 from ..core.arguments import flag, whole_number
 from ..core.attention import keep_attention_fused
-from ..core.errors import EvalError, ScoreError
+from ..core.errors import EvalError, FingerprintError, ScoreError
 from ..core.memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from ..core.reducers import kv_cache_kwargs
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, ReducerError
+from ..loading.fingerprint import describe, identity_changes, model_identity
 from ..loading.generation import (
     Generated,
     can_stream,
     check_generate_kwargs,
     context_length,
+    encode,
     first_prompt_streamer,
     generate_batch,
     model_device,
     new_tokens_room,
     stop_token_ids,
+    token_ids_problem,
 )
 from ..oom.batch_size import remembered_batch
 from ..oom.retry import Attempt, Watch, attempt
 from .batching import TokenBudget, batch_cache_key, remember, start_size
-from .fingerprint import describe, identity_changes, model_identity
-from .inputs import batch_media, prompt_inputs
+from .inputs import batch_media, has_media, prompt_inputs
+from .prompts import load_prompts
 from .report import EvalReport, mean_of_finite
-from .results_file import ResultsFile, ResultsWriteError
+from .results_file import ResultsFile, ResultsWriteError, made_hash
 
 __all__ = [
     "exact_match",
@@ -138,7 +141,7 @@ def safe_generate(
             ``~`` is the home folder; a FIFO or a device (/dev/full) is refused.
         resume: skip ids already in ``results`` when the same model made them (name, a sampled
             hash of the weights as loaded, load mode as loaded, adapter content, tokenizer settings:
-            :mod:`helpers.evaluation.fingerprint`), with the same generation settings (objects by content) and
+            :mod:`helpers.loading.fingerprint`), with the same generation settings (objects by content) and
             prompt text; a mismatch is an error naming what changed. False: start the file over;
             ``"force"``: reuse them even when made differently.
         generation_kwargs: passed to ``model.generate`` (greedy by default); objects (a GenerationConfig,
@@ -175,8 +178,9 @@ def safe_generate(
         model, tokenizer, prompts, max_new_tokens, results, resume, generation_kwargs, score, max_batch_size, stream,
         kv_cache,
     )  # fmt: skip
-    store, done = _open_results(prompts, results, resume)  # locked for the run: a second writer gets an error
+    store, done = _open_results(prompts, results, resume, items)  # locked for the run: a second writer gets an error
     try:
+        ids = _pending_ids(run, items, ids, done)  # token ids of what is left only: a resume never re-tokenizes
         report = _generate_pending(
             run, items, ids, store, done, resume, batch_size, max_batch_size, progress, on_result
         )
@@ -187,11 +191,15 @@ def safe_generate(
     return report
 
 
-def _open_results(prompts: Any, results: str | os.PathLike, resume) -> tuple[ResultsFile, dict[str, dict]]:
+def _open_results(
+    prompts: Any, results: str | os.PathLike, resume, items: list[dict]
+) -> tuple[ResultsFile, dict[str, dict]]:
     """The results file, open and locked for the run, and the records it already holds."""
     store = ResultsFile(results)
     _refuse_input_as_results(prompts, store.path)
+    store.share(text for it in items for text in (it["id"], it["prompt"], it["reference"]))
     done = store.open(fresh=resume is False)
+    store.share(())  # the records hold them now; the lookup table goes
     if store.backup is not None:
         warnings.warn(f"resume=False: the earlier results in {store.path} were moved to {store.backup}", stacklevel=3)
     return store, done
@@ -219,19 +227,40 @@ def _prepare(
         except ReducerError as e:
             raise EvalError(f"kv_cache: {e}") from None
     _check_results_arguments(results, resume)
-    # token ids once (the lengths: sorting, context limits; and the batches), audio and images too
-    items, ids = prompt_inputs(prompts, processor)
+    # token ids once (the lengths: sorting, context limits; and the batches), audio and images too; text
+    # prompts are tokenized once the results file says which are left (_pending_ids)
+    if has_media(prompts):
+        items, ids = prompt_inputs(prompts, processor)
+    else:
+        items, ids = load_prompts(prompts), None
     if not items:
         raise EvalError("no prompts to evaluate: the prompt list (or file) is empty")
     scorer = resolve_scorer(score)
     context = context_length(model, tokenizer)
-    _check_context(items, ids, context)
+    if ids is not None:
+        _check_context(items, ids, context)
     settings = _settings(model, max_new_tokens, gen_kwargs)
     run = _Run(model, tokenizer, model_device(model), gen_kwargs, settings, max_new_tokens, context, scorer)
+    run.scored_by = _scorer_id(scorer)
     run.stream = stream and can_stream(model, gen_kwargs)  # not with beam search or the caller's own streamer
     run.kv_cache = kv_cache
     keep_attention_fused(model)  # a model loaded without load(): its unpadded batches skip the math kernel too
     return items, ids, run
+
+
+def _pending_ids(run: _Run, items: list[dict], ids: list | None, done: dict[str, dict]) -> list:
+    """Token ids per item: computed here for the prompts not finished yet (None for the finished ones),
+    whose context is then checked (still before any generation); media prompts come with theirs."""
+    if ids is not None:
+        return ids
+    left = [k for k, it in enumerate(items) if it["id"] not in done or done[it["id"]].get("error")]
+    ids = [None] * len(items)
+    if not left:
+        return ids
+    for k, row in zip(left, encode(run.tokenizer, [items[k]["prompt"] for k in left]), strict=True):
+        ids[k] = row
+    _check_context([items[k] for k in left], [ids[k] for k in left], run.context)
+    return ids
 
 
 def _generate_pending(
@@ -253,7 +282,7 @@ def _generate_pending(
     pending = [(it, row) for it, row in zip(items, ids, strict=True) if it["id"] not in done]
     report = EvalReport(results_path=store.path, total=len(items), repaired=store.repaired, backup=store.backup)
     report.skipped = len(items) - len(pending)
-    longest = max(len(row) for row in ids)
+    longest = max((len(row) for _, row in pending), default=1)
     budget, key = _plan_batches(run, report, batch_size, max_batch_size, len(pending), longest)
     try:
         _Loop(run, pending, store, report, budget, progress, on_result, failed).run()
@@ -301,6 +330,9 @@ def _check_arguments(model, tokenizer, max_new_tokens, max_batch_size, generatio
             "the tokenizer has no pad token: load with helpers.load, or call "
             "helpers.loading.loader.setup_tokenizer(tokenizer, model) first"
         )
+    missing_row = token_ids_problem(model, tokenizer)
+    if missing_row:
+        raise EvalError(missing_row)
     return gen_kwargs
 
 
@@ -402,10 +434,8 @@ def _settings(model, max_new_tokens: int, gen_kwargs: dict) -> dict:
     return settings
 
 
-def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
-    """Why a finished record is not this run's result for ``item`` (None when it is)."""
-    if rec.get("prompt_hash", prompt_hash(str(rec.get("prompt", "")))) != prompt_hash(item["prompt"]):
-        return "another prompt text under the same id"
+def _context_mismatch(rec: dict, run: _Run) -> str | None:
+    """Why the model or settings that made ``rec`` are not this run's (None when they are)."""
     changes = identity_changes(rec.get("model"), run.model_id)
     old = rec.get("settings") if isinstance(rec.get("settings"), dict) else {}
     for key in sorted(set(old) | set(run.settings), key=str):
@@ -416,9 +446,37 @@ def _mismatch(rec: dict, item: dict, run: _Run) -> str | None:
     return "; ".join(changes) or None
 
 
+def _same_prompt(rec: dict, item: dict) -> bool:
+    if "prompt" in rec:
+        return rec["prompt"] == item["prompt"]
+    return rec.get("prompt_hash") == prompt_hash(item["prompt"])  # a record that kept only the hash
+
+
+def _mismatches(done: dict[str, dict], items: list[dict], run: _Run) -> list[tuple[str, str]]:
+    """(id, why) for each finished record this run would not have made. The model and settings are
+    compared once per header (``made``), not once per record; files from before headers once per
+    distinct pair (equal copies are one object once read)."""
+    verdicts: dict[Any, str | None] = {run.made: None}
+    problems = []
+    for it in items:
+        rec = done.get(it["id"])
+        if rec is None:
+            continue
+        if not _same_prompt(rec, it):
+            problems.append((it["id"], "another prompt text under the same id"))
+            continue
+        # a header's hash; else (the format before headers) the pair's objects, shared when equal (results_file)
+        key = rec.get("made") or (id(rec.get("model")), id(rec.get("settings")))
+        if key not in verdicts:
+            verdicts[key] = _context_mismatch(rec, run)
+        if verdicts[key]:
+            problems.append((it["id"], verdicts[key]))
+    return problems
+
+
 def _check_reuse(done: dict[str, dict], items: list[dict], run: _Run, resume, path: Path) -> None:
     """Finished records are skipped only when this model, these settings and this prompt text made them."""
-    problems = [(it["id"], why) for it in items if it["id"] in done and (why := _mismatch(done[it["id"]], it, run))]
+    problems = _mismatches(done, items, run)
     if not problems:
         return
     by_reason: dict[str, list[str]] = {}
@@ -451,12 +509,15 @@ class _Run:
     scorer: tuple[str, Callable[[str, str], float]] | None
     stop: set[int] = field(default_factory=set)
     model_id: dict = field(default_factory=dict)
+    made: str = ""  # the hash of settings and model identity the results file's header holds them under
+    scored_by: str | None = None  # "<name>:<hash of the scorer's code>", kept with each score it gives
     stream: bool = False  # print the first batch's first answer as it is generated
     kv_cache: str | None = None  # the KV cache kind asked for: sizes the estimate's start and the cache key
 
     def __post_init__(self) -> None:
         self.stop = stop_token_ids(self.model, self.tokenizer)
         self.model_id = model_identity(self.model, self.tokenizer)
+        self.made = made_hash(self.settings, self.model_id)
 
     def record(self, item: dict, prompt_tokens: int, new: int, **fields: Any) -> dict:
         """A result record's common fields (what made it, for which prompt) and ``fields``."""
@@ -467,9 +528,9 @@ class _Run:
             **fields,
             "prompt_tokens": prompt_tokens,
             "max_new_tokens": new,
-            "settings": self.settings,
+            "settings": self.settings,  # written once in the file's header for "made" (results_file)
             "model": self.model_id,
-            "prompt_hash": prompt_hash(item["prompt"]),
+            "made": self.made,
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -588,7 +649,8 @@ class _Loop:
         item, row = self.pending[self.i]
         rec = self.run_.record(item, len(row), 1, output=None, error="does not fit", detail=result.error)
         earlier = self.failed_before.get(item["id"])
-        if earlier is not None and earlier.get("error") == rec["error"] and _mismatch(earlier, item, self.run_) is None:
+        same = earlier is not None and _same_prompt(earlier, item) and _context_mismatch(earlier, self.run_) is None
+        if same and earlier.get("error") == rec["error"]:
             self.report.failed_again += 1  # already on record, made the same way: one line per failure
         else:
             _write(self.store, [rec], self.report)
@@ -649,6 +711,7 @@ def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *
         )
         if run.scorer is not None and it["reference"] is not None:
             rec.update(score_fields(run.scorer, text, it["reference"]))  # a raising scorer loses no output
+            rec["scored_by"] = run.scored_by
         records.append(rec)
     return records
 
@@ -677,28 +740,54 @@ def _finish(report: EvalReport, run: _Run, store: ResultsFile, items: list[dict]
         report.memory_kind = "GPU allocated"  # the report and its plot name the figure they show
         if torch.cuda.device_count() > 1:  # what to hold against one card's size
             report.peak_by_gpu = {d: peak_allocated(d) for d in range(torch.cuda.device_count())}
-    finished = store.read()
+    finished = store.records  # read once at open(), then each appended record: no second read
     mine = [finished[it["id"]] for it in items if it["id"] in finished]
+    for it, r in zip([it for it in items if it["id"] in finished], mine, strict=True):
+        if r.get("reference") != it["reference"] and not r.get("error"):  # corrected since: its scores are stale
+            r["reference"] = it["reference"]
+            r.pop("score", None)
+            r.pop("score_error", None)
     report.records = [r for r in mine if not r.get("error")]
     report.failures = [r for r in mine if r.get("error")]
     if run.scorer is not None:
-        _score_unscored(report.records, run.scorer)
+        _score_unscored(report.records, run.scorer, run.scored_by)
         name = run.scorer[0]
         values = [r["score"][name] for r in report.records if name in (r.get("score") or {})]
         if values:
             report.scores[name], report.nonfinite_scores[name] = mean_of_finite(values)
 
 
-def _score_unscored(records: list[dict], scorer: tuple[str, Callable[[str, str], float]]) -> None:
-    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, or ones it raised on."""
+def _scorer_id(scorer: tuple[str, Callable[[str, str], float]] | None) -> str | None:
+    """``"<name>:<hash of the function's code, defaults, closure and globals>"``: a score made by another
+    version of a same-named function is made again (None: no scorer; one that cannot be fingerprinted
+    gets a hash of its name and id, so it rescores in each new process)."""
+    if scorer is None:
+        return None
+    name, fn = scorer
+    try:
+        text = _canon(describe(fn, "score"))
+    except FingerprintError:
+        text = f"{name} {id(fn)} {os.getpid()}"
+    return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def _score_unscored(
+    records: list[dict], scorer: tuple[str, Callable[[str, str], float]], scored_by: str | None = None
+) -> None:
+    """Score (in the report) saved outputs this scorer has no score for: an earlier run's, ones it raised
+    on, and ones another version of the scorer (same name, other code) scored; never generating again."""
     name = scorer[0]
     for r in records:
-        if r.get("reference") is None or name in (r.get("score") or {}):
+        if r.get("reference") is None:
+            continue
+        if name in (r.get("score") or {}) and (scored_by is None or r.get("scored_by") == scored_by):
             continue
         fields = score_fields(scorer, r["output"], r["reference"])
         errors = {k: v for k, v in (r.get("score_error") or {}).items() if k != name}
-        r["score"] = {**(r.get("score") or {}), **fields.get("score", {})}
+        stale = {k: v for k, v in (r.get("score") or {}).items() if k != name}  # another version's: replaced
+        r["score"] = {**stale, **fields.get("score", {})}
         r["score_error"] = {**errors, **fields.get("score_error", {})}
+        r["scored_by"] = scored_by
         for key in ("score", "score_error"):
             if not r[key]:
                 del r[key]

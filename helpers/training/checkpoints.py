@@ -14,11 +14,14 @@ checkpoint, before the marker: :func:`read_stamp` gives it back to a run about t
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import os
 import re
+import shutil
+import stat
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -29,7 +32,7 @@ from ..core.errors import OomkitError
 __all__ = [
     "COMPLETE", "CheckpointError", "CheckpointWarning", "Skipped", "ResumePoint", "checkpoint_folders",
     "problem", "find_resume", "newest_complete", "set_aside", "set_aside_all", "mark_complete", "complete_marker",
-    "RUN", "WHY", "read_stamp", "checkpoint_step",
+    "RUN", "WHY", "read_stamp", "checkpoint_step", "rotate", "CheckpointWriteError", "write_failure",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
@@ -43,6 +46,11 @@ HASHED = 1 << 30  # safetensors files up to this size get a content hash in the 
 
 class CheckpointError(OomkitError, ValueError):
     """No checkpoint in the output folder can be resumed; the message names the file and what to do."""
+
+
+class CheckpointWriteError(OomkitError, OSError):
+    """A checkpoint could not be written (a full disk, a quota): the message says so and which checkpoint
+    the next run resumes from; nothing saved before is lost."""
 
 
 class CheckpointWarning(UserWarning):
@@ -156,16 +164,35 @@ def _marker(folder: Path) -> str | None:
         sizes = {str(k): int(v) for k, v in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return f"{COMPLETE} is not valid JSON"
+    hashes = json.loads((folder / COMPLETE).read_text(encoding="utf-8")).get("sha256") or {}
+    hashes = {str(k): v for k, v in hashes.items()} if isinstance(hashes, dict) else {}
+    for name in [*sizes, *hashes]:
+        outside = _not_a_file_of(folder, name)
+        if outside:  # never opened, never measured: a FIFO or /dev/zero would hang the read
+            return f"{COMPLETE} names {name[:80]!r}, {outside}: the marker was not written by oomkit's save"
     for name, size in sizes.items():
         path = folder / name
         if not path.exists():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size} bytes, the save wrote {size} (truncated or changed since)"
-    hashes = json.loads((folder / COMPLETE).read_text(encoding="utf-8")).get("sha256") or {}
-    for name, digest in hashes.items() if isinstance(hashes, dict) else ():
-        if (folder / str(name)).exists() and _sha256(folder / str(name)) != digest:
+    for name, digest in hashes.items():
+        if (folder / name).exists() and _sha256(folder / name) != digest:
             return f"{name} changed since the save (same size, other bytes: damaged on disk or in a sync)"
+    return None
+
+
+def _not_a_file_of(folder: Path, name: str) -> str | None:
+    """Why ``name`` (from a marker) is not a plain file directly inside ``folder``; None when it is one
+    (or is missing: that is said with the sizes). Looks only at the name and ``lstat``, never the content."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+        return "which is not a file name inside the checkpoint folder"
+    try:
+        mode = (folder / name).lstat().st_mode
+    except OSError:
+        return None
+    if not stat.S_ISREG(mode):
+        return "which is not a regular file (a link, a device or a pipe)"
     return None
 
 
@@ -350,15 +377,68 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def complete_marker(stamp: dict | None = None):
+REMOVING = ".removing-"  # a folder renamed so while rotation deletes it: no longer a checkpoint to anyone
+
+
+def rotate(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
+    """Delete the checkpoints older than the ``keep`` newest complete ones, once ``checkpoint-<newest>`` is.
+
+    Trainer deletes the oldest checkpoint before the newest one is marked complete, so a kill in
+    between leaves neither usable. Here nothing is deleted unless ``checkpoint-<newest>`` has its
+    :data:`COMPLETE` marker, and each folder is first renamed ``.removing-checkpoint-N`` (one atomic
+    step: a kill mid-delete leaves a folder no resume looks at, removed by the next rotation).
+    Folders newer than ``newest`` are never touched. Returns the folders deleted.
+    """
+    out = Path(output_dir)
+    for leftover in out.glob(f"{REMOVING}checkpoint-*"):  # a rotation killed mid-delete
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not keep or keep <= 0 or not (out / f"checkpoint-{newest}" / COMPLETE).exists():
+        return []
+    older = [f for f in checkpoint_folders(out) if _step(f) <= newest]
+    kept = [f for f in older if (f / COMPLETE).exists()][:keep]
+    if len(kept) < keep:
+        return []  # fewer complete ones than asked to keep: an unmarked older one may be all a resume has
+    oldest_kept = _step(kept[-1])
+    gone = []
+    for folder in [f for f in older if _step(f) < oldest_kept]:
+        doomed = folder.with_name(REMOVING + folder.name)
+        try:
+            os.replace(folder, doomed)
+        except OSError:  # a file system that refuses the rename: the folder stays (more disk used, nothing lost)
+            continue
+        _fsync(out)
+        shutil.rmtree(doomed, ignore_errors=True)
+        gone.append(folder)
+    return gone
+
+
+def write_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a write that failed for want of space: ``OSError``
+    ENOSPC/EDQUOT, or torch's raw "unexpected pos" / "file write failed" of a zip writer on a full disk."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        text = str(error)
+        if isinstance(error, RuntimeError) and ("unexpected pos" in text or "file write failed" in text):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def complete_marker(stamp: dict | None = None, keep: int | None = None):
     """A ``TrainerCallback`` that writes :data:`COMPLETE` after Trainer saved a checkpoint, and removes a
     stale marker before a checkpoint is saved over an old folder of the same step.
 
     Args:
         stamp: JSON-able facts about the run (settings, a hash of the data), written into each
             checkpoint as :data:`RUN` before the marker, so the marker vouches for it too.
+        keep: the checkpoints to keep (the plan's ``save_total_limit``): older ones are deleted by
+            :func:`rotate` after the marker is written. Trainer's own rotation must be off
+            (``save_total_limit=None``): it deletes before the marker.
     """
-    return _marker_class()(stamp)
+    return _marker_class()(stamp, keep)
 
 
 @functools.cache
@@ -366,8 +446,9 @@ def _marker_class():
     from transformers import TrainerCallback  # here, so importing oomkit does not import transformers
 
     class CompleteMarker(TrainerCallback):
-        def __init__(self, stamp: dict | None = None):
+        def __init__(self, stamp: dict | None = None, keep: int | None = None):
             self.stamp = stamp
+            self.keep = keep
 
         def on_step_end(self, args, state, control, **kwargs):
             if control.should_save and args.should_save:  # about to write checkpoint-<step>, maybe over an old one
@@ -382,5 +463,6 @@ def _marker_class():
                 if self.stamp is not None:
                     _write_json(folder / RUN, self.stamp)
                 mark_complete(folder, state.global_step)
+                rotate(args.output_dir, self.keep, state.global_step)
 
     return CompleteMarker

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import math
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ import torch
 from ..core.arguments import number
 from ..core.reducers import chunked_lm_loss, offload_activations
 from ..core.vocab import BF16, FP16, TIGHT_FRACTION
+from ..loading.fingerprint import weights_fingerprint
+from ..loading.generation import token_ids_problem
 from ..loading.loader import keep_4bit_layout
 from ..oom.batch_size import find_max_batch_size
 from .checkpoint_proof import prove
@@ -35,6 +38,7 @@ from .checkpoints import (
     WHY,
     CheckpointError,
     CheckpointWarning,
+    CheckpointWriteError,
     ResumePoint,
     Skipped,
     complete_marker,
@@ -43,6 +47,7 @@ from .checkpoints import (
     read_stamp,
     set_aside,
     set_aside_all,
+    write_failure,
 )
 from .data import (
     collate,
@@ -223,14 +228,19 @@ def _trainer_and_stamp(model, tokenizer, plan: TrainPlan, dataset, callbacks, ov
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     args = plan.training_arguments(**overrides)
+    # Trainer's rotation deletes the oldest checkpoint before the newest is marked complete (a kill in
+    # between left no usable one): the marker callback rotates instead, after the marker
+    keep, args.save_total_limit = args.save_total_limit, None
     stamp = run_stamp(plan, args, dataset)
+    stamp["base"] = weights_fingerprint(model)  # a resume onto other base weights at the same path is told
     trainer = _reducing_trainer(Trainer)(
         plan=plan,
         model=model,
         args=args,
         train_dataset=dataset,
         data_collator=lambda ex: collate(ex, pad),
-        callbacks=[*callbacks, complete_marker(stamp)],  # the COMPLETE marker goes last, after everything is saved
+        # the COMPLETE marker goes last, after everything is saved; it rotates the old ones after it
+        callbacks=[*callbacks, complete_marker(stamp, keep)],
     )
     return trainer, stamp
 
@@ -281,6 +291,11 @@ def stamp_changes(old: dict | None, new: dict) -> list[str]:
         return []
     before, now = old.get("plan", {}), new["plan"]
     changes = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items() if k in before and before[k] != v]
+    if old.get("base") not in (None, new.get("base")):
+        changes.append(
+            f"the base weights (fingerprint {old['base']} -> {new.get('base')}: other weights at the same path, "
+            "replaced, re-downloaded or edited; the adapter was trained on the old ones)"
+        )
     was, data = old.get("dataset", {}), new["dataset"]
     if was.get("sha256") not in (None, data["sha256"]):
         changes.append(
@@ -376,6 +391,9 @@ def train(
     need_plan(plan, "train")
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a Whisper or VLM processor: its tokenizer pads
     need_tokenizer(tokenizer, "train")
+    missing_row = token_ids_problem(model, tokenizer)
+    if missing_row:  # else a raw IndexError from the embedding at the first padded batch
+        raise FinetuneError(missing_row)
     if not isinstance(dataset, list | tuple) or not dataset or not all(isinstance(e, dict) for e in dataset):
         raise FinetuneError(f"dataset must be build_dataset()'s non-empty list of examples, got {dataset!r:.60}")
     keep_4bit_layout(model)
@@ -408,12 +426,33 @@ def train(
         return TrainResult(out, point.step, point.step, total, losses, 0.0, history, point.skipped, aside, changed,
                            finished_before=True)  # fmt: skip
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(point.checkpoint) if point.checkpoint else None)
+    except (OSError, RuntimeError) as e:
+        if not write_failure(e):
+            raise
+        raise _disk_full(out, trainer.state.global_step, e) from e
     history = trainer.state.log_history
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
                        time.perf_counter() - started, history, point.skipped, aside, changed,
                        progress=shown.last if shown is not None else None)  # fmt: skip
+
+
+def _disk_full(out: Path, step: int, error: BaseException) -> CheckpointWriteError:
+    """A save that failed for want of space, in words: where, how much is free, what a rerun resumes from."""
+    try:
+        free = f"{shutil.disk_usage(out).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    last = newest_complete(out)
+    then = f"a rerun resumes from {last.name}" if last else "no checkpoint is complete yet, so a rerun starts over"
+    return CheckpointWriteError(
+        f"the disk is full: saving the checkpoint of step {step} in {out} failed ({free}; "
+        f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120] if str(error).strip() else error!r}). "
+        f"Nothing saved before is lost: {then}. Free space (delete old checkpoints or files, empty the Drive "
+        "trash), lower save_total_limit, or point output_dir at a disk with room, then run again"
+    )
 
 
 def _warn_changed(checkpoint: Path, out: Path, changed: list[str], finished: bool) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "SAMPLE",
     "weights_fingerprint",
     "adapter_fingerprint",
+    "adapters_disabled",
     "loaded_mode",
     "tokenizer_identity",
     "describe",
@@ -157,7 +158,15 @@ def adapter_fingerprint(model) -> str | None:
         f"{name}: {getattr(getattr(c, 'peft_type', None), 'value', '?')} r={getattr(c, 'r', '?')}"
         for name, c in configs.items()
     )
-    return f"{kinds} #{digest}{config_digest}"
+    # under model.disable_adapter() the base model generates: its results are not the adapter's
+    off = " (adapter disabled: the base model ran)" if adapters_disabled(model) else ""
+    return f"{kinds} #{digest}{config_digest}{off}"
+
+
+def adapters_disabled(model) -> bool:
+    """Whether the model's adapter layers are switched off (``with model.disable_adapter():``): then the
+    base model computes, though the adapter's weights are attached."""
+    return any(getattr(m, "_disable_adapters", False) is True for m in model.modules())  # peft's tuner layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +260,34 @@ def describe(value: Any, where: str = "value", _depth: int = 0) -> Any:
     return _describe_object(value, where, d)
 
 
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (and the code nested in it) may read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _globals_read(fn: types.FunctionType, where: str, d: int) -> dict:
+    """The module globals ``fn`` reads, by value: a threshold kept in a global changes the function's output
+    as much as its code does. Modules, functions and classes count by name (their own code is theirs to
+    change); a value with no readable state by its type (it was accepted before globals counted)."""
+    found = {}
+    for name in sorted(_names(fn.__code__) & set(fn.__globals__)):
+        value = fn.__globals__[name]
+        if isinstance(value, types.ModuleType):
+            continue
+        if isinstance(value, type | types.FunctionType | types.BuiltinFunctionType):
+            found[name] = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', name)}"
+            continue
+        try:
+            found[name] = describe(value, f"{where} global {name}", d)
+        except FingerprintError:
+            found[name] = {"type": _type_name(value)}
+    return found
+
+
 def _type_name(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
@@ -266,6 +303,7 @@ def _describe_object(value: Any, where: str, d: int) -> Any:
             "code": _code_digest(value.__code__),
             "defaults": describe(list(value.__defaults__ or ()), f"{where} defaults", d),
             "closure": describe(cells, f"{where} closure", d),
+            "globals": _globals_read(value, where, d),
         }
     if isinstance(value, type):
         return {"class": f"{value.__module__}.{value.__qualname__}"}
