@@ -299,3 +299,12 @@ def test_offload_moves_states_off_the_gpu_figure(tmp_path):
     assert kept.offloaded_bytes == 0 and moved.offloaded_bytes == states > 0
     assert moved.gpu_bytes == kept.gpu_bytes - states
     assert "per process in CPU RAM (optimizer and params)" in str(moved)
+
+
+def test_an_offloaded_qlora_optimizer_leaves_the_gpu_for_cpu_ram(tmp_path):
+    """The adapters' optimizer states are what ZeRO's offload moves (the estimator's rows under QLoRA)."""
+    plan = TrainPlan("meta-llama/Llama-2-7b-hf", batch_size=16, micro_batch=2)
+    config = write_launch_config(plan, tmp_path, devices="kaggle-2xt4", strategy="zero3", offload="optimizer")
+    moved = config.memory.state_bytes("optimizer")
+    assert moved > 0 and config.offloaded_bytes == moved
+    assert config.gpu_bytes == config.memory.total - moved

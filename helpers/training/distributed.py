@@ -67,6 +67,9 @@ STRATEGIES: dict[str, tuple[bool, bool, bool]] = {
 }
 # bytes of optimizer state per trainable parameter, fp32 master copy included under mixed precision (K)
 OPTIMIZER_K = {"adamw": 12, "adamw_8bit": 6, "sgd": 4}
+# a model state's rows: full training's own, and the trained adapters' under QLoRA (the estimator's keys)
+STATE_KEYS = {"params": ("states.params", "training.adapters"), "grads": ("states.grads", "training.gradients"),
+              "optimizer": ("states.optimizer", "training.optimizer")}  # fmt: skip
 
 
 class DistributedError(OomkitError, ValueError):
@@ -90,11 +93,15 @@ class TrainingMemory:
     def bytes(self, group: str) -> int:
         return sum(b for k, _, b, _ in self.rows if k == group or k.startswith(group + "."))
 
+    def state_bytes(self, kind: str) -> int:
+        """Bytes of one kind of model state on one GPU: ``"params"``, ``"grads"`` or ``"optimizer"`` (full
+        training's rows, or the trained adapters' under QLoRA, as the estimator keys them)."""
+        return sum(self.bytes(key) for key in STATE_KEYS[kind])
+
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + optimizer states on one GPU (the ZeRO paper's model states; under QLoRA
-        the adapters' own, as the estimator keys them)."""
-        return self.bytes("states") + sum(self.bytes(key) for key in _SHARDED_STATES)
+        """Parameters + gradients + optimizer states on one GPU (the ZeRO paper's model states)."""
+        return sum(self.state_bytes(kind) for kind in STATE_KEYS)
 
     @property
     def total(self) -> int:
@@ -224,7 +231,7 @@ def training_memory(
 
 # training_memory's optimizer names -> the estimator's (whose OPTIMIZERS table prices their states)
 ESTIMATOR_OPTIMIZER = {"adamw": "adamw_torch", "adamw_8bit": "adamw_8bit", "sgd": "sgd"}
-# the estimator's rows that are per-parameter states of the trained adapters: (shard index, rows)
+# the estimator's rows that are per-parameter states of the trained adapters -> which ZeRO shard splits them
 _SHARDED_STATES = {"training.adapters": 0, "training.gradients": 1, "training.optimizer": 2}
 
 

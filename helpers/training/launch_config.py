@@ -85,10 +85,8 @@ class LaunchConfig:
     def offloaded_bytes(self) -> int:
         """Bytes per process the offload keeps in CPU RAM instead of the GPU: the optimizer states, the parameters
         (FSDP's offload moves their gradients with them)."""
-        groups = {"optimizer": ["states.optimizer"], "params": ["states.params"]}
-        if self.strategy == "fsdp":
-            groups["params"].append("states.grads")
-        return sum(self.memory.bytes(g) for o in self.offloads for g in groups[o])
+        groups = {"optimizer": ["optimizer"], "params": ["params", "grads"] if self.strategy == "fsdp" else ["params"]}
+        return sum(self.memory.state_bytes(kind) for o in self.offloads for kind in groups[o])
 
     @property
     def gpu_bytes(self) -> int:
