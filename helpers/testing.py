@@ -2,7 +2,8 @@
 
 ``simulated_budget(model, tokens=...)``: within the block, a ``generate`` call whose batch x (prompt
 + new tokens) exceeds the budget runs out of memory for real (an allocation too large for any
-machine), raised as ``torch.OutOfMemoryError``.
+machine), raised as ``torch.OutOfMemoryError`` with the message a T4 would print (so the OOM card reads
+what a GPU user meets: the batch and the length to cut).
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .core.arguments import ArgumentError, number, whole_number
+from .core.devices import CUDA_CONTEXT, DEVICES
 from .core.units import format_bytes
 
 __all__ = ["SimulatedBudget", "simulated_budget"]
+
+# The simulated card: at the budget the run holds this share of a T4, with this share left free; a random
+# spike asks for a small block while four times as much sits reserved in pieces.
+BUDGET_SHARE, FREE_SHARE, SPIKE_BYTES = 0.85, 0.02, 64 * 2**20
 
 
 @dataclass
@@ -41,10 +47,26 @@ class SimulatedBudget:
             try:
                 torch.empty(1 << 50, dtype=torch.uint8)  # no machine has a PiB: a real allocator failure
             except RuntimeError as e:
-                why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory (simulated budget: {why}). Tried to allocate {format_bytes(1 << 50)}"
-                ) from e
+                raise torch.OutOfMemoryError(self.message(batch, seq, over)) from e
+
+    def message(self, batch: int, seq: int, over: bool) -> str:
+        """The OOM a T4 would print here, in PyTorch's own words: the over-budget tokens' share of the card
+        (a batch or a length too large), or a small request refused while memory sits reserved in pieces
+        (a spike: fragmentation). The card an OOM report reads is the one a user meets on a GPU."""
+        cap = DEVICES["t4"]["capacity"]
+        per_token = int(cap * BUDGET_SHARE / self.tokens)
+        need = min((batch * seq - self.tokens) * per_token, cap // 4) if over else SPIKE_BYTES
+        free = int(cap * FREE_SHARE)
+        unallocated = SPIKE_BYTES * 4 if not over else int(cap * 0.01)
+        allocated = cap - free - unallocated - CUDA_CONTEXT
+        why = f"batch {batch} x {seq} tokens > budget {self.tokens}" if over else "a random spike"
+        return (
+            f"CUDA out of memory. Tried to allocate {format_bytes(need)}. GPU 0 has a total capacity of "
+            f"{format_bytes(cap)} of which {format_bytes(free)} is free. Including non-PyTorch memory, this process "
+            f"has {format_bytes(cap - free)} memory in use. Of the allocated memory {format_bytes(allocated)} is "
+            f"allocated by PyTorch, and {format_bytes(unallocated)} is reserved by PyTorch but unallocated. "
+            f"(simulated on this machine for a T4: {why})"
+        )
 
 
 @contextlib.contextmanager

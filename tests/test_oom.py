@@ -383,3 +383,23 @@ def test_the_other_cards_room_counts_this_process_cache_there(fake_gpus, monkeyp
     cuda.others[0] = -2 * GiB  # (the fake's free stays at 200 MiB)
     report = explain_oom(torch.OutOfMemoryError(SPLIT_GPU1))
     assert report.other_gpus == [(0, 200 * MiB + 2 * GiB)] and report.cause == "other_gpu_room"
+
+
+def test_the_cpu_demos_oom_card_reads_like_a_t4s():
+    """simulated_budget's OOM is the only card a CPU user meets: it names the batch and the length, never
+    "not a memory shortage" (it used to ask for a PiB, which reads as a corrupted size)."""
+    import torch
+
+    from helpers import explain_oom, simulated_budget
+
+    class Model:
+        def generate(self, input_ids=None, max_new_tokens=0):
+            return input_ids
+
+    model = Model()
+    with simulated_budget(model, tokens=2048), pytest.raises(torch.OutOfMemoryError) as caught:
+        model.generate(input_ids=torch.zeros(8, 512, dtype=torch.long), max_new_tokens=64)
+    report = explain_oom(caught.value, namespace={"BATCH_SIZE": 8, "MAX_NEW_TOKENS": 64})
+    text = str(report)
+    assert "corrupted" not in text and "NCCL" not in text and "GPU capacity: 14.74 GiB" in text
+    assert "BATCH_SIZE = 4" in text and "MAX_NEW_TOKENS = 32" in text
