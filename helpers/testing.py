@@ -22,7 +22,9 @@ __all__ = ["SimulatedBudget", "simulated_budget"]
 
 # The simulated card: at the budget the run holds this share of a T4, with this share left free; a random
 # spike asks for a small block while four times as much sits reserved in pieces.
-BUDGET_SHARE, FREE_SHARE, SPIKE_BYTES = 0.85, 0.02, 64 * 2**20
+BUDGET_SHARE = 0.85
+FREE_SHARE = 0.02
+SPIKE_BYTES = 64 * 2**20
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 
 from helpers import cleanup, explain_oom, find_max_batch_size, safe_generate
 from helpers.core.units import GiB, MiB, format_bytes
+from helpers.evaluation.results_file import is_record
 from helpers.monitoring.monitor import MemoryMonitor
 from helpers.oom.retry import attempt
 from helpers.testing import simulated_budget
@@ -77,8 +78,8 @@ def no_result_lost(model, tokenizer, run) -> dict:
                                progress=False)  # fmt: skip
     with _uncapped(run):
         safe_generate(model, tokenizer, prompts, max_new_tokens=new, results=free, batch_size=8, progress=False)
-    got = [json.loads(line) for line in capped.read_text().splitlines()]
-    ref = {r["id"]: r["output"] for r in map(json.loads, free.read_text().splitlines())}
+    got = [r for r in map(json.loads, capped.read_text().splitlines()) if is_record(r)]  # headers are not results
+    ref = {r["id"]: r["output"] for r in map(json.loads, free.read_text().splitlines()) if is_record(r)}
     ids = [r["id"] for r in got]
     lost, dup = len({p["id"] for p in prompts} - set(ids)), len(ids) - len(set(ids))
     equal = sum(ref.get(r["id"]) == r["output"] for r in got)
