@@ -556,6 +556,18 @@ def fingerprint_cost(d: dict) -> str:
     return d["table"]  # the bench writes its table and the sentence of ratios under it
 
 
+def resume_scale(d: dict) -> str:
+    t = d["target"]
+    rows = [[f"{r['done']:,}", r["format"], f"{r['bytes_per_row']} B", f"{r['seconds']:.2f} s", f"{r['cpu_seconds']:.2f} s",
+             f"{r['extra_rss_mib']:.0f} MiB"] for r in d["rows"]]  # fmt: skip
+    return (
+        f"`safe_generate(resume=True)` on a results file of N finished rows with {d['rows'][0]['new']} prompts left, "
+        f"in a fresh process: the target is {t['rows']:,} rows in under {t['seconds']} s and {t['extra_rss_mib']} MiB. "
+        "`header`: the file states what made it once (this format); `old`: every record carries its settings.\n\n"
+        + table(["done rows", "format", "stored per row", "wall", "CPU", "extra RSS"], rows)
+    )
+
+
 def time_estimate(d: dict) -> str:
     cal = d["calibrations"]
     ops = [c["op_seconds"] * 1e6 for c in cal]
@@ -584,6 +596,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "hot_spots": ("Hot spots, before and after", hot_spots),
     "fingerprint_cost": ("Fingerprint cost", fingerprint_cost),
     "time_estimate": ("Time estimates", time_estimate),
+    "resume_scale": ("Resuming an evaluation", resume_scale),
 }
 
 
