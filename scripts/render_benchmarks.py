@@ -563,7 +563,8 @@ def resume_scale(d: dict) -> str:
     return (
         f"`safe_generate(resume=True)` on a results file of N finished rows with {d['rows'][0]['new']} prompts left, "
         f"in a fresh process: the target is {t['rows']:,} rows in under {t['seconds']} s and {t['extra_rss_mib']} MiB. "
-        "`header`: the file states what made it once (this format); `old`: every record carries its settings.\n\n"
+        "`header`: the file states what made it once (this format); `before headers`: every record carries its own "
+        "settings (files written before; they still resume).\n\n"
         + table(["done rows", "format", "stored per row", "wall", "CPU", "extra RSS"], rows)
     )
 
