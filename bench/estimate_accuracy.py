@@ -141,6 +141,8 @@ def full_size_rows() -> list[dict]:
     out = []
     for hub_id, path in shipped_configs().items():
         cfg = json.loads(path.read_text())
+        if "quantization_config" in cfg:  # loads only as saved (mxfp4, fp8): no fp16/int8/nf4 to set beside the peers
+            continue
         acc = accelerate_gather(path)
         ours = {m: estimate(hub_id, load=m).weights for m in ("fp16", "int8")}
         ours["nf4+dq"] = estimate(hub_id, load="nf4", double_quant=True).weights
