@@ -290,7 +290,8 @@ def test_a_snapshot_pickle_that_would_run_code_is_refused(tmp_path):
 
 def test_leak_views_escape_holder_names():
     hostile = "<img src=x onerror=alert(1)>"
-    ns = {hostile: [torch.ones(3, requires_grad=True) * 2 for _ in range(2)]}
+    # large enough to be among the top rows whatever tensors earlier tests in this process left alive
+    ns = {hostile: [torch.ones(1 << 22, requires_grad=True) * 2 for _ in range(2)]}
     for view in (leaks_census.census(ns), leaks_patterns.leak_checks(ns)):
         html = view._repr_html_()
         assert "<img" not in html and "&lt;img" in html, type(view).__name__
