@@ -89,7 +89,6 @@ def _hub_access(model: str, token: str | None) -> None:
     """What ``huggingface_hub.auth_check`` asks (``/api/models/<id>/auth-check``), in one bounded request
     (:func:`helpers.sources.http_get`: a stalled mirror is a :class:`NetError` at the deadline, not a hang);
     raises huggingface_hub's own errors for its answer (gated, not found, malformed id)."""
-    import httpx2
     from huggingface_hub import constants
     from huggingface_hub.utils import hf_raise_for_status, validate_repo_id
 
@@ -97,8 +96,22 @@ def _hub_access(model: str, token: str | None) -> None:
     url = f"{constants.ENDPOINT.rstrip('/')}/api/models/{urllib.parse.quote(model, safe='/')}/auth-check"
     headers = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
     reply = http_get(url, NetBudget(max_bytes=1 << 20), headers=headers, max_bytes=1 << 20)
-    request = httpx2.Request("GET", url)
-    hf_raise_for_status(httpx2.Response(reply.status, headers=reply.headers, content=reply.body, request=request))
+    http = _hub_http_library()  # the response type the installed huggingface_hub reads
+    request = http.Request("GET", url)
+    hf_raise_for_status(http.Response(reply.status, headers=reply.headers, content=reply.body, request=request))
+
+
+def _hub_http_library():
+    """huggingface_hub 2.x speaks httpx2, 1.x httpx (transformers 5 needs one of them): Colab's and the
+    lowest supported versions differ from the newest."""
+    try:
+        import httpx2
+
+        return httpx2
+    except ImportError:
+        import httpx
+
+        return httpx
 
 
 def _check_hub(model: str, token: str | None) -> str:
