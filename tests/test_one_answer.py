@@ -76,3 +76,9 @@ def test_a_bar_is_coloured_by_the_verdict(share):
     assert html.LEVEL_FILLS[expected] in drawn
     assert f"({share * 100:.0f}%)" in drawn or share == 0.899  # over capacity reads over 100 %
     assert re.search(r"\((\d+)%\)", drawn).group(1) == f"{used / cap * 100:.0f}"
+
+
+def test_an_estimate_says_the_budget_it_was_made_for(capsys):
+    assert main(["estimate", "Qwen/Qwen2.5-7B", "--load", "nf4", "--device", "t4"]) == 0
+    assert "batch 1, 512 prompt + 256 new tokens" in capsys.readouterr().out.splitlines()[0]
+    assert "micro-batch 1 x 512 tokens" in str(TrainPlan("Qwen/Qwen2.5-7B").estimate("t4")).splitlines()[0]

@@ -116,9 +116,22 @@ class MemoryEstimate:
                        for k, v in self.inputs.items()},
         }  # fmt: skip
 
+    def request(self) -> str:
+        """The sizes this estimate assumed, in words: ``batch 1, 512 prompt + 256 new tokens``, or the
+        training step's ``micro-batch 1 x 512 tokens`` (so a verdict never hides the budget it was made for)."""
+        tr, inp = self.inputs.get("training"), self.inputs
+        if tr is not None:
+            return f"training: micro-batch {tr.micro_batch} x {tr.seq_len} tokens"
+        if "batch_size" not in inp:
+            return ""
+        return f"batch {inp['batch_size']}, {inp['prompt_tokens']} prompt + {inp['max_new_tokens']} new tokens"
+
     def __str__(self) -> str:
-        head = f"{self.model}: {self.params:,} parameters, load={self.load}" + (
-            " (approximate count)" if self.approximate else ""
+        asked = self.request()
+        head = (
+            f"{self.model}: {self.params:,} parameters, load={self.load}"
+            + (" (approximate count)" if self.approximate else "")
+            + (f"; {asked}" if asked else "")
         )
         w = max(len(r.name) for r in self.rows)
         lines = [head] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
@@ -136,7 +149,8 @@ class MemoryEstimate:
         rows = [[r.name, format_bytes(r.bytes), mini_bar(r.bytes, whole), r.kind, r.note] for r in self.rows]
         rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"),
                      mini_bar(self.total, self.capacity), "", ""])  # fmt: skip
-        title = f"{self.model}: {self.params:,} parameters, load={self.load}"
+        asked = self.request()
+        title = f"{self.model}: {self.params:,} parameters, load={self.load}" + (f"; {asked}" if asked else "")
         rows += [[f"host RAM: {r.name}", format_bytes(r.bytes), "", r.kind, r.note] for r in self.host_rows]
         share = f"share of {self.device}" if self.capacity else "share"
         html = table(["", "bytes", share, "kind", "note"], rows, title=title)
