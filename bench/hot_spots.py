@@ -66,6 +66,9 @@ CHAIN = 60_000
 # Each worker prints one line "RESULT <json>" and names the file its helpers came from.
 PREAMBLE = """
 import json, sys, time
+# the editable install's finder answers any "helpers.<x>" with this repository's file, even when PYTHONPATH's
+# tree has no such module: without it the old tree would import the new code for every module it lacks
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 def result(**kw):
     import helpers
     print("RESULT " + json.dumps({"helpers": helpers.__file__, **kw}), flush=True)
@@ -74,7 +77,10 @@ def result(**kw):
 IMPORT_MONITOR = """
 import torch
 t = time.perf_counter()
-import helpers.monitoring.monitor
+try:
+    import helpers.monitoring.monitor  # the layout by task
+except ImportError:
+    import helpers.monitor
 dt = time.perf_counter() - t
 result(seconds=dt, transformers_imported="transformers" in sys.modules)
 """
@@ -126,7 +132,10 @@ result(transformers_import_s=t1 - t0, estimate_after_imports_s=t3 - t2, estimate
 MONITOR = """
 import statistics
 import psutil, torch
-from helpers.monitoring.monitor import MemoryMonitor, Sample
+try:
+    from helpers.monitoring.monitor import MemoryMonitor, Sample
+except ImportError:
+    from helpers.monitor import MemoryMonitor, Sample
 INTERVAL = 0.5
 mon = MemoryMonitor(interval=INTERVAL, warn=False)  # the thread is never started
 store = getattr(mon, "_keep", None) or mon.samples.append  # what sample() does with a reading
@@ -183,7 +192,10 @@ result(points=points)
 CENSUS = f"""
 import gc
 import torch
-from helpers import census
+try:
+    from helpers.leaks.census import census
+except ImportError:
+    from helpers.leaks import census
 x = torch.ones(1, requires_grad=True)
 y = x
 for _ in range({CHAIN}):
@@ -206,9 +218,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 logging.set_verbosity_error()
 logging.disable_progress_bar()
-from helpers.oom import batch_size as bs
-from helpers.evaluation.evaluate import safe_generate
-from helpers.loading.loader import setup_tokenizer
+try:
+    from helpers.oom import batch_size as bs
+    from helpers.evaluation.evaluate import safe_generate
+    from helpers.loading.loader import setup_tokenizer
+except ImportError:
+    from helpers import batch_size as bs
+    from helpers.evaluate import safe_generate
+    from helpers.loading import setup_tokenizer
 tiny, prompts_file = sys.argv[1], sys.argv[2]
 prompts = [json.loads(line) for line in open(prompts_file) if line.strip()]
 tok = AutoTokenizer.from_pretrained(tiny)
