@@ -264,7 +264,7 @@ def step():
     global ref
     big = torch.ones(128 << 20)  # 512 MiB of fp32, alive in this frame
     ref = weakref.ref(big)
-    return torch.empty(1 << 45)  # the CPU allocator fails: an OOM (helpers.oom.hook.is_oom)
+    return torch.empty(1 << 45)  # the CPU allocator fails: an OOM (helpers.is_oom)
 ''')
 if variant.startswith("variable"):
     ip.run_cell('''
@@ -276,7 +276,7 @@ except Exception as e:
 else:
     ip.run_cell("step()")  # uncaught: IPython keeps it (sys.last_*, its traceback formatter)
 ip.run_cell('''
-from helpers.oom.hook import is_oom
+from helpers.oom.messages import is_oom
 held = err if "err" in globals() else sys.last_value
 kind, oom = type(held).__name__, is_oom(held)
 del held

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from helpers.oom.hook import explain_oom
+    from helpers.oom.diagnosis import explain_oom
     texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
 
     def log(size):
