@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -215,3 +216,34 @@ def test_supported_kwargs_drops_what_an_older_signature_lacks():
     assert supported_kwargs(old, no_placement_params=["x"]) == {}
     assert supported_kwargs(new, no_placement_params=["x"]) == {"no_placement_params": ["x"]}
     assert supported_kwargs(open_ended, no_placement_params=None) == {"no_placement_params": None}
+
+
+def test_an_offloaded_groups_quantization_is_decided_once_not_per_layer(monkeypatch):
+    """Each offloaded device-map key used to be a skip pattern: transformers' rule then ran one regex per module
+    per key (a 1,024-layer nf4 fit() took 120 s). Counted in patterns tried, the work now grows with the modules."""
+    import transformers.quantizers.quantizers_utils as qu
+
+    from helpers.estimator import layout as layout_module
+    from helpers.placement.device_plan import plan_devices
+
+    real, tried = qu.should_convert_module, [0]
+
+    def counting(name, patterns=None):
+        tried[0] += len(patterns or ())
+        return real(name, patterns)
+
+    monkeypatch.setattr(qu, "should_convert_module", counting)
+    layout_module._should_convert.cache_clear()
+    from transformers import LlamaConfig
+
+    from helpers.core.sources import shipped_config
+
+    wide = json.loads(shipped_config("meta-llama/Llama-3.1-8B").read_text())
+    wide.update(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
+    config = LlamaConfig(**{k: v for k, v in wide.items() if k != "architectures"})  # a 70B's shape
+    plan = plan_devices(config, load="int8", devices="t4", cpu_offload=True, cpu_memory=60 * 2**30)
+    layout_module._should_convert.cache_clear()
+    offloaded = [k for k, v in plan.device_map.items() if v == "cpu"]
+    assert len(offloaded) > 40  # the case this is about: most layers on the CPU
+    modules = 80 * 7 + 1  # the linears and lm_head, each asked about with a pattern or two
+    assert tried[0] <= 4 * modules, (tried[0], len(offloaded))
