@@ -34,6 +34,7 @@ MEASURES: dict[str, list[str]] = {
     "batch_finder": ["helpers/oom/batch_size.py", "helpers/oom/retry.py"],
     "estimate_accuracy": ["helpers/estimator", "helpers/training/plan.py", "helpers/training/adapters.py", "helpers/loading/plan.py"],
     "fingerprint_cost": ["helpers/loading/fingerprint.py"],
+    "fit_scale": ["helpers/estimator", "helpers/placement"],
     "eval_throughput": ["helpers/evaluation/evaluate.py", "helpers/evaluation/batching.py", "helpers/loading/generation.py",
                         "helpers/oom/batch_size.py", "helpers/oom/retry.py"],
     "hot_spots": ["helpers/estimator", "helpers/oom/batch_size.py", "helpers/oom/reclaim.py", "helpers/leaks", "helpers/leaks/tensors.py",

@@ -556,6 +556,15 @@ def fingerprint_cost(d: dict) -> str:
     return d["table"]  # the bench writes its table and the sentence of ratios under it
 
 
+def fit_scale(d: dict) -> str:
+    hits = sum(c["within_target"] for c in d["cases"])
+    return (
+        f"`fit()`'s first call in a fresh process (layouts, placement model and the fixes' re-estimates all built), "
+        f"{d['rounds']} interleaved rounds, median (range); target under {d['target_s']} s: {hits} of "
+        f"{len(d['cases'])} cases.\n\n" + d["table"]
+    )
+
+
 def resume_scale(d: dict) -> str:
     t = d["target"]
     rows = [[f"{r['done']:,}", r["format"], f"{r['bytes_per_row']} B", f"{r['seconds']:.2f} s", f"{r['cpu_seconds']:.2f} s",
@@ -598,6 +607,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "fingerprint_cost": ("Fingerprint cost", fingerprint_cost),
     "time_estimate": ("Time estimates", time_estimate),
     "resume_scale": ("Resuming an evaluation", resume_scale),
+    "fit_scale": ("fit() as models grow", fit_scale),
 }
 
 
