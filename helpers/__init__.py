@@ -55,6 +55,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["explain_oom", "OOMReport"], "oom.diagnosis"),
     **dict.fromkeys(["find_max_batch_size", "adaptive_batch"], "oom.batch_size"),
     **dict.fromkeys(["load_prompts"], "evaluation.prompts"),
+    **dict.fromkeys(["is_record"], "evaluation.results_file"),
     **dict.fromkeys(["safe_generate"], "evaluation.evaluate"),
     **dict.fromkeys(["EvalReport"], "evaluation.report"),
     **dict.fromkeys(["simulated_budget"], "testing"),

@@ -214,8 +214,10 @@ report.plot()
 # %%
 import json
 
+from helpers import is_record
+
 with open(RESULTS) as f:
-    rows = [r for r in map(json.loads, f) if "id" in r]  # header lines (what made the results) hold no id
+    rows = [r for r in map(json.loads, f) if is_record(r)]  # a header line (what made the results) is no result
 ids = [r["id"] for r in rows]
 assert len(ids) == len(set(ids)) == len(prompts), "a sample is missing or duplicated"
 assert set(ids) == {p["id"] for p in prompts}
