@@ -291,3 +291,17 @@ def test_one_bad_shard_of_an_index_is_the_note(hostile, short_deadline):
     headers, why = _within_guard(lambda: read_hub_headers("hostile/bad-shard"))
     assert headers is None and "model-00002-of-00002.safetensors declares a header of" in why
     assert len(hostile.requests) == 4  # the single file (missing), the index, one request per shard
+
+
+def test_the_hub_check_speaks_the_http_library_of_the_installed_hub(monkeypatch):
+    """huggingface_hub 2.x reads httpx2 responses, 1.x (the lowest supported transformers, Colab's) httpx:
+    without httpx2 the check builds its response with httpx instead of failing on the import."""
+    import sys
+    import types
+
+    from helpers.loading.checks import _hub_http_library  # noqa: PLC2701 - the choice under test
+
+    fake = types.ModuleType("httpx")
+    monkeypatch.setitem(sys.modules, "httpx2", None)  # not installed
+    monkeypatch.setitem(sys.modules, "httpx", fake)
+    assert _hub_http_library() is fake
