@@ -34,7 +34,7 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "approx_duration", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "approx_duration", "time_line", "view_time", "card_named", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
     "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
 ]  # fmt: skip
 
@@ -401,3 +401,38 @@ def time_line(est) -> str:
         f"time on {t.device}: ~{rate:,.1f} tokens/s decoding at batch {batch}, {t.answers} answers of "
         f"{t.new_tokens} tokens {approx_duration(total)} (datasheet x efficiency; .time() for more)"
     )
+
+
+def view_time(est, device=None, **kwargs) -> TimeEstimate | None:
+    """:func:`estimate_time` for a view that must answer at once (a panel's slider, a progress bar): a device
+    preset's card figures, or what :func:`~.calibration.calibrate` already measured in this process for
+    ``"cpu"`` / ``"current"``; None when neither (it never probes) or the formulas lack the model's shape."""
+    import torch
+
+    from .calibration import cached_calibration
+
+    dev = est.device if device is None else device
+    calibration = None
+    if not (isinstance(dev, str) and (dev.lower() in CARDS or dev.lower() in DEVICE_SETS)):
+        if dev not in ("cpu", "current", None):
+            return None  # a bare capacity: no card to time
+        gpu = dev != "cpu" and torch.cuda.is_available()
+        calibration = cached_calibration("cuda" if gpu else "cpu")
+        card = card_named(torch.cuda.get_device_name()) if gpu and calibration is None else None
+        if calibration is None and card is None:
+            return None
+        dev = card or dev
+    try:
+        return estimate_time(est, None if calibration else dev.lower(), calibration=calibration, **kwargs)
+    except (EstimateError, KeyError, TypeError, ValueError):  # a family whose shape the formulas lack
+        return None
+
+
+def card_named(name: str) -> str | None:
+    """The :data:`CARDS` key of a GPU as torch names it ("Tesla T4" -> "t4", "NVIDIA A100-SXM4-80GB" ->
+    "a100-80"); None for a card without figures."""
+    flat = name.lower().replace(" ", "").replace("-", "")
+    keys = [(k, *k.partition("-")[::2]) for k in CARDS]
+    sized = [k for k, base, size in keys if size and base.replace("rtx", "") in flat and f"{size}gb" in flat]
+    plain = [k for k, base, size in keys if base.replace("rtx", "") in flat]  # the first of a size: the smaller
+    return (sized or plain or [None])[0]

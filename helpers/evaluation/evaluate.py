@@ -35,10 +35,12 @@ import torch
 from ..core.arguments import flag, whole_number
 from ..core.attention import keep_attention_fused
 from ..core.errors import EvalError, FingerprintError, ScoreError
+from ..core.html import progress_bar
 from ..core.memory import allocated, peak_allocated, ram_readout, reserved, reset_peak_allocated
 from ..core.reducers import kv_cache_kwargs
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, ReducerError
+from ..estimator.timing import approx_duration, view_time
 from ..loading.fingerprint import describe, identity_changes, model_identity
 from ..loading.generation import (
     Generated,
@@ -55,7 +57,7 @@ from ..loading.generation import (
 )
 from ..oom.batch_size import remembered_batch
 from ..oom.retry import Attempt, Watch, attempt
-from .batching import TokenBudget, batch_cache_key, remember, start_size
+from .batching import TokenBudget, batch_cache_key, model_load_mode, remember, start_size
 from .inputs import batch_media, has_media, prompt_inputs
 from .prompts import load_prompts
 from .report import EvalReport, mean_of_finite
@@ -69,6 +71,7 @@ __all__ = [
     "score_fields",
     "safe_generate",
     "prompt_hash",
+    "predicted_seconds",
 ]
 
 
@@ -579,9 +582,12 @@ class _Loop:
         self.streamed = not run.stream  # True once a streamed batch finished (or when none should stream)
 
     def run(self) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=len(self.pending), desc="safe_generate", unit="sample", disable=not self.progress)
+        first = max(1, min(self.budget.size, self.budget.limit))
+        predicted = predicted_seconds(self.run_.model, self.pending, first, self.run_.max_new_tokens) if (
+            self.progress) else None  # fmt: skip
+        # the plan's time in the description; tqdm's own elapsed<remaining beside it is the measured one
+        desc = "safe_generate" + (f" (predicted {approx_duration(predicted)})" if predicted is not None else "")
+        self.bar = progress_bar(len(self.pending), desc, "sample", disable=not self.progress)
         self.started = time.perf_counter()
         self.peak = _memory(self.run_.device)
         try:
@@ -690,6 +696,26 @@ class _Loop:
         self.bar.set_postfix_str(
             f"batch {size}, {report.new_tokens / max(elapsed, 1e-9):.0f} tok/s, {format_bytes(mem)}", refresh=False
         )
+
+
+def predicted_seconds(model, pending: list, batch: int, max_new_tokens: int) -> float | None:
+    """The seconds :func:`~helpers.estimator.timing.view_time` predicts for generating ``pending`` (``(item,
+    token ids)`` pairs) ``batch`` at a time: the model as loaded (its load mode), the prompts' mean length. None
+    where nothing can time it (an uncalibrated CPU, an unlisted GPU, a family the formulas lack)."""
+    if not pending:
+        return None
+    from ..estimator.core import estimate
+    from ..estimator.rows import EstimateError
+
+    prompt = max(1, round(sum(len(row) for _, row in pending) / len(pending)))
+    device = "current" if model_device(model).type == "cuda" else "cpu"
+    try:
+        est = estimate(model, load=model_load_mode(model), batch_size=batch, prompt_tokens=prompt,
+                       max_new_tokens=max_new_tokens, device=device)  # fmt: skip
+    except (EstimateError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+    t = view_time(est, answers=len(pending), batches=(batch,), cached=True)
+    return None if t is None else t.answers_seconds[batch]
 
 
 def _records(run: _Run, batch: list, gen: Generated, new: int, seconds: float, *, memory: bool) -> list[dict]:

@@ -16,6 +16,7 @@ from ..core.vocab import FITS, VERDICT_STATUS, verdict
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import Suggestion
 from ..estimator.reducers import host_cost
+from ..estimator.timing import approx_duration
 from ..placement.decision import fit
 
 __all__ = [
@@ -27,6 +28,9 @@ __all__ = [
     "REDUCER_SPEED",
     "host_note",
     "notes_html",
+    "load_time_text",
+    "train_time_text",
+    "NO_TIME",
 ]
 
 SEGMENTS = [  # (label, estimate row groups, opacity) in bar order; a load panel has no training state
@@ -87,6 +91,8 @@ class PanelState:
     cached: bool = False
     segments_spec: tuple = tuple(SEGMENTS)  # (label, estimate row groups, opacity) per bar segment
     alternative: Any = None  # a panel_gpus.Alternative: a multi-GPU set of this GPU where the plan would fit
+    time: Any = None  # the plan's TimeEstimate (estimator.timing.view_time), None where it cannot be timed
+    time_text: str = ""  # the panel's time line, rendered from ``time``
 
     @property
     def headroom(self) -> int:
@@ -137,9 +143,15 @@ class PanelState:
         return stacked_bar(parts, self.estimate.total, self.capacity, self.verdict, caption, width=width)
 
     def text_lines(self) -> list[str]:
-        """The summary's lines for this state: the breakdown and the verdict."""
+        """The summary's lines for this state: the breakdown, the verdict and the time."""
         segs = ", ".join(f"{label} {format_bytes(b)}" for label, b in self.segments())
-        return [f"estimate: {segs}", self.verdict_text()]
+        return [f"estimate: {segs}", self.verdict_text(), *([self.time_text] if self.time_text else [])]
+
+    def time_html(self) -> str:
+        """The time line as the panel's ``oomkit-time`` element ("" when there is none)."""
+        if not self.time_text:
+            return ""
+        return f"<div class='oomkit-time-text' style='font-family:monospace'>{escape(self.time_text)}</div>"
 
     def notes(self) -> list[str]:
         """Notes of this state beyond the estimate's warnings (a split's, a device set that would fit)."""
@@ -216,6 +228,32 @@ class ReducerTable:
 
     def _repr_html_(self) -> str:
         return table(self.HEADER, self.cells(), title=self.title)
+
+
+def load_time_text(t, batch: int) -> str:
+    """A load panel's time line from :func:`~helpers.estimator.timing.view_time`'s answer ``t`` (timed at
+    ``batch``): load time, decode tokens/s, and the answers' total; or how to get one when ``t`` is None."""
+    if t is None:
+        return NO_TIME
+    return (
+        f"time on {t.device}: load {approx_duration(t.load_total)} · ~{t.decode_tokens_per_s[batch]:,.1f} tokens/s "
+        f"at batch {batch} · {t.answers} answers of {t.new_tokens} tokens: {approx_duration(t.answers_seconds[batch])}"
+    )
+
+
+def train_time_text(t, steps: int, accumulation: int) -> str:
+    """A training panel's time line from ``t`` (timed over ``steps`` x ``accumulation`` micro-batch steps): one
+    optimizer step and the run's ``steps``; or how to get one when ``t`` is None or has no step."""
+    if t is None or t.step_seconds is None or t.step_shape is None:
+        return NO_TIME
+    step = t.step_seconds * accumulation
+    mb, seq = t.step_shape
+    what = f"{accumulation} x {mb}" if accumulation > 1 else f"{mb}"
+    total = f" · {steps} steps: {approx_duration(t.steps * t.step_seconds)}" if steps else ""
+    return f"time on {t.device}: {approx_duration(step)} per step ({what} x {seq} tokens){total}"
+
+
+NO_TIME = "time: not timed here (pick a device preset such as 't4', or run calibrate() once to time this machine)"
 
 
 def notes_html(notes: list[str]) -> str:

@@ -2,7 +2,7 @@
 
 ``TrainPanel(plan)`` shows the controls of a :class:`~helpers.TrainPlan` that decide the
 memory of a training step; every change re-estimates that step on the target device (a T4 by
-default) and states the verdict and the top fix, as :class:`~helpers.LoadPanel` does for
+default) and states the verdict, the top fix and the time (a step, the run), as :class:`~helpers.LoadPanel` does for
 inference. ``panel.plan`` is the plan the following cells load, prepare and train with. A
 micro-batch chosen here is the most :func:`~helpers.find_micro_batch` tries: it measures
 that a real step fits and takes a smaller divisor of the effective batch when it does not; "auto"
@@ -13,13 +13,15 @@ without liger-kernel) is labelled "(not here)" and a note under the verdict says
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..core.devices import resolve_device
 from ..core.reducers import loss_available, loss_choices
 from ..core.vocab import FOUR_BIT, LOAD_MODES, half_dtype
+from ..estimator.timing import view_time
 from ..training.plan import TrainPlan
-from .state import ReducerTable, host_note
+from .state import ReducerTable, host_note, train_time_text
 from .widgets import Control, Panel
 
 __all__ = ["TrainPanel"]
@@ -111,6 +113,14 @@ class TrainPanel(Panel):
 
     def disabled(self) -> set[str]:
         return set() if self.values["load"] in FOUR_BIT else {"double_quant"}
+
+    def time_for(self, plan: TrainPlan, est) -> tuple[Any, str]:
+        """One optimizer step (the micro-batch's step x accumulation) and the plan's ``max_steps``, from the one
+        time answer (:func:`~helpers.estimator.timing.view_time`)."""
+        micro = plan.micro_batch or 1
+        accumulation = max(1, plan.batch_size // micro)
+        t = view_time(est, batches=(1,), steps=plan.max_steps * accumulation, cached=os.path.isdir(self.model))
+        return t, train_time_text(t, plan.max_steps, accumulation)
 
     def cache_key(self) -> tuple:
         v = self.values

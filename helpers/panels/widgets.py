@@ -18,7 +18,7 @@ says whether the set would hold it.
 DOM hooks for browser tests: every control has a stable ``description`` ("Load mode", "Double
 quant", "max_new_tokens", "Batch size", "Prompt tokens", "KV cache", "GPUs" over several, button "Load") and CSS
 classes ``oomkit-panel``, ``oomkit-estimate`` (the bar), ``oomkit-verdict`` (verdict + fix text, with
-``data-verdict``), ``oomkit-notes`` (``oomkit-panel-note`` lines: why a chosen option cannot run here),
+``data-verdict``), ``oomkit-time`` (the plan's time: load, tokens/s, the answers' total), ``oomkit-notes`` (``oomkit-panel-note`` lines: why a chosen option cannot run here),
 ``oomkit-load`` (button) and ``oomkit-report`` (output after loading). A KV cache kind this machine cannot
 run (int4 without optimum-quanto or hqq) is labelled "(not here)" in its dropdown. Over several
 GPUs the estimate holds ``oomkit-gpu-bar`` (``data-gpu``) per GPU and ``oomkit-left-over`` lines, the
@@ -45,6 +45,7 @@ from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FOUR_BIT, KV_CACHES, LOAD_MODES
 from ..estimator.configs import resolve_config
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import fit_one_card
+from ..estimator.timing import view_time
 from ..loading.loader import load
 from ..loading.plan import LoadPlan
 from ..oom.messages import is_oom
@@ -62,7 +63,7 @@ from .gpus import (
     split_gpus,
     split_target,
 )
-from .state import SEGMENTS, PanelState, ReducerTable, host_note, judgement, notes_html
+from .state import SEGMENTS, PanelState, ReducerTable, host_note, judgement, load_time_text, notes_html
 
 __all__ = [
     "Control",
@@ -222,6 +223,10 @@ class Panel:
         """Lines the summary adds after the estimate's own warnings."""
         return []
 
+    def time_for(self, plan, est: MemoryEstimate) -> tuple[Any, str]:
+        """(the plan's :class:`~helpers.estimator.timing.TimeEstimate` or None, the panel's time line)."""
+        return None, ""
+
     # -- widgets ----------------------------------------------------------------------------------
 
     def _control_widget(self, w, control: Control):
@@ -250,9 +255,10 @@ class Panel:
         c = {control.key: self._control_widget(w, control) for control in self.CONTROLS}
         for widget in c.values():
             widget.observe(self._on_change, names="value")
-        c["estimate"], c["verdict"], c["notes"] = w.HTML(), w.HTML(), w.HTML()
+        c["estimate"], c["verdict"], c["time"], c["notes"] = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         c["estimate"].add_class("oomkit-estimate")
         c["verdict"].add_class("oomkit-verdict")
+        c["time"].add_class("oomkit-time")
         c["notes"].add_class("oomkit-notes")
         rows, pending = [], []  # a checkbox sits beside the dropdown before it
         for control in self.CONTROLS:
@@ -266,7 +272,7 @@ class Panel:
             rows.append(self._row(w, pending))
         title = w.HTML(f"<b>{escape(self.TITLE)}</b>: {escape(self.model)}")
         extra = self.extra_widgets(w)
-        c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], c["notes"], *extra])
+        c["box"] = w.VBox([title, *rows, c["estimate"], c["verdict"], c["time"], c["notes"], *extra])
         c["box"].add_class("oomkit-panel")
         return c
 
@@ -320,7 +326,9 @@ class Panel:
         plan = plan or self.plan
         if use_cache and key in self._cache:
             return self._cache[key]
-        state = self.judge(plan, self.estimate_plan(plan))
+        est = self.estimate_plan(plan)
+        state = self.judge(plan, est)
+        state.time, state.time_text = self.time_for(plan, est)
         state.seconds = time.perf_counter() - started
         if use_cache and key is not None:
             self._cache[key] = state
@@ -347,6 +355,7 @@ class Panel:
                 c[control.key].disabled = control.key in off
             c["estimate"].value = state.bar_html()
             c["verdict"].value = state.verdict_html()
+            c["time"].value = state.time_html()
             c["notes"].value = notes_html(self.notes())
         state.cached = cached
         state.seconds = time.perf_counter() - started
@@ -375,6 +384,7 @@ class Panel:
             f"{escape(str(self.plan))}</div>"
             + self.state.bar_html()
             + self.state.verdict_html()
+            + self.state.time_html()
             + notes_html(self.notes())
         )
         return {"text/plain": self.summary(), "text/html": html}
@@ -500,6 +510,12 @@ class LoadPanel(Panel):
 
     def disabled(self) -> set[str]:
         return set() if self._values["load"] in FOUR_BIT else {"double_quant"}
+
+    def time_for(self, plan: LoadPlan, est: MemoryEstimate) -> tuple[Any, str]:
+        """Load time, decode tokens/s and the answers' total at the plan's batch, from the one time answer
+        (:func:`~helpers.estimator.timing.view_time`: the preset's card, or this machine's calibration)."""
+        t = view_time(est, batches=(plan.batch_size,), cached=os.path.isdir(self.model))
+        return t, load_time_text(t, plan.batch_size)
 
     def notes(self) -> list[str]:
         """Why the chosen KV cache cannot run here (its backend, or no CUDA GPU), and that a split ignores it."""

@@ -29,6 +29,8 @@ import torch
 from ..core.arguments import number
 from ..core.reducers import chunked_lm_loss, offload_activations
 from ..core.vocab import BF16, FP16, TIGHT_FRACTION
+from ..estimator.rows import EstimateError
+from ..estimator.timing import view_time
 from ..loading.fingerprint import weights_fingerprint
 from ..loading.generation import token_ids_problem
 from ..loading.loader import keep_4bit_layout
@@ -67,6 +69,7 @@ __all__ = [
     "run_stamp",
     "stamp_changes",
     "dataset_hash",
+    "predicted_step_seconds",
 ]  # fmt: skip
 
 
@@ -405,6 +408,9 @@ def train(
     if shown is not None:  # the view replaces Trainer's raw log dicts (disable_tqdm) or its bar
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+        if shown.predicted_step is None:  # the plan's time beside the measured one
+            shown.predicted_step = predicted_step_seconds(model, plan, trainer.args)
+
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
     out = Path(trainer.args.output_dir)
@@ -437,6 +443,19 @@ def train(
     return TrainResult(out, point.step, trainer.state.global_step, trainer.state.max_steps, losses,
                        time.perf_counter() - started, history, point.skipped, aside, changed,
                        progress=shown.last if shown is not None else None)  # fmt: skip
+
+
+def predicted_step_seconds(model, plan: TrainPlan, args) -> float | None:
+    """Seconds per optimizer step the plan predicts here, at the micro-batch and accumulation Trainer runs
+    (:func:`~helpers.estimator.timing.view_time`: this process's calibration, or the GPU's card figures); None
+    where nothing can time it (an uncalibrated CPU, an unlisted GPU, a family the formulas lack)."""
+    micro, accumulation = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    try:
+        est = plan.replace(micro_batch=micro).estimate("current", model=getattr(model, "config", model))
+    except (EstimateError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+    t = view_time(est, batches=(1,), steps=accumulation, cached=True)
+    return None if t is None or t.step_seconds is None else t.step_seconds * accumulation
 
 
 def _disk_full(out: Path, step: int, error: BaseException) -> CheckpointWriteError:

@@ -62,6 +62,7 @@ class TrainProgress:
     process_rss: int | None = None  # on a CPU: this process's resident memory
     finished: bool = False
     history: list[tuple[int, int]] = field(default_factory=list)  # (step, GPU allocated or process RSS) so far
+    predicted_step: float | None = None  # seconds per optimizer step the plan predicted (estimator.timing)
 
     @property
     def eta(self) -> float | None:
@@ -69,6 +70,21 @@ class TrainProgress:
         if self.steps_done <= 0:
             return None
         return self.elapsed / self.steps_done * max(0, self.total - self.step)
+
+    @property
+    def predicted_eta(self) -> float | None:
+        """Seconds left as the plan predicted them (None without a prediction)."""
+        return None if self.predicted_step is None else self.predicted_step * max(0, self.total - self.step)
+
+    @property
+    def predicted_run(self) -> float | None:
+        """This run's steps as the plan predicted them (None without a prediction)."""
+        return None if self.predicted_step is None else self.predicted_step * self.steps_done
+
+    def _eta(self) -> str:
+        """The ETA at this run's pace, and the plan's beside it when there is one."""
+        eta = format_seconds(self.eta)
+        return eta if self.predicted_eta is None else f"{eta} (predicted {format_seconds(self.predicted_eta)})"
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -83,6 +99,8 @@ class TrainProgress:
     def summary(self) -> str:
         """One line: peak reserved, its share of the card, wall time (the line to remember after a run)."""
         time_ = f"wall time {format_seconds(self.elapsed)} for {self.steps_done} step{'s' * (self.steps_done != 1)}"
+        if self.predicted_run is not None:
+            time_ += f" (predicted {format_seconds(self.predicted_run)})"
         if self.peak_reserved is None:
             return f"{self._memory()}; {time_}"
         share = f" = {self.peak_reserved / self.capacity:.0%} of the {format_bytes(self.capacity)} card" if (
@@ -95,7 +113,7 @@ class TrainProgress:
         loss = f"loss {self.loss:.4f}" if self.loss is not None else "loss -"
         rate = f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else "tokens/s -"
         return (
-            f"step {self.step}/{self.total} · {format_seconds(self.elapsed)} elapsed, ETA {format_seconds(self.eta)}"
+            f"step {self.step}/{self.total} · {format_seconds(self.elapsed)} elapsed, ETA {self._eta()}"
             f" · {loss} · {rate} · {self._memory()}"
         )
 
@@ -104,7 +122,7 @@ class TrainProgress:
         rows: list[list[object]] = [
             ["step", f"{self.step} / {self.total}"],
             ["elapsed", format_seconds(self.elapsed)],
-            ["ETA", "done" if self.finished else format_seconds(self.eta)],
+            ["ETA", "done" if self.finished else self._eta()],
             ["loss", f"{self.loss:.4f}" if self.loss is not None else "-"],
             ["tokens/s", f"{self.tokens_per_second:,.0f}" if self.tokens_per_second else "-"],
         ]
@@ -161,11 +179,14 @@ class _TrainView:
         min_interval: seconds between two updates of the notebook output (the first and last always show).
         lines: how many text lines a headless run prints at most (plus the summary).
         stream: where text lines go (default ``sys.stdout``).
+        predicted_step: seconds per optimizer step the plan predicts (:func:`helpers.estimator.timing.view_time`;
+            ``train()`` sets it), shown beside the ETA measured; None shows the measured one alone.
     """
 
     def __init__(self, display: str | Callable = "auto", *, min_interval: float = 0.5, lines: int = 10,
-                 stream=None) -> None:  # fmt: skip
+                 stream=None, predicted_step: float | None = None) -> None:  # fmt: skip
         self.min_interval, self.lines, self.stream = min_interval, max(1, lines), stream
+        self.predicted_step = predicted_step
         self.updates = 0
         self.last: TrainProgress | None = None
         self._sink = self._choose(display)
@@ -204,7 +225,7 @@ class _TrainView:
             steps_done=state.global_step - self._first_step, loss=self._loss, tokens=tokens if tokens > 0 else None,
             allocated=allocated("all") if cuda else None, peak_allocated=self._peak_alloc if cuda else None,
             peak_reserved=self._peak_reserved if cuda else None, capacity=self._capacity, device=self._device,
-            process_rss=rss, finished=finished, history=list(self._history),
+            process_rss=rss, finished=finished, history=list(self._history), predicted_step=self.predicted_step,
         )  # fmt: skip
 
     def _remember(self, step: int, memory: int) -> None:
