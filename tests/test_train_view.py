@@ -8,7 +8,7 @@ from helpers.training.adapters import prepare_qlora
 from helpers.training.data import build_dataset, load_instructions
 from helpers.training.finetune import train
 from helpers.training.plan import TrainPlan
-from helpers.training.view import TrainProgress, TrainView, format_seconds
+from helpers.training.view import TrainProgress, TrainView, bounded, format_seconds
 
 ROWS = load_instructions()[:24]
 
@@ -33,7 +33,9 @@ def test_the_view_updates_during_a_run_and_ends_with_the_summary(tiny_llama, tmp
     assert all(p.loss is not None for p in seen[2:])  # the loss logged each step shows from step 1 on
     assert seen[-1].tokens and seen[-1].tokens_per_second > 0  # Trainer counted the input tokens
     assert result.progress is seen[-1]  # the run's result keeps the summary
-    assert "wall time" in str(result).splitlines()[-1]
+    assert [s for s, _ in seen[-1].losses] == [1, 2, 3, 4, 5] and "oomkit-loss-line" in seen[-1]._repr_html_()
+    assert seen[-1].summary() in seen[-1]._repr_html_()  # the view ends with the summary ...
+    assert seen[-1].summary() not in str(result) and "wall time" not in str(result)  # ... said once, not again
     middle = seen[2]
     assert middle.eta is not None and f"step {middle.step}/5" in str(middle) and "ETA" in str(middle)
     html = middle._repr_html_()
@@ -104,7 +106,10 @@ def test_the_memory_chart_draws_each_point_and_the_cards_limit():
     html = p._repr_html_()
     points = html.split("<polyline points='")[1].split("'")[0].split()
     assert len(points) == 3 and float(points[0].split(",")[1]) > float(points[2].split(",")[1])  # rises as it grows
-    assert "stroke-dasharray" in html and "GPU allocated per step: 6.00 GiB now, peak 6.00 GiB of 15.00 GiB" in html
+    assert (
+        "stroke-dasharray" in html
+        and "GPU allocated per step: 6.00 GiB now, min 2.00 GiB, max 6.00 GiB of 15.00 GiB" in html
+    )
     assert "<svg" not in TrainProgress(step=0, total=10, elapsed=0, steps_done=0, history=history[:1])._repr_html_()
 
 
@@ -113,5 +118,42 @@ def test_a_long_run_keeps_a_bounded_chart_with_its_first_and_last_step():
 
     view = TrainView(lambda p: None)
     for step in range(5 * MAX_POINTS):
-        view._remember(step, step)
+        view._history = bounded(view._history, step, step)
     assert len(view._history) <= MAX_POINTS and view._history[0][0] == 0 and view._history[-1][0] == 5 * MAX_POINTS - 1
+
+
+def _ys(html: str, css: str) -> list[float]:
+    line = html.split(f"class='{css}'")[1].split("<polyline points='")[1].split("'")[0]
+    return [float(p.split(",")[1]) for p in line.split()]
+
+
+def test_the_view_draws_a_loss_line_and_a_memory_line_each_with_its_scale():
+    """Issue 44 item 4: the loss's history was only in print(result); on a CPU the memory line lay flat on the
+    frame's top border (scaled 0 to 1.1 x peak: 1 MiB of change in 1 GiB is invisible) with no scale."""
+    mib = 1024**2
+    rss = [(0, 1000 * mib), (1, 1001 * mib), (2, 1003 * mib), (3, 1002 * mib)]
+    losses = [(1, 2.5), (2, 2.1), (3, 1.7)]
+    p = TrainProgress(step=3, total=10, elapsed=3.0, steps_done=3, loss=1.7, process_rss=1002 * mib, history=rss,
+                      losses=losses)  # fmt: skip
+    html = p._repr_html_()
+    assert "loss per step: 1.7000 now, min 1.7000, max 2.5000" in html
+    loss = _ys(html, "oomkit-loss-line")
+    assert loss[0] < loss[1] < loss[2]  # SVG y grows downward: the falling loss goes down
+    memory = _ys(html, "oomkit-sparkline")
+    height = 56
+    assert min(memory) == 4 and max(memory) == height - 4  # the line spans its own min to max, off the frame
+    for css, top, bottom in (
+        ("oomkit-loss-line", "2.5000", "1.7000"),
+        ("oomkit-sparkline", "1003.00 MiB", "1000.00 MiB"),
+    ):
+        part = html.split(f"class='{css}'")[1]
+        assert f"<span class='oomkit-scale-max'>{top}</span><span class='oomkit-scale-min'>{bottom}</span>" in part
+
+
+def test_a_flat_line_sits_in_the_middle_and_the_summary_shows_once():
+    mib = 1024**2
+    p = TrainProgress(step=2, total=2, elapsed=2.0, steps_done=2, process_rss=mib, history=[(0, mib), (1, mib), (2, mib)],
+                      finished=True)  # fmt: skip
+    html = p._repr_html_()
+    assert set(_ys(html, "oomkit-sparkline")) == {28.0}
+    assert html.count(p.summary()) == 1 and str(p).count(p.summary()) == 1

@@ -10,7 +10,7 @@ Colab's dark themes; each has a WCAG contrast of at least 4.5:1 on its theme's b
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from html import escape
 
 from .units import format_bytes
@@ -22,6 +22,8 @@ COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a
 # bar fills for the usage level: bright hues read best as areas (text never goes on these)
 # a chart's line: >= 3:1 (WCAG's ratio for graphics) on white and on JupyterLab's dark backgrounds alike
 LINE_COLOR = "#4285f4"
+LOSS_COLOR = "#d56e0c"  # the loss line beside the memory one: another hue, >= 3:1 on both themes too
+FRAME_COLOR = "#9aa0a6"  # a chart's frame: mid grey, >= 2:1 on white and on the dark backgrounds
 LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
 _VERDICT_FILL = {FITS: "ok", TIGHT: "warn", DOES_NOT_FIT: "fail"}
 # text: (on a light background, on a dark one)
@@ -124,28 +126,43 @@ def mini_bar(part: int, whole: int | None, width: int = 80) -> Markup:
 
 
 def sparkline(
-    points: Sequence[tuple[float, int]], label: str, cap: int | None = None, width: int = 320, height: int = 56
-) -> Markup:
-    """An inline SVG line of ``(x, bytes)`` points (memory per training step), the card's ``cap`` dashed
-    when given; nothing with fewer than two points. Pure SVG: it redraws in an updating output, no plot library."""
+    points: Sequence[tuple[float, float]], label: str, cap: int | None = None, width: int = 320, height: int = 56, *,
+    fmt: Callable[[float], str] = format_bytes, color: str = LINE_COLOR, css: str = "oomkit-sparkline",
+) -> Markup:  # fmt: skip
+    """An inline SVG line of ``(x, y)`` points (memory or loss per training step) with its scale: the top and
+    bottom values labelled beside it (``fmt`` writes them), the card's ``cap`` dashed when given (the scale
+    then runs from 0 to the cap or the peak); without a cap it spans the line's own min to max, so a nearly flat
+    line still shows its shape instead of lying on the frame. Nothing with fewer than two points. Pure SVG in
+    the text's own colour (no background): it reads on light and dark themes and redraws in an updating output."""
     if len(points) < 2:
         return Markup("")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
-    top = 1.1 * max(max(ys), cap or 0) or 1  # headroom: a flat line at the peak stays off the frame
+    lo, hi = (0, max(max(ys), cap)) if cap else (min(ys), max(ys))
+    if hi == lo:  # a flat line: in the middle, its value on both labels' sides
+        lo, hi = lo - (abs(lo) * 0.05 or 1), hi + (abs(hi) * 0.05 or 1)
+    pad = 4  # px kept free above and below: the line never lies on the frame
     sx = (width - 2) / ((x1 - x0) or 1)
-    y = lambda v: height - 2 - (height - 4) * v / top  # noqa: E731
+    y = lambda v: height - pad - (height - 2 * pad) * (v - lo) / (hi - lo)  # noqa: E731
     line = " ".join(f"{1 + (x - x0) * sx:.1f},{y(v):.1f}" for x, v in points)
     limit = (f"<line x1='0' x2='{width}' y1='{y(cap):.1f}' y2='{y(cap):.1f}' stroke='{COLORS['fail']}' "
              "stroke-dasharray='4 3' stroke-width='1'/>") if cap else ""  # fmt: skip
+    of = f" of {fmt(cap)}" if cap else ""
+    scale = (
+        "<div class='oomkit-scale' style='display:flex;flex-direction:column;justify-content:space-between;"
+        f"text-align:right;font-size:11px;min-width:64px;height:{height}px'>"
+        f"<span class='oomkit-scale-max'>{escape(fmt(hi))}</span><span class='oomkit-scale-min'>{escape(fmt(lo))}</span>"
+        "</div>"
+    )
     return Markup(
-        f"<div class='oomkit-sparkline' style='font-family:monospace;margin:4px 0'>"
-        f"<div>{escape(label)}: {format_bytes(ys[-1])} now, peak {format_bytes(max(ys))}"
-        + (f" of {format_bytes(cap)}" if cap else "")
-        + "</div>"
-        f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img' "
-        f"aria-label='{escape(label)}' style='border:1px solid #9aa0a6;border-radius:3px'>{limit}"
-        f"<polyline points='{line}' fill='none' stroke='{LINE_COLOR}' stroke-width='1.5'/></svg></div>"
+        f"<div class='{css}' style='font-family:monospace;margin:4px 0'>"
+        f"<div>{escape(label)}: {escape(fmt(ys[-1]))} now, min {escape(fmt(min(ys)))}, max {escape(fmt(max(ys)))}"
+        f"{escape(of)}</div>"
+        "<div style='display:flex;align-items:flex-start;gap:4px;max-width:100%'>"
+        f"{scale}<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}' preserveAspectRatio='none' "
+        f"role='img' aria-label='{escape(label)}' style='max-width:calc(100% - 68px);border:1px solid {FRAME_COLOR};"
+        f"border-radius:3px'>{limit}<polyline points='{line}' fill='none' stroke='{color}' stroke-width='1.5'/>"
+        "</svg></div></div>"
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.arguments import flag, number, whole_number
-from ..core.html import Markup, badge
+from ..core.html import Markup, badge, sparkline
 from ..core.memory import allocated
 from ..core.session import caller_namespace
 from ..core.units import format_bytes
@@ -84,7 +84,8 @@ class GrowthReport:
         status = "warn" if self.leaking else "pass"
         return (
             f"<div style='font-family:monospace'>{badge(status)} {Markup(_esc(self.verdict))}"
-            f"<br>{_sparkline(self.samples)}<br><pre>{_esc(str(self))}</pre></div>"
+            f"{sparkline(list(enumerate(self.samples)), f'memory over {len(self.samples)} steps')}"
+            f"<pre>{_esc(str(self))}</pre></div>"
         )
 
 
@@ -92,21 +93,6 @@ def _esc(s: str) -> str:
     from html import escape
 
     return escape(s)
-
-
-def _sparkline(ys: list[int], width: int = 320, height: int = 60) -> str:
-    if len(ys) < 2:
-        return ""
-    lo, hi = min(ys), max(ys)
-    span = (hi - lo) or 1
-    pts = " ".join(
-        f"{i * width / (len(ys) - 1):.1f},{height - 4 - (y - lo) * (height - 8) / span:.1f}" for i, y in enumerate(ys)
-    )
-    return (
-        f"<svg width='{width}' height='{height}' style='background:#fafafa'>"
-        f"<polyline fill='none' stroke='#c0392b' stroke-width='2' points='{pts}'/></svg>"
-        f"<br><small>{format_bytes(lo)} … {format_bytes(hi)} over {len(ys)} steps</small>"
-    )
 
 
 class GrowthDetector:

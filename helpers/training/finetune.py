@@ -354,8 +354,8 @@ class TrainResult:
             skipped += f"; set aside the {n} checkpoint{'s' if n > 1 else ''} of an earlier run (kept as {names})"
         if self.changed:
             skipped += f"; the checkpoint was written with other settings or data: {', '.join(self.changed)}"
-        summary = f"\n{self.progress.summary()}" if self.progress is not None and not self.finished_before else ""
-        return f"{done}{loss}; checkpoints in {self.output_dir}{skipped}{summary}"
+        # the live view ended with its summary (peak reserved, wall time; kept in .progress): not said twice
+        return f"{done}{loss}; checkpoints in {self.output_dir}{skipped}"
 
 
 def train(

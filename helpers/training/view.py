@@ -23,12 +23,12 @@ import psutil
 import torch
 
 from ..core.devices import resolve_device
-from ..core.html import STYLE, bar, sparkline, table
+from ..core.html import LOSS_COLOR, STYLE, bar, sparkline, table
 from ..core.memory import allocated, peak_allocated, reserved
 from ..core.session import ipython
 from ..core.units import format_bytes
 
-__all__ = ["TrainProgress", "TrainView", "format_seconds", "MAX_POINTS"]  # noqa: F822 (TrainView is built lazily, below)
+__all__ = ["TrainProgress", "TrainView", "format_seconds", "MAX_POINTS", "bounded"]  # noqa: F822 (TrainView is built lazily, below)
 
 
 MAX_POINTS = 400  # points of the live memory chart (a 320 px line: more would not show)
@@ -63,6 +63,7 @@ class TrainProgress:
     finished: bool = False
     history: list[tuple[int, int]] = field(default_factory=list)  # (step, GPU allocated or process RSS) so far
     predicted_step: float | None = None  # seconds per optimizer step the plan predicted (estimator.timing)
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, logged loss) so far
 
     @property
     def eta(self) -> float | None:
@@ -142,6 +143,9 @@ class TrainProgress:
             f"<span class='oomkit-num'>{frac:.0%}</span>"
         )
         html += table(["", ""], self.rows(), title=title)
+        html += sparkline(
+            self.losses, "loss per step", fmt=lambda v: f"{v:.4f}", color=LOSS_COLOR, css="oomkit-loss-line"
+        )
         what = "GPU allocated per step" if self.allocated is not None else "process memory per step"
         html += sparkline(self.history, what, self.capacity if self.allocated is not None else None)
         if self.capacity and self.peak_reserved is not None:
@@ -149,6 +153,14 @@ class TrainProgress:
         if self.finished:
             html += f"<div class='oomkit-summary'>{escape(self.summary())}</div>"
         return html + "</div>"
+
+
+def bounded(points: list[tuple[int, Any]], step: int, value: Any) -> list[tuple[int, Any]]:
+    """``points`` with one point per step (a step seen again replaces its point); past ``MAX_POINTS`` every
+    other older point goes, so a long run keeps its shape in a bounded list."""
+    points = points[:-1] if points and points[-1][0] == step else points
+    points = [*points, (step, value)]
+    return points[:-1:2] + points[-1:] if len(points) > MAX_POINTS else points
 
 
 def _html_sink() -> Callable[[TrainProgress], None] | None:
@@ -194,6 +206,7 @@ class _TrainView:
         self._start, self._first_step, self._first_tokens, self._loss = 0.0, 0, 0, None
         self._peak_alloc = self._peak_reserved = 0
         self._history: list[tuple[int, int]] = []
+        self._losses: list[tuple[int, float]] = []
         label, dev = resolve_device("current")
         self._device, self._capacity = label, (dev or {}).get("capacity")
 
@@ -219,24 +232,15 @@ class _TrainView:
                                       sum(torch.cuda.max_memory_reserved(d) for d in range(torch.cuda.device_count())))  # fmt: skip
         tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0) - self._first_tokens
         rss = None if cuda else psutil.Process().memory_info().rss
-        self._remember(state.global_step, allocated("all") if cuda else rss)
+        self._history = bounded(self._history, state.global_step, allocated("all") if cuda else rss)
         return TrainProgress(
             step=state.global_step, total=state.max_steps, elapsed=time.perf_counter() - self._start,
             steps_done=state.global_step - self._first_step, loss=self._loss, tokens=tokens if tokens > 0 else None,
             allocated=allocated("all") if cuda else None, peak_allocated=self._peak_alloc if cuda else None,
             peak_reserved=self._peak_reserved if cuda else None, capacity=self._capacity, device=self._device,
             process_rss=rss, finished=finished, history=list(self._history), predicted_step=self.predicted_step,
+            losses=list(self._losses),
         )  # fmt: skip
-
-    def _remember(self, step: int, memory: int) -> None:
-        """One point of the memory chart per step; past ``MAX_POINTS`` every other older point goes (a long
-        run keeps its shape in a bounded list)."""
-        if self._history and self._history[-1][0] == step:
-            self._history[-1] = (step, memory)
-        else:
-            self._history.append((step, memory))
-        if len(self._history) > MAX_POINTS:
-            self._history = self._history[:-1:2] + self._history[-1:]
 
     def _show(self, progress: TrainProgress, force: bool = False) -> None:
         now = time.perf_counter()
@@ -257,6 +261,7 @@ class _TrainView:
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._loss = float(logs["loss"])
+            self._losses = bounded(self._losses, state.global_step, self._loss)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._show(self.progress(state, finished=True), force=True)
