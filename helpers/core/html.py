@@ -213,13 +213,14 @@ def badge(status: str) -> Markup:
 BAR_MIN_WIDTH = "160px"  # a notebook progress bar's own width at least: its figures wrap under it instead
 
 
-def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", *, disable: bool = False, **kwargs):
+def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", *, disable: bool = False, iterable=None,
+                 **kwargs):  # fmt: skip
     """A ``tqdm.auto`` bar that keeps its bar in a narrow column: in a notebook the bar widget never shrinks
     under :data:`BAR_MIN_WIDTH` (Colab's ~420 px column with the Files pane open squeezed it to nothing beside
     a long description and its figures), which wrap onto the next line instead; a text bar as tqdm makes it."""
     from tqdm.auto import tqdm
 
-    bar_ = tqdm(total=total, desc=desc, unit=unit, disable=disable, **kwargs)
+    bar_ = tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, **kwargs)
     container = getattr(bar_, "container", None)  # tqdm.notebook's HBox(description, bar, figures)
     if container is not None and len(getattr(container, "children", ())) == 3:
         container.layout.flex_flow = "row wrap"

@@ -7,11 +7,12 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..core.arguments import flag, number, whole_number
-from ..core.html import Markup, badge, sparkline
+from ..core.html import Markup, badge, progress_bar, sparkline
 from ..core.memory import allocated
 from ..core.session import caller_namespace
 from ..core.units import format_bytes
@@ -257,9 +258,11 @@ def watch(
     min_growth: int = 1024,
     capacity: int | None = None,
     stop_on_leak: bool = False,
+    progress: bool = True,
 ) -> WatchReport:
     """Run ``step_fn`` ``steps`` times (it gets the step index if it takes an argument), measure memory
     after each step, and say whether it leaks, who gained memory, and which leak pattern is present.
+    ``progress``: a step counter (with the memory now) while it runs, gone when the report shows.
 
     >>> report = watch(lambda i: train_step(batch), steps=30)   # doctest: +SKIP
     """
@@ -271,12 +274,26 @@ def watch(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     flag("stop_on_leak", stop_on_leak)
+    flag("progress", progress)
     ns = caller_namespace(namespace)
     try:
         takes_arg = bool(inspect.signature(step_fn).parameters)
     except (TypeError, ValueError):
         takes_arg = False
     det = GrowthDetector(warmup, window, min_growth, capacity=capacity)
+    counter = progress_bar(steps, "watch", "step", disable=not progress, leave=False)
+    try:
+        baseline = _watch_steps(step_fn, steps, takes_arg, det, ns, warmup, stop_on_leak, counter)
+    finally:
+        counter.close()
+    growth = det.report()
+    return WatchReport(growth, census_diff(baseline, census(ns)) if baseline else None, leak_checks(ns))
+
+
+def _watch_steps(step_fn: Callable, steps: int, takes_arg: bool, det: GrowthDetector, ns: dict, warmup: int,
+                 stop_on_leak: bool, counter) -> Any:  # fmt: skip
+    """:func:`watch`'s loop: each step, its memory recorded and counted on ``counter``; the census after the
+    warm-up (or the last step) as the baseline."""
     baseline = None
     for i in range(steps):
         try:
@@ -293,7 +310,9 @@ def watch(
             raise
         if i + 1 == warmup or (baseline is None and i + 1 == steps):
             baseline = census(ns)
-        if det.record() and stop_on_leak:
+        leaking = det.record()
+        counter.update(1)
+        counter.set_postfix_str(format_bytes(det.samples[-1]) if det.samples else "", refresh=False)
+        if leaking and stop_on_leak:
             break
-    growth = det.report()
-    return WatchReport(growth, census_diff(baseline, census(ns)) if baseline else None, leak_checks(ns))
+    return baseline

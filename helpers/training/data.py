@@ -230,11 +230,13 @@ def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tens
 
 @torch.inference_mode()
 def answer(
-    model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4, stream: bool = False
-) -> list[str]:
+    model, tokenizer, instructions: list[str], *, max_new_tokens: int = 64, batch_size: int = 4, stream: bool = False,
+    progress: bool = True,
+) -> list[str]:  # fmt: skip
     """Greedy answers to ``instructions``, prompted exactly as in training (same template, no extra BOS).
 
-    ``stream=True`` prints the first answer token by token while its batch runs."""
+    ``stream=True`` prints the first answer token by token while its batch runs; ``progress``: a bar of the
+    batches (each can take seconds)."""
     if isinstance(instructions, str):  # else one prompt per character: as generate_batched refuses it
         raise TypeError(
             f"instructions must be a list of strings, got one string ({instructions[:40]!r}): pass [instruction]"
@@ -244,5 +246,5 @@ def answer(
     need_tokenizer(tokenizer, "answer")
     prompts = [prompt_text(tokenizer, q) for q in instructions]
     return generate_batched(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            progress=False, add_special_tokens=False, do_sample=False, use_cache=True,
+                            progress=progress, desc="answer", add_special_tokens=False, do_sample=False, use_cache=True,
                             stream=stream)  # fmt: skip

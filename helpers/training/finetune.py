@@ -21,6 +21,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +95,19 @@ class MicroBatch:
             return how
         return f"{how}; the largest divisor of {self.batch_size} up to {usable} is {self.micro_batch}"
 
-    def __str__(self) -> str:
+    def headline(self) -> str:
+        """The answer: micro-batch x accumulation = effective batch, and why."""
         return (
             f"micro-batch {self.micro_batch} x gradient accumulation {self.gradient_accumulation} = "
-            f"effective batch {self.batch_size} ({self.why})\n{self.search}"
+            f"effective batch {self.batch_size} ({self.why})"
         )
 
+    def __str__(self) -> str:
+        # the search's tries, not its own "batch size N" (its margin's answer): one number for one question
+        return f"{self.headline()}\nsearch: {self.search.tries_text()}"
+
     def _repr_html_(self) -> str:
-        return f"<p><b>{self.__str__().splitlines()[0]}</b></p>{self.search._repr_html_()}"
+        return f"<p><b>{escape(self.headline())}</b></p>{self.search._repr_html_(title='search: ' + self.search.tries_text())}"
 
 
 def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float = TIGHT_FRACTION) -> MicroBatch:
@@ -142,7 +148,8 @@ def find_micro_batch(model: torch.nn.Module, plan: TrainPlan, *, margin: float =
 
     limit = plan.micro_batch or plan.batch_size
     try:
-        search = find_max_batch_size(step, limit=limit, margin=margin, key=_micro_batch_key(plan, precision, device))
+        search = find_max_batch_size(step, limit=limit, margin=margin, key=_micro_batch_key(plan, precision, device),
+                                     progress=True)  # fmt: skip
     finally:
         model.train(was_training)
     # the margin is headroom below a size that ran out of memory; when the limit itself ran there was none
