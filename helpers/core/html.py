@@ -24,6 +24,12 @@ COLORS = {"ok": "#137333", "pass": "#137333", "warn": "#8a5a00", "tight": "#8a5a
 LINE_COLOR = "#4285f4"
 LOSS_COLOR = "#d56e0c"  # the loss line beside the memory one: another hue, >= 3:1 on both themes too
 FRAME_COLOR = "#9aa0a6"  # a chart's frame: mid grey, >= 2:1 on white and on the dark backgrounds
+# a bar's empty track: translucent grey over whatever the notebook's background is (light grey on white,
+# dark grey on a dark theme); an opaque #e8eaed was a near-white block in a dark notebook
+TRACK_COLOR = "rgba(128,128,128,0.25)"
+# a figure's text, ticks and frame: one mid grey that reads on white and on the dark themes (>= 3.9:1 on
+# each; no colour reaches 4.5:1 on both, and a server-side figure cannot know the theme)
+CHART_INK = "#808080"
 LEVEL_FILLS = {"ok": "#34a853", "warn": "#fbbc04", "fail": "#ea4335"}
 _VERDICT_FILL = {FITS: "ok", TIGHT: "warn", DOES_NOT_FIT: "fail"}
 # text: (on a light background, on a dark one)
@@ -103,7 +109,7 @@ def bar(used: int | None, total: int | None, label: str, color: str | None = Non
         "<div class='oomkit-bar' style='display:flex;flex-wrap:wrap;align-items:center;gap:8px;"
         "font-family:monospace;margin:2px 0'>"
         f"<span style='min-width:150px'>{escape(label)}</span>"
-        f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:#e8eaed;"
+        f"<span style='display:inline-block;width:{width}px;min-width:{width}px;height:12px;background:{TRACK_COLOR};"
         "border-radius:3px'>"
         f"<span style='display:block;width:{frac * 100:.1f}%;height:100%;background:{color};border-radius:3px'></span>"
         "</span>"
@@ -120,7 +126,7 @@ def mini_bar(part: int, whole: int | None, width: int = 80) -> Markup:
     fill = 0 if part == 0 else max(1, round(frac * width))
     return Markup(
         f"<span style='white-space:nowrap'><span style='display:inline-block;width:{width}px;height:8px;"
-        f"background:#e8eaed;border-radius:2px;vertical-align:middle'><span style='display:block;width:{fill}px;"
+        f"background:{TRACK_COLOR};border-radius:2px;vertical-align:middle'><span style='display:block;width:{fill}px;"
         f"height:100%;background:{COLORS['info']};border-radius:2px'></span></span> {frac * 100:.0f}%</span>"
     )
 
@@ -227,3 +233,20 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", *, 
         container.layout.max_width = "100%"
         container.children[1].layout.min_width = BAR_MIN_WIDTH
     return bar_
+
+
+def theme_figure(fig):
+    """Style a matplotlib ``fig`` for whichever theme shows it: a transparent background (no white rectangle in
+    a dark notebook) and text, ticks and frame in :data:`CHART_INK`, which reads on light and dark alike."""
+    fig.patch.set_facecolor("none")
+    for ax in fig.axes:
+        ax.set_facecolor("none")
+        ax.tick_params(colors=CHART_INK, which="both")
+        for spine in ax.spines.values():
+            spine.set_edgecolor(CHART_INK)
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            text.set_color(CHART_INK)
+        legend = ax.get_legend()
+        for text in legend.get_texts() if legend is not None else ():
+            text.set_color(CHART_INK)
+    return fig

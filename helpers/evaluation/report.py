@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.html import theme_figure
 from ..core.units import format_bytes
 
 __all__ = ["EvalReport", "mean_of_finite"]
@@ -173,4 +174,4 @@ class EvalReport:
         if self.oom_timeline:
             ax.legend(loc="lower left", fontsize=8)
         fig.tight_layout()
-        return fig
+        return theme_figure(fig)

@@ -14,7 +14,7 @@ import torch
 
 from ..core.arguments import regular_file
 from ..core.errors import OomkitError
-from ..core.html import table
+from ..core.html import table, theme_figure
 from ..core.units import format_bytes
 
 __all__ = [
@@ -163,7 +163,7 @@ class AllocationTimeline:
         ax.set_title(title)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
         fig.tight_layout()
-        return fig
+        return theme_figure(fig)
 
 
 def _short(site: str, width: int = 60) -> str:

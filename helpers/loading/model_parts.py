@@ -15,7 +15,7 @@ from html import escape
 
 import torch
 
-from ..core.html import Markup, table
+from ..core.html import TRACK_COLOR, Markup, table
 from ..core.units import format_bytes
 from ..estimator.footprint import footprint_by_name
 
@@ -141,7 +141,7 @@ def _stacked_bar(segments: tuple[MemorySegment, ...], total: int, width: int = 6
             f"height:100%;background:{color}'></span>"
         )
     return (
-        f"<div style='display:flex;width:{width}px;max-width:100%;height:16px;background:#e8eaed;"
+        f"<div style='display:flex;width:{width}px;max-width:100%;height:16px;background:{TRACK_COLOR};"
         f"border-radius:3px;overflow:hidden;margin:4px 0'>{''.join(spans)}</div>"
     )
 

@@ -35,6 +35,7 @@ import torch
 
 from ..core import phases as phase_hub
 from ..core.arguments import ArgumentError, flag, whole_number
+from ..core.html import theme_figure
 from ..core.memory import nvml_handle
 from ..core.units import format_bytes
 from ..core.vocab import TIGHT_FRACTION
@@ -588,7 +589,7 @@ class MemoryMonitor:
         ax.legend(handles=handles + phase_handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
                   frameon=False)  # fmt: skip  # beside, never over a line
         fig.tight_layout()
-        return fig
+        return theme_figure(fig)  # transparent, its text readable in a light or a dark notebook
 
     def __str__(self) -> str:
         if not self.samples:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from ..core.html import LEVEL_FILLS, STYLE, color_attrs, table
+from ..core.html import LEVEL_FILLS, STYLE, TRACK_COLOR, color_attrs, table
 from ..core.units import format_bytes
 from ..core.vocab import FITS, VERDICT_STATUS, verdict
 from ..estimator.core import MemoryEstimate
@@ -68,9 +68,9 @@ def stacked_bar(
         # width 100% up to ``width``: a fixed width set the panel's narrowest size (a percentage max-width does
         # not count there), and ipywidgets 7.7 (Colab) widened the whole output past a narrow column with it,
         # cutting off the slider values
-        f"<div style='position:relative;width:100%;max-width:{width}px;height:14px;background:#e8eaed;border-radius:3px;"
+        f"<div style='position:relative;width:100%;max-width:{width}px;height:14px;background:{TRACK_COLOR};border-radius:3px;"
         f"overflow:hidden'>{''.join(spans)}"
-        f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:#202124'>"
+        f"<span style='position:absolute;left:{cap_mark:.2f}%;top:0;width:2px;height:100%;background:currentColor'>"
         "</span></div>"
         f"<div {color_attrs(status)}>{' &nbsp; '.join(legend)}</div>"
         f"<div>{caption}</div></div>"
