@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ..loading.generation import generate_batched
 from .plan import FinetuneError, need_tokenizer
 
 __all__ = ["load_instructions", "prompt_text", "format_example", "build_dataset", "TrainingData", "DatasetWarning",
-           "collate", "answer", "IGNORE", "FALLBACK_TEMPLATE", "CUT_ANSWERS"]  # fmt: skip
+           "collate", "answer", "IGNORE", "FALLBACK_TEMPLATE", "CUT_ANSWERS", "dataset_note", "main_process"]  # fmt: skip
 
 IGNORE = -100  # label value the loss skips
 FALLBACK_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -125,7 +126,30 @@ CUT_ANSWERS = ("keep_eos", "drop")
 
 
 class DatasetWarning(UserWarning):
-    """``build_dataset`` cut answers or dropped rows at this ``seq_len``."""
+    """``build_dataset`` cut answers or dropped rows at this ``seq_len``.
+
+    Raised for code that catches it (``warnings.catch_warnings``, ``pytest.warns``), but not printed in Python's
+    raw ``file:line: DatasetWarning`` form: :func:`dataset_note` says it once, as an oomkit note."""
+
+
+# the note says it (once, on the main process); a filter of the caller's own still sees the warning
+warnings.filterwarnings("ignore", category=DatasetWarning)
+
+
+def main_process() -> bool:
+    """True outside a distributed launch and on its first process (``RANK``/``LOCAL_RANK`` 0, as torchrun and
+    accelerate set them): a note every rank would print is said once."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    return rank.strip() in ("", "0")
+
+
+def dataset_note(data: TrainingData, stream=None) -> bool:
+    """Say what ``seq_len`` cost ``data`` (answers cut, rows dropped) as one ``[oomkit] note:`` line, on the main
+    process only; True when said. Nothing when nothing was lost."""
+    if not (data.cut or data.dropped) or not main_process():
+        return False
+    print(f"[oomkit] note: {data.summary()}", file=stream or sys.stdout, flush=True)
+    return True
 
 
 class TrainingData(list):
@@ -151,7 +175,8 @@ def build_dataset(
     tokenizer, rows: list[dict], seq_len: int, *, packing: bool = False, cut_answers: str = "keep_eos"
 ) -> TrainingData:
     """Tokenized examples, one per row (or packed), as a :class:`TrainingData` list that counts what
-    ``seq_len`` cost (``.cut``, ``.dropped``, ``.summary()``; a :class:`DatasetWarning` says so when any).
+    ``seq_len`` cost (``.cut``, ``.dropped``, ``.summary()``; when any, an oomkit note says so once, and a
+    :class:`DatasetWarning` is raised for code that catches it).
 
     A row longer than ``seq_len`` is truncated, so its answer is cut short: ``cut_answers="keep_eos"``
     (default) keeps it, ending in the end-of-sequence token so it still teaches where to stop; ``"drop"``
@@ -208,6 +233,7 @@ def build_dataset(
         ]
     data = TrainingData(kept, rows=len(rows), cut=cut, dropped=dropped, seq_len=seq_len, cut_answers=cut_answers)
     if cut or dropped:
+        dataset_note(data)
         warnings.warn(data.summary(), DatasetWarning, stacklevel=2)
     return data
 
