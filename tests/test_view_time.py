@@ -110,3 +110,15 @@ def test_the_eval_bar_names_the_predicted_time(tiny_llama, calibrated, tmp_path,
     torch.manual_seed(0)
     safe_generate(model, tok, ["one", "two", "three"], max_new_tokens=4, results=tmp_path / "r.jsonl", progress=True)
     assert "safe_generate (predicted ~" in capsys.readouterr().err
+
+
+def test_on_an_uncalibrated_gpu_the_card_is_found_by_its_name(monkeypatch):
+    from helpers.estimator.timing import card_named, time_basis
+
+    monkeypatch.setattr(calibration_module, "cached_calibration", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert time_basis("current") == ("t4", None) and time_basis("cpu") is None and time_basis(2**34) is None
+    names = {"NVIDIA A100-SXM4-80GB": "a100-80", "NVIDIA A100-SXM4-40GB": "a100-40", "NVIDIA L4": "l4",
+             "Tesla V100-SXM2-32GB": "v100-32", "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200": None}  # fmt: skip
+    assert {n: card_named(n) for n in names} == names

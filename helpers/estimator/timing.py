@@ -34,7 +34,7 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "approx_duration", "time_line", "view_time", "card_named", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "approx_duration", "time_line", "view_time", "time_basis", "card_named", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
     "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
 ]  # fmt: skip
 
@@ -403,27 +403,35 @@ def time_line(est) -> str:
     )
 
 
-def view_time(est, device=None, **kwargs) -> TimeEstimate | None:
-    """:func:`estimate_time` for a view that must answer at once (a panel's slider, a progress bar): a device
-    preset's card figures, or what :func:`~.calibration.calibrate` already measured in this process for
-    ``"cpu"`` / ``"current"``; None when neither (it never probes) or the formulas lack the model's shape."""
+def time_basis(device) -> tuple[str | None, Calibration | None] | None:
+    """What :func:`view_time` divides by on ``device``, without probing: ``(preset, None)`` for a device preset
+    (or this GPU's card, by name), ``(None, calibration)`` for what :func:`~.calibration.calibrate` already
+    measured here for ``"cpu"`` / ``"current"``; None when neither (a bare capacity, an uncalibrated CPU)."""
     import torch
 
     from .calibration import cached_calibration
 
-    dev = est.device if device is None else device
-    calibration = None
-    if not (isinstance(dev, str) and (dev.lower() in CARDS or dev.lower() in DEVICE_SETS)):
-        if dev not in ("cpu", "current", None):
-            return None  # a bare capacity: no card to time
-        gpu = dev != "cpu" and torch.cuda.is_available()
-        calibration = cached_calibration("cuda" if gpu else "cpu")
-        card = card_named(torch.cuda.get_device_name()) if gpu and calibration is None else None
-        if calibration is None and card is None:
-            return None
-        dev = card or dev
+    if isinstance(device, str) and (device.lower() in CARDS or device.lower() in DEVICE_SETS):
+        return device.lower(), None
+    if device not in ("cpu", "current", None):
+        return None  # a bare capacity: no card to time
+    gpu = device != "cpu" and torch.cuda.is_available()
+    calibration = cached_calibration("cuda" if gpu else "cpu")
+    if calibration is not None:
+        return None, calibration
+    card = card_named(torch.cuda.get_device_name()) if gpu else None
+    return (card, None) if card else None
+
+
+def view_time(est, device=None, **kwargs) -> TimeEstimate | None:
+    """:func:`estimate_time` for a view that must answer at once (a panel's slider, a progress bar), on
+    :func:`time_basis` (a preset's card figures, or this process's calibration); None where it has none (it
+    never probes) or the formulas lack the model's shape."""
+    basis = time_basis(est.device if device is None else device)
+    if basis is None:
+        return None
     try:
-        return estimate_time(est, None if calibration else dev.lower(), calibration=calibration, **kwargs)
+        return estimate_time(est, basis[0], calibration=basis[1], **kwargs)
     except (EstimateError, KeyError, TypeError, ValueError):  # a family whose shape the formulas lack
         return None
 

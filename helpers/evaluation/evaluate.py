@@ -40,7 +40,7 @@ from ..core.memory import allocated, peak_allocated, ram_readout, reserved, rese
 from ..core.reducers import kv_cache_kwargs
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, ReducerError
-from ..estimator.timing import approx_duration, view_time
+from ..estimator.timing import approx_duration, time_basis, view_time
 from ..loading.fingerprint import describe, identity_changes, model_identity
 from ..loading.generation import (
     Generated,
@@ -709,6 +709,8 @@ def predicted_seconds(model, pending: list, batch: int, max_new_tokens: int) -> 
 
     prompt = max(1, round(sum(len(row) for _, row in pending) / len(pending)))
     device = "current" if model_device(model).type == "cuda" else "cpu"
+    if time_basis(device) is None:  # nothing to time with: no estimate to make
+        return None
     try:
         est = estimate(model, load=model_load_mode(model), batch_size=batch, prompt_tokens=prompt,
                        max_new_tokens=max_new_tokens, device=device)  # fmt: skip

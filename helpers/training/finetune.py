@@ -31,7 +31,7 @@ from ..core.arguments import number
 from ..core.reducers import chunked_lm_loss, offload_activations
 from ..core.vocab import BF16, FP16, TIGHT_FRACTION
 from ..estimator.rows import EstimateError
-from ..estimator.timing import view_time
+from ..estimator.timing import time_basis, view_time
 from ..loading.fingerprint import weights_fingerprint
 from ..loading.generation import token_ids_problem
 from ..loading.loader import keep_4bit_layout
@@ -457,6 +457,8 @@ def predicted_step_seconds(model, plan: TrainPlan, args) -> float | None:
     (:func:`~helpers.estimator.timing.view_time`: this process's calibration, or the GPU's card figures); None
     where nothing can time it (an uncalibrated CPU, an unlisted GPU, a family the formulas lack)."""
     micro, accumulation = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    if time_basis("current") is None:  # nothing to time with: no estimate to make
+        return None
     try:
         est = plan.replace(micro_batch=micro).estimate("current", model=getattr(model, "config", model))
     except (EstimateError, ValueError, TypeError, AttributeError, KeyError):
