@@ -119,6 +119,10 @@ def test_on_an_uncalibrated_gpu_the_card_is_found_by_its_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     assert time_basis("current") == ("t4", None) and time_basis("cpu") is None and time_basis(2**34) is None
+    assert time_basis("Tesla T4") == ("t4", None)  # an estimate's label for "current" on that GPU
+    assert time_basis("Tesla T4, capped at 40%") == ("t4", None) and time_basis("15.00 GiB") is None
+    monkeypatch.setattr(calibration_module, "cached_calibration", lambda device=None: FAKE_CPU)
+    assert time_basis("Tesla T4") == (None, FAKE_CPU) and time_basis("current") == (None, FAKE_CPU)
     names = {"NVIDIA A100-SXM4-80GB": "a100-80", "NVIDIA A100-SXM4-40GB": "a100-40", "NVIDIA L4": "l4",
              "Tesla V100-SXM2-32GB": "v100-32", "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200": None}  # fmt: skip
     assert {n: card_named(n) for n in names} == names

@@ -405,21 +405,25 @@ def time_line(est) -> str:
 
 def time_basis(device) -> tuple[str | None, Calibration | None] | None:
     """What :func:`view_time` divides by on ``device``, without probing: ``(preset, None)`` for a device preset
-    (or this GPU's card, by name), ``(None, calibration)`` for what :func:`~.calibration.calibrate` already
-    measured here for ``"cpu"`` / ``"current"``; None when neither (a bare capacity, an uncalibrated CPU)."""
+    or a GPU named as torch names it ("Tesla T4", an estimate's label for ``"current"``), ``(None,
+    calibration)`` for what :func:`~.calibration.calibrate` already measured for this process's device (``"cpu"``,
+    ``"current"``, this GPU's name); None when neither (a bare capacity, an uncalibrated CPU, an unlisted GPU)."""
     import torch
 
     from .calibration import cached_calibration
 
     if isinstance(device, str) and (device.lower() in CARDS or device.lower() in DEVICE_SETS):
         return device.lower(), None
-    if device not in ("cpu", "current", None):
+    if device is not None and not isinstance(device, str):
         return None  # a bare capacity: no card to time
-    gpu = device != "cpu" and torch.cuda.is_available()
-    calibration = cached_calibration("cuda" if gpu else "cpu")
-    if calibration is not None:
-        return None, calibration
-    card = card_named(torch.cuda.get_device_name()) if gpu else None
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if gpu else ""
+    here = device in (None, "current", "cpu") or (gpu and str(device).startswith(name))  # "<name>, capped at 40%"
+    if here:
+        calibration = cached_calibration("cuda" if gpu and device != "cpu" else "cpu")
+        if calibration is not None:
+            return None, calibration
+    card = card_named(name if here else str(device)) if (gpu and device != "cpu") or not here else None
     return (card, None) if card else None
 
 
