@@ -8,6 +8,7 @@ error the report adds a snapshot, the largest live tensors, and the room on the 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,7 +19,8 @@ from ..core.session import user_namespace
 from ..core.units import format_bytes
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import fit_one_card
-from ..leaks.tensors import largest_tensors  # the one walk; re-exported for the OOM report's readers
+from ..leaks.census import census
+from ..leaks.tensors import storage_key
 from .causes import CAUSES
 from .messages import is_oom_text, parse_message
 
@@ -427,16 +429,16 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
 
 
-def _traceback_names(tb) -> dict[int, str]:
-    """``id(tensor) -> "function().name"`` for the tensors local to the traceback's function frames."""
-    names: dict[int, str] = {}
+def _traceback_names(tb) -> dict[tuple, str]:
+    """``storage key -> "function().name"`` for the tensors local to the traceback's function frames."""
+    names: dict[tuple, str] = {}
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_name != "<module>":
             local = frame.f_locals
             for var, value in local.items():
                 if isinstance(value, torch.Tensor):
-                    names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
+                    names.setdefault(storage_key(value)[0], f"{frame.f_code.co_name}().{var}")
             # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
             # (Python 3.13+ hands out a write-through proxy instead, which caches nothing and has no clear())
             if isinstance(local, dict):
@@ -511,10 +513,35 @@ def explain_oom(
     report.fixes = named + [x for x in report.fixes if x not in named]
     report.other_gpus = other_gpus
     report.notes = _notes(f, others, pid)
+    simulated = SIMULATED.search(text)
+    if simulated:  # the figures are a T4's, the failure this machine's: say so before a user reads "GPU 0"
+        report.notes.insert(
+            0,
+            f"simulated for a T4 by helpers.simulated_budget ({simulated[1]}): the figures are "
+            "what a T4 would print for this call",
+        )
     if snap is not None:
         report.snapshot = snap
-        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
+        report.tensors = named_tensors(exc, namespace if namespace is not None else user_namespace())
     return report
+
+
+# how simulated_budget (helpers.testing) marks the T4-shaped message it raises on a CPU
+SIMULATED = re.compile(r"\(simulated on this machine for a T4: ([^)]*)\)")
+LARGEST_SHOWN = 5  # live tensors a card lists
+
+
+def named_tensors(exc: BaseException | None, namespace: dict, n: int = LARGEST_SHOWN) -> list[tuple[str, int, str]]:
+    """The ``n`` largest live storages as ``(name, bytes, "shape dtype device")``, named as ``census()``
+    names them (``model.model.layers[0].mlp.up_proj.weight``), or by the failed function's local that
+    held them; ``"(unnamed)"`` only for what nothing in the namespace or the traceback reaches."""
+    local = _traceback_names(exc.__traceback__) if exc is not None else {}
+    found = []
+    for e in census(namespace).entries:
+        if e.nbytes and len(found) < n:
+            desc = f"{e.shape} {e.dtype} {e.device}"
+            found.append((local.get(e.key) or e.holder, e.nbytes, desc))
+    return found
 
 
 def _fragmentation_fixes() -> list[str]:
