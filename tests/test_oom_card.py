@@ -93,3 +93,18 @@ def test_the_notebook_hook_shows_the_same_card_in_a_cell(model, ipython_shell, c
     assert f"set BATCH_SIZE = {BATCH // 2} (now {BATCH})" in out and f"set MAX_NEW_TOKENS = {NEW // 2}" in out
     assert "NCCL" not in out and "not a memory shortage" not in out
     assert "Largest live tensors:" in out and "model.lm_head.weight" in out and "(unnamed)" not in out
+
+
+def test_a_generate_oom_is_explained_as_a_kv_cache_not_an_optimizer(model):
+    """A generate() call has no optimizer state or gradients: its steady state is the KV cache, and its fixes
+    are the batch, the new tokens and the cache's kind, not gradient checkpointing or an 8-bit optimizer."""
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _over_budget(model)
+    report = explain_oom(caught.value, namespace={})
+    assert report.generating and report.explanation.startswith("generating: the weights, the KV cache")
+    assert "optimizer" not in str(report) and "gradient checkpointing" not in str(report)
+    assert any("kv_cache='int4'" in fix for fix in report.fixes)
+    pasted = 'File ".../transformers/generation/utils.py", line 2412, in generate\n' + str(caught.value)
+    assert explain_oom(pasted).generating  # a pasted traceback says so too
+    training = explain_oom(str(caught.value).split(" (simulated")[0])  # the same figures, no generate in sight
+    assert not training.generating and "gradient checkpointing" in str(training)

@@ -21,7 +21,7 @@ from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import fit_one_card
 from ..leaks.census import census
 from ..leaks.tensors import storage_key
-from .causes import CAUSES
+from .causes import CAUSES, GENERATION_STEADY
 from .messages import is_oom_text, parse_message
 
 __all__ = [
@@ -69,9 +69,12 @@ class OOMReport:
     tensors: list[tuple[str, int, str]] = field(default_factory=list)
     other_gpus: list[tuple[int, int]] = field(default_factory=list)  # (index, free bytes) of the other cards, live
     notes: list[str] = field(default_factory=list)  # what this message shows beyond its figures, in words
+    generating: bool = False  # it ran out inside generate(): the steady state is a KV cache, not an optimizer
 
     @property
     def explanation(self) -> str:
+        if self.cause == "steady_state" and self.generating:
+            return GENERATION_STEADY[0]
         return CAUSES[self.cause][0]
 
     def figures(self) -> list[tuple[str, str]]:
@@ -506,12 +509,16 @@ def explain_oom(
         moved["device_memory"] = [_FORM_TIPS[f["form"]], *CAUSES["device_memory"][1]]
     if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
         moved["fragmentation"] = _fragmentation_fixes()
+    generating = _generating(exc, text)
+    if generating:
+        moved["steady_state"] = list(GENERATION_STEADY[1])
     if exc is not None and namespace is None:
         namespace = user_namespace()
     named = knob_fixes(namespace or {}) if {"steady_state", "request_too_large"} & set(causes) else []
     report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
     report.fixes = named + [x for x in report.fixes if x not in named]
     report.other_gpus = other_gpus
+    report.generating = generating
     report.notes = _notes(f, others, pid)
     simulated = SIMULATED.search(text)
     if simulated:  # the figures are a T4's, the failure this machine's: say so before a user reads "GPU 0"
@@ -524,6 +531,21 @@ def explain_oom(
         report.snapshot = snap
         report.tensors = named_tensors(exc, namespace if namespace is not None else user_namespace())
     return report
+
+
+def _generating(exc: BaseException | None, text: str) -> bool:
+    """It ran out inside a ``generate()`` call: a frame of that name in the traceback (transformers', a
+    wrapper's), a pasted traceback's ``in generate`` line, or simulated_budget's message (it only wraps generate)."""
+    if SIMULATED.search(text) or re.search(r"\bin generate\b", text):
+        return True
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "generate":
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 # how simulated_budget (helpers.testing) marks the T4-shaped message it raises on a CPU
