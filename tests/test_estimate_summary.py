@@ -72,3 +72,8 @@ def test_a_share_is_never_rounded_across_100(used, shown):
     """0.4 % over a card read "(100%)" beside "does not fit"; 0.3 % under read 100 % beside "fits"."""
     assert share_percent(used, 14_741 if used == 14_740 else 14_740) == shown
     assert share_percent(5, 5) == 100
+
+
+def test_the_plain_text_a_notebook_falls_back_to_is_the_short_form(qlora):
+    """Without HTML (papermill, a terminal) a notebook shows repr(): it was the dataclass's, every row's fields."""
+    assert repr(qlora) == str(qlora) and "EstimateRow(" not in repr(qlora)

@@ -169,6 +169,9 @@ class MemoryEstimate:
         lines.append(f"  ({len(self.rows)} rows in .details(), each with how it is known)")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal): not every row's repr
+        return self.__str__()
+
     def _tail(self) -> list[str]:
         """Host RAM, notes and the time line: under both the short form and the details."""
         lines = [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
