@@ -108,3 +108,14 @@ def test_a_generate_oom_is_explained_as_a_kv_cache_not_an_optimizer(model):
     assert explain_oom(pasted).generating  # a pasted traceback says so too
     training = explain_oom(str(caught.value).split(" (simulated")[0])  # the same figures, no generate in sight
     assert not training.generating and "gradient checkpointing" in str(training)
+
+
+def test_the_html_card_shows_the_fixes_first_and_folds_the_figures(model):
+    """Issue 44 item 8 on the card: what to do at a glance; the figures and the live tensors one click away."""
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _over_budget(model)
+    html = explain_oom(caught.value, namespace={"model": model, "BATCH_SIZE": BATCH})._repr_html_()
+    fold = html.index("<details>")
+    assert "Cause</b>: generating" in html[:fold] and f"BATCH_SIZE = {BATCH // 2}" in html[:fold]
+    assert html.index("<ol>") < fold < html.index("What the message says") < html.index("model.lm_head.weight")
+    assert "the largest live tensors, memory now</summary>" in html

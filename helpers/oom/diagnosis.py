@@ -178,12 +178,13 @@ class OOMReport:
             parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in self.notes) + "</ul>")
         if self.total and self.free is not None:
             parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
+        # what to do first, at a glance; the figures, the live tensors and memory now folded below
+        parts.append("<b>Fixes, in order</b><ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
         rows = [[label, value] for label, value in self.figures()]
         rows += [[f"process {pid}", format_bytes(used)] for pid, used in self.processes]
-        parts.append(table(["figure", "value"], rows, title="What the message says"))
-        parts.append("<ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
+        folded = [table(["figure", "value"], rows, title="What the message says")]
         if self.tensors:
-            parts.append(
+            folded.append(
                 table(
                     ["tensor", "size", "shape / dtype / device"],
                     [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
@@ -191,7 +192,10 @@ class OOMReport:
                 )
             )
         if self.snapshot is not None and hasattr(self.snapshot, "_repr_html_"):
-            parts.append(self.snapshot._repr_html_())
+            folded.append(self.snapshot._repr_html_())
+        what = ", ".join(["the message's figures", *(["the largest live tensors"] if self.tensors else []),
+                          *(["memory now"] if self.snapshot is not None else [])])  # fmt: skip
+        parts.append(f"<details><summary>{escape(what)}</summary>{''.join(folded)}</details>")
         return "<div>" + "".join(parts) + "</div>"
 
 
