@@ -44,3 +44,16 @@ def test_a_model_with_nothing_to_quantize_on_a_gpu_says_why(tiny_llama):
                         loaded_as="fp16")  # fmt: skip
     assert report.stayed_unquantized and "found no linear layer to quantize" in str(report)
     assert report.weights_error is None and "n/a" in str(report) and "+200" not in str(report)
+
+
+def test_compare_loads_labels_a_mode_that_stayed_unquantized(tiny_llama):
+    """compare_loads loads each mode with load(): an nf4 row whose weights stayed fp32 says so, not "nf4"."""
+    from helpers.loading.compare import compare_loads
+
+    split = plan_devices(str(tiny_llama), load="nf4", devices="kaggle-2xt4")
+    texts = ["The cache keeps keys and values of every past token for each layer."]
+    comparison = compare_loads(str(tiny_llama), texts, loads=("fp32", "nf4"), device_map=split.cpu_device_map())
+    nf4 = comparison.row("nf4")
+    assert nf4.loaded_as == "fp32" and nf4.label == "nf4 (stayed fp32)" and comparison.row("fp32").loaded_as is None
+    for shown in (str(comparison), comparison._repr_html_()):
+        assert "nf4 (stayed fp32)" in shown and "bitsandbytes quantized no layer" in shown
