@@ -27,6 +27,7 @@ from .messages import is_oom_text, parse_message
 __all__ = [
     "OOMReport",
     "explain_oom",
+    "named_tensors",
 ]
 
 
