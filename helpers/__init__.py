@@ -57,7 +57,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["load_prompts"], "evaluation.prompts"),
     **dict.fromkeys(["is_record"], "evaluation.results_file"),
     **dict.fromkeys(["safe_generate"], "evaluation.evaluate"),
-    **dict.fromkeys(["EvalReport"], "evaluation.report"),
+    **dict.fromkeys(["EvalReport", "side_by_side"], "evaluation.report"),
     **dict.fromkeys(["simulated_budget"], "testing"),
     **dict.fromkeys(["TrainPlan", "FinetuneError"], "training.plan"),
     **dict.fromkeys(["prepare_qlora", "save_adapter", "merge_adapter"], "training.adapters"),

@@ -184,7 +184,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
         out["fit"] = verdict.to_dict() if verdict else None
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(est)
+        print(est.details())  # the command asked for the breakdown: every row, not the notebook's short form
         if verdict:
             print(verdict)
     return 1 if verdict is not None and not verdict.fits else 0  # guards a launch like preflight's exit code

@@ -331,3 +331,14 @@ def test_unload_guards_a_peft_models_inner_model_and_keeps_what_it_keeps(tiny_ll
     except RuntimeError as e:
         ns = {"err": e}
     assert isinstance(cleanup(namespace=ns), CleanupReport)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures CPU tensors")
+def test_without_a_gpu_what_was_freed_is_the_tensors_bytes_not_rss():
+    """RSS keeps what malloc frees for reuse: cleanup said "RAM 0 B freed" for 8 MiB of tensors gone. The
+    tensors' bytes (reclaim.held, which the per-cell line reads too) are the answer; RSS is what went back."""
+    ns = {"x": torch.ones(2 << 20)}  # 8 MiB
+    report = free("x", namespace=ns)
+    assert 8 << 20 <= report.tensors_freed < 9 << 20 and report.freed.memory == report.tensors_freed
+    assert str(report).startswith("cleanup: tensors 8.00 MiB freed (RAM ") and "back to the OS" in str(report)
+    assert "RAM 0 B freed" not in str(report)

@@ -17,7 +17,7 @@ from ..core.devices import (
     cuda_capability,
     resolve_device,
 )
-from ..core.html import Markup, bar, mini_bar, table
+from ..core.html import LEVEL_FILLS, Markup, level_color, mini_bar, share_percent, table
 from ..core.units import format_bytes
 from ..core.vocab import (
     BF16,
@@ -43,7 +43,14 @@ from .prequantized import NATIVE_FORMATS, PACKED_METHODS, SHIPS_PREQUANTIZED, pa
 from .rows import HOST, EstimateError, EstimateRow
 from .training import FullTraining, LoraTraining, training_rows
 
-__all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION", "cublas_workspace"]
+__all__ = [
+    "MemoryEstimate",
+    "estimate",
+    "FRAGMENTATION",
+    "cublas_workspace",
+    "SUMMARY_SEGMENTS",
+    "summary_bar",
+]
 
 FRAGMENTATION = 0.05  # of the transient (KV cache, activations) memory: a rule of thumb until measured on a GPU
 
@@ -126,40 +133,124 @@ class MemoryEstimate:
             return ""
         return f"batch {inp['batch_size']}, {inp['prompt_tokens']} prompt + {inp['max_new_tokens']} new tokens"
 
-    def __str__(self) -> str:
+    def summary(self) -> list[tuple[str, int]]:
+        """The one-glance split (the panel's segments): ``(label, bytes)`` per :data:`SUMMARY_SEGMENTS` entry this
+        estimate has rows of, in bar order; they add up to ``total``."""
+        return [(label, self.group_bytes_of(groups)) for label, groups in SUMMARY_SEGMENTS
+                if any(r.group in groups for r in self.rows)]  # fmt: skip
+
+    def group_bytes_of(self, groups: tuple[str, ...]) -> int:
+        return sum(r.bytes for r in self.rows if r.group in groups)
+
+    def _head(self) -> str:
         asked = self.request()
-        head = (
+        return (
             f"{self.model}: {self.params:,} parameters, load={self.load}"
             + (" (approximate count)" if self.approximate else "")
             + (f"; {asked}" if asked else "")
         )
-        w = max(len(r.name) for r in self.rows)
-        lines = [head] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
-        cap = f" of {format_bytes(self.capacity)} on {self.device}" if self.capacity else ""
-        lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
-        lines += [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
+
+    def _total_line(self) -> str:
+        """``5.80 GiB of 14.74 GiB on t4 (39 %): 8.94 GiB free``; over the card, the share over 100 % and by how much."""
+        if not self.capacity:
+            return format_bytes(self.total)
+        room = self.capacity - self.total
+        left = f"{format_bytes(room)} free" if room >= 0 else f"{format_bytes(-room)} over"
+        return f"{format_bytes(self.total)} of {format_bytes(self.capacity)} on {self.device} ({share_percent(self.total, self.capacity)} %): {left}"
+
+    def __str__(self) -> str:
+        """The short form: the summary's few segments and the total; :meth:`details` has every row."""
+        parts = self.summary()
+        w = max([len(label) for label, _ in parts] + [len("total")])
+        lines = [self._head()] + [f"  {label:<{w}}  {format_bytes(n):>11}" for label, n in parts]
+        total, _, rest = self._total_line().partition(" of ")
+        lines.append(f"  {'total':<{w}}  {total:>11}" + (f" of {rest}" if rest else ""))
+        lines += self._tail()
+        lines.append(f"  ({len(self.rows)} rows in .details(), each with how it is known)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal): not every row's repr
+        return self.__str__()
+
+    def _tail(self) -> list[str]:
+        """Host RAM, notes and the time line: under both the short form and the details."""
+        lines = [f"  host RAM: {r.name}  {format_bytes(r.bytes)}  {r.kind} ({r.note})" for r in self.host_rows]
         lines += [f"  note: {m}" for m in self.warnings]
         from .timing import time_line  # the card's datasheet only: no probe, no download
 
-        return "\n".join(lines + ([f"  {line}"] if (line := time_line(self)) else []))
+        return lines + ([f"  {line}"] if (line := time_line(self)) else [])
+
+    def details(self) -> str:
+        """Every row of the estimate, with how it is known (exact, formula, rule of thumb)."""
+        w = max(len(r.name) for r in self.rows)
+        lines = [self._head()] + [f"  {r.name:<{w}}  {format_bytes(r.bytes):>11}  {r.kind}" for r in self.rows]
+        cap = f" of {format_bytes(self.capacity)} on {self.device}" if self.capacity else ""
+        lines.append(f"  {'total':<{w}}  {format_bytes(self.total):>11}{cap}")
+        return "\n".join(lines + self._tail())
 
     def _repr_html_(self) -> str:
-        # each row's share of the card (of the total without one): where the memory goes, at a glance
+        # first the one-glance summary (a stacked bar of the few segments, the total against the card), then
+        # every row, folded: each row's share of the card (of the total without one)
         whole = self.capacity or self.total
         rows = [[r.name, format_bytes(r.bytes), mini_bar(r.bytes, whole), r.kind, r.note] for r in self.rows]
         rows.append([Markup("<b>total</b>"), Markup(f"<b>{format_bytes(self.total)}</b>"),
                      mini_bar(self.total, self.capacity), "", ""])  # fmt: skip
-        asked = self.request()
-        title = f"{self.model}: {self.params:,} parameters, load={self.load}" + (f"; {asked}" if asked else "")
         rows += [[f"host RAM: {r.name}", format_bytes(r.bytes), "", r.kind, r.note] for r in self.host_rows]
         share = f"share of {self.device}" if self.capacity else "share"
-        html = table(["", "bytes", share, "kind", "note"], rows, title=title)
-        if self.capacity:
-            html += bar(self.total, self.capacity, f"vs {self.device}")
+        html = f"<div class='oomkit-estimate'><div><b>{escape(self._head())}</b></div>"
+        html += summary_bar(self.summary(), self.total, self.capacity)
+        html += f"<div style='font-family:monospace'>total {escape(self._total_line())}</div>"
         html += "".join(f"<div>note: {escape(m)}</div>" for m in self.warnings)
+        html += (
+            f"<details><summary>all {len(self.rows)} rows: where each figure comes from</summary>"
+            + table(["", "bytes", share, "kind", "note"], rows)
+            + "</details>"
+        )
         from .timing import time_line  # the card's datasheet only: no probe, no download
 
-        return html + (f"<div>{escape(line)}</div>" if (line := time_line(self)) else "")
+        return html + (f"<div>{escape(line)}</div>" if (line := time_line(self)) else "") + "</div>"
+
+
+# The summary's segments: (label, estimate row groups) in bar order, the panel's four (weights, what the use
+# keeps: the KV cache or the training state, activations, overheads); a segment without rows is left out.
+SUMMARY_SEGMENTS = (
+    ("weights", ("weights",)),
+    ("KV cache", ("kv_cache",)),
+    ("training state", ("training",)),
+    ("activations", ("activations",)),
+    ("overheads", ("overhead",)),
+)
+_SEGMENT_OPACITY = (1.0, 0.75, 0.75, 0.5, 0.3)  # the panel's shades, so the same bar reads the same
+TRACK = "rgba(128,128,128,0.25)"  # the empty part of a bar: translucent, so it reads on a light or dark theme
+
+
+def summary_bar(parts: list[tuple[str, int]], total: int, capacity: int | None, width: int = 420) -> str:
+    """A stacked bar of ``parts`` against ``capacity`` (the free part empty; past the card, scaled to the total
+    with the card's edge marked), each part's label and bytes under it."""
+    scale = max(capacity or 0, total) or 1
+    color = level_color(total, capacity) if capacity else LEVEL_FILLS["ok"]
+    opacity = dict(zip((label for label, _ in SUMMARY_SEGMENTS), _SEGMENT_OPACITY, strict=True))
+    spans = "".join(
+        f"<span title='{escape(label)} {format_bytes(n)}' style='display:block;float:left;height:100%;"
+        f"width:{100 * n / scale:.2f}%;background:{color};opacity:{opacity.get(label, 0.5)}'></span>"
+        for label, n in parts
+    )
+    edge = (f"<span style='position:absolute;left:{100 * capacity / scale:.2f}%;top:0;width:2px;height:100%;"
+            "background:currentColor'></span>") if capacity and total > capacity else ""  # fmt: skip
+    legend = [
+        f"<span style='white-space:nowrap'><span style='color:{color};opacity:{max(opacity.get(label, 0.5), 0.5)}'>"
+        f"&#9632;</span> {escape(label)} {format_bytes(n)}</span>"
+        for label, n in parts
+    ]
+    if capacity:
+        room = capacity - total
+        legend.append(f"<span style='white-space:nowrap'>&#9633; free {format_bytes(room)}</span>" if room >= 0 else
+                      f"<span style='white-space:nowrap'>over the card by {format_bytes(-room)}</span>")  # fmt: skip
+    return (
+        f"<div style='font-family:monospace;margin:4px 0'><div style='position:relative;width:100%;"
+        f"max-width:{width}px;height:14px;background:{TRACK};border-radius:3px;overflow:hidden'>{spans}{edge}</div>"
+        f"<div>{' &nbsp; '.join(legend)}</div></div>"
+    )
 
 
 def _compute_bytes(compute_dtype: Any, load: str, dev: dict | None) -> tuple[str, int]:

@@ -1,5 +1,6 @@
 """What ``safe_generate`` did: :class:`EvalReport` (counts, throughput, OOM retries, batch sizes and memory
-over time, scores, failures), as text, an HTML table and a matplotlib figure.
+over time, scores, failures), as text, an HTML table and a matplotlib figure; and two runs' answers to the same
+prompts side by side (:func:`side_by_side`: before and after training).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from pathlib import Path
 from ..core.html import theme_figure
 from ..core.units import format_bytes
 
-__all__ = ["EvalReport", "mean_of_finite"]
+__all__ = ["EvalReport", "mean_of_finite", "SideBySide", "side_by_side"]
+
+SHOWN_CHARS = 160  # of each prompt and answer in the comparison (the whole text stays in its lists)
 
 
 def mean_of_finite(values: list[float]) -> tuple[float, int]:
@@ -175,3 +178,84 @@ class EvalReport:
             ax.legend(loc="lower left", fontsize=8)
         fig.tight_layout()
         return theme_figure(fig)
+
+
+@dataclass(repr=False)
+class SideBySide:
+    """Two runs' answers to the same prompts (before and after training), one row per prompt: a table with a
+    column per run, where the 39-line dump of ``print`` gave each answer its own block."""
+
+    prompts: list[str]
+    before: list[str]
+    after: list[str]
+    references: list[str | None] = field(default_factory=list)
+    labels: tuple[str, str] = ("before", "after")
+
+    @property
+    def changed(self) -> int:
+        """How many answers differ between the two runs (whitespace at the ends aside)."""
+        return sum(a.strip() != b.strip() for a, b in zip(self.before, self.after, strict=True))
+
+    def _head(self) -> str:
+        return f"{len(self.prompts)} prompts: {self.changed} answers changed from {self.labels[0]} to {self.labels[1]}"
+
+    def _rows(self) -> list[list[str]]:
+        refs = self.references or [None] * len(self.prompts)
+        return [[_cut(q), *([_cut(r or "")] if self.references else []), _cut(a), _cut(b)]
+                for q, r, a, b in zip(self.prompts, refs, self.before, self.after, strict=True)]  # fmt: skip
+
+    def _header(self) -> list[str]:
+        return ["prompt", *(["reference"] if self.references else []), *self.labels]
+
+    def __str__(self) -> str:
+        lines = [self._head()]
+        w = max(len(h) for h in self._header())
+        for row in self._rows():
+            lines.append(f"> {row[0]}")
+            lines += [f"  {h:<{w}}  {c}" for h, c in zip(self._header()[1:], row[1:], strict=True)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
+        return self.__str__()
+
+    def _repr_html_(self) -> str:
+        from ..core.html import table
+
+        return table(self._header(), self._rows(), title=self._head())
+
+
+def _cut(text: str) -> str:
+    """One line of at most ``SHOWN_CHARS``: newlines as spaces, an ellipsis where it was cut."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= SHOWN_CHARS else flat[: SHOWN_CHARS - 1] + "…"
+
+
+def side_by_side(before, after, prompts: list[str] | None = None, *, labels: tuple[str, str] = ("before", "after"),
+                 ) -> SideBySide:  # fmt: skip
+    """Two runs' answers beside each other, one row per prompt.
+
+    ``before`` and ``after`` are lists of answers to ``prompts`` (``answer(...)``'s), or two :class:`EvalReport`
+    of ``safe_generate`` over the same prompts, matched by id (their prompts and references come from the
+    records). Raises ``ValueError`` when the two do not answer the same prompts.
+    """
+    if isinstance(before, EvalReport) and isinstance(after, EvalReport):
+        old, new = ({r["id"]: r for r in rep.records} for rep in (before, after))
+        if set(old) != set(new):
+            raise ValueError(
+                f"side_by_side: the reports answer different prompts ({len(set(old) ^ set(new))} ids in one only): "
+                "run both over the same prompts (and let a resumed run finish)"
+            )
+        ids = sorted(old, key=str)
+        refs = [old[i].get("reference") for i in ids]
+        return SideBySide([str(old[i].get("prompt") or i) for i in ids], [old[i]["output"] or "" for i in ids],
+                          [new[i]["output"] or "" for i in ids], refs if any(refs) else [], labels)  # fmt: skip
+    if isinstance(before, EvalReport) or isinstance(after, EvalReport):
+        raise TypeError("side_by_side takes two EvalReports, or two lists of answers with their prompts")
+    before, after = list(before), list(after)
+    prompts = list(prompts) if prompts is not None else [f"#{i}" for i in range(len(before))]
+    if not len(before) == len(after) == len(prompts):
+        raise ValueError(
+            f"side_by_side: {len(prompts)} prompts, {len(before)} answers {labels[0]} and {len(after)} {labels[1]}: "
+            "pass one answer per prompt in each"
+        )
+    return SideBySide([str(q) for q in prompts], [str(a) for a in before], [str(a) for a in after], [], labels)

@@ -54,6 +54,12 @@ class LoadQuality:
     tokens_per_s: float | None = None  # greedy decode, batch 1
     load_seconds: float | None = None
     error: str | None = None
+    loaded_as: str | None = None  # a bitsandbytes mode that quantized no layer: the dtype it loaded as
+
+    @property
+    def label(self) -> str:
+        """The mode as the table shows it: ``nf4 (stayed fp32)`` when the weights were not quantized."""
+        return f"{self.load} (stayed {self.loaded_as})" if self.loaded_as else self.load
 
 
 @dataclass
@@ -89,14 +95,16 @@ class LoadComparison:
                 cells.append([r.load, "failed", "", "", "", "", "", r.error])
                 continue
             gap = self.gap(r.load)
+            unquantized = "bitsandbytes quantized no layer" if r.loaded_as else ""
             cells.append([
-                r.load, f"{r.perplexity:.3f}", "reference" if r is self.reference else
+                r.label, f"{r.perplexity:.3f}", "reference" if r is self.reference else
                 ("" if gap is None else f"{gap:+.2%}"),
                 "" if r.kl is None else f"{r.kl:.5f}",
                 "" if r.agreement is None else f"{r.agreement:.1%}",
                 format_bytes(r.weight_bytes) if r.weight_bytes is not None else "",
                 "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.1f}",
-                "" if r.peak_bytes is None else f"peak {format_bytes(r.peak_bytes)}",
+                "; ".join(n for n in ("" if r.peak_bytes is None else f"peak {format_bytes(r.peak_bytes)}",
+                                      unquantized) if n),
             ])  # fmt: skip
         return cells
 
@@ -186,7 +194,8 @@ def _measure(model_path: str, mode: str, texts: list[str], load_kwargs: dict) ->
     finally:
         unload(model, namespace={})  # free before the next mode loads: one model in memory at a time
     row = LoadQuality(mode, perplexity=math.exp(nll / count), weight_bytes=report.measured_weights, peak_bytes=peak,
-                      tokens_per_s=rate, load_seconds=report.load_seconds)  # fmt: skip
+                      tokens_per_s=rate, load_seconds=report.load_seconds,
+                      loaded_as=report.loaded_mode if report.stayed_unquantized else None)  # fmt: skip
     return row, argmax, logprobs, count
 
 

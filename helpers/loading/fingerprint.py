@@ -173,15 +173,23 @@ def adapters_disabled(model) -> bool:
 # load mode and tokenizer
 
 
+# bitsandbytes' quantized linear layers (a load that quantized nothing has none)
+_BNB_LINEARS = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4")
+
+
 def loaded_mode(model) -> str:
-    """The load mode as loaded: ``nf4``/``fp4`` (``+dq`` with double quantization), ``int8``, or the dtype."""
+    """The load mode as loaded: ``nf4``/``fp4`` (``+dq`` with double quantization), ``int8``, or the dtype.
+
+    A bitsandbytes config with no layer quantized (every layer mapped to the CPU, where bitsandbytes leaves
+    layers unquantized; a model without linear layers it takes) loaded as its dtype, whatever the config says."""
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    if getattr(model, "is_loaded_in_4bit", False) or get("load_in_4bit", False):
-        mode = str(get("bnb_4bit_quant_type", "nf4") or "nf4")
-        return mode + ("+dq" if get("bnb_4bit_use_double_quant", False) else "")
-    if getattr(model, "is_loaded_in_8bit", False) or get("load_in_8bit", False):
-        return "int8"
+    if any(type(m).__name__ in _BNB_LINEARS for m in model.modules()):  # else the config quantized nothing
+        if getattr(model, "is_loaded_in_4bit", False) or get("load_in_4bit", False):
+            mode = str(get("bnb_4bit_quant_type", "nf4") or "nf4")
+            return mode + ("+dq" if get("bnb_4bit_use_double_quant", False) else "")
+        if getattr(model, "is_loaded_in_8bit", False) or get("load_in_8bit", False):
+            return "int8"
     dtype = getattr(model, "dtype", None)
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 

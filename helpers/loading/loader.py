@@ -50,6 +50,7 @@ from .checks import (
     check_weight_files,
     find_token,
 )
+from .fingerprint import loaded_mode
 from .plan import LoadPlan, check_fields
 from .report import LoadReport, offload_warnings, placement
 
@@ -181,6 +182,7 @@ def load(
         tokenizer_note=note,
         split=checked.split,
         notes=[*checked.notes, *([attention] if attention else [])],
+        loaded_as=loaded_mode(model),
     )
     return model, tokenizer, report
 

@@ -15,6 +15,7 @@ from ..core.devices import (
 )
 from ..core.html import colored, table
 from ..core.units import format_bytes, percent
+from ..core.vocab import QUANTIZED
 from ..estimator.footprint import footprint_by_device
 from ..placement.device_plan import DevicePlan
 from .plan import LoadPlan
@@ -73,34 +74,72 @@ class LoadReport:
     tokenizer_note: str = ""
     split: DevicePlan | None = field(default=None, repr=False)  # the placement over several GPUs, if planned
     notes: list[str] = field(default_factory=list)
+    # the load mode as loaded (loading.fingerprint.loaded_mode): a bitsandbytes load that quantized no layer
+    # loaded as its dtype, and its weights are compared with that dtype's estimate
+    loaded_as: str | None = None
+
+    def __post_init__(self) -> None:
+        # the weights and total estimated for the mode the weights loaded as (None: not known)
+        self._expected, self._expected_total = self.estimated_weights, self.estimated_total
+        if self.stayed_unquantized:
+            try:
+                as_loaded = self.estimate.replace(load=self.loaded_as)
+                self._expected, self._expected_total = as_loaded.weights, as_loaded.total
+            except Exception:  # noqa: BLE001 - no estimate for that dtype: the difference is not known
+                self._expected = self._expected_total = None
+
+    @property
+    def stayed_unquantized(self) -> bool:
+        """A bitsandbytes mode was asked and no layer was quantized (weights loaded in ``loaded_as``)."""
+        return self.plan.quantized and self.loaded_as is not None and self.loaded_as.split("+")[0] not in QUANTIZED
+
+    @property
+    def loaded_mode(self) -> str:
+        """The load mode the weights are in: the plan's, or the dtype a bitsandbytes load stayed in."""
+        return self.loaded_as if self.stayed_unquantized else self.plan.load
+
+    def unquantized_note(self) -> str:
+        """Why a bitsandbytes load stayed unquantized, in words (empty when it did not)."""
+        if not self.stayed_unquantized:
+            return ""
+        on_gpu = any(k.startswith("cuda") for k in self.placement)
+        why = ("bitsandbytes found no linear layer to quantize" if on_gpu else
+               "bitsandbytes leaves the layers a device map puts on the CPU unquantized")  # fmt: skip
+        return (
+            f"{self.plan.load} was asked, but no layer was quantized ({why}): the weights are {self.loaded_as}, "
+            f"and are compared with the {self.loaded_as} estimate"
+        )
 
     @property
     def weights_error(self) -> float | None:
-        """(measured - estimated) / estimated weights, in percent."""
-        return percent(self.measured_weights - self.estimated_weights, self.estimated_weights)
+        """(measured - estimated) / estimated weights, in percent; the estimate is for the mode as loaded."""
+        if self._expected is None:
+            return None
+        return percent(self.measured_weights - self._expected, self._expected)
 
     def rows(self) -> list[list[str]]:
-        err = self.weights_error
+        err, expected = self.weights_error, self._expected
         rows = [
             [
                 "weights",
-                format_bytes(self.estimated_weights),
+                format_bytes(expected) if expected is not None else "n/a",
                 format_bytes(self.measured_weights),
                 "n/a" if err is None else f"{err:+.2f} %",
             ]
         ]
-        if self.cuda_allocated is not None:
+        if self.cuda_allocated is not None and expected:
             rows.append(
                 [
                     "CUDA allocated by the load",
-                    format_bytes(self.estimated_weights),
+                    format_bytes(expected),
                     format_bytes(self.cuda_allocated),
-                    f"{percent(self.cuda_allocated - self.estimated_weights, self.estimated_weights):+.2f} %",
+                    f"{percent(self.cuda_allocated - expected, expected):+.2f} %",
                 ]
             )
         if self.adapter_bytes:
             rows.append(["adapter", "", format_bytes(self.adapter_bytes), ""])
-        rows.append(["total while generating (estimate)", format_bytes(self.estimated_total), "", ""])
+        if self._expected_total is not None:
+            rows.append(["total while generating (estimate)", format_bytes(self._expected_total), "", ""])
         return rows
 
     def placement_rows(self) -> list[list[str]]:
@@ -113,8 +152,11 @@ class LoadReport:
         return [[k, format_bytes(planned[k]) if k in planned else "", format_bytes(self.placement.get(k, 0))]
                 for k in keys]  # fmt: skip
 
+    def _asked(self) -> str:
+        return f" ({self.plan.load} asked: stayed unquantized)" if self.stayed_unquantized else ""
+
     def __str__(self) -> str:
-        head = f"loaded {self.plan.model} as {self.plan.load} in {self.load_seconds:.1f} s"
+        head = f"loaded {self.plan.model} as {self.loaded_mode}{self._asked()} in {self.load_seconds:.1f} s"
         lines = [head]
         for name, est, meas, err in self.rows():
             lines.append(f"  {name:<36} estimated {est or '-':>11}  measured {meas or '-':>11}  {err}")
@@ -126,7 +168,7 @@ class LoadReport:
         if self.tokenizer_note:
             lines.append(f"  tokenizer: {self.tokenizer_note}")
         lines += [f"  note: {n}" for n in self.notes]
-        lines += [f"  WARNING: {w}" for w in self.warnings]
+        lines += [f"  WARNING: {w}" for w in [self.unquantized_note(), *self.warnings] if w]
         return "\n".join(lines)
 
     def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
@@ -135,7 +177,7 @@ class LoadReport:
     def _repr_html_(self) -> str:
         from html import escape
 
-        title = f"{self.plan.model} as {self.plan.load}, loaded in {self.load_seconds:.1f} s"
+        title = f"{self.plan.model} as {self.loaded_mode}{self._asked()}, loaded in {self.load_seconds:.1f} s"
         html = table(["", "estimated", "measured", "difference"], self.rows(), title=title)
         if self.split is None:
             html += table(["device", "bytes"], [[k, format_bytes(v)] for k, v in self.placement.items()],
@@ -144,6 +186,7 @@ class LoadReport:
             html += table(["device", "estimated", "measured"], self.placement_rows(), title="where the weights went")
         for n in self.notes:
             html += f"<div style='font-family:monospace'>{escape(n)}</div>"
-        for w in self.warnings:
-            html += f"<div style='font-family:monospace'>{colored('⚠ ' + w, 'warn')}</div>"
+        for w in [self.unquantized_note(), *self.warnings]:
+            if w:
+                html += f"<div style='font-family:monospace'>{colored('⚠ ' + w, 'warn')}</div>"
         return html

@@ -1,7 +1,9 @@
-"""Per-cell memory accounting: after each cell, one line with GPU allocated change and peak, RAM
-change and time; a cell whose re-runs keep growing memory is flagged.
+"""Per-cell memory accounting: after a cell that changed memory meaningfully (``SHOWN_FROM``), one line
+with GPU allocated change and peak, RAM change and time; a cell whose re-runs keep growing memory is
+flagged. Every cell is recorded (``CellStats.active.records``) whether its line shows or not.
 
-Turned on by ``%load_ext helpers``; ``%oomkit off`` / ``%oomkit on`` switch the line off and on.
+Turned on by ``%load_ext helpers``; ``%oomkit off`` / ``%oomkit on`` switch the line off and on,
+``%oomkit all`` shows it under every cell.
 """
 
 from __future__ import annotations
@@ -10,13 +12,18 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from ..core.memory import allocated, peak_allocated, peak_resets
 from ..core.units import MiB, format_bytes
+from ..oom.reclaim import held
 
-__all__ = ["CellRecord", "CellStats"]
+__all__ = ["CellRecord", "CellStats", "SHOWN_FROM"]
+
+# A cell's line shows when it moved memory at least this much (tensors or GPU allocated kept, the GPU
+# peak above where the cell started, or RAM): most cells (prints, plans, estimates) move none, and a
+# line under each of them hid the few that did.
+SHOWN_FROM = 16 * MiB
 
 
 def _signed(n: int) -> str:
@@ -38,9 +45,18 @@ class CellRecord:
     peak_new: bool = True  # False: the cell stayed below an earlier cell's peak (gpu_peak is that bound)
     peak_reset: bool = False  # the peak counters were reset during the cell: gpu_peak is a lower bound
 
+    gpu_start: int | None = None  # GPU allocated when the cell started: its peak above this is the cell's own
+
     @property
     def growing(self) -> bool:
         return self.growing_runs >= CellStats.flag_after
+
+    @property
+    def meaningful(self) -> bool:
+        """The cell moved memory by ``SHOWN_FROM`` or more (or keeps growing): worth its line."""
+        kept = self.gpu_change if self.gpu_change is not None else self.tensor_change or 0
+        peak = (self.gpu_peak or 0) - (self.gpu_start or 0) if self.peak_new and self.gpu_peak is not None else 0
+        return self.growing or max(abs(kept), peak, abs(self.ram_change)) >= SHOWN_FROM
 
     def __str__(self) -> str:
         if self.peak_reset:  # a monitor or an evaluation restarted the counters mid-cell
@@ -70,6 +86,7 @@ class CellStats:
 
     threshold: int = 1 * MiB  # a re-run that leaves less than this behind is not growth
     enabled: bool = True
+    every_cell: bool = False  # %oomkit all: a line under every cell, not only the ones that moved memory
     records: list[CellRecord] = field(default_factory=list)
     _start: tuple | None = None
     _peak_before: int | None = None
@@ -85,44 +102,27 @@ class CellStats:
             return None, None
         return allocated("all"), peak_allocated("all")  # every GPU: a split model's cell grows both
 
-    @staticmethod
-    def _tensors() -> int | None:
-        """Without CUDA: bytes of live tensors (RSS alone cannot tell kept memory from malloc's cache)."""
-        if torch.cuda.is_available():
-            return None
-        from ..leaks.tensors import tensor_bytes
-
-        return tensor_bytes()
-
     def pre_run_cell(self, info=None) -> None:
         if not self.enabled:
             self._start = None
             return
         src = getattr(info, "raw_cell", "") or ""
-        gpu0, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
+        _, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
         self._resets_before = peak_resets()
-        self._start = (
-            time.perf_counter(),
-            gpu0,
-            psutil.Process().memory_info().rss,
-            hashlib.sha1(src.encode()).hexdigest(),
-            src,
-            self._tensors(),
-        )
+        # what the process holds, measured as cleanup() measures it: the line and its report agree
+        self._start = (time.perf_counter(), held(), hashlib.sha1(src.encode()).hexdigest(), src)
 
     def post_run_cell(self, result=None) -> None:
         if not self.enabled or self._start is None:
             return
-        started, gpu0, rss0, key, src, tensors0 = self._start
+        started, before, key, src = self._start
         self._start = None
         if src.lstrip().startswith(("%oomkit", "%load_ext", "%reload_ext", "%unload_ext")):
             return
-        gpu1, peak = self._gpu()
-        rss1 = psutil.Process().memory_info().rss
-        gpu_change = gpu1 - gpu0 if gpu1 is not None else None
-        tensor_change = self._tensors() - tensors0 if tensors0 is not None else None
+        _, peak = self._gpu()
+        change = held() - before
         # what a cell left behind: GPU allocated, or live tensor bytes without CUDA (both exact)
-        left = gpu_change if gpu_change is not None else tensor_change
+        left = change.memory
         runs, total = self._history.get(key, (0, 0))
         runs, total = (runs + 1, total + left) if left >= self.threshold else (0, 0)
         self._history[key] = (runs, total)
@@ -132,33 +132,39 @@ class CellStats:
         reset = peak_resets() != self._resets_before
         rec = CellRecord(
             cell,
-            gpu_change,
+            change.gpu_allocated,
             peak,
-            rss1 - rss0,
+            change.rss,
             time.perf_counter() - started,
             runs,
             total // runs if runs else 0,
-            tensor_change,
+            change.tensors,
             peak_new,
             reset and peak is not None,
+            before.gpu_allocated,
         )
         self.records.append(rec)
-        print(rec)
+        if self.every_cell or rec.meaningful:
+            print(rec)
 
 
 def _oomkit_magic(line: str) -> None:
-    """``%oomkit off`` / ``%oomkit on`` / ``%oomkit``: switch the per-cell memory line, or show its state."""
+    """``%oomkit off`` / ``%oomkit on`` / ``%oomkit all`` / ``%oomkit``: switch the per-cell memory line (on: under
+    the cells that moved memory; all: under every cell), or show its state."""
     stats = CellStats.active
     arg = line.strip().lower()
     if stats is None:
         print("oomkit cell accounting is not loaded: run %load_ext helpers")
         return
-    if arg in ("off", "on"):
-        stats.enabled = arg == "on"
+    if arg in ("off", "on", "all"):
+        stats.enabled = arg != "off"
+        stats.every_cell = arg == "all"
     elif arg:
-        print(f"%oomkit takes 'on' or 'off', not {arg!r}")
+        print(f"%oomkit takes 'on', 'all' or 'off', not {arg!r}")
         return
-    print(f"oomkit per-cell memory line is {'on' if stats.enabled else 'off'}")
+    state = ("on under every cell" if stats.every_cell else f"on when a cell moves {format_bytes(SHOWN_FROM)} or more"
+             ) if stats.enabled else "off"  # fmt: skip
+    print(f"oomkit per-cell memory line is {state}")
 
 
 def load_ipython_extension(ip) -> None:

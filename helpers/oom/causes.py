@@ -6,7 +6,7 @@ each cause and its general fixes live here, so a new cause is one entry (and one
 
 from __future__ import annotations
 
-__all__ = ["CAUSES"]
+__all__ = ["CAUSES", "GENERATION_STEADY"]
 
 # Cause classes, each with its fixes in the order to try them.
 CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -224,3 +224,18 @@ CAUSES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("Run helpers.snapshot() to see what the GPU and RAM hold now, then retry with a smaller batch",),
     ),
 }
+
+
+# The steady state of a generate() call (seen in the traceback, or simulated_budget's message): a KV cache and
+# activations, no optimizer; the fixes in the order to try them (the notebook's knobs come first, named).
+GENERATION_STEADY = (
+    "generating: the weights, the KV cache (batch x (prompt + new tokens)) and the activations together do not "
+    "fit the card",
+    (
+        "Generate fewer sequences at once or fewer new tokens (max_new_tokens): helpers.safe_generate finds the "
+        "batch that fits by itself and retries after an OOM",
+        "Shrink the KV cache: LoadPlan(..., kv_cache='int4') or 'fp8' quantizes it, kv_cache='offload' keeps it "
+        "in CPU RAM",
+        "Load the model in 4-bit or 8-bit (BitsAndBytesConfig, LoadPlan(load='nf4')), or a smaller model",
+    ),
+)

@@ -8,6 +8,7 @@ error the report adds a snapshot, the largest live tensors, and the room on the 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,13 +19,15 @@ from ..core.session import user_namespace
 from ..core.units import format_bytes
 from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import fit_one_card
-from ..leaks.tensors import largest_tensors  # the one walk; re-exported for the OOM report's readers
-from .causes import CAUSES
+from ..leaks.census import census
+from ..leaks.tensors import storage_key
+from .causes import CAUSES, GENERATION_STEADY
 from .messages import is_oom_text, parse_message
 
 __all__ = [
     "OOMReport",
     "explain_oom",
+    "named_tensors",
 ]
 
 
@@ -67,9 +70,12 @@ class OOMReport:
     tensors: list[tuple[str, int, str]] = field(default_factory=list)
     other_gpus: list[tuple[int, int]] = field(default_factory=list)  # (index, free bytes) of the other cards, live
     notes: list[str] = field(default_factory=list)  # what this message shows beyond its figures, in words
+    generating: bool = False  # it ran out inside generate(): the steady state is a KV cache, not an optimizer
 
     @property
     def explanation(self) -> str:
+        if self.cause == "steady_state" and self.generating:
+            return GENERATION_STEADY[0]
         return CAUSES[self.cause][0]
 
     def figures(self) -> list[tuple[str, str]]:
@@ -173,12 +179,13 @@ class OOMReport:
             parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in self.notes) + "</ul>")
         if self.total and self.free is not None:
             parts.append(bar(self.total - self.free, self.total, "GPU in use when it failed"))
+        # what to do first, at a glance; the figures, the live tensors and memory now folded below
+        parts.append("<b>Fixes, in order</b><ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
         rows = [[label, value] for label, value in self.figures()]
         rows += [[f"process {pid}", format_bytes(used)] for pid, used in self.processes]
-        parts.append(table(["figure", "value"], rows, title="What the message says"))
-        parts.append("<ol>" + "".join(f"<li>{escape(f)}</li>" for f in self.fixes) + "</ol>")
+        folded = [table(["figure", "value"], rows, title="What the message says")]
         if self.tensors:
-            parts.append(
+            folded.append(
                 table(
                     ["tensor", "size", "shape / dtype / device"],
                     [[name, format_bytes(n), desc] for name, n, desc in self.tensors],
@@ -186,7 +193,10 @@ class OOMReport:
                 )
             )
         if self.snapshot is not None and hasattr(self.snapshot, "_repr_html_"):
-            parts.append(self.snapshot._repr_html_())
+            folded.append(self.snapshot._repr_html_())
+        what = ", ".join(["the message's figures", *(["the largest live tensors"] if self.tensors else []),
+                          *(["memory now"] if self.snapshot is not None else [])])  # fmt: skip
+        parts.append(f"<details><summary>{escape(what)}</summary>{''.join(folded)}</details>")
         return "<div>" + "".join(parts) + "</div>"
 
 
@@ -427,16 +437,16 @@ def _estimator_fixes(memory_estimate, f: dict) -> list[str]:
     return [f"From the estimate of {verdict.estimate.model}: {s}" for s in verdict.suggestions]
 
 
-def _traceback_names(tb) -> dict[int, str]:
-    """``id(tensor) -> "function().name"`` for the tensors local to the traceback's function frames."""
-    names: dict[int, str] = {}
+def _traceback_names(tb) -> dict[tuple, str]:
+    """``storage key -> "function().name"`` for the tensors local to the traceback's function frames."""
+    names: dict[tuple, str] = {}
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_name != "<module>":
             local = frame.f_locals
             for var, value in local.items():
                 if isinstance(value, torch.Tensor):
-                    names.setdefault(id(value), f"{frame.f_code.co_name}().{var}")
+                    names.setdefault(storage_key(value)[0], f"{frame.f_code.co_name}().{var}")
             # reading f_locals caches a dict of the locals on the frame: drop it, or it pins them
             # (Python 3.13+ hands out a write-through proxy instead, which caches nothing and has no clear())
             if isinstance(local, dict):
@@ -504,17 +514,61 @@ def explain_oom(
         moved["device_memory"] = [_FORM_TIPS[f["form"]], *CAUSES["device_memory"][1]]
     if "fragmentation" in causes and snap is not None and f["form"] in ("cuda", "cuda_legacy"):
         moved["fragmentation"] = _fragmentation_fixes()
+    generating = _generating(exc, text)
+    if generating:
+        moved["steady_state"] = list(GENERATION_STEADY[1])
     if exc is not None and namespace is None:
         namespace = user_namespace()
     named = knob_fixes(namespace or {}) if {"steady_state", "request_too_large"} & set(causes) else []
     report = _report(f, causes, text, exc, _estimator_fixes(memory_estimate, f), moved)
     report.fixes = named + [x for x in report.fixes if x not in named]
     report.other_gpus = other_gpus
+    report.generating = generating
     report.notes = _notes(f, others, pid)
+    simulated = SIMULATED.search(text)
+    if simulated:  # the figures are a T4's, the failure this machine's: say so before a user reads "GPU 0"
+        report.notes.insert(
+            0,
+            f"simulated for a T4 by helpers.simulated_budget ({simulated[1]}): the figures are "
+            "what a T4 would print for this call",
+        )
     if snap is not None:
         report.snapshot = snap
-        report.tensors = largest_tensors(names=_traceback_names(exc.__traceback__) if exc is not None else None)
+        report.tensors = named_tensors(exc, namespace if namespace is not None else user_namespace())
     return report
+
+
+def _generating(exc: BaseException | None, text: str) -> bool:
+    """It ran out inside a ``generate()`` call: a frame of that name in the traceback (transformers', a
+    wrapper's), a pasted traceback's ``in generate`` line, or simulated_budget's message (it only wraps generate)."""
+    if SIMULATED.search(text) or re.search(r"\bin generate\b", text):
+        return True
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "generate":
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# how simulated_budget (helpers.testing) marks the T4-shaped message it raises on a CPU
+SIMULATED = re.compile(r"\(simulated on this machine for a T4: ([^)]*)\)")
+LARGEST_SHOWN = 5  # live tensors a card lists
+
+
+def named_tensors(exc: BaseException | None, namespace: dict, n: int = LARGEST_SHOWN) -> list[tuple[str, int, str]]:
+    """The ``n`` largest live storages as ``(name, bytes, "shape dtype device")``, named as ``census()``
+    names them (``model.model.layers[0].mlp.up_proj.weight``), or by the failed function's local that
+    held them; ``"(unnamed)"`` only for what nothing in the namespace or the traceback reaches."""
+    local = _traceback_names(exc.__traceback__) if exc is not None else {}
+    found = []
+    for e in census(namespace).entries:
+        if e.nbytes and len(found) < n:
+            desc = f"{e.shape} {e.dtype} {e.device}"
+            found.append((local.get(e.key) or e.holder, e.nbytes, desc))
+    return found
 
 
 def _fragmentation_fixes() -> list[str]:

@@ -88,9 +88,9 @@ def _show_broken(shell, etype, value, tb, tb_offset):
 
 
 def _show_oom(shell, etype, value, tb, oom: BaseException):
-    from .reclaim import cleanup, clear_exception_frames, counters
+    from .reclaim import cleanup, clear_exception_frames, freed_text, held
 
-    before = counters()
+    before = held()
     short = traceback.format_exception(etype, value, tb, limit=-3)  # the last frames: where it ran out
     report = explain_oom(oom, namespace=shell.user_ns)
     # the traceback's frames keep every tensor the failed code created, and so do the frames of an
@@ -99,12 +99,10 @@ def _show_oom(shell, etype, value, tb, oom: BaseException):
     clear_exception_frames(value)
     del tb
     freed = cleanup(drop_history=False, drop_traceback=False)  # the kernel still reports the error
-    after = counters()
+    after = held()
     readout = (
-        f"Released what the traceback pinned: RAM {format_bytes(max(before[2] - after[2], 0))} back"
-        + (f", GPU {format_bytes(max(before[0] - after[0], 0))} back" if torch.cuda.is_available() else "")
-        + f"; now {format_bytes(after[2])} RSS"
-        + (f", {format_bytes(after[0])} GPU allocated" if torch.cuda.is_available() else "")
+        f"Released what the traceback pinned: {freed_text(before - after)}; now {format_bytes(after.rss)} RSS"
+        + (f", {format_bytes(after.gpu_allocated)} GPU allocated" if after.gpu_allocated is not None else "")
         + f" ({freed.objects_collected} objects collected)"
     )
     _show_card(shell, report)

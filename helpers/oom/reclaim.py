@@ -29,6 +29,8 @@ from ..core.units import format_bytes
 from ..leaks.object_walk import walk
 
 __all__ = [
+    "Held",
+    "held",
     "CleanupReport",
     "FreeError",
     "cleanup",
@@ -42,9 +44,60 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class Held:
+    """What this process holds, measured one way for every "how much came back" (``cleanup``, ``free``,
+    ``unload``, the OOM hook's readout and the per-cell line all read it, so they agree).
+
+    ``gpu_allocated`` / ``gpu_reserved``: every card (None without CUDA). ``tensors``: without CUDA, the
+    live tensors' bytes, the exact answer there (RSS keeps what malloc frees for reuse: it read "RAM 0 B
+    freed" for 8 MiB of tensors gone). ``rss``: this process's resident memory. A difference of two
+    ``Held`` (``after - before``) is a ``Held`` of signed changes.
+    """
+
+    gpu_allocated: int | None
+    gpu_reserved: int | None
+    tensors: int | None
+    rss: int
+
+    def __sub__(self, other: Held) -> Held:
+        def minus(a, b):
+            return None if a is None or b is None else a - b
+
+        return Held(*(minus(getattr(self, n), getattr(other, n)) for n in ("gpu_allocated", "gpu_reserved",
+                                                                           "tensors", "rss")))  # fmt: skip
+
+    @property
+    def memory(self) -> int:
+        """The one figure for what the tensors hold: GPU allocated with CUDA, live tensor bytes without."""
+        return self.gpu_allocated if self.gpu_allocated is not None else self.tensors or 0
+
+
+def held() -> Held:
+    """What this process holds now (see :class:`Held`); without CUDA it walks the live tensors once."""
+    rss = psutil.Process().memory_info().rss
+    if torch.cuda.is_available():
+        return Held(allocated("all"), reserved("all"), None, rss)
+    from ..leaks.tensors import tensor_bytes
+
+    return Held(None, None, tensor_bytes(), rss)
+
+
+def freed_text(freed: Held) -> str:
+    """``freed`` (``before - after``) in words, as every report of memory given back says it."""
+    ram = f"RAM {format_bytes(max(freed.rss, 0))} back to the OS"
+    if freed.gpu_allocated is not None:
+        return (
+            f"GPU {format_bytes(freed.gpu_allocated)} allocated / {format_bytes(freed.gpu_reserved)} reserved "
+            f"freed, {ram}"
+        )
+    return f"tensors {format_bytes(freed.tensors or 0)} freed ({ram})"
+
+
 @dataclass
 class CleanupReport:
-    """What a cleanup gave back. Positive numbers are bytes freed."""
+    """What a cleanup gave back. Positive numbers are bytes freed (``freed``: all of them, as
+    :class:`Held`; the per-cell line of the same cell shows the same change, negative)."""
 
     gpu_allocated_freed: int
     gpu_reserved_freed: int
@@ -52,18 +105,21 @@ class CleanupReport:
     objects_collected: int
     dropped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    tensors_freed: int | None = None  # without CUDA: live tensor bytes freed (the exact figure there)
+
+    @property
+    def freed(self) -> Held:
+        gpu = torch.cuda.is_available() or self.tensors_freed is None
+        return Held(
+            self.gpu_allocated_freed if gpu else None, self.gpu_reserved_freed if gpu else None,
+            self.tensors_freed, self.rss_freed,
+        )  # fmt: skip
 
     def __str__(self) -> str:
         what = f" (dropped {', '.join(self.dropped)})" if self.dropped else ""
-        gpu = (
-            f"GPU {format_bytes(self.gpu_allocated_freed)} allocated / "
-            f"{format_bytes(self.gpu_reserved_freed)} reserved freed, "
-            if torch.cuda.is_available()
-            else ""
-        )
         return (
-            f"cleanup: {gpu}RAM {format_bytes(self.rss_freed)} freed, "
-            f"{self.objects_collected} objects collected in {self.seconds:.2f} s{what}"
+            f"cleanup: {freed_text(self.freed)}, {self.objects_collected} objects collected in "
+            f"{self.seconds:.2f} s{what}"
         )
 
     def _repr_html_(self) -> str:
@@ -255,15 +311,16 @@ def release_after_oom(
     return pinned
 
 
-def _report(before: tuple[int, int, int], started: float, collected: int, dropped: list[str]) -> CleanupReport:
-    after = counters()
+def _report(before: Held, started: float, collected: int, dropped: list[str]) -> CleanupReport:
+    freed = before - held()
     return CleanupReport(
-        gpu_allocated_freed=before[0] - after[0],
-        gpu_reserved_freed=before[1] - after[1],
-        rss_freed=before[2] - after[2],
+        gpu_allocated_freed=freed.gpu_allocated or 0,
+        gpu_reserved_freed=freed.gpu_reserved or 0,
+        rss_freed=freed.rss,
         objects_collected=collected,
         dropped=dropped,
         seconds=time.perf_counter() - started,
+        tensors_freed=freed.tensors,
     )
 
 
@@ -283,14 +340,20 @@ def cleanup(*, drop_history: bool = True, drop_traceback: bool = True, namespace
     flag("drop_traceback", drop_traceback)
     namespace_dict("namespace", namespace)
     started = time.perf_counter()
-    before = counters()
+    before = held()
+    return _report(before, started, *_reclaim(caller_namespace(namespace), drop_history, drop_traceback))
+
+
+def _reclaim(namespace: dict, drop_history: bool = True, drop_traceback: bool = True) -> tuple[int, list[str]]:
+    """cleanup's work, unmeasured (``free`` and ``unload`` measure around their own): (objects collected,
+    what was dropped)."""
     dropped: list[str] = []
     if drop_traceback:
         dropped += drop_exception_state()
-        dropped += clear_kept_exception_frames(caller_namespace(namespace))
+        dropped += clear_kept_exception_frames(namespace)
     if drop_history:
         dropped += drop_output_history()
-    return _report(before, started, _collect_and_empty(), dropped)
+    return _collect_and_empty(), dropped
 
 
 def free(*names: str, namespace: dict | None = None) -> CleanupReport:
@@ -311,11 +374,11 @@ def free(*names: str, namespace: dict | None = None) -> CleanupReport:
             f"pass the names as strings, e.g. free('model')"
         )
     started = time.perf_counter()
-    before = counters()
+    before = held()
     for n in names:
         del ns[n]
-    report = cleanup(namespace=ns)
-    return _report(before, started, report.objects_collected, [f"del {n}" for n in names] + report.dropped)
+    collected, dropped = _reclaim(ns)
+    return _report(before, started, collected, [f"del {n}" for n in names] + dropped)
 
 
 def _refuse_unloaded(module: torch.nn.Module, args: Any) -> None:
@@ -368,7 +431,7 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
             f"unload() takes a torch.nn.Module, got {type(model).__name__}; to drop other objects use free('name')"
         )
     started = time.perf_counter()
-    before = counters()
+    before = held()
     dropped: list[str] = []
     try:
         from accelerate.hooks import remove_hook_from_module
@@ -408,5 +471,5 @@ def unload(model: torch.nn.Module, *, namespace: dict | None = None, release_wei
         del ns[name]
         dropped.append(f"del {name}")
     del model
-    report = cleanup(namespace=ns)
-    return _report(before, started, report.objects_collected, dropped + report.dropped)
+    collected, also = _reclaim(ns)
+    return _report(before, started, collected, dropped + also)
