@@ -8,7 +8,7 @@ from html import escape
 from typing import Any
 
 from ..core.arguments import flag, whole_number
-from ..core.devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
+from ..core.devices import DEFAULT_DEVICE, DEVICE_SETS, capacity_range, device_set, resolve_device, resolve_devices
 from ..core.html import badge, bar, table
 from ..core.reducers import kv_cache_available, liger_available
 from ..core.sources import shipped_configs
@@ -29,12 +29,13 @@ from .core import MemoryEstimate, cublas_workspace, estimate
 from .families import family
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
+from .timing import CARDS, approx_duration, estimate_time
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
     "target_cards",
     "Suggestion", "DeviceSuggestion", "FitVerdict", "fit_one_card", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
-    "fix_margin",
+    "fix_margin", "step_seconds", "rate_text",
 ]  # fmt: skip
 
 # A fix ranks as one that fits only with this much to spare below the "tight" line: 2 % of the
@@ -63,6 +64,7 @@ class Suggestion:
     saving: int
     estimate: MemoryEstimate
     cost: str = ""  # what a memory reducer costs besides memory: host RAM, time per step or token
+    seconds: float | None = None  # per decode step (or LoRA step) once made: step_seconds(), offload's PCIe added
 
     @property
     def total(self) -> int:
@@ -126,6 +128,7 @@ class FitVerdict:
     note: str = ""  # why the verdict is less sure than its headroom says (a capacity that varies)
     where: str = ""  # on a machine of several GPUs that load() splits the model over: the split, in words
     used: int | None = None  # then: the bytes on its fullest card (the verdict's); None: the whole estimate, one card
+    seconds: float | None = None  # per decode step (or LoRA step) on the device: step_seconds(); None: not timed
 
     @property
     def fits(self) -> bool:
@@ -138,21 +141,43 @@ class FitVerdict:
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
+                "seconds": self.seconds,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
-                                 "total": s.total, "cost": s.cost, **_placed(s)} for s in self.suggestions],
+                                 "total": s.total, "cost": s.cost, "seconds": s.seconds, **_placed(s)}
+                                for s in self.suggestions],
                 **({"note": self.note} if self.note else {}),
                 **({"where": self.where, "used": self.used} if self.where else {})}  # fmt: skip
 
-    def __str__(self) -> str:
+    @property
+    def time(self) -> str:
+        """The plan's speed on the device, from :func:`step_seconds` ("" where it cannot be timed)."""
+        if self.seconds is None:
+            return ""
+        return f"{rate_text(self.estimate, self.seconds)} on {self.device} (datasheet x efficiency; estimate_time())"
+
+    def fix_time(self, s: Suggestion) -> str:
+        """A fix's speed once made, and how it compares with the plan's: ``~4.1 tokens/s, 3.6x slower``."""
+        if s.seconds is None:
+            return ""
+        return rate_text(s.estimate, s.seconds) + _relative(s.seconds, self.seconds)
+
+    def lines(self, time: bool = True) -> list[str]:
+        """The verdict's lines as ``str()`` prints them (``time=False``: without the plan's own speed, for a
+        caller that printed the estimate's time line already)."""
         on = f"the fullest GPU of {self.device}" if self.where else self.device
         head = (
             f"{self.verdict.upper()}: {format_bytes(self.placed_bytes)} of {format_bytes(self.capacity)} on "
             f"{on} (headroom {format_bytes(self.headroom)})"
         )
-        lines = [head] + [f"  {x}" for x in (self.where, self.note) if x]
+        extra = (self.where, self.note, f"time: {self.time}" if time and self.time else "")
+        lines = [head] + [f"  {x}" for x in extra if x]
         for i, s in enumerate(self.suggestions, 1):
-            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
-        return "\n".join(lines)
+            speed = self.fix_time(s)
+            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}" + (f"; {speed}" if speed else ""))
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
     def _repr_html_(self) -> str:
         status = VERDICT_STATUS[self.verdict]
@@ -160,7 +185,7 @@ class FitVerdict:
             f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
             f"{format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
         )
-        html += "".join(f"<div>{escape(x)}</div>" for x in (self.where, self.note) if x)
+        html += "".join(f"<div>{escape(x)}</div>" for x in (self.where, self.note, self.time and f"time: {self.time}") if x)
         if self.suggestions:
             rows = [
                 [
@@ -169,11 +194,46 @@ class FitVerdict:
                     format_bytes(s.saving),
                     format_bytes(s.total),
                     s.verdict_on(self.capacity) + _fit_remark(s, self.capacity, short=True),
+                    self.fix_time(s),
                 ]
                 for i, s in enumerate(self.suggestions, 1)
             ]
-            html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
+            html += table(["#", "change", "saves", "new total", "fits", "speed"], rows, title="fixes")
         return html
+
+
+def step_seconds(est: MemoryEstimate, device: Any) -> float | None:
+    """Seconds per decode step of ``est`` (one new token for each of its ``batch_size`` sequences, at the mean
+    context) or per LoRA step, on ``device``: :func:`~.timing.estimate_time`'s figure, the one answer to "how fast".
+    None where ``device`` is not a preset with card figures (a byte count, ``"current"``: no probe runs here),
+    for full fine-tuning (not timed), or for a family whose shape the time formulas lack."""
+    if not isinstance(device, str) or (device.lower() not in CARDS and device.lower() not in DEVICE_SETS):
+        return None
+    batch = int(est.inputs.get("batch_size", 1))
+    try:
+        t = estimate_time(est, device.lower(), batches=(batch,))
+    except (EstimateError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if t.step_seconds is not None:
+        return t.step_seconds
+    if est.inputs.get("training") is not None:
+        return None
+    return batch / t.decode_tokens_per_s[batch]
+
+
+def rate_text(est: MemoryEstimate, seconds: float) -> str:
+    """``~14.7 tokens/s`` (at batch B where B > 1) for a generation plan, ``~2.1 s per LoRA step`` for training."""
+    if est.inputs.get("training") is not None:
+        return f"{approx_duration(seconds)} per LoRA step"
+    batch = int(est.inputs.get("batch_size", 1))
+    return f"~{batch / seconds:,.1f} tokens/s" + (f" at batch {batch}" if batch > 1 else "")
+
+
+def _relative(seconds: float, before: float | None) -> str:
+    """``, 3.6x slower`` / ``, 1.3x faster`` than the plan; nothing within 5 % or without the plan's time."""
+    if before is None or not seconds or abs(seconds / before - 1) < 0.05:
+        return ""
+    return f", {seconds / before:.1f}x slower" if seconds > before else f", {before / seconds:.1f}x faster"
 
 
 def _placed(s: Suggestion) -> dict:
@@ -241,8 +301,11 @@ def fit_one_card(
     cap = dev["capacity"]
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
+    out.seconds = step_seconds(est, device)
     if suggest and result != FITS and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
+        for s in out.suggestions:
+            s.seconds = step_seconds(s.estimate, device)
         if place is not None and cards and est.inputs.get("training") is None:  # training: DDP/FSDP's ground
             out.suggestions += place(est, cards, host_ram=None if device == "current" else HOST_RAM)
         out.suggestions.sort(key=lambda s: _rank(s, est, cap))

@@ -34,7 +34,7 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "approx_duration", "time_line", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "approx_duration", "time_line", "offload_seconds", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
     "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
 ]  # fmt: skip
 
@@ -401,3 +401,9 @@ def time_line(est) -> str:
         f"time on {t.device}: ~{rate:,.1f} tokens/s decoding at batch {batch}, {t.answers} answers of "
         f"{t.new_tokens} tokens {approx_duration(total)} (datasheet x efficiency; .time() for more)"
     )
+
+
+def offload_seconds(cpu_bytes: int = 0, disk_bytes: int = 0) -> float:
+    """Seconds an offloaded placement adds to every forward pass (each decode step, each prefill): accelerate's
+    hooks copy the ``cpu_bytes`` of weights in CPU RAM over PCIe, and read the ``disk_bytes`` from disk first."""
+    return cpu_bytes / PCIE_BYTES_PER_S + disk_bytes / DISK_BYTES_PER_S

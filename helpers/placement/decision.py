@@ -26,7 +26,8 @@ from ..core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from ..core.units import MiB, format_bytes
 from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FITS, MODES, QUANTIZED, VERDICTS, half_dtype, lighter_load, verdict
 from ..estimator.core import MemoryEstimate
-from ..estimator.fitting import DeviceSuggestion, FitVerdict, fit_one_card, target_cards
+from ..estimator.fitting import DeviceSuggestion, FitVerdict, fit_one_card, step_seconds, target_cards
+from ..estimator.timing import offload_seconds
 from .device_plan import (
     DEVICE_MAP_STRATEGIES,
     PREQUANTIZED_OFFLOAD,
@@ -434,17 +435,18 @@ def device_fixes(est: MemoryEstimate, cards: list[Any], *, host_ram: int | None 
     devices = [resolve_device(c)[1] for c in cards]
     if any(d is None for d in devices):
         return []
+    step = step_seconds(est, cards[0])  # a pipeline runs at one card's speed
     try:
         for n in range(2, len(devices) + 1):
             plan = split_plan(est, devices[:n])
             if plan.fits:
-                return [_split_fix(est, plan, len(devices))]
+                return [_split_fix(est, plan, len(devices), step)]
         ram = psutil.virtual_memory().available if host_ram is None else host_ram
         plan = split_plan(est, devices, ram=int(ram * OFFLOAD_RAM_SHARE), offload=True)
     except (OomkitError, ValueError):  # an architecture the meta device cannot build, a prequantized checkpoint
         return []
     if plan.fits and plan.offloaded("cpu"):
-        return [_offload_fix(est, plan)]
+        return [_offload_fix(est, plan, step)]
     return []
 
 
@@ -452,7 +454,7 @@ def _fullest(plan: DevicePlan) -> int:
     return max(s.total for s in plan.gpus)
 
 
-def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int) -> DeviceSuggestion:
+def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int, step: float | None) -> DeviceSuggestion:
     n = len(plan.gpus)
     count = "both GPUs" if n == available == 2 else (f"{n} GPUs" if n == available else f"{n} of the {available} GPUs")
     hop = sum(size for a, b, size in plan.crossings if isinstance(a, int) and isinstance(b, int))
@@ -461,11 +463,12 @@ def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int) -> DeviceS
         f"(about one card's speed, plus {format_bytes(hop)} of hidden state per token between them)"
     )
     change = f"use {count}: LoadPlan(..., gpus={n}) (from_pretrained: device_map='auto')"
-    return DeviceSuggestion(change, {"device_map": "auto", "gpus": n}, est.total - _fullest(plan), est, cost,
+    return DeviceSuggestion(change, {"device_map": "auto", "gpus": n}, est.total - _fullest(plan), est, cost, step,
                             kind="split", where=describe_split(plan), plan=plan)  # fmt: skip
 
 
-def _offload_fix(est: MemoryEstimate, plan: DevicePlan) -> DeviceSuggestion:
+def _offload_fix(est: MemoryEstimate, plan: DevicePlan, step: float | None) -> DeviceSuggestion:
+    """Layers offloaded to CPU RAM: each decode step also copies them over PCIe (``offload_seconds``)."""
     cpu = next(s for s in plan.shares if s.device == "cpu")
     layers = sum(s.layers for s in plan.shares)
     # the rest of what went to the CPU (lm_head: a large share of the bytes); a rotary embedding holds no weights
@@ -478,8 +481,9 @@ def _offload_fix(est: MemoryEstimate, plan: DevicePlan) -> DeviceSuggestion:
     if plan.quantization_changes:  # from_pretrained needs the flag; load() sets it from the plan
         cost += "; from_pretrained also needs BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True)"
     change = f"offload {what} to CPU RAM: LoadPlan(..., allow_offload=True) (from_pretrained: device_map='auto')"
+    seconds = None if step is None else step + offload_seconds(plan.offloaded("cpu"), plan.offloaded("disk"))
     return DeviceSuggestion(change, {"device_map": "auto", "allow_offload": True}, est.total - _fullest(plan), est,
-                            cost, kind="offload", where=describe_split(plan), plan=plan)  # fmt: skip
+                            cost, seconds, kind="offload", where=describe_split(plan), plan=plan)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- several GPUs on a memory readout: how many to use, each one's room, the split

@@ -34,7 +34,6 @@ from ..core.compat import supported_kwargs
 from ..core.devices import (
     CUBLAS_WORKSPACE,
     CUDA_CONTEXT,
-    DISK_BYTES_PER_S,
     GPU_MARGIN,
     OFFLOAD_RAM_SHARE,
     PCIE_BYTES_PER_S,
@@ -63,6 +62,7 @@ from ..estimator.configs import resolve_config
 from ..estimator.core import FRAGMENTATION, estimate
 from ..estimator.families import auto_class
 from ..estimator.layout import Layout, dims, layout, should_convert, weight_rows
+from ..estimator.timing import offload_seconds
 
 __all__ = [
     "FitsCell", "FitsRow", "ModelFits", "reference_configs", "FitsTable", "fits_table",
@@ -177,11 +177,11 @@ class DevicePlan:
         """The rule of thumb for what offload costs per generated token ('' without offload)."""
         cpu, disk = self.offloaded("cpu"), self.offloaded("disk")
         parts = []
-        if cpu:
-            parts.append(f"{format_bytes(cpu)} cross PCIe every token: ~{cpu / PCIE_BYTES_PER_S * 1000:.0f} ms/token "
+        if cpu:  # the one figure: estimator.timing.offload_seconds, as fit()'s fixes time an offload
+            parts.append(f"{format_bytes(cpu)} cross PCIe every token: ~{offload_seconds(cpu) * 1000:.0f} ms/token "
                          f"at {format_bytes(PCIE_BYTES_PER_S)}/s, typically 5-20x slower than all on GPU")  # fmt: skip
         if disk:
-            parts.append(f"{format_bytes(disk)} read from disk every token: ~{disk / DISK_BYTES_PER_S:.1f} s/token")
+            parts.append(f"{format_bytes(disk)} read from disk every token: ~{offload_seconds(0, disk):.1f} s/token")
         return "; ".join(parts)
 
     @property
