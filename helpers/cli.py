@@ -209,7 +209,7 @@ def fits_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     from .estimator.rows import EstimateError
-    from .placement.device_plan import fits_table
+    from .placement.fits import fits_table
 
     try:
         table = fits_table(args.model, tokens=args.tokens, batch_size=args.batch)

@@ -72,3 +72,88 @@ def test_a_training_plan_is_timed_per_lora_step():
 def test_a_byte_budget_is_not_timed():
     v = fit(estimate("Qwen2.5-0.5B", load="fp16", device="t4"), 8 << 30)
     assert v.seconds is None and "time:" not in str(v)
+
+
+# ----------------------------------------------------------------------------- one verdict per question (issue 44 item 7)
+
+
+def test_estimate_fits_and_preflight_give_one_verdict_for_qwen7b_fp16_on_a_t4(capsys):
+    """The estimate fits the card (14.69 of 14.74 GiB) but transformers' placement leaves a layer for the CPU,
+    which load() refuses: fit(), `estimate` (exit 1), `fits` and preflight all say it does not fit."""
+    from helpers.cli import main
+    from helpers.core.vocab import DOES_NOT_FIT
+    from helpers.environment import preflight
+    from helpers.placement.fits import fits_table
+
+    v = fit(estimate("Qwen2.5-7B", load="fp16", device="t4"), "t4")
+    assert v.verdict == DOES_NOT_FIT and "CPU RAM" in v.note
+    assert main(["estimate", "Qwen2.5-7B", "--load", "fp16", "--device", "t4"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    row = next(r for r in fits_table("Qwen2.5-7B", loads=("fp16",)).rows)
+    assert row.cells["T4"].word == DOES_NOT_FIT
+    assert preflight("Qwen2.5-7B", load="fp16").check("fit").status == "fail"
+
+
+def test_a_machine_that_splits_it_says_so_in_every_view():
+    """Kaggle's 2×T4: load() splits the fp16 7B over both cards; fit() and the fits table say the same."""
+    from helpers.placement.fits import fits_table
+
+    v = fit(estimate("Qwen2.5-7B", load="fp16", device="t4"), "kaggle-2xt4")
+    assert v.fits and v.where.startswith("split over 2 GPUs")
+    cell = next(r for r in fits_table("Qwen2.5-7B", loads=("fp16",)).rows).cells["2×T4 (Kaggle)"]
+    assert (cell.word, cell.share) == (v.verdict, v.placed_bytes / v.capacity)
+
+
+def test_tokens_past_the_context_do_not_fit(tiny_llama):
+    """The demo's 512 + 64 tokens on the 512-context tiny model: the estimate's note and fit() agree."""
+    from helpers.core.vocab import DOES_NOT_FIT
+    from helpers.placement.fits import fits_table
+
+    est = estimate(str(tiny_llama), load="fp16", device="t4", prompt_tokens=512, max_new_tokens=64)
+    assert any("past this model's context of 512" in w for w in est.warnings)
+    v = fit(est, "t4")
+    assert v.verdict == DOES_NOT_FIT and "past this model's context of 512" in v.note
+    assert v.suggestions and all(s.estimate.inputs["prompt_tokens"] + s.estimate.inputs["max_new_tokens"] <= 512
+                                 for s in v.suggestions)  # fmt: skip
+    assert fit(est.replace(prompt_tokens=448), "t4").verdict != DOES_NOT_FIT  # 512 tokens: within it
+    table = fits_table(str(tiny_llama), tokens=576, loads=("fp16",))
+    assert all(c.word == DOES_NOT_FIT for c in table.rows[0].cells.values())
+
+
+def test_fixes_that_still_do_not_fit_come_last_greyed_and_labelled(qwen7b_t4):
+    from helpers.core.vocab import FITS
+
+    words = [s.verdict_on(qwen7b_t4.capacity) for s in qwen7b_t4.suggestions]
+    assert FITS in words and words != [FITS] * len(words)
+    first_not = next(i for i, w in enumerate(words) if w != FITS)
+    assert all(w != FITS for w in words[first_not:])  # none that fits ranks after one that does not
+    html = qwen7b_t4._repr_html_()
+    assert html.count("still does not fit") == len(words) - first_not
+    assert html.count("opacity:0.6") == 3 * (len(words) - first_not)  # each cell of those rows greyed
+    lines = str(qwen7b_t4).splitlines()
+    assert all("still does not fit" in line for line in lines[-(len(words) - first_not) :])
+
+
+# ----------------------------------------------------------------------------- narrow columns (issue 44 item 1)
+
+
+def test_the_fixes_table_is_three_wrapping_columns(qwen7b_t4):
+    html = qwen7b_t4._repr_html_()
+    table = html[html.index("<table") :]
+    assert table.count("<th") == 3  # #, change, once made: the detail folded, nothing cut to "fi"
+    assert "<details><summary>where, cost</summary>" in table and "overflow-wrap:anywhere" in table
+    assert "white-space:nowrap" not in table.split("</caption>", 1)[1]  # every cell may wrap
+
+
+def test_the_fits_grid_has_machines_as_rows_and_escapes_names(tmp_path, tiny_llama):
+    import shutil
+
+    from helpers.placement.fits import FITS_DEVICES, fits_table
+
+    odd = tmp_path / "<b>model"
+    shutil.copytree(tiny_llama, odd)
+    html = fits_table(str(odd), tokens=64, loads=("fp16", "nf4"))._repr_html_()
+    assert "<b>model" not in html.replace("<b>What", "") and "&lt;b&gt;model" in html
+    grid = html[html.index("class='oomkit-fits'") :]
+    assert grid.count("<tr>") == 1 + len(FITS_DEVICES)  # the header, then one row per machine
+    assert "padding:2px 3px" in html and "white-space:nowrap" not in grid.split("</tr>", 1)[1]

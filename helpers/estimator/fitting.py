@@ -9,7 +9,7 @@ from typing import Any
 
 from ..core.arguments import flag, whole_number
 from ..core.devices import DEFAULT_DEVICE, DEVICE_SETS, capacity_range, device_set, resolve_device, resolve_devices
-from ..core.html import badge, bar, table
+from ..core.html import Markup, badge, bar, colored, table
 from ..core.reducers import kv_cache_available, liger_available
 from ..core.sources import shipped_configs
 from ..core.units import MiB, format_bytes
@@ -35,7 +35,7 @@ from .training import OPTIMIZERS, FullTraining, LoraTraining
 __all__ = [
     "target_cards",
     "Suggestion", "DeviceSuggestion", "FitVerdict", "fit_one_card", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
-    "fix_margin", "step_seconds", "rate_text",
+    "fix_margin", "step_seconds", "rate_text", "rank_fixes", "past_context",
 ]  # fmt: skip
 
 # A fix ranks as one that fits only with this much to spare below the "tight" line: 2 % of the
@@ -65,6 +65,7 @@ class Suggestion:
     estimate: MemoryEstimate
     cost: str = ""  # what a memory reducer costs besides memory: host RAM, time per step or token
     seconds: float | None = None  # per decode step (or LoRA step) once made: step_seconds(), offload's PCIe added
+    placed: str | None = None  # the placement's verdict where it overrules the estimate's (it would spill to the CPU)
 
     @property
     def total(self) -> int:
@@ -73,7 +74,7 @@ class Suggestion:
 
     def verdict_on(self, capacity: int) -> str:
         """ "fits", "tight" or "does not fit" once the fix is made, on a card of ``capacity`` bytes."""
-        return verdict(self.total, capacity)
+        return self.placed or verdict(self.total, capacity)
 
     @property
     def detail(self) -> str:
@@ -173,7 +174,7 @@ class FitVerdict:
         lines = [head] + [f"  {x}" for x in extra if x]
         for i, s in enumerate(self.suggestions, 1):
             speed = self.fix_time(s)
-            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}" + (f"; {speed}" if speed else ""))
+            lines.append(f"  fix {i}. {s}" + (f"; {speed}" if speed else "") + _fit_remark(s, self.capacity))
         return lines
 
     def __str__(self) -> str:
@@ -182,24 +183,30 @@ class FitVerdict:
     def _repr_html_(self) -> str:
         status = VERDICT_STATUS[self.verdict]
         html = (
-            f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
-            f"{format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
+            f"<div style='overflow-wrap:anywhere'>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: "
+            f"headroom {format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
         )
-        html += "".join(f"<div>{escape(x)}</div>" for x in (self.where, self.note, self.time and f"time: {self.time}") if x)
+        extra = (self.where, self.note, self.time and f"time: {self.time}")
+        html += "".join(f"<div style='overflow-wrap:anywhere'>{escape(x)}</div>" for x in extra if x)
         if self.suggestions:
-            rows = [
-                [
-                    i,
-                    s.detail,
-                    format_bytes(s.saving),
-                    format_bytes(s.total),
-                    s.verdict_on(self.capacity) + _fit_remark(s, self.capacity, short=True),
-                    self.fix_time(s),
-                ]
-                for i, s in enumerate(self.suggestions, 1)
-            ]
-            html += table(["#", "change", "saves", "new total", "fits", "speed"], rows, title="fixes")
+            rows = [self._fix_cells(i, s) for i, s in enumerate(self.suggestions, 1)]
+            html += table(["#", "change", "once made"], rows, title="fixes, in the order to try them")
         return html
+
+    def _fix_cells(self, i: int, s: Suggestion) -> list:
+        """One fix as three cells that wrap in a narrow column: the change (where it goes and what it costs
+        folded under it), then its verdict, saving and speed; one that still does not fit greyed and labelled."""
+        after = s.verdict_on(self.capacity)
+        grey = "opacity:0.6;" if after != FITS else ""
+        word = (after if after == FITS else f"still {after}") + _fit_remark(s, self.capacity, short=True)
+        more = s.detail.removeprefix(s.change).lstrip(": ") or s.cost
+        folded = f"<details><summary>where, cost</summary>{escape(more)}</details>" if more else ""
+        wrap = f"style='{grey}overflow-wrap:anywhere;min-width:8em'"
+        change = Markup(f"<div {wrap}>{escape(s.change)}{folded}</div>")
+        figures = [f"saves {format_bytes(s.saving)}, total {format_bytes(s.total)}", self.fix_time(s)]
+        done = Markup(f"<div style='{grey}'>{colored(word, VERDICT_STATUS[after], 'div')}"
+                      + "".join(f"<div>{escape(x)}</div>" for x in figures if x) + "</div>")  # fmt: skip
+        return [Markup(f"<div style='{grey}'>{i}</div>"), change, done]
 
 
 def step_seconds(est: MemoryEstimate, device: Any) -> float | None:
@@ -267,8 +274,9 @@ def _jsonable(kw: dict) -> dict:
 
 
 def fit_one_card(
-    est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None
-) -> FitVerdict:
+    est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None,
+    spilled: bool = False,
+) -> FitVerdict:  # fmt: skip
     """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
 
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
@@ -283,6 +291,8 @@ def fit_one_card(
         place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
             (:func:`helpers.fit`) passes ``device_fixes``, which places with
             ``helpers.placement.device_plan``, a layer above this one. ``None``: same-card fixes only.
+        spilled: rank the fixes even though the estimate fits: the placement (a layer above) found that
+            transformers would leave weights for the CPU, so the plan does not fit as it stands.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
@@ -302,7 +312,7 @@ def fit_one_card(
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
     out.seconds = step_seconds(est, device)
-    if suggest and result != FITS and est.source is not None:
+    if suggest and (result != FITS or spilled) and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
         for s in out.suggestions:
             s.seconds = step_seconds(s.estimate, device)
@@ -530,7 +540,7 @@ def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool
     model. An offload fits but makes every token several times slower (its weights cross PCIe each
     forward), so it ranks after every fix that fits the GPU at full speed, before those that do not fit."""
     total = s.total
-    if isinstance(s, DeviceSuggestion):
+    if isinstance(s, DeviceSuggestion) or s.placed is not None:
         tier = 0 if s.verdict_on(cap) == FITS else 2
     else:
         tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
@@ -539,6 +549,11 @@ def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool
     reducer = s.change in _SPEED or s.change.startswith(("kv_cache=", "offload_activations"))
     return (max(tier, 1) if slow else tier, slow, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), split,
             not reducer, s.saving if tier < 2 else -s.saving)  # fmt: skip
+
+
+def rank_fixes(fixes: list[Suggestion], est: MemoryEstimate, capacity: int) -> list[Suggestion]:
+    """``fixes`` in the order to try them (see :func:`_rank`): those that fit first, those that still do not last."""
+    return sorted(fixes, key=lambda s: _rank(s, est, capacity))
 
 
 def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
@@ -550,6 +565,15 @@ def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
         return True
     before, after = est.inputs.get("training"), kwargs.get("training")
     return before is not None and after is not None and after.seq_len < before.seq_len
+
+
+def past_context(est: MemoryEstimate) -> str:
+    """Why ``est``'s tokens (prompt + new, or the training sequence) do not fit the model's context: the
+    estimate's own note on it (one wording), or "" when they fit or the config gives no context."""
+    if est.context is None or _tokens(est) <= est.context:
+        return ""
+    said = next((w for w in est.warnings if "context" in w and str(est.context) in w), "")
+    return said or f"{_tokens(est)} tokens is past this model's context of {est.context}"
 
 
 def _tokens(est: MemoryEstimate) -> int:
