@@ -160,7 +160,8 @@ class FitVerdict:
         """A fix's speed once made, and how it compares with the plan's: ``~4.1 tokens/s, 3.6x slower``."""
         if s.seconds is None:
             return ""
-        return rate_text(s.estimate, s.seconds) + _relative(s.seconds, self.seconds)
+        before = None if self.seconds is None else _per_sequence(self.estimate, self.seconds)
+        return rate_text(s.estimate, s.seconds) + _relative(_per_sequence(s.estimate, s.seconds), before)
 
     def lines(self, time: bool = True) -> list[str]:
         """The verdict's lines as ``str()`` prints them (``time=False``: without the plan's own speed, for a
@@ -234,6 +235,13 @@ def rate_text(est: MemoryEstimate, seconds: float) -> str:
         return f"{approx_duration(seconds)} per LoRA step"
     batch = int(est.inputs.get("batch_size", 1))
     return f"~{batch / seconds:,.1f} tokens/s" + (f" at batch {batch}" if batch > 1 else "")
+
+
+def _per_sequence(est: MemoryEstimate, seconds: float) -> float:
+    """A step's seconds per sequence it serves (the batch, or a training micro-batch): what a fix that changes
+    the batch compares by (batch 1 steps faster than batch 2 yet makes fewer tokens per second)."""
+    tr = est.inputs.get("training")
+    return seconds / max(1, int(tr.micro_batch if tr is not None else est.inputs.get("batch_size", 1)))
 
 
 def _relative(seconds: float, before: float | None) -> str:
