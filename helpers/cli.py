@@ -118,7 +118,7 @@ def preflight_main(argv: list[str] | None = None) -> int:
                            prompt_tokens=args.prompt_tokens, allow_pickle=args.allow_pickle)  # fmt: skip
     except ValueError as e:  # oomkit's refusals of an argument (ArgumentError is a ValueError)
         return _error(e)
-    print(report.to_json() if args.json else wrap(report))
+    print(report.to_json() if args.json else report)
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 
 
@@ -303,5 +303,5 @@ def explain_main(argv: list[str] | None = None) -> int:
     from .oom.diagnosis import explain_oom
 
     report = explain_oom(text)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else wrap(report))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.form != "unknown" else 1

@@ -157,3 +157,25 @@ def test_the_fits_grid_has_machines_as_rows_and_escapes_names(tmp_path, tiny_lla
     grid = html[html.index("class='oomkit-fits'") :]
     assert grid.count("<tr>") == 1 + len(FITS_DEVICES)  # the header, then one row per machine
     assert "padding:2px 3px" in html and "white-space:nowrap" not in grid.split("</tr>", 1)[1]
+
+
+# ----------------------------------------------------------------------------- checkpoints saved quantized
+
+
+def test_fits_table_estimates_a_prequantized_repo_as_saved():
+    from helpers.placement.fits import fits_table
+
+    table = fits_table("Qwen/Qwen3-8B-FP8")
+    assert [r.load for r in table.rows] == ["fp8 as saved"]
+    est = estimate("Qwen/Qwen3-8B-FP8", load="auto", device=None, prompt_tokens=768 - 256, max_new_tokens=256)
+    assert table.rows[0].total == est.total
+    assert table.rows[0].cells["A100 80GB"].word == "fits"
+    assert "fp8 as saved" in str(table) and max(map(len, str(table).splitlines())) <= 80
+
+
+def test_the_spill_fix_never_offers_another_load_mode_to_a_repo_saved_quantized():
+    from helpers.placement.decision import spill_fix
+
+    fix = spill_fix(estimate("Qwen/Qwen3-8B-FP8", load="auto", device="t4"))
+    assert "int8" not in fix and "load='nf4'" in fix and "original (unquantized)" in fix
+    assert spill_fix(estimate("Qwen2.5-7B", load="fp16", device="t4")).startswith("load='int8'")

@@ -377,6 +377,9 @@ def spill_fix(est) -> str:
     the original instead."""
     if bnb_prequantized(est):
         return f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
+    if getattr(est, "quantized_by", None):  # GPTQ, AWQ, fp8, mxfp4: it loads as saved, no other load mode applies
+        return ("a smaller batch or max_new_tokens; or the original (unquantized) checkpoint with load='nf4', "
+                "which bitsandbytes quantizes while loading")  # fmt: skip
     return f"{smaller_load_fix(est.load)}, or a smaller batch or max_new_tokens"
 
 

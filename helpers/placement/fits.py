@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from ..core.devices import resolve_devices
 from ..core.errors import OomkitError
 from ..core.html import LEVEL_FILLS, Markup, escape, table
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FITS, FITS_TOKENS, LOAD_MODES, TIGHT, TIGHT_FRACTION
 from ..estimator.configs import resolve_config
 from ..estimator.core import estimate
+from ..estimator.prequantized import repo_quantization
 from .decision import fit
 from .device_plan import PlacementError, reference_configs
 
@@ -152,9 +154,8 @@ class ModelFits:
                                                      for r in self.rows])  # fmt: skip
         return "\n\n".join([
             f"{self.title()}\n{sizes}",
-            f"where it fits (the fullest card's share; tight over {TIGHT_FRACTION:.0%}), placed as load() places it:"
-            f"\n{fits}",
-            f"decode tokens/s at batch {self.batch_size} where it fits (estimate_time: datasheet x efficiency):\n{speed}",
+            f"on each machine as load() places it (the fullest card's share; tight: over {TIGHT_FRACTION:.0%}):\n{fits}",
+            f"decode tokens/s at batch {self.batch_size} where it fits (datasheet x efficiency):\n{speed}",
         ])  # fmt: skip
 
     def __repr__(self) -> str:  # papermill and terminals show this
@@ -222,6 +223,8 @@ def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
             f"machines must be a dict of label -> devices such as {{'T4': 't4', '2xT4': ['t4', 't4']}}, got "
             f"{machines!r:.60}"
         )
+    for devices in machines.values():
+        resolve_devices(devices)  # an unknown preset is refused here, not shown as "n/a" in every row
 
 
 def fits_table(
@@ -245,12 +248,13 @@ def fits_table(
                 for label, devs in machines.items():
                     cells[(name, load, label)] = _cell(est, devs)
         return FitsTable(list(configs), list(loads), list(machines), cells)
-    loads = LOAD_MODES if loads is None else loads
-    _check_table(loads, machines, plan_kwargs)
+    _check_table(LOAD_MODES if loads is None else loads, machines, plan_kwargs)
     return _model_fits(model, tokens, loads, machines, batch_size)
 
 
 def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int) -> ModelFits:
+    """``loads`` None: every load mode, or for a checkpoint saved quantized (GPTQ, AWQ, bnb, mxfp4, fp8) the one
+    it loads as (estimated as saved, kept packed or dequantized on each machine as transformers does)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
         raise PlacementError(f"tokens is the sequence length to plan for (prompt + answer), at least 2; got {tokens!r}")
     machines = dict(machines)
@@ -259,10 +263,14 @@ def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int)
     new = max(1, tokens * DEFAULTS.max_new_tokens // FITS_TOKENS)  # split as estimate()'s defaults split theirs
     shape = dict(batch_size=batch_size, prompt_tokens=tokens - new, max_new_tokens=new)
     config, _, _ = resolve_config(model)
+    repo = repo_quantization(config)
+    if loads is None:
+        loads = ["auto"] if repo is not None else LOAD_MODES
     rows = []
     for load in loads:
         est = estimate(config, load=load, device=None, **shape)
-        row = FitsRow(load, est.weights, est.group_bytes("kv_cache"), est.total)
+        label = f"{repo.method} as saved" if repo is not None and load in ("auto", repo.load) else load
+        row = FitsRow(label, est.weights, est.group_bytes("kv_cache"), est.total)
         row.cells = {label: _cell(est, devs) for label, devs in machines.items()}
         rows.append(row)
     name = model if isinstance(model, str) else getattr(config, "_name_or_path", None) or type(model).__name__
