@@ -45,7 +45,7 @@ def test_it_reads_as_text_markdown_and_coloured_html(llama7b):
     assert llama7b.markdown().splitlines()[0].startswith("| load | weights | KV @ 2048 tok | total | T4 |")
     html = llama7b._repr_html_()
     for word in ("fits", "tight", "does not fit"):  # a heatmap: each verdict on its level's fill
-        assert f"background:{verdict_fill(word)};color:#000000" in html
+        assert f"background:{verdict_fill(word)};color:#ffffff" in html
     assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>12.55 GiB</td>" in html
 
 

@@ -16,9 +16,9 @@ import torch
 
 from ..core.devices import resolve_devices
 from ..core.errors import OomkitError
-from ..core.html import LEVEL_FILLS, Markup, escape, table
+from ..core.html import COLORS, Markup, escape, table
 from ..core.units import format_bytes
-from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FITS, FITS_TOKENS, LOAD_MODES, TIGHT, TIGHT_FRACTION
+from ..core.vocab import DEFAULTS, FITS, FITS_TOKENS, LOAD_MODES, TIGHT, TIGHT_FRACTION, VERDICT_STATUS
 from ..estimator.configs import resolve_config
 from ..estimator.core import estimate
 from ..estimator.prequantized import repo_quantization
@@ -39,8 +39,9 @@ LEGEND = (f"green fits (under {TIGHT_FRACTION:.0%} of the fullest card), amber t
 
 
 def verdict_fill(word: str) -> str:
-    """The fill of a verdict word (:data:`helpers.core.html.LEVEL_FILLS`, as a bar beside it), grey for none."""
-    return {FITS: LEVEL_FILLS["ok"], TIGHT: LEVEL_FILLS["warn"], DOES_NOT_FIT: LEVEL_FILLS["fail"]}.get(word, "#bdc1c6")
+    """The fill of a verdict word: its status's colour as a badge has it (:data:`helpers.core.html.COLORS`, white
+    text on each >= 4.5:1 in either theme), grey for none."""
+    return COLORS.get(VERDICT_STATUS.get(word, "none"), COLORS["none"])
 
 
 @dataclass
@@ -61,11 +62,11 @@ class FitsCell:
         return f"~{batch / self.seconds:,.1f}" if self.seconds else "-"
 
     def html(self, batch: int) -> Markup:
-        """The heatmap cell: the verdict on its fill (dark text: >= 4.5:1 on each fill), the speed under it."""
+        """The heatmap cell: the verdict on its fill (white text: >= 4.5:1 on each fill), the speed under it."""
         speed = f"<div style='font-size:85%'>{escape(self.rate(batch))} tok/s</div>" if self.seconds else ""
         tip = escape(self.why or str(self), quote=True)
-        return Markup(f"<div title='{tip}' style='background:{verdict_fill(self.word)};color:#000000;padding:1px 3px;"
-                      f"border-radius:3px;overflow-wrap:anywhere'>{escape(str(self))}{speed}</div>")  # fmt: skip
+        return Markup(f"<div title='{tip}' style='background:{verdict_fill(self.word)};color:#ffffff;padding:1px 3px;"
+                      f"border-radius:3px;overflow-wrap:anywhere'><span class='oomkit-heat'>{escape(str(self))}</span>{speed}</div>")  # fmt: skip
 
 
 def _cell(est, devices: Any) -> FitsCell:
