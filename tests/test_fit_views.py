@@ -179,3 +179,15 @@ def test_the_spill_fix_never_offers_another_load_mode_to_a_repo_saved_quantized(
     fix = spill_fix(estimate("Qwen/Qwen3-8B-FP8", load="auto", device="t4"))
     assert "int8" not in fix and "load='nf4'" in fix and "original (unquantized)" in fix
     assert spill_fix(estimate("Qwen2.5-7B", load="fp16", device="t4")).startswith("load='int8'")
+
+
+def test_the_readme_table_is_a_heatmap_of_few_columns_and_fits_80_columns():
+    from helpers.placement.fits import fits_table, verdict_fill
+
+    table = fits_table(loads=("nf4", "fp16"), machines={"T4": ["t4"], "2×T4": "kaggle-2xt4"})
+    html = table._repr_html_()
+    grid = html[html.index("<table"):]
+    assert grid.count("<tr>") == 1 + 3 * 2 and grid.split("</tr>", 1)[0].count("<th") == 3  # model/load x 2 machines
+    assert f"background:{verdict_fill('does not fit')}" in grid and "class='oomkit-heat'" in grid
+    assert max(map(len, str(table).splitlines())) <= 80
+    assert table.cell("Llama-2-70b", "fp16", "T4") == "does not fit"

@@ -99,8 +99,9 @@ def text_grid(header: list[str], rows: list[list[str]], width: int = TEXT_WIDTH)
 
 
 def _heatmap(corner: str, names: list[str], cells: dict[str, list[FitsCell]], batch: int, title: str) -> str:
-    """Machines as rows (a narrow column stays narrow), ``names`` (load modes) as columns, each cell coloured."""
-    rows = [[machine, *(c.html(batch) for c in row)] for machine, row in cells.items()]
+    """A grid of coloured cells: ``cells`` maps each row's name to its cells under ``names``; the few columns
+    are the short names (one model's load modes, or the machines), so a narrow column stays narrow."""
+    rows = [[name, *(c.html(batch) for c in row)] for name, row in cells.items()]
     return (f"{_NARROW}<div class='oomkit-fits' style='max-width:100%'><div><b>{escape(title)}</b></div>"
             + table([corner, *names], rows)
             + f"<div style='font-family:monospace;font-size:85%'>{escape(LEGEND)}</div></div>")  # fmt: skip
@@ -199,11 +200,11 @@ class FitsTable:
         return self.__str__()
 
     def _repr_html_(self) -> str:
-        names = [f"{m.replace('Llama-2-', '')} {ld}" for m in self.models for ld in self.loads]
-        cells = {d: [self.cells[(m, ld, d)] for m in self.models for ld in self.loads] for d in self.machines}
-        return _heatmap(
-            "machine", names, cells, 1, "Llama 2 generating 512 + 256 tokens, batch 1 (fullest GPU's share)"
-        )
+        # 9 model/load rows x 5 machines: rows this way keep the 5 columns within a narrow notebook column
+        cells = {f"{m.replace('Llama-2-', '')} {ld}": [self.cells[(m, ld, d)] for d in self.machines]
+                 for m in self.models for ld in self.loads}  # fmt: skip
+        return _heatmap("model load", self.machines, cells, 1,
+                        "Llama 2 generating 512 + 256 tokens, batch 1 (fullest GPU's share)")  # fmt: skip
 
 
 def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
