@@ -42,8 +42,8 @@ _API: dict[str, str] = {
     **dict.fromkeys(["compare_loads", "LoadComparison"], "loading.compare"),
     **dict.fromkeys(["generate_batched"], "loading.generation"),
     **dict.fromkeys(["plan_devices", "DevicePlan"], "placement.device_plan"),
-    **dict.fromkeys(["fits_table", "FitsTable"], "placement.device_plan"),
-    **dict.fromkeys(["ModelFits"], "placement.device_plan"),
+    **dict.fromkeys(["fits_table", "FitsTable"], "placement.fits"),
+    **dict.fromkeys(["ModelFits"], "placement.fits"),
     **dict.fromkeys(
         ["training_memory", "TrainingMemory", "launch", "ddp_qlora_worker", "RankReport"],
         "training.distributed"),

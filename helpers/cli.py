@@ -12,11 +12,14 @@ import importlib
 import json
 import os
 import sys
+import textwrap
 from typing import Any
 
 from .core.vocab import DEFAULTS, FITS_TOKENS, LOAD_MODES
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "WIDTH", "wrap", "budget_line"]
+
+WIDTH = 80  # a terminal's columns: every line the commands print fits them
 
 COMMANDS = {
     "preflight": ("helpers.cli:preflight_main", "check the GPUs, RAM, disk and versions before loading a model"),
@@ -31,6 +34,37 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def wrap(text: str, width: int = WIDTH) -> str:
+    """``text`` with every line longer than ``width`` wrapped, its continuation indented under it (a table's
+    lines, already narrower, stay as they are)."""
+    out = []
+    for line in str(text).splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=indent + "    ",
+                             break_on_hyphens=False) or [line]  # fmt: skip
+    return "\n".join(out)
+
+
+def _error(e: Exception) -> int:
+    """An oomkit refusal on stderr as its own lines (a long one is built as several); exit status 2."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def budget_line(est) -> str:
+    """What ``estimate`` assumed the run holds at once, and the options that change it."""
+    tr = est.inputs.get("training")
+    if tr is not None:
+        return (f"assumed: a training step of micro-batch {tr.micro_batch} x {tr.seq_len} tokens "
+                "(--lora micro_batch=...,seq_len=...)")  # fmt: skip
+    i = est.inputs
+    return (f"assumed: batch {i['batch_size']}, {i['prompt_tokens']} prompt + {i['max_new_tokens']} new tokens per "
+            "sequence (--batch, --prompt-tokens, --max-new-tokens)")  # fmt: skip
 
 
 def usage() -> str:
@@ -83,8 +117,7 @@ def preflight_main(argv: list[str] | None = None) -> int:
         report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
                            prompt_tokens=args.prompt_tokens, allow_pickle=args.allow_pickle)  # fmt: skip
     except ValueError as e:  # oomkit's refusals of an argument (ArgumentError is a ValueError)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     print(report.to_json() if args.json else report)
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 
@@ -177,16 +210,16 @@ def estimate_main(argv: list[str] | None = None) -> int:
                        max_new_tokens=args.max_new_tokens, training=training, device=device)  # fmt: skip
         verdict = fit(est, machine or device) if est.capacity else None
     except (EstimateError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     if args.json:
         out = est.to_dict()
         out["fit"] = verdict.to_dict() if verdict else None
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(est.details())  # the command asked for the breakdown: every row, not the notebook's short form
-        if verdict:
-            print(verdict)
+        print(wrap(est.details()))  # the command asked for the breakdown: every row, not the notebook's short form
+        print(wrap(budget_line(est)))
+        if verdict:  # the estimate printed its time line: the verdict's own would repeat it
+            print(wrap("\n".join(verdict.lines(time=False))))
     return 1 if verdict is not None and not verdict.fits else 0  # guards a launch like preflight's exit code
 
 
@@ -209,17 +242,16 @@ def fits_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     from .estimator.rows import EstimateError
-    from .placement.device_plan import fits_table
+    from .placement.fits import fits_table
 
     try:
         table = fits_table(args.model, tokens=args.tokens, batch_size=args.batch)
     except (EstimateError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     if args.json:
         print(json.dumps(dataclasses.asdict(table), indent=2, default=str))
     else:
-        print(table.markdown() if args.markdown else table)
+        print(table.markdown() if args.markdown else wrap(table))
     return 0
 
 

@@ -439,7 +439,7 @@ def ux_notebook(dest_dir: Path, tiny: Path) -> Path:
     cells = [
         "%load_ext helpers\nimport torch\nfrom helpers import TrainPanel, TrainPlan, estimate, fits_table\n"
         "from helpers.panels.widgets import LoadPanel",
-        "fits_table('codellama/CodeLlama-7b-hf', tokens=768)",  # notebook 00: fits, tight and no
+        "fits_table('codellama/CodeLlama-7b-hf', tokens=768)",  # notebook 00: fits, tight and does not fit
         "estimate('codellama/CodeLlama-7b-hf', load='nf4', device='t4')",
         f"LoadPanel({T4_PANEL['model']!r}, "
         + ", ".join(f"{k}={v!r}" for k, v in T4_PANEL.items() if k != "model")
@@ -632,7 +632,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
             assert look["light"] == ("true" if name == "light" else "false")
             assert len(look["cells"]) > 20 and len(look["readouts"]) >= 3 and len(look["texts"]) > 50
             verdicts = {t["text"].split()[0] for t in look["texts"] if "oomkit-" in t["cls"] and "td" not in t["cls"]}
-            assert {"fits", "tight", "no"} <= verdicts, verdicts
+            assert {"fits", "tight", "does"} <= verdicts, verdicts
             problems[(width, name)] = look_problems(look)
             for what, index in (("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
                                 ("training_view", train_cell), ("oom_card", 7)):  # fmt: skip

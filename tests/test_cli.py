@@ -77,3 +77,58 @@ def test_explain_reads_a_file_the_argument_or_stdin(tmp_path, monkeypatch, capsy
     assert explain_main(["oom.txt"]) == 2 and "the message itself in quotes, or pipe it in" in capsys.readouterr().err
     monkeypatch.setattr(sys, "stdin", io.StringIO("   "))
     assert explain_main([]) == 2 and "no message given" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- an 80-column terminal (issue 44 item 10)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    from huggingface_hub import constants as hub_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+
+
+def _within_80(text: str) -> None:
+    assert text.strip() and max(map(len, text.splitlines())) <= 80, max(text.splitlines(), key=len)
+
+
+def test_estimate_prints_within_80_columns_with_the_budget_it_assumed(capsys):
+    assert main(["estimate", "Qwen2.5-7B", "--load", "fp16", "--device", "t4", "--batch", "2",
+                 "--prompt-tokens", "300", "--max-new-tokens", "100"]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    _within_80(out)
+    assert "assumed: batch 2, 300 prompt + 100 new tokens per sequence" in out
+    fix = out[out.index("offload ") :].split("\n  fix ")[0]  # the long offload fix, wrapped under its number
+    assert fix.count("\n") >= 2 and all(line.startswith("      ") for line in fix.splitlines()[1:])
+
+
+def test_fits_prints_within_80_columns_with_the_verdict_words(capsys):
+    assert main(["fits", "Qwen2.5-7B"]) == 0
+    out = capsys.readouterr().out
+    _within_80(out)
+    assert "does not fit" in out and "fits (59%)" in out and " no " not in out
+    assert "decode tokens/s" in out
+
+
+def test_the_offline_error_is_lines_not_one_wall(offline, capsys):
+    assert main(["estimate", "someone/Unshipped-7B"]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) >= 4 and "Offline or private?" in err and "  Qwen/Qwen2.5-0.5B" in err
+    assert all(len(line) <= 80 for i, line in enumerate(lines) if i != 1)  # the reason: one line, as it came
+
+
+def test_offline_an_instruct_id_is_answered_from_its_base_and_a_guess_keeps_the_size(offline, capsys):
+    from helpers.estimator.configs import suggest_shipped
+
+    assert main(["estimate", "Qwen/Qwen2.5-7B-Instruct", "--load", "nf4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert out.startswith("Qwen/Qwen2.5-7B-Instruct (config unreadable here: its base Qwen/Qwen2.5-7B's shipped")
+    assert "7,615,616,512 parameters" in out  # the 7B's own count, not a 1.5B's
+    assert suggest_shipped("meta-llama/Llama-2-7b-chat-hf") == "meta-llama/Llama-2-7b-hf"
+    assert suggest_shipped("mistralai/Mistral-7B-Instruct-v0.2") == "mistralai/Mistral-7B-v0.1"
+    assert suggest_shipped("Qwen/Qwen2.5-3B") is None  # no 3B ships: no 1.5B offered instead
+    assert main(["estimate", "mistralai/Mistral-7B-Instruct-v0.2"]) == 2
+    assert "Did you mean 'mistralai/Mistral-7B-v0.1'" in capsys.readouterr().err

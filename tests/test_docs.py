@@ -66,7 +66,7 @@ def test_relative_links_resolve():
 
 
 def test_the_readme_fits_table_is_what_fits_table_computes():
-    from helpers.placement.device_plan import fits_table
+    from helpers.placement.fits import fits_table
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     table = readme.split("<!-- fits:start", 1)[1].split("-->", 1)[1].split("<!-- fits:end -->", 1)[0]

@@ -9,7 +9,8 @@ import pytest
 from helpers.cli import main
 from helpers.core.units import GiB
 from helpers.core.vocab import LOAD_MODES
-from helpers.placement.device_plan import ModelFits, PlacementError, fits_table
+from helpers.placement.device_plan import PlacementError
+from helpers.placement.fits import ModelFits, fits_table, verdict_fill
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_every_load_mode_on_every_machine_with_weights_kv_and_total(llama7b):
     assert fp16.kv_cache == nf4.kv_cache == 1 * GiB  # 2048 tokens x 32 layers x 4096 x 2 (K, V) x 2 bytes
     assert fp16.total > fp16.weights + fp16.kv_cache
     assert str(fp16.cells["T4"]).startswith("tight") and str(nf4.cells["T4"]).startswith("fits")
-    assert next(r for r in llama7b.rows if r.load == "fp32").cells["T4"].word == "no"
+    assert next(r for r in llama7b.rows if r.load == "fp32").cells["T4"].word == "does not fit"
     assert llama7b.best("T4") == "int8" and llama7b.best("A100 80GB") == "fp32"
 
 
@@ -43,7 +44,8 @@ def test_it_reads_as_text_markdown_and_coloured_html(llama7b):
     assert str(llama7b).startswith("What fits for") and "tight (96%)" in str(llama7b)
     assert llama7b.markdown().splitlines()[0].startswith("| load | weights | KV @ 2048 tok | total | T4 |")
     html = llama7b._repr_html_()
-    assert "class='oomkit-tight'" in html and "class='oomkit-fail'" in html and "class='oomkit-ok'" in html
+    for word in ("fits", "tight", "does not fit"):  # a heatmap: each verdict on its level's fill
+        assert f"background:{verdict_fill(word)};color:#ffffff" in html
     assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>12.55 GiB</td>" in html
 
 

@@ -13,7 +13,8 @@ from helpers.core.devices import DeviceError, resolve_devices
 from helpers.core.sources import shipped_configs
 from helpers.core.vocab import torch_dtype
 from helpers.estimator.configs import resolve_config
-from helpers.placement.device_plan import PlacementError, fits_table, placement_model, plan_devices, reference_configs
+from helpers.placement.device_plan import PlacementError, placement_model, plan_devices, reference_configs
+from helpers.placement.fits import fits_table
 
 # a pre-quantized config (gpt-oss mxfp4, Qwen3 fp8) loads only as saved: no fp16 or nf4 plan
 SHIPPED = sorted(m for m, path in shipped_configs().items() if "quantization_config" not in path.read_text())
@@ -194,9 +195,9 @@ def test_resolve_devices():
 def test_fits_table_knows_the_classics():
     table = fits_table(loads=("nf4", "fp16"), machines={"T4": ["t4"], "2×T4": "kaggle-2xt4"})
     assert table.cell("Llama-2-13b", "nf4", "T4").startswith("fits")
-    assert table.cell("Llama-2-13b", "fp16", "T4") == "no"
+    assert table.cell("Llama-2-13b", "fp16", "T4") == "does not fit"
     assert table.cell("Llama-2-13b", "fp16", "2×T4").startswith("fits")
-    assert table.cell("Llama-2-70b", "nf4", "2×T4") == "no"
+    assert table.cell("Llama-2-70b", "nf4", "2×T4") == "does not fit"
     assert "| 13b | nf4 |" in table.markdown() and "<table" in table._repr_html_()
 
 

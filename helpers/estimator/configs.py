@@ -6,6 +6,7 @@ import copy
 import functools
 import os
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from ..core.sources import (
 from .hub_headers import read_hub_json
 from .rows import EstimateError
 
-__all__ = ["resolve_config", "hub_repo", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION"]
+__all__ = ["resolve_config", "hub_repo", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION",
+           "base_shipped", "suggest_shipped", "model_size"]  # fmt: skip
 
 # The sizes a config.json states, by their names across architectures (text_config's too). Each must be a
 # whole number >= 1; a hostile or broken file (a negative width, 10**12 layers, "32" as text) is refused
@@ -194,14 +196,64 @@ def _missing(name: str) -> EstimateError:
     )
 
 
+# an instruction-tuned or chat id's suffix: the model it was tuned from has its architecture and size
+_TUNED = re.compile(r"[-_](instruct|chat|it)(?=$|[-_])", re.IGNORECASE)
+_SIZE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*b(?![a-z])", re.IGNORECASE)
+
+
+def model_size(name: str) -> str | None:
+    """The parameter count a hub id states (``"7"`` for ``Qwen2.5-7B-Instruct``, ``"1.5"``), or None."""
+    found = _SIZE.search(str(name))
+    return found.group(1) if found else None
+
+
+def base_shipped(name: str) -> str | None:
+    """The shipped config of the base model an instruction-tuned id was tuned from (``Qwen/Qwen2.5-7B-Instruct``
+    -> ``Qwen/Qwen2.5-7B``, ``Llama-2-7b-chat-hf`` -> ``Llama-2-7b-hf``): the same architecture and size."""
+    base = _TUNED.sub("", str(name), count=1)
+    found = shipped_config(base) if base != name else None
+    return found.stem.replace("--", "/", 1) if found is not None else None
+
+
+def suggest_shipped(name: str) -> str | None:
+    """The shipped config most like ``name``: its base model's, else one of the same size whose name is
+    closest (never a 5x smaller model for a 7B), else a near spelling; None when none is alike."""
+    import difflib
+
+    base = base_shipped(name)
+    if base is not None:
+        return base
+    size = model_size(name)
+    if size is None:
+        return closest_shipped(name)
+    bare = _TUNED.sub("", str(name).split("/")[-1].lower(), count=1)
+    same = [(difflib.SequenceMatcher(None, bare, i.split("/")[-1].lower()).ratio(), i)
+            for i in shipped_configs() if model_size(i.split("/")[-1]) == size]  # fmt: skip
+    best = max(same, default=None)
+    return best[1] if best is not None and best[0] >= 0.5 else None
+
+
 def _unreadable(name: str, why: str) -> EstimateError:
     known = ", ".join(shipped_configs()) or "none"
-    typo = closest_shipped(name)
-    return EstimateError(
-        (f"did you mean {typo!r}? " if typo else "") + f"could not read the config of {name!r} ({why}). "
-        f"Offline or private? Pass a local folder or config.json, or one of the configs in "
-        f"{data_path('configs')} that work offline: {known}"
-    )
+    like = suggest_shipped(name)
+    parts = [f"could not read the config of {name!r}:", f"  {why}",
+             f"Did you mean {like!r} (shipped: works offline)?" if like else "",
+             f"Offline or private? Pass a local folder or config.json, or a config shipped in {data_path('configs')}:",
+             "  " + known]  # fmt: skip
+    # lines a terminal shows whole (the CLI prints this as it is): ids and paths never cut
+    fill = functools.partial(textwrap.fill, width=76, break_long_words=False, break_on_hyphens=False)
+    # the reason stays one line (a program matching on it finds it whole)
+    return EstimateError("\n".join(p if i == 1 else fill(p, subsequent_indent="  ") for i, p in enumerate(parts) if p))
+
+
+def _from_base(name: str, why: str):
+    """An instruction-tuned id that cannot be read, answered from its base's shipped config (same architecture
+    and size; the name says so); the error naming what to pass where there is none."""
+    base = base_shipped(name)
+    if base is None:
+        raise _unreadable(name, why) from None
+    config = resolve_config(base)[0]
+    return config, f"{name} (config unreadable here: its base {base}'s shipped config, same size)", None
 
 
 def _from_hub(name: str):
@@ -213,7 +265,7 @@ def _from_hub(name: str):
         try:
             d = read_hub_json(name, "config.json")
         except NetError as e:
-            raise _unreadable(name, str(e)) from None
+            return _from_base(name, str(e))
         return config_from_dict(d, f"the config of {name!r}"), name, None
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
@@ -221,7 +273,7 @@ def _from_hub(name: str):
         rejected = _rejected_on_hub(e, name)
         if rejected is not None:
             raise rejected from None
-        raise _unreadable(name, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}") from None
+        return _from_base(name, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
     check_config_values(config.to_dict(), f"the config of {name!r}")
     return config, name, None
 

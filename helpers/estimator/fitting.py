@@ -8,8 +8,8 @@ from html import escape
 from typing import Any
 
 from ..core.arguments import flag, whole_number
-from ..core.devices import DEFAULT_DEVICE, capacity_range, device_set, resolve_device, resolve_devices
-from ..core.html import badge, bar, table
+from ..core.devices import DEFAULT_DEVICE, DEVICE_SETS, capacity_range, device_set, resolve_device, resolve_devices
+from ..core.html import Markup, badge, bar, colored, table
 from ..core.reducers import kv_cache_available, liger_available
 from ..core.sources import shipped_configs
 from ..core.units import MiB, format_bytes
@@ -29,12 +29,13 @@ from .core import MemoryEstimate, cublas_workspace, estimate
 from .families import family
 from .reducers import HOST_RAM, host_cost
 from .rows import EstimateError
+from .timing import CARDS, approx_duration, estimate_time
 from .training import OPTIMIZERS, FullTraining, LoraTraining
 
 __all__ = [
     "target_cards",
     "Suggestion", "DeviceSuggestion", "FitVerdict", "fit_one_card", "format_params", "max_new_tokens_that_fit", "max_batch_that_fits",
-    "fix_margin",
+    "fix_margin", "step_seconds", "rate_text", "rank_fixes", "past_context",
 ]  # fmt: skip
 
 # A fix ranks as one that fits only with this much to spare below the "tight" line: 2 % of the
@@ -63,6 +64,8 @@ class Suggestion:
     saving: int
     estimate: MemoryEstimate
     cost: str = ""  # what a memory reducer costs besides memory: host RAM, time per step or token
+    seconds: float | None = None  # per decode step (or LoRA step) once made: step_seconds(), offload's PCIe added
+    placed: str | None = None  # the placement's verdict where it overrules the estimate's (it would spill to the CPU)
 
     @property
     def total(self) -> int:
@@ -71,7 +74,7 @@ class Suggestion:
 
     def verdict_on(self, capacity: int) -> str:
         """ "fits", "tight" or "does not fit" once the fix is made, on a card of ``capacity`` bytes."""
-        return verdict(self.total, capacity)
+        return self.placed or verdict(self.total, capacity)
 
     @property
     def detail(self) -> str:
@@ -126,6 +129,7 @@ class FitVerdict:
     note: str = ""  # why the verdict is less sure than its headroom says (a capacity that varies)
     where: str = ""  # on a machine of several GPUs that load() splits the model over: the split, in words
     used: int | None = None  # then: the bytes on its fullest card (the verdict's); None: the whole estimate, one card
+    seconds: float | None = None  # per decode step (or LoRA step) on the device: step_seconds(); None: not timed
 
     @property
     def fits(self) -> bool:
@@ -138,42 +142,113 @@ class FitVerdict:
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "headroom": self.headroom, "capacity": self.capacity, "device": self.device,
+                "seconds": self.seconds,
                 "suggestions": [{"change": s.change, "kwargs": _jsonable(s.kwargs), "saving": s.saving,
-                                 "total": s.total, "cost": s.cost, **_placed(s)} for s in self.suggestions],
+                                 "total": s.total, "cost": s.cost, "seconds": s.seconds, **_placed(s)}
+                                for s in self.suggestions],
                 **({"note": self.note} if self.note else {}),
                 **({"where": self.where, "used": self.used} if self.where else {})}  # fmt: skip
 
-    def __str__(self) -> str:
+    @property
+    def time(self) -> str:
+        """The plan's speed on the device, from :func:`step_seconds` ("" where it cannot be timed)."""
+        if self.seconds is None:
+            return ""
+        return f"{rate_text(self.estimate, self.seconds)} on {self.device} (datasheet x efficiency; estimate_time())"
+
+    def fix_time(self, s: Suggestion) -> str:
+        """A fix's speed once made, and how it compares with the plan's: ``~4.1 tokens/s, 3.6x slower``."""
+        if s.seconds is None:
+            return ""
+        before = None if self.seconds is None else _per_sequence(self.estimate, self.seconds)
+        return rate_text(s.estimate, s.seconds) + _relative(_per_sequence(s.estimate, s.seconds), before)
+
+    def lines(self, time: bool = True) -> list[str]:
+        """The verdict's lines as ``str()`` prints them (``time=False``: without the plan's own speed, for a
+        caller that printed the estimate's time line already)."""
         on = f"the fullest GPU of {self.device}" if self.where else self.device
         head = (
             f"{self.verdict.upper()}: {format_bytes(self.placed_bytes)} of {format_bytes(self.capacity)} on "
             f"{on} (headroom {format_bytes(self.headroom)})"
         )
-        lines = [head] + [f"  {x}" for x in (self.where, self.note) if x]
+        extra = (self.where, self.note, f"time: {self.time}" if time and self.time else "")
+        lines = [head] + [f"  {x}" for x in extra if x]
         for i, s in enumerate(self.suggestions, 1):
-            lines.append(f"  fix {i}. {s}{_fit_remark(s, self.capacity)}")
-        return "\n".join(lines)
+            speed = self.fix_time(s)
+            lines.append(f"  fix {i}. {s}" + (f"; {speed}" if speed else "") + _fit_remark(s, self.capacity))
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
     def _repr_html_(self) -> str:
         status = VERDICT_STATUS[self.verdict]
         html = (
-            f"<div>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: headroom "
-            f"{format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
+            f"<div style='overflow-wrap:anywhere'>{badge(status)} <b>{self.verdict}</b> on {escape(self.device)}: "
+            f"headroom {format_bytes(self.headroom)}</div>" + bar(self.placed_bytes, self.capacity, self.estimate.model)
         )
-        html += "".join(f"<div>{escape(x)}</div>" for x in (self.where, self.note) if x)
+        extra = (self.where, self.note, self.time and f"time: {self.time}")
+        html += "".join(f"<div style='overflow-wrap:anywhere'>{escape(x)}</div>" for x in extra if x)
         if self.suggestions:
-            rows = [
-                [
-                    i,
-                    s.detail,
-                    format_bytes(s.saving),
-                    format_bytes(s.total),
-                    s.verdict_on(self.capacity) + _fit_remark(s, self.capacity, short=True),
-                ]
-                for i, s in enumerate(self.suggestions, 1)
-            ]
-            html += table(["#", "change", "saves", "new total", "fits"], rows, title="fixes")
+            rows = [self._fix_cells(i, s) for i, s in enumerate(self.suggestions, 1)]
+            html += table(["#", "change", "once made"], rows, title="fixes, in the order to try them")
         return html
+
+    def _fix_cells(self, i: int, s: Suggestion) -> list:
+        """One fix as three cells that wrap in a narrow column: the change (where it goes and what it costs
+        folded under it), then its verdict, saving and speed; one that still does not fit greyed and labelled."""
+        after = s.verdict_on(self.capacity)
+        grey = "opacity:0.6;" if after != FITS else ""
+        word = (after if after == FITS else f"still {after}") + _fit_remark(s, self.capacity, short=True)
+        more = s.detail.removeprefix(s.change).lstrip(": ") or s.cost
+        folded = f"<details><summary>where, cost</summary>{escape(more)}</details>" if more else ""
+        wrap = f"style='{grey}overflow-wrap:anywhere;min-width:8em'"
+        change = Markup(f"<div {wrap}>{escape(s.change)}{folded}</div>")
+        figures = [f"saves {format_bytes(s.saving)}, total {format_bytes(s.total)}", self.fix_time(s)]
+        done = Markup(f"<div style='{grey}'>{colored(word, VERDICT_STATUS[after], 'div')}"
+                      + "".join(f"<div>{escape(x)}</div>" for x in figures if x) + "</div>")  # fmt: skip
+        return [Markup(f"<div style='{grey}'>{i}</div>"), change, done]
+
+
+def step_seconds(est: MemoryEstimate, device: Any) -> float | None:
+    """Seconds per decode step of ``est`` (one new token for each of its ``batch_size`` sequences, at the mean
+    context) or per LoRA step, on ``device``: :func:`~.timing.estimate_time`'s figure, the one answer to "how fast".
+    None where ``device`` is not a preset with card figures (a byte count, ``"current"``: no probe runs here),
+    for full fine-tuning (not timed), or for a family whose shape the time formulas lack."""
+    if not isinstance(device, str) or (device.lower() not in CARDS and device.lower() not in DEVICE_SETS):
+        return None
+    batch = int(est.inputs.get("batch_size", 1))
+    try:
+        t = estimate_time(est, device.lower(), batches=(batch,))
+    except (EstimateError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if t.step_seconds is not None:
+        return t.step_seconds
+    if est.inputs.get("training") is not None:
+        return None
+    return batch / t.decode_tokens_per_s[batch]
+
+
+def rate_text(est: MemoryEstimate, seconds: float) -> str:
+    """``~14.7 tokens/s`` (at batch B where B > 1) for a generation plan, ``~2.1 s per LoRA step`` for training."""
+    if est.inputs.get("training") is not None:
+        return f"{approx_duration(seconds)} per LoRA step"
+    batch = int(est.inputs.get("batch_size", 1))
+    return f"~{batch / seconds:,.1f} tokens/s" + (f" at batch {batch}" if batch > 1 else "")
+
+
+def _per_sequence(est: MemoryEstimate, seconds: float) -> float:
+    """A step's seconds per sequence it serves (the batch, or a training micro-batch): what a fix that changes
+    the batch compares by (batch 1 steps faster than batch 2 yet makes fewer tokens per second)."""
+    tr = est.inputs.get("training")
+    return seconds / max(1, int(tr.micro_batch if tr is not None else est.inputs.get("batch_size", 1)))
+
+
+def _relative(seconds: float, before: float | None) -> str:
+    """``, 3.6x slower`` / ``, 1.3x faster`` than the plan; nothing within 5 % or without the plan's time."""
+    if before is None or not seconds or abs(seconds / before - 1) < 0.05:
+        return ""
+    return f", {seconds / before:.1f}x slower" if seconds > before else f", {before / seconds:.1f}x faster"
 
 
 def _placed(s: Suggestion) -> dict:
@@ -207,8 +282,9 @@ def _jsonable(kw: dict) -> dict:
 
 
 def fit_one_card(
-    est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None
-) -> FitVerdict:
+    est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None, place: Any = None,
+    spilled: bool = False,
+) -> FitVerdict:  # fmt: skip
     """Compare ``est`` with a device ("t4", a preset, "current", or bytes; default: the estimate's).
 
     When it is tight or does not fit, ``suggestions`` lists changes ranked by whether they make it
@@ -223,6 +299,8 @@ def fit_one_card(
         place: what plans the fixes past one card, ``place(est, cards, host_ram=...)``; ``helpers.fit``
             (:func:`helpers.fit`) passes ``device_fixes``, which places with
             ``helpers.placement.device_plan``, a layer above this one. ``None``: same-card fixes only.
+        spilled: rank the fixes even though the estimate fits: the placement (a layer above) found that
+            transformers would leave weights for the CPU, so the plan does not fit as it stands.
     """
     flag("suggest", suggest, error=EstimateError)
     if not isinstance(est, MemoryEstimate):
@@ -241,8 +319,11 @@ def fit_one_card(
     cap = dev["capacity"]
     result = verdict(est.total, cap)
     out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
-    if suggest and result != FITS and est.source is not None:
+    out.seconds = step_seconds(est, device)
+    if suggest and (result != FITS or spilled) and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))
+        for s in out.suggestions:
+            s.seconds = step_seconds(s.estimate, device)
         if place is not None and cards and est.inputs.get("training") is None:  # training: DDP/FSDP's ground
             out.suggestions += place(est, cards, host_ram=None if device == "current" else HOST_RAM)
         out.suggestions.sort(key=lambda s: _rank(s, est, cap))
@@ -467,7 +548,7 @@ def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool
     model. An offload fits but makes every token several times slower (its weights cross PCIe each
     forward), so it ranks after every fix that fits the GPU at full speed, before those that do not fit."""
     total = s.total
-    if isinstance(s, DeviceSuggestion):
+    if isinstance(s, DeviceSuggestion) or s.placed is not None:
         tier = 0 if s.verdict_on(cap) == FITS else 2
     else:
         tier = 0 if total <= _comfortable(cap) else (1 if verdict(total, cap) == FITS else 2)
@@ -476,6 +557,11 @@ def _rank(s: Suggestion, est: MemoryEstimate, cap: int) -> tuple[int, bool, bool
     reducer = s.change in _SPEED or s.change.startswith(("kv_cache=", "offload_activations"))
     return (max(tier, 1) if slow else tier, slow, "model" in s.kwargs, _cuts_inputs(s.kwargs, est), split,
             not reducer, s.saving if tier < 2 else -s.saving)  # fmt: skip
+
+
+def rank_fixes(fixes: list[Suggestion], est: MemoryEstimate, capacity: int) -> list[Suggestion]:
+    """``fixes`` in the order to try them (see :func:`_rank`): those that fit first, those that still do not last."""
+    return sorted(fixes, key=lambda s: _rank(s, est, capacity))
 
 
 def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
@@ -487,6 +573,15 @@ def _cuts_inputs(kwargs: dict, est: MemoryEstimate) -> bool:
         return True
     before, after = est.inputs.get("training"), kwargs.get("training")
     return before is not None and after is not None and after.seq_len < before.seq_len
+
+
+def past_context(est: MemoryEstimate) -> str:
+    """Why ``est``'s tokens (prompt + new, or the training sequence) do not fit the model's context: the
+    estimate's own note on it (one wording), or "" when they fit or the config gives no context."""
+    if est.context is None or _tokens(est) <= est.context:
+        return ""
+    said = next((w for w in est.warnings if "context" in w and str(est.context) in w), "")
+    return said or f"{_tokens(est)} tokens is past this model's context of {est.context}"
 
 
 def _tokens(est: MemoryEstimate) -> int:

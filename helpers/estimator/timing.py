@@ -34,7 +34,8 @@ from .rows import EstimateError
 __all__ = [
     "Card", "CARDS", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
     "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
-    "estimate_time", "approx_duration", "time_line", "view_time", "time_basis", "card_named", "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
+    "estimate_time", "approx_duration", "time_line", "view_time", "time_basis", "card_named", "offload_seconds",
+    "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
     "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
 ]  # fmt: skip
 
@@ -448,3 +449,9 @@ def card_named(name: str) -> str | None:
     sized = [k for k, base, size in keys if size and base.replace("rtx", "") in flat and f"{size}gb" in flat]
     plain = [k for k, base, size in keys if base.replace("rtx", "") in flat]  # the first of a size: the smaller
     return (sized or plain or [None])[0]
+
+
+def offload_seconds(cpu_bytes: int = 0, disk_bytes: int = 0) -> float:
+    """Seconds an offloaded placement adds to every forward pass (each decode step, each prefill): accelerate's
+    hooks copy the ``cpu_bytes`` of weights in CPU RAM over PCIe, and read the ``disk_bytes`` from disk first."""
+    return cpu_bytes / PCIE_BYTES_PER_S + disk_bytes / DISK_BYTES_PER_S

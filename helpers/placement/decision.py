@@ -26,7 +26,17 @@ from ..core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from ..core.units import MiB, format_bytes
 from ..core.vocab import DEFAULTS, DOES_NOT_FIT, FITS, MODES, QUANTIZED, VERDICTS, half_dtype, lighter_load, verdict
 from ..estimator.core import MemoryEstimate
-from ..estimator.fitting import DeviceSuggestion, FitVerdict, fit_one_card, target_cards
+from ..estimator.fitting import (
+    DeviceSuggestion,
+    FitVerdict,
+    fit_one_card,
+    past_context,
+    rank_fixes,
+    step_seconds,
+    target_cards,
+)
+from ..estimator.reducers import HOST_RAM
+from ..estimator.timing import offload_seconds
 from .device_plan import (
     DEVICE_MAP_STRATEGIES,
     PREQUANTIZED_OFFLOAD,
@@ -230,7 +240,7 @@ def _one_card(plan, est, snap: MemorySnapshot) -> PlacementDecision:
                            gpus=0, first_verdict=DOES_NOT_FIT)  # fmt: skip
         return PlacementDecision(ALONE, verdict(est.total, ram), est, verdict(est.total, ram), gpus=0)
     room = gpu_room(est, g)
-    verdict_ = fit_one_card(est, device=gpu_device(g, room))
+    verdict_ = fit_one_card(est, device=gpu_device(g, room), suggest=False)
     strategy = map_strategy(plan.device_map)
     max_memory = plan.max_memory if plan.max_memory is not None or strategy is None else max_memory_for(est, snap)
     if verdict_.verdict != DOES_NOT_FIT:
@@ -241,7 +251,7 @@ def _one_card(plan, est, snap: MemorySnapshot) -> PlacementDecision:
         if not decided.refused:
             decided.max_memory = max_memory
         return decided
-    fix = first_fix(verdict_) or NO_FIX
+    fix = first_fix(fit_one_card(est, device=gpu_device(g, room))) or NO_FIX  # its fixes: only when refused
     too_big = f"the estimate ({format_bytes(est.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
     if strategy is None:
         return _refuse(est, too_big, fix, first_verdict=DOES_NOT_FIT)
@@ -367,6 +377,9 @@ def spill_fix(est) -> str:
     the original instead."""
     if bnb_prequantized(est):
         return f"a smaller batch or max_new_tokens; or {PREQUANTIZED_OFFLOAD_FIX}"
+    if getattr(est, "quantized_by", None):  # GPTQ, AWQ, fp8, mxfp4: it loads as saved, no other load mode applies
+        return ("a smaller batch or max_new_tokens; or the original (unquantized) checkpoint with load='nf4', "
+                "which bitsandbytes quantizes while loading")  # fmt: skip
     return f"{smaller_load_fix(est.load)}, or a smaller batch or max_new_tokens"
 
 
@@ -380,11 +393,32 @@ _BLOCK = re.compile(r"\.\d+$")
 
 def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: int | None = None) -> FitVerdict:
     """Compare ``est`` with a device, as :func:`helpers.estimator.fitting.fit_one_card` does, with the fixes past one card
-    (split over a machine's GPUs, else layers offloaded to CPU RAM) ranked among the same-card ones."""
+    (split over a machine's GPUs, else layers offloaded to CPU RAM) ranked among the same-card ones. On a machine
+    (a preset, a set, a list of presets) the verdict is where :func:`decide_placement` puts the model, as
+    ``load()``, preflight and ``fits_table`` render it: one answer to "will it fit"."""
     out = fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
     machine = est.inputs.get("device") if device is None else device
     _, cards, _ = target_cards(machine or out.device, gpus)
-    return machine_verdict(out, cards, _machine_name(machine or out.device, cards or []))
+    out = machine_verdict(out, cards, _machine_name(machine or out.device, cards or []), suggest=suggest)
+    return _within_context(out, device, gpus, suggest)
+
+
+def _within_context(out: FitVerdict, device: Any, gpus: int | None, suggest: bool) -> FitVerdict:
+    """Tokens past the model's context do not fit, whatever the memory says (the estimate's note on it and
+    this verdict agree); the fixes are those that bring them within it."""
+    past = past_context(out.estimate)
+    if not past or out.verdict == DOES_NOT_FIT:
+        return out
+    fixes = out.suggestions
+    if suggest and not fixes:
+        fixes = fit_one_card(
+            out.estimate, device, suggest=True, gpus=gpus, place=device_fixes, spilled=True
+        ).suggestions
+    fixes = [s for s in fixes if not past_context(s.estimate)]  # memory alone does not help here
+    note = "; ".join(filter(None, [past, out.note]))
+    return dataclasses.replace(
+        out, verdict=DOES_NOT_FIT, note=note, suggestions=rank_fixes(fixes, out.estimate, out.capacity)
+    )
 
 
 def _machine_name(device: Any, cards: list[Any]) -> str:
@@ -398,18 +432,24 @@ def _machine_name(device: Any, cards: list[Any]) -> str:
     return device if isinstance(device, str) else f"{len(cards)} GPUs"
 
 
-def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str) -> FitVerdict:
-    """On a machine of several GPUs the verdict is where :func:`helpers.load` puts the model
-    (:func:`decide_placement`, as preflight and the panels ask it): split over the cards when GPU 0 alone
-    cannot hold it. A training estimate keeps the one-card verdict (DDP/FSDP replicate or shard instead)."""
+def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str, suggest: bool = True) -> FitVerdict:
+    """On a machine the verdict is where :func:`helpers.load` puts the model (:func:`decide_placement`, as
+    preflight and the panels ask it): split over the cards when GPU 0 alone cannot hold it, and "does not fit"
+    where the placement transformers computes for the card would leave weights for the CPU (load() refuses it).
+    A training estimate keeps the one-card verdict (DDP/FSDP replicate or shard instead)."""
     est = out.estimate
-    if out.verdict != DOES_NOT_FIT or not cards or len(cards) < 2 or est.inputs.get("training") is not None:
+    if not cards or est.inputs.get("training") is not None or est.source is None:
         return out
     devices = [resolve_device(c)[1] for c in cards]
+    if any(d is None for d in devices):
+        return out
+    ram = HOST_RAM if "current" not in cards else psutil.virtual_memory().available  # a preset machine: Colab's
     try:
-        decided = decide_placement(None, est, devices_snapshot(est, devices))
+        decided = decide_placement(None, est, devices_snapshot(est, devices, ram))
     except (OomkitError, ValueError):  # an architecture the meta device cannot build
         return out
+    if decided.refused and decided.spill and out.verdict != DOES_NOT_FIT:
+        return _spilled(out, decided, cards, suggest)
     if decided.where != SPLIT or decided.plan is None:
         return out
     fullest = max(decided.plan.gpus, key=lambda s: s.total)
@@ -418,6 +458,22 @@ def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str) -> F
     return dataclasses.replace(out, verdict=decided.verdict, headroom=fullest.capacity - fullest.total,
                                capacity=fullest.capacity, device=machine, where=where, used=fullest.total,
                                suggestions=rest)  # fmt: skip
+
+
+def _spilled(out: FitVerdict, decided: PlacementDecision, cards: list[Any], suggest: bool) -> FitVerdict:
+    """The estimate fits the card, but transformers' placement there leaves weights for the CPU and load()
+    refuses it: "does not fit", with the decision's reason and the fixes ranked as for any plan that does not fit."""
+    fixes = out.suggestions
+    if suggest and not fixes:  # it fitted: no fixes were ranked
+        fixes = fit_one_card(out.estimate, cards[0], suggest=True, place=device_fixes, spilled=True).suggestions
+    devices = [resolve_device(c)[1] for c in cards]
+    for s in fixes:  # a fix that keeps the weights (a shorter prompt, a smaller KV cache) still spills
+        if not isinstance(s, DeviceSuggestion) and "model" not in s.kwargs:
+            placed = decide_placement(None, s.estimate, devices_snapshot(s.estimate, devices, HOST_RAM))
+            s.placed = DOES_NOT_FIT if placed.refused else None
+    fixes = rank_fixes(fixes, out.estimate, out.capacity)
+    note = "; ".join(filter(None, [decided.reason, out.note]))
+    return dataclasses.replace(out, verdict=DOES_NOT_FIT, note=note, suggestions=fixes)
 
 
 def device_fixes(est: MemoryEstimate, cards: list[Any], *, host_ram: int | None = None) -> list[DeviceSuggestion]:
@@ -434,17 +490,18 @@ def device_fixes(est: MemoryEstimate, cards: list[Any], *, host_ram: int | None 
     devices = [resolve_device(c)[1] for c in cards]
     if any(d is None for d in devices):
         return []
+    step = step_seconds(est, cards[0])  # a pipeline runs at one card's speed
     try:
         for n in range(2, len(devices) + 1):
             plan = split_plan(est, devices[:n])
             if plan.fits:
-                return [_split_fix(est, plan, len(devices))]
+                return [_split_fix(est, plan, len(devices), step)]
         ram = psutil.virtual_memory().available if host_ram is None else host_ram
         plan = split_plan(est, devices, ram=int(ram * OFFLOAD_RAM_SHARE), offload=True)
     except (OomkitError, ValueError):  # an architecture the meta device cannot build, a prequantized checkpoint
         return []
     if plan.fits and plan.offloaded("cpu"):
-        return [_offload_fix(est, plan)]
+        return [_offload_fix(est, plan, step)]
     return []
 
 
@@ -452,7 +509,7 @@ def _fullest(plan: DevicePlan) -> int:
     return max(s.total for s in plan.gpus)
 
 
-def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int) -> DeviceSuggestion:
+def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int, step: float | None) -> DeviceSuggestion:
     n = len(plan.gpus)
     count = "both GPUs" if n == available == 2 else (f"{n} GPUs" if n == available else f"{n} of the {available} GPUs")
     hop = sum(size for a, b, size in plan.crossings if isinstance(a, int) and isinstance(b, int))
@@ -461,11 +518,12 @@ def _split_fix(est: MemoryEstimate, plan: DevicePlan, available: int) -> DeviceS
         f"(about one card's speed, plus {format_bytes(hop)} of hidden state per token between them)"
     )
     change = f"use {count}: LoadPlan(..., gpus={n}) (from_pretrained: device_map='auto')"
-    return DeviceSuggestion(change, {"device_map": "auto", "gpus": n}, est.total - _fullest(plan), est, cost,
+    return DeviceSuggestion(change, {"device_map": "auto", "gpus": n}, est.total - _fullest(plan), est, cost, step,
                             kind="split", where=describe_split(plan), plan=plan)  # fmt: skip
 
 
-def _offload_fix(est: MemoryEstimate, plan: DevicePlan) -> DeviceSuggestion:
+def _offload_fix(est: MemoryEstimate, plan: DevicePlan, step: float | None) -> DeviceSuggestion:
+    """Layers offloaded to CPU RAM: each decode step also copies them over PCIe (``offload_seconds``)."""
     cpu = next(s for s in plan.shares if s.device == "cpu")
     layers = sum(s.layers for s in plan.shares)
     # the rest of what went to the CPU (lm_head: a large share of the bytes); a rotary embedding holds no weights
@@ -478,8 +536,9 @@ def _offload_fix(est: MemoryEstimate, plan: DevicePlan) -> DeviceSuggestion:
     if plan.quantization_changes:  # from_pretrained needs the flag; load() sets it from the plan
         cost += "; from_pretrained also needs BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True)"
     change = f"offload {what} to CPU RAM: LoadPlan(..., allow_offload=True) (from_pretrained: device_map='auto')"
+    seconds = None if step is None else step + offload_seconds(plan.offloaded("cpu"), plan.offloaded("disk"))
     return DeviceSuggestion(change, {"device_map": "auto", "allow_offload": True}, est.total - _fullest(plan), est,
-                            cost, kind="offload", where=describe_split(plan), plan=plan)  # fmt: skip
+                            cost, seconds, kind="offload", where=describe_split(plan), plan=plan)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- several GPUs on a memory readout: how many to use, each one's room, the split

@@ -34,38 +34,34 @@ from ..core.compat import supported_kwargs
 from ..core.devices import (
     CUBLAS_WORKSPACE,
     CUDA_CONTEXT,
-    DISK_BYTES_PER_S,
     GPU_MARGIN,
     OFFLOAD_RAM_SHARE,
     PCIE_BYTES_PER_S,
     resolve_devices,
 )
 from ..core.errors import OomkitError
-from ..core.html import Markup, colored, table
+from ..core.html import Markup, table
 from ..core.units import format_bytes, parse_bytes
 from ..core.vocab import (
     DEFAULTS,
     DTYPE_BYTES,
-    FITS,
-    FITS_TOKENS,
     FOUR_BIT,
     FP32,
-    LOAD_MODES,
     MODES,
     QUANTIZED,
     half_dtype,
     lighter_load,
     load_mode_name,
     torch_dtype,
-    verdict,
 )
 from ..estimator.configs import resolve_config
 from ..estimator.core import FRAGMENTATION, estimate
 from ..estimator.families import auto_class
 from ..estimator.layout import Layout, dims, layout, should_convert, weight_rows
+from ..estimator.timing import offload_seconds
 
 __all__ = [
-    "FitsCell", "FitsRow", "ModelFits", "reference_configs", "FitsTable", "fits_table",
+    "reference_configs",
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
     "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
     "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES",
@@ -177,11 +173,11 @@ class DevicePlan:
         """The rule of thumb for what offload costs per generated token ('' without offload)."""
         cpu, disk = self.offloaded("cpu"), self.offloaded("disk")
         parts = []
-        if cpu:
-            parts.append(f"{format_bytes(cpu)} cross PCIe every token: ~{cpu / PCIE_BYTES_PER_S * 1000:.0f} ms/token "
+        if cpu:  # the one figure: estimator.timing.offload_seconds, as fit()'s fixes time an offload
+            parts.append(f"{format_bytes(cpu)} cross PCIe every token: ~{offload_seconds(cpu) * 1000:.0f} ms/token "
                          f"at {format_bytes(PCIE_BYTES_PER_S)}/s, typically 5-20x slower than all on GPU")  # fmt: skip
         if disk:
-            parts.append(f"{format_bytes(disk)} read from disk every token: ~{disk / DISK_BYTES_PER_S:.1f} s/token")
+            parts.append(f"{format_bytes(disk)} read from disk every token: ~{offload_seconds(0, disk):.1f} s/token")
         return "; ".join(parts)
 
     @property
@@ -663,7 +659,7 @@ def _more_room_fix(plan: DevicePlan, prequantized: bool) -> str:
     return "; ".join(options)
 
 
-# ----------------------------------------------------------------------------- what fits where: fits_table
+# ----------------------------------------------------------------------------- the README table's models (placement.fits)
 
 
 # Llama 2's published dimensions (Touvron et al. 2023, table 1 and the hub configs); 7B ships in helpers/data
@@ -673,8 +669,6 @@ _LLAMA2 = {
     "Llama-2-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                         intermediate_size=28672),
 }  # fmt: skip
-FITS_DEVICES = {"T4": ["t4"], "2×T4 (Kaggle)": "kaggle-2xt4", "L4": ["l4"], "A100 40GB": ["a100-40"],
-                "A100 80GB": ["a100-80"]}  # fmt: skip
 
 
 def reference_configs() -> dict[str, Any]:
@@ -688,195 +682,3 @@ def reference_configs() -> dict[str, Any]:
         c._name_or_path = f"meta-llama/{name}-hf"
         out[name] = c
     return out
-
-
-@dataclass
-class FitsTable:
-    """Which model fits which machine in which load mode (each cell a :func:`plan_devices` plan)."""
-
-    models: list[str]
-    loads: list[str]
-    machines: list[str]
-    cells: dict[tuple[str, str, str], DevicePlan]
-
-    def cell(self, model: str, load: str, machine: str) -> str:
-        p = self.cells[(model, load, machine)]
-        if not p.fits:
-            return "no"
-        fullest = max(p.gpus, key=lambda s: s.total / s.capacity)
-        return f"{verdict(fullest.total, fullest.capacity)} ({fullest.total / fullest.capacity:.0%})"  # fits / tight
-
-    def rows(self) -> list[list[str]]:
-        return [[m.replace("Llama-2-", ""), ld, *(self.cell(m, ld, d) for d in self.machines)]
-                for m in self.models for ld in self.loads]  # fmt: skip
-
-    def markdown(self) -> str:
-        head = ["model", "load", *self.machines]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows()])
-
-    def __str__(self) -> str:
-        head = ["model", "load", *self.machines]
-        rows = [head, *self.rows()]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-    def __repr__(self) -> str:  # the text a notebook shows without HTML (papermill, a terminal)
-        return self.__str__()
-
-    def _repr_html_(self) -> str:
-        title = "Llama 2 generating 512 + 256 tokens, batch 1 (fullest GPU's share of its memory)"
-        return table(["model", "load", *self.machines], self.rows(), title=title)
-
-
-def _check_table(loads: Any, machines: Any, plan_kwargs: dict) -> None:
-    taken = {"model", "load", "devices"} & set(plan_kwargs)
-    if taken:
-        raise PlacementError(
-            f"fits_table() sets {', '.join(sorted(taken))} itself (each load, each machine); pass the model as its first argument, or "
-            "use plan_devices(model, load=..., devices=...) for one model"
-        )
-    if (
-        isinstance(loads, str)
-        or not isinstance(loads, list | tuple)
-        or not loads
-        or any(m not in LOAD_MODES for m in loads)
-    ):
-        raise PlacementError(f"loads must be a list of load modes from {', '.join(LOAD_MODES)}, got {loads!r:.60}")
-    if not isinstance(machines, dict) or not machines:
-        raise PlacementError(
-            f"machines must be a dict of label -> devices such as {{'T4': 't4', '2xT4': ['t4', 't4']}}, got "
-            f"{machines!r:.60}"
-        )
-
-
-def fits_table(
-    model: Any = None, *, tokens: int = FITS_TOKENS, loads=None, machines: dict | None = None, batch_size: int = 1,
-    **plan_kwargs,
-) -> FitsTable | ModelFits:  # fmt: skip
-    """What fits where. Without ``model``: Llama 2 7B/13B/70B in fp16, int8 and nf4 on a T4, Kaggle's 2×T4, an
-    L4 and an A100 40/80 GB (no offload): the README's table. With ``model`` (hub id, shipped config name,
-    folder or config): every load mode's weights, KV cache at ``tokens`` per sequence and total, and the
-    verdict on each of those machines and on this GPU (when there is one), as :class:`ModelFits`."""
-    machines = FITS_DEVICES if machines is None else machines
-    if model is None:
-        loads = ("fp16", "int8", "nf4") if loads is None else loads
-        _check_table(loads, machines, plan_kwargs)
-        configs = reference_configs()
-        cells = {}
-        for name, config in configs.items():
-            for load in loads:
-                for label, devs in machines.items():
-                    cells[(name, load, label)] = plan_devices(config, load=load, devices=devs, **plan_kwargs)
-        return FitsTable(list(configs), list(loads), list(machines), cells)
-    loads = LOAD_MODES if loads is None else loads
-    _check_table(loads, machines, plan_kwargs)
-    return _model_fits(model, tokens, loads, machines, batch_size, plan_kwargs)
-
-
-def _model_fits(model: Any, tokens: int, loads, machines: dict, batch_size: int, plan_kwargs: dict) -> ModelFits:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
-        raise PlacementError(f"tokens is the sequence length to plan for (prompt + answer), at least 2; got {tokens!r}")
-    machines = dict(machines)
-    if torch.cuda.is_available():
-        machines["this GPU"] = "current"
-    new = max(1, tokens * DEFAULTS.max_new_tokens // FITS_TOKENS)  # split as estimate()'s defaults split theirs
-    shape = dict(batch_size=batch_size, prompt_tokens=tokens - new, max_new_tokens=new)
-    config, _, _ = resolve_config(model)
-    rows = []
-    for load in loads:
-        est = estimate(config, load=load, device=None, **shape)
-        row = FitsRow(load, est.weights, est.group_bytes("kv_cache"), est.total)
-        for label, devs in machines.items():
-            try:
-                plan = plan_devices(config, load=load, devices=devs, **shape, **plan_kwargs)
-            except (OomkitError, ValueError) as e:
-                row.cells[label] = FitsCell("n/a", why=str(e))
-                continue
-            if not plan.fits:
-                row.cells[label] = FitsCell("no")
-                continue
-            fullest = max(plan.gpus, key=lambda s: s.total / s.capacity)
-            share = fullest.total / fullest.capacity
-            row.cells[label] = FitsCell("fits" if verdict(fullest.total, fullest.capacity) == FITS else "tight", share)
-        rows.append(row)
-    name = model if isinstance(model, str) else getattr(config, "_name_or_path", None) or type(model).__name__
-    return ModelFits(str(name), tokens, batch_size, list(machines), rows)
-
-
-# ----------------------------------------------------------------------------- ModelFits: one model's load modes x machines, as text, markdown and HTML
-
-
-_STATUS = {"fits": "ok", "tight": "tight", "no": "fail", "n/a": "none"}
-
-
-@dataclass
-class FitsCell:
-    """One machine for one load mode: ``fits``, ``tight``, ``no`` (or ``n/a``) and the fullest card's share."""
-
-    word: str
-    share: float | None = None  # the fullest GPU's total / capacity
-    why: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.word} ({self.share:.0%})" if self.share is not None and self.word != "no" else self.word
-
-
-@dataclass
-class FitsRow:
-    load: str
-    weights: int
-    kv_cache: int
-    total: int
-    cells: dict[str, FitsCell] = field(default_factory=dict)
-
-
-@dataclass
-class ModelFits:
-    """Load modes × (weights, KV cache, total) × machines for one model, ``tokens`` per sequence."""
-
-    model: str
-    tokens: int
-    batch_size: int
-    machines: list[str]
-    rows: list[FitsRow]
-
-    def header(self) -> list[str]:
-        return ["load", "weights", f"KV @ {self.tokens} tok", "total", *self.machines]
-
-    def table_rows(self) -> list[list[str]]:
-        return [[r.load, format_bytes(r.weights), format_bytes(r.kv_cache), format_bytes(r.total),
-                 *(str(r.cells[m]) for m in self.machines)] for r in self.rows]  # fmt: skip
-
-    def best(self, machine: str) -> str | None:
-        """The widest load mode that fits ``machine`` comfortably (else tightly), or None."""
-        for word in ("fits", "tight"):
-            for r in self.rows:
-                if r.cells[machine].word == word:
-                    return r.load
-        return None
-
-    def markdown(self) -> str:
-        lines = ["| " + " | ".join(self.header()) + " |", "|" + "---|" * len(self.header())]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.table_rows()])
-
-    def title(self) -> str:
-        return f"What fits for {self.model}: {self.tokens} tokens per sequence, batch {self.batch_size}"
-
-    def __str__(self) -> str:
-        rows = [self.header(), *self.table_rows()]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        body = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-        return f"{self.title()}\n{body}"
-
-    def __repr__(self) -> str:  # papermill and terminals show this
-        return self.__str__()
-
-    def _repr_html_(self) -> str:
-        rows = []
-        for r in self.rows:
-            cells = [colored(str(r.cells[m]), _STATUS.get(r.cells[m].word, "none")) for m in self.machines]
-            rows.append([r.load, format_bytes(r.weights), format_bytes(r.kv_cache), format_bytes(r.total), *cells])
-        note = Markup("<div style='font-family:monospace'>estimated; fits: under 85 % of the fullest card, "
-                      "tight: under 100 %</div>")  # fmt: skip
-        return table(self.header(), rows, title=self.title()) + note
