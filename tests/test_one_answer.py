@@ -84,3 +84,16 @@ def test_an_estimate_says_the_budget_it_was_made_for(capsys):
         "\n".join(capsys.readouterr().out.splitlines()[:2]).split()
     )  # 80 columns
     assert "micro-batch 1 x 512 tokens" in str(TrainPlan("Qwen/Qwen2.5-7B").estimate("t4")).splitlines()[0]
+
+
+@pytest.mark.parametrize("model, load", [("Qwen/Qwen2.5-7B", "fp16"), ("Qwen/Qwen2.5-7B", "nf4"),
+                                         ("meta-llama/Llama-3.1-8B", "int8"), ("meta-llama/Llama-3.1-8B", "fp16")])  # fmt: skip
+def test_the_load_panel_and_fit_give_one_verdict(model, load, capsys):
+    from helpers import LoadPanel
+
+    est = estimate(model, load=load, device="t4")
+    answer = fit(est, "t4", suggest=False)
+    panel = LoadPanel(model, device="t4", load=load, widgets=False).state.verdict
+    assert panel == answer.verdict, (model, load, panel, answer.verdict)  # Qwen2.5-7B fp16: 99.7 % spills
+    code = main(["estimate", model, "--load", load, "--device", "t4"])
+    assert code == (0 if answer.fits else 1)
