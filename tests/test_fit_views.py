@@ -191,3 +191,10 @@ def test_the_readme_table_is_a_heatmap_of_few_columns_and_fits_80_columns():
     assert f"background:{verdict_fill('does not fit')}" in grid and "class='oomkit-heat'" in grid
     assert max(map(len, str(table).splitlines())) <= 80
     assert table.cell("Llama-2-70b", "fp16", "T4") == "does not fit"
+
+
+def test_a_fits_cell_under_the_card_never_reads_100_percent():
+    from helpers.placement.fits import FitsCell
+
+    assert str(FitsCell("tight", 0.996)) == "tight (99%)"  # was "tight (100%)" at 99.6 %
+    assert str(FitsCell("fits", 0.5)) == "fits (50%)"

@@ -16,7 +16,7 @@ import torch
 
 from ..core.devices import resolve_devices
 from ..core.errors import OomkitError
-from ..core.html import COLORS, Markup, escape, table
+from ..core.html import COLORS, Markup, escape, share_percent, table
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, FITS, FITS_TOKENS, LOAD_MODES, TIGHT, TIGHT_FRACTION, VERDICT_STATUS
 from ..estimator.configs import resolve_config
@@ -55,7 +55,9 @@ class FitsCell:
     seconds: float | None = None
 
     def __str__(self) -> str:
-        return f"{self.word} ({self.share:.0%})" if self.share is not None and self.word in (FITS, TIGHT) else self.word
+        # share_percent: 99.6 % of a card reads 99 %, never "tight (100%)"
+        shown = self.share is not None and self.word in (FITS, TIGHT)
+        return f"{self.word} ({share_percent(self.share, 1.0)}%)" if shown else self.word
 
     def rate(self, batch: int) -> str:
         """``~14.7`` tokens/s over the batch, or ``-`` where it does not fit or cannot be timed."""
