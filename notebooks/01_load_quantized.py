@@ -64,6 +64,8 @@ DOUBLE_QUANT = True  # @param {type:"boolean"}
 MAX_NEW_TOKENS = 256  # @param {type:"integer"}
 BATCH_SIZE = 4  # @param {type:"integer"}
 PROMPT_TOKENS = 512  # @param {type:"integer"}
+# section 7: load each mode in turn and score it on PROMPTS (a few minutes for a 7B on a T4)
+COMPARE_LOADS = True  # @param {type:"boolean"}
 # "current" (this GPU), or a preset such as "t4" to plan for another machine
 DEVICE = "current"  # @param {type:"raw"}
 PROMPTS = [
@@ -79,13 +81,11 @@ PROMPTS = [
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 
 # %% [markdown]
@@ -220,3 +220,16 @@ if after.gpu is not None:
           f"after unload ({format_bytes(start.gpu.allocated)} before loading)")
 print(f"process RAM: {format_bytes(loaded.ram.process_rss)} loaded -> {format_bytes(after.ram.process_rss)} "
       "after unload (on the CPU the allocator may keep some freed pages for reuse)")
+
+# %% [markdown]
+# ## 7. What each load mode costs in quality, on your own text
+# `compare_loads` loads the model once per mode (16-bit, int8, nf4; each unloaded before the next, so a
+# 7B still fits a T4), and scores each on `PROMPTS`: perplexity, how often its greedy next token agrees
+# with the 16-bit one, the weights' memory and decode tokens/s. One table to pick the load mode from
+# (the tiny demo model's random weights make its quality figures meaningless; a real model's are not).
+# Set `COMPARE_LOADS = False` above to skip it.
+
+# %%
+from helpers import compare_loads
+
+compare_loads(MODEL, PROMPTS) if COMPARE_LOADS else print("skipped: COMPARE_LOADS is False")

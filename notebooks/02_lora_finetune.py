@@ -98,13 +98,11 @@ MERGE = False  # @param {type:"boolean"}
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import mount_drive, preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 if MOUNT_DRIVE:  # Colab: asked once; a refused or closed pop-up goes on without Drive and says where files go
     print(mount_drive())

@@ -89,8 +89,6 @@ OUTPUT_DIR = "runs/05_multi_gpu"  # @param {type:"string"}
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import format_bytes, preflight
 from helpers.core.devices import resolve_devices
 
@@ -99,8 +97,8 @@ for label, dev in gpus:
     print(f"GPU {label}: {format_bytes(dev['capacity'])}, bf16 {'yes' if dev['bf16'] else 'no'}")
 if not gpus:
     print("no GPU here: every plan below is for the devices named, on the meta device (nothing is loaded)")
-report = preflight(MODEL, load=LOAD, max_new_tokens=64)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=64,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here (a 7B on a CPU runtime: before any download), with the fix
 
 # %% [markdown]

@@ -94,13 +94,11 @@ MAX_NEW_TOKENS = 32  # @param {type:"integer"}
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import mount_drive, preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 if MOUNT_DRIVE:
     print(mount_drive())
