@@ -22,14 +22,9 @@
 # # 01 · Load a model quantized, without running out of memory
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/01_load_quantized.ipynb)
-#
-# Pick a load mode, a generation length and a batch size with the sliders, see at once whether it
-# fits the GPU, load with one click, then compare the estimate with what really landed in memory.
-# Steps: preflight -> panel -> load -> estimated vs measured -> a short batched generation ->
-# unload, with a readout proving the memory came back.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -54,6 +49,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
+
 # %% tags=["parameters"]
 # hub id or local path
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
@@ -74,6 +74,12 @@ PROMPTS = [
     "List three ways to reduce GPU memory when generating text.",
     "What does 4-bit quantization do to a neural network's weights?",
 ]
+
+# %% [markdown]
+# Pick a load mode, a generation length and a batch size with the sliders, see at once whether it
+# fits the GPU, load with one click, then compare the estimate with what really landed in memory.
+# Steps: preflight -> panel -> load -> estimated vs measured -> a short batched generation ->
+# unload, with a readout proving the memory came back.
 
 # %% [markdown]
 # ## 1. Preflight
