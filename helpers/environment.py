@@ -15,17 +15,16 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from html import escape
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .core.arguments import ArgumentError, flag, whole_number
-from .core.checks import Check
+from .core.checks import Check, checks_table
 from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .core.errors import OomkitError
-from .core.html import Markup, badge, table
+from .core.html import Markup
 from .core.memory import GPUReadout, MemorySnapshot
 from .core.memory import snapshot as take_snapshot
 from .core.session import in_colab, ipython
@@ -135,20 +134,11 @@ class PreflightReport:
         return self._table_html() + self.snapshot._repr_html_()
 
     def _table_html(self, running: bool = False) -> str:
-        """The checks as a table of three columns whose result cell holds the fix beneath it: in Colab's
-        ~420 px column nothing scrolls sideways (a fourth column for the fix went off-screen). ``running``
-        adds a last row saying the rest is on its way."""
-        rows = [[badge(c.status), c.name, _result_cell(c)] for c in self.checks]
-        if running:
-            rows.append([Markup(""), Markup("<i>…</i>"), Markup("<i>checking the rest…</i>")])
+        """The checks (:func:`~helpers.core.checks.checks_table`: each fix under its result, so nothing scrolls
+        sideways in Colab's column); ``running`` adds a last row saying the rest is on its way."""
         title = "oomkit preflight" + (f" for {self.model}" if self.model else "")
-        return table(["", "check", "result and fix"], rows, title=title)
-
-
-def _result_cell(check: Check) -> Markup:
-    """A check's result, and its fix on the line below (labelled, so it reads the same as the text report)."""
-    fix = f"<div style='margin-top:2px'><b>fix:</b> {escape(check.fix)}</div>" if check.fix else ""
-    return Markup(f"<div style='overflow-wrap:anywhere'>{escape(check.summary)}</div>{fix}")
+        pending = [[Markup(""), Markup("<i>…</i>"), Markup("<i>checking the rest…</i>")]] if running else []
+        return checks_table(self.checks, title, rows_after=pending)
 
 
 class _Live:

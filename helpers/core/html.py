@@ -191,3 +191,18 @@ def badge(status: str) -> Markup:
         f"<span style='background:{color};color:#ffffff;padding:0 6px;border-radius:3px;white-space:nowrap'>"
         f"{escape(status)}</span>"
     )
+
+
+BAR_MIN_WIDTH = "120px"
+
+
+def progress_bar(iterable=None, **kwargs):
+    """A ``tqdm.auto`` bar that keeps its bar in a narrow column: in a notebook the widget's row wraps its text
+    under the bar instead of squeezing the bar to nothing (Colab's ~420 px column); a text bar elsewhere."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(iterable, **{"dynamic_ncols": True, **kwargs})
+    container = getattr(bar, "container", None)  # the notebook widget: description, bar, figures
+    if container is not None and len(container.children) == 3:
+        container.children[1].layout.min_width = BAR_MIN_WIDTH
+    return bar

@@ -579,9 +579,9 @@ class _Loop:
         self.streamed = not run.stream  # True once a streamed batch finished (or when none should stream)
 
     def run(self) -> None:
-        from tqdm.auto import tqdm
+        from ..core.html import progress_bar  # keeps its bar in a narrow column
 
-        self.bar = tqdm(total=len(self.pending), desc="safe_generate", unit="sample", disable=not self.progress)
+        self.bar = progress_bar(total=len(self.pending), desc="safe_generate", unit="sample", disable=not self.progress)
         self.started = time.perf_counter()
         self.peak = _memory(self.run_.device)
         try:

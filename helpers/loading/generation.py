@@ -24,6 +24,7 @@ from ..core import phases
 from ..core.arguments import number, whole_number
 from ..core.compat import library_notes_silenced
 from ..core.errors import ContextLengthError
+from ..core.html import progress_bar
 from ..core.vocab import DEFAULTS
 
 __all__ = [
@@ -393,8 +394,6 @@ def generate_batched(
 
 def _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, progress, add_special_tokens, desc,
                       stream, over_context, generate_kwargs, monitor=None) -> list[str]:  # fmt: skip
-    from tqdm.auto import tqdm
-
     if isinstance(prompts, str):
         raise TypeError(f"prompts must be a list of strings, got one string ({prompts[:40]!r}): pass [prompt]")
     if not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
@@ -414,7 +413,7 @@ def _generate_batched(model, tokenizer, prompts, max_new_tokens, batch_size, pro
     out: list[str] = []
     starts = range(0, len(ids), batch_size)
     with _eval_mode(model):
-        for n, i in enumerate(tqdm(starts, desc=desc, unit="batch", disable=not progress)):
+        for n, i in enumerate(progress_bar(starts, desc=desc, unit="batch", disable=not progress)):
             streamer = {"streamer": first_prompt_streamer(tokenizer)} if stream and n == 0 else {}
             with phases.phase("eval batch", monitor):
                 out += generate_batch(

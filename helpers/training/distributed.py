@@ -43,7 +43,7 @@ import torch
 from ..core.arguments import flag
 from ..core.devices import resolve_device
 from ..core.errors import OomkitError
-from ..core.html import table
+from ..core.html import progress_bar, table
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS
 from ..estimator.configs import resolve_config
@@ -451,9 +451,7 @@ def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: i
 
 def _launch_line(desc: str):
     """The one progress line of a launch: how long it has run, and the latest thing a rank said."""
-    from tqdm.auto import tqdm
-
-    return tqdm(desc=desc, bar_format="{desc}: {elapsed}{postfix}", mininterval=0.5, dynamic_ncols=True)
+    return progress_bar(desc=desc, bar_format="{desc}: {elapsed}{postfix}", mininterval=0.5)
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
