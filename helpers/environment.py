@@ -130,6 +130,9 @@ class PreflightReport:
         head = f"oomkit preflight: {self.status.upper()}" + (f" for {self.model}" if self.model else "")
         return "\n".join([head, *map(str, self.checks)])
 
+    def __repr__(self) -> str:  # the text a notebook keeps beside the HTML (papermill, a terminal): the report
+        return str(self)
+
     def _repr_html_(self) -> str:
         return self._table_html() + self.snapshot._repr_html_()
 
@@ -782,10 +785,12 @@ def preflight(
     report = PreflightReport(checks=[], snapshot=snap, versions=vers, model=model, colab=colab)
     live = _Live(report) if show else None
     budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
-    for check in _checks(report, load, budget, bnb, checkpoint, allow_pickle, calibrate):
-        report.checks.append(check)
+    try:
+        for check in _checks(report, load, budget, bnb, checkpoint, allow_pickle, calibrate):
+            report.checks.append(check)
+            if live is not None:
+                live.add(check)
+    finally:  # an interrupted cell keeps the checks that finished, without "checking the rest"
         if live is not None:
-            live.add(check)
-    if live is not None:
-        live.close()
+            live.close()
     return report
