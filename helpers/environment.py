@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,8 @@ class PreflightReport:
     versions: dict[str, str | None]
     model: str | None = None
     colab: bool = False
+    # the notebook cell whose live output already shows this report (preflight(show=True)); None: not shown
+    shown_in_cell: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def status(self) -> str:
@@ -133,6 +135,16 @@ class PreflightReport:
     def __repr__(self) -> str:  # the text a notebook keeps beside the HTML (papermill, a terminal): the report
         return str(self)
 
+    def _ipython_display_(self) -> None:
+        """Shown as usual, except as the last line of the cell whose live output already is this report
+        (``preflight(MODEL, show=True)`` alone in a cell would show it twice)."""
+        shell = ipython()
+        if shell is not None and self.shown_in_cell is not None and self.shown_in_cell == shell.execution_count:
+            return
+        from IPython.display import display
+
+        display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+
     def _repr_html_(self) -> str:
         return self._table_html() + self.snapshot._repr_html_()
 
@@ -168,7 +180,9 @@ class _Live:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.handle.update(self.report)
+            # raw: the report's own _ipython_display_ would make a new output instead of updating this one
+            self.handle.update({"text/plain": str(self.report), "text/html": self.report._repr_html_()}, raw=True)
+            self.report.shown_in_cell = getattr(ipython(), "execution_count", None)
         else:
             print(str(self.report).splitlines()[0], flush=True)
 

@@ -63,7 +63,7 @@ class FakeHandle:
     def __init__(self, shown):
         self.shown = [shown]
 
-    def update(self, obj):
+    def update(self, obj, raw=False):
         self.shown.append(obj)
 
 
@@ -72,18 +72,25 @@ def test_in_a_notebook_one_output_grows_row_by_row_and_ends_as_the_report(tiny_l
 
     handles = []
 
-    def display(obj, display_id=False):
+    def display(obj, display_id=False, raw=False):
         handles.append(FakeHandle(obj))
         return handles[-1]
 
-    monkeypatch.setattr(environment, "ipython", lambda: type("Kernel", (), {"kernel": object()})())
+    kernel = type("Kernel", (), {"kernel": object(), "execution_count": 7})()
+    monkeypatch.setattr(environment, "ipython", lambda: kernel)
     monkeypatch.setattr(IPython.display, "display", display)
     report = preflight(str(tiny_llama), show=True)
     (handle,) = handles  # one output, updated in place
     assert len(handle.shown) == len(report.checks) + 2  # the empty table, one row per check, the report
     rows = [shown.data.count("<tr>") for shown in handle.shown[:-1]]
     assert rows == sorted(rows) and rows[-1] > rows[0]
-    assert "checking the rest" in handle.shown[-2].data and handle.shown[-1] is report
+    assert "checking the rest" in handle.shown[-2].data
+    assert handle.shown[-1] == {"text/plain": str(report), "text/html": report._repr_html_()}
+    report._ipython_display_()  # the cell's last line: its live output already is the report
+    assert len(handles) == 1
+    kernel.execution_count = 8  # `report` in a later cell shows it again
+    report._ipython_display_()
+    assert len(handles) == 2 and handles[1].shown[0]["text/plain"] == str(report)
 
 
 def test_the_table_keeps_the_fix_under_the_result_so_a_narrow_column_never_scrolls(tiny_llama):
