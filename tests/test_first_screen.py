@@ -36,6 +36,16 @@ def code_cells(name: str) -> list[str]:
     return [c.source for c in nbformat.read(path, 4).cells if c.cell_type == "code"]
 
 
+@pytest.fixture
+def measured(monkeypatch):
+    """The notebooks' preflight calibrates this machine (seconds); here a stand-in measurement."""
+    from helpers.estimator import calibration
+
+    cal = calibration.Calibration("cpu", "fp32", 2e10, 5e10, 1e-5, 3e-3, 2, 0.0)
+    monkeypatch.setattr(calibration, "calibrate", lambda device=None, refresh=False: cal)
+    return cal
+
+
 def run_until_error(shell, cells: list[str]) -> tuple[int, BaseException | None]:
     """Run ``cells`` in order; the index of the first that raised and its error (``len(cells), None``)."""
     try:
@@ -49,7 +59,7 @@ def run_until_error(shell, cells: list[str]) -> tuple[int, BaseException | None]
 
 
 @pytest.mark.slow
-def test_notebook_00_on_a_cpu_runtime_shows_the_plans_of_a_7b_after_its_fail(ipython_shell, capsys):
+def test_notebook_00_on_a_cpu_runtime_shows_the_plans_of_a_7b_after_its_fail(ipython_shell, capsys, measured):
     cells = code_cells("00_preflight")  # the form's default: CodeLlama-7B, whose config ships with oomkit
     stopped, error = run_until_error(ipython_shell, cells)
     assert (stopped, error) == (len(cells), None)
@@ -60,7 +70,7 @@ def test_notebook_00_on_a_cpu_runtime_shows_the_plans_of_a_7b_after_its_fail(ipy
 
 
 @pytest.mark.slow
-def test_notebook_05_on_a_cpu_runtime_plans_then_stops_before_loading(ipython_shell, capsys):
+def test_notebook_05_on_a_cpu_runtime_plans_then_stops_before_loading(ipython_shell, capsys, measured):
     cells = code_cells("05_multi_gpu")
     load_cell = next(i for i, c in enumerate(cells) if "report.raise_for_failures()" in c)
     stopped, error = run_until_error(ipython_shell, cells[: load_cell + 1])
