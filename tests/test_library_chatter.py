@@ -101,3 +101,15 @@ def test_a_launch_shows_one_progress_line_not_every_ranks_lines(capfd):
     assert final.startswith("torchrun, 2 processes: 00:0") and final.endswith("done")
     echoed = run_streaming([sys.executable, "-c", RANKS], echo=True)
     assert echoed.code == 0 and "[rank1]: Loading weights: 100%" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_forked_ranks_show_rank_zeros_bar_and_no_warning_per_rank(tiny_llama, tmp_path, capfd):
+    from helpers.training.distributed import run_ddp_qlora
+
+    run = run_ddp_qlora(str(tiny_llama), tmp_path, num_processes=2, via="debug", steps=3, seq_len=32)
+    out = capfd.readouterr()
+    assert run.in_sync and len(run.ranks) == 2
+    text = out.out + out.err
+    assert "DDP QLoRA, 2 processes, rank 0" in text and "rank 1" not in text.replace("rank 1/2", "")
+    assert "UserWarning" not in text and "Loading weights" not in text  # no rank's own warnings or load bars

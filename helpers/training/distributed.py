@@ -519,8 +519,8 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     from .data import build_dataset, collate, load_instructions
     from .plan import TrainPlan
 
+    _quiet_rank()  # before the Accelerator, whose thread-count warning each rank would print
     acc = Accelerator(cpu=not torch.cuda.is_available())
-    _quiet_rank()
     if acc.device.type == "cpu":
         torch.set_num_threads(1)  # N processes share the cores: one thread each is faster than oversubscribing
     plan = TrainPlan(model, load=load, r=r, alpha=2 * r, seq_len=seq_len, batch_size=micro_batch,
@@ -575,8 +575,12 @@ def _rank_bar(acc, steps: int):
     """Rank 0's bar of the training steps (the other ranks keep step with it: DDP syncs every step)."""
     from tqdm import tqdm  # plain text: a forked rank cannot drive the kernel's widgets; a "\r" redraw is one line
 
-    return tqdm(total=steps, desc=f"DDP QLoRA, {acc.num_processes} processes, rank 0", file=sys.stderr,
-                disable=acc.process_index != 0, ncols=80, mininterval=0.5)  # fmt: skip
+    # under torchrun our stderr is the launch's pipe, which the launching process folds into its one line; a
+    # rank forked from a notebook kernel writes to the kernel's streams, where stderr is a red warning block
+    forked = type(sys.stderr).__module__.split(".")[0] == "ipykernel"
+    return tqdm(total=steps, desc=f"DDP QLoRA, {acc.num_processes} processes, rank 0",
+                file=sys.stdout if forked else sys.stderr, disable=acc.process_index != 0, ncols=80,
+                mininterval=0.5)  # fmt: skip
 
 
 @dataclass
