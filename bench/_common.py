@@ -47,6 +47,7 @@ MEASURES: dict[str, list[str]] = {
                      "helpers/loading/fingerprint.py"],
 }  # fmt: skip
 MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
+MEASURES["first_cell"] = ["helpers/environment.py", "helpers/__init__.py"]
 
 
 def _blob_hash(data: bytes) -> str:

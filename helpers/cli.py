@@ -115,10 +115,12 @@ def preflight_main(argv: list[str] | None = None) -> int:
         parser.error(f"--load {args.load!r}: use auto, {', '.join(LOAD_MODES)}")
     try:
         report = preflight(args.model, load=args.load, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                           prompt_tokens=args.prompt_tokens, allow_pickle=args.allow_pickle)  # fmt: skip
+                           prompt_tokens=args.prompt_tokens, allow_pickle=args.allow_pickle,
+                           show=not args.json)  # each check's line as it finishes, then the verdict  # fmt: skip
     except ValueError as e:  # oomkit's refusals of an argument (ArgumentError is a ValueError)
         return _error(e)
-    print(report.to_json() if args.json else report)
+    if args.json:
+        print(report.to_json())
     return 0 if report.ok else 1  # a failed check stops a script or CI step, as it should
 
 

@@ -13,20 +13,21 @@ import importlib.metadata
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .core.arguments import ArgumentError, flag, whole_number
-from .core.checks import Check
+from .core.checks import Check, checks_table
 from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .core.errors import OomkitError
-from .core.html import badge, table
+from .core.html import Markup
 from .core.memory import GPUReadout, MemorySnapshot
 from .core.memory import snapshot as take_snapshot
-from .core.session import in_colab
+from .core.session import in_colab, ipython
 from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
 from .core.units import GiB, MiB, format_bytes
 from .core.vocab import (
@@ -88,6 +89,8 @@ class PreflightReport:
     versions: dict[str, str | None]
     model: str | None = None
     colab: bool = False
+    # the notebook cell whose live output already shows this report (preflight(show=True)); None: not shown
+    shown_in_cell: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def status(self) -> str:
@@ -129,10 +132,59 @@ class PreflightReport:
         head = f"oomkit preflight: {self.status.upper()}" + (f" for {self.model}" if self.model else "")
         return "\n".join([head, *map(str, self.checks)])
 
+    def __repr__(self) -> str:  # the text a notebook keeps beside the HTML (papermill, a terminal): the report
+        return str(self)
+
+    def _ipython_display_(self) -> None:
+        """Shown as usual, except as the last line of the cell whose live output already is this report
+        (``preflight(MODEL, show=True)`` alone in a cell would show it twice)."""
+        shell = ipython()
+        if shell is not None and self.shown_in_cell is not None and self.shown_in_cell == shell.execution_count:
+            return
+        from IPython.display import display
+
+        display({"text/plain": str(self), "text/html": self._repr_html_()}, raw=True)
+
     def _repr_html_(self) -> str:
-        rows = [[badge(c.status), c.name, c.summary, c.fix or ""] for c in self.checks]
+        return self._table_html() + self.snapshot._repr_html_()
+
+    def _table_html(self, running: bool = False) -> str:
+        """The checks (:func:`~helpers.core.checks.checks_table`: each fix under its result, so nothing scrolls
+        sideways in Colab's column); ``running`` adds a last row saying the rest is on its way."""
         title = "oomkit preflight" + (f" for {self.model}" if self.model else "")
-        return table(["", "check", "result", "fix"], rows, title=title) + self.snapshot._repr_html_()
+        pending = [[Markup(""), Markup("<i>…</i>"), Markup("<i>checking the rest…</i>")]] if running else []
+        return checks_table(self.checks, title, rows_after=pending)
+
+
+class _Live:
+    """Shows a preflight's checks as they finish: in a notebook kernel one output that grows row by row and
+    ends as the report's own HTML; anywhere else a line per check on stdout, then the verdict."""
+
+    def __init__(self, report: PreflightReport):
+        self.report = report
+        shell = ipython()
+        self.handle = None
+        if shell is not None and getattr(shell, "kernel", None) is not None:
+            from IPython.display import HTML, display
+
+            self.html = HTML
+            self.handle = display(HTML(report._table_html(running=True)), display_id=True)
+        else:
+            print("oomkit preflight" + (f" for {report.model}" if report.model else "") + ": checking", flush=True)
+
+    def add(self, check: Check) -> None:
+        if self.handle is not None:
+            self.handle.update(self.html(self.report._table_html(running=True)))
+        else:
+            print(check, flush=True)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            # raw: the report's own _ipython_display_ would make a new output instead of updating this one
+            self.handle.update({"text/plain": str(self.report), "text/html": self.report._repr_html_()}, raw=True)
+            self.report.shown_in_cell = getattr(ipython(), "execution_count", None)
+        else:
+            print(str(self.report).splitlines()[0], flush=True)
 
 
 def versions() -> dict[str, str | None]:
@@ -662,6 +714,49 @@ def _check_stand_ins(snapshot: Any, package_versions: Any, bnb: Any, colab: Any)
         flag("colab", colab)
 
 
+def _checks(report: PreflightReport, load: str, budget: dict, bnb: tuple[bool, str] | None,
+            checkpoint: tuple[int | None, int | None, str] | None, allow_pickle: bool,
+            calibrate: bool = False) -> Iterator[Check]:  # fmt: skip
+    """Preflight's checks one at a time, cheapest first, so a live report shows each as it finishes. The
+    bitsandbytes round trip (its import pulls in torch.compile: seconds, tens of seconds on a busy Colab) runs
+    only where the plan quantizes, or no model is named (the whole machine is checked)."""
+    snap, vers, model = report.snapshot, report.versions, report.model
+    yield from _check_gpu(snap, report.colab)
+    yield _check_versions(vers)
+    yield from _check_gpu_memory(snap)
+    total = None
+    if model is not None:
+        total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
+        yield ram_for_loading(snap, total, largest, source)
+        files = weight_file_check(str(model), allow_pickle=allow_pickle)
+        if files is not None:
+            yield files
+    else:
+        yield Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
+    disk = _check_disk(snap, model, total)
+    if disk is not None:
+        yield disk
+    fits = fit_checks(model, load=load, snapshot=snap, **budget) if model is not None else []
+    yield from fits
+    planned = next((c.data.get("load") for c in fits if c.name == "fit"), None)
+    quantizes = model is None or load in QUANTIZED or planned in QUANTIZED
+    if bnb is not None or (quantizes and vers.get("bitsandbytes") is not None):
+        yield _check_bnb(snap, bnb)
+    if calibrate:
+        yield _check_speed(snap)
+
+
+def _check_speed(snap: MemorySnapshot) -> Check:
+    """This machine's device measured once (:func:`helpers.calibrate`, cached for the process), so the time
+    estimates of later cells use it instead of datasheet figures."""
+    from .estimator.calibration import calibrate
+
+    cal = calibrate("cuda" if snap.backend == "cuda" and snap.gpus else "cpu")
+    what = f"{cal.bandwidth / 1e9:.1f} GB/s memory, {cal.flops / 1e9:.0f} GFLOP/s matmul ({cal.dtype})"
+    return Check("speed", "info", f"{cal.device}: {what}; later time estimates use it "
+                 f"(measured in {cal.probe_seconds:.1f} s, once per session)", data={"calibration": cal.__dict__})  # fmt: skip
+
+
 def preflight(
     model: str | None = None,
     load: str = "auto",
@@ -675,6 +770,8 @@ def preflight(
     colab: bool | None = None,
     checkpoint: tuple[int | None, int | None, str] | None = None,
     allow_pickle: bool = False,
+    show: bool = False,
+    calibrate: bool = False,
 ) -> PreflightReport:
     """Check this machine before loading ``model`` (a hub id or a local path; optional).
 
@@ -685,33 +782,29 @@ def preflight(
     ``colab``, and ``checkpoint`` (``(total, largest_file, source)`` bytes). A local ``model`` folder's weight
     files are opened as :func:`helpers.load` will open them (a short or corrupt file, and a pickle ``.bin``
     unless ``allow_pickle``, is a FAIL with the fix).
+
+    ``show=True`` shows each check as it finishes (in a notebook a table that grows row by row and becomes
+    the report, so the cell needs no ``display(report)``; elsewhere a line per check on stdout).
+    ``calibrate=True`` measures this machine's GPU (else CPU) once (:func:`helpers.calibrate`, a few seconds,
+    cached for the session) so later time estimates use it: the notebooks' preflight does.
     """
     _check_arguments(model, load, max_new_tokens, batch_size, prompt_tokens)
     _check_stand_ins(snapshot, package_versions, bnb, colab)
     flag("allow_pickle", allow_pickle)
+    flag("show", show)
+    flag("calibrate", calibrate)
     snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
-    checks = _check_gpu(snap, colab)
-    checks.append(_check_versions(vers))
-    if vers.get("bitsandbytes") is not None or bnb is not None:
-        checks.append(_check_bnb(snap, bnb))
-    checks += _check_gpu_memory(snap)
-    total = largest = None
-    source = "no model named"
-    if model is not None:
-        total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
-        checks.append(ram_for_loading(snap, total, largest, source))
-        files = weight_file_check(str(model), allow_pickle=allow_pickle)
-        checks += [files] if files is not None else []
-    else:
-        checks.append(
-            Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
-        )
-    disk = _check_disk(snap, model, total)
-    if disk is not None:
-        checks.append(disk)
-    if model is not None:
-        checks += fit_checks(model, load=load, max_new_tokens=max_new_tokens, snapshot=snap, batch_size=batch_size,
-                             prompt_tokens=prompt_tokens)  # fmt: skip
-    return PreflightReport(checks=checks, snapshot=snap, versions=vers, model=model, colab=colab)
+    report = PreflightReport(checks=[], snapshot=snap, versions=vers, model=model, colab=colab)
+    live = _Live(report) if show else None
+    budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
+    try:
+        for check in _checks(report, load, budget, bnb, checkpoint, allow_pickle, calibrate):
+            report.checks.append(check)
+            if live is not None:
+                live.add(check)
+    finally:  # an interrupted cell keeps the checks that finished, without "checking the rest"
+        if live is not None:
+            live.close()
+    return report

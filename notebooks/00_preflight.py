@@ -22,13 +22,9 @@
 # # 00 · Preflight: will it fit?
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/00_preflight.ipynb)
-#
-# Run this **before loading anything**. It checks the GPU, package versions, free GPU memory,
-# system RAM, disk space, and whether the model you name will fit, and gives the fix for every
-# problem it finds. Nothing is downloaded except (for a hub id) the model's small `config.json`.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -53,6 +49,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
+
 # %% tags=["parameters"]
 # hub id or local path
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
@@ -60,15 +61,21 @@ MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
 LOAD = "auto"  # @param {type:"string"}
 MAX_NEW_TOKENS = 256  # @param {type:"integer"}
 
+# %% [markdown]
+# Run this **before loading anything**. It checks the GPU, package versions, free GPU memory,
+# system RAM, disk space, and whether the model you name will fit, and gives the fix for every
+# problem it finds. Nothing is downloaded except (for a hub id) the model's small `config.json`.
+
 # %%
 # %load_ext helpers
 from IPython.display import display
 
 from helpers import preflight, snapshot
 
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-display(report)
-report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
+if not report.ok:  # nothing below loads or downloads weights: the estimates and the fits table still run
+    print("FAIL above: its fix is on its line. The plans below need neither a GPU nor a download, so they run.")
 
 # %% [markdown]
 # Each line is **pass**, **info**, **WARN** or **FAIL**, with the fix. A FAIL means loading as

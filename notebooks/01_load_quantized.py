@@ -22,14 +22,9 @@
 # # 01 · Load a model quantized, without running out of memory
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/01_load_quantized.ipynb)
-#
-# Pick a load mode, a generation length and a batch size with the sliders, see at once whether it
-# fits the GPU, load with one click, then compare the estimate with what really landed in memory.
-# Steps: preflight -> panel -> load -> estimated vs measured -> a short batched generation ->
-# unload, with a readout proving the memory came back.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -54,6 +49,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
+
 # %% tags=["parameters"]
 # hub id or local path
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
@@ -64,6 +64,8 @@ DOUBLE_QUANT = True  # @param {type:"boolean"}
 MAX_NEW_TOKENS = 256  # @param {type:"integer"}
 BATCH_SIZE = 4  # @param {type:"integer"}
 PROMPT_TOKENS = 512  # @param {type:"integer"}
+# section 7: load each mode in turn and score it on PROMPTS (a few minutes for a 7B on a T4)
+COMPARE_LOADS = True  # @param {type:"boolean"}
 # "current" (this GPU), or a preset such as "t4" to plan for another machine
 DEVICE = "current"  # @param {type:"raw"}
 PROMPTS = [
@@ -74,18 +76,22 @@ PROMPTS = [
 ]
 
 # %% [markdown]
+# Pick a load mode, a generation length and a batch size with the sliders, see at once whether it
+# fits the GPU, load with one click, then compare the estimate with what really landed in memory.
+# Steps: preflight -> panel -> load -> estimated vs measured -> a short batched generation ->
+# unload, with a readout proving the memory came back.
+
+# %% [markdown]
 # ## 1. Preflight
 # GPU, versions, bitsandbytes, free memory, RAM for loading and the fit of the model you named.
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS, batch_size=BATCH_SIZE, prompt_tokens=PROMPT_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 
 # %% [markdown]
@@ -220,3 +226,16 @@ if after.gpu is not None:
           f"after unload ({format_bytes(start.gpu.allocated)} before loading)")
 print(f"process RAM: {format_bytes(loaded.ram.process_rss)} loaded -> {format_bytes(after.ram.process_rss)} "
       "after unload (on the CPU the allocator may keep some freed pages for reuse)")
+
+# %% [markdown]
+# ## 7. What each load mode costs in quality, on your own text
+# `compare_loads` loads the model once per mode (16-bit, int8, nf4; each unloaded before the next, so a
+# 7B still fits a T4), and scores each on `PROMPTS`: perplexity, how often its greedy next token agrees
+# with the 16-bit one, the weights' memory and decode tokens/s. One table to pick the load mode from
+# (the tiny demo model's random weights make its quality figures meaningless; a real model's are not).
+# Set `COMPARE_LOADS = False` above to skip it.
+
+# %%
+from helpers import compare_loads
+
+compare_loads(MODEL, PROMPTS) if COMPARE_LOADS else print("skipped: COMPARE_LOADS is False")

@@ -22,19 +22,9 @@
 # # 02 · QLoRA fine-tuning that fits a T4, with live memory monitoring
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/02_lora_finetune.ipynb)
-#
-# Fine-tune a 7B model with LoRA on a free T4 without guessing batch sizes: the base model is
-# loaded in 4 bits (QLoRA), only small adapter matrices train, the micro-batch is **measured** on a
-# real training step and gradient accumulation keeps the batch you asked for. Memory is sampled
-# while it trains; checkpoints go to Google Drive so a disconnected runtime resumes where it
-# stopped (rerun the notebook). The result is a small adapter you reload on the base model.
-#
-# Steps: preflight -> plan and estimate -> load 4-bit -> answers before -> prepare QLoRA -> find
-# the micro-batch -> train with the monitor -> plot -> save the adapter -> answers after ->
-# reload check -> cleanup.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -58,6 +48,11 @@ from helpers import configure_allocator, gpu_notice  # noqa: E402
 configure_allocator()  # expandable segments, set before anything touches CUDA (else it needs a restart)
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
+
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
 
 # %% tags=["parameters"]
 # hub id or local path of the base model
@@ -93,18 +88,27 @@ MAX_NEW_TOKENS = 64  # @param {type:"integer"}
 MERGE = False  # @param {type:"boolean"}
 
 # %% [markdown]
+# Fine-tune a 7B model with LoRA on a free T4 without guessing batch sizes: the base model is
+# loaded in 4 bits (QLoRA), only small adapter matrices train, the micro-batch is **measured** on a
+# real training step and gradient accumulation keeps the batch you asked for. Memory is sampled
+# while it trains; checkpoints go to Google Drive so a disconnected runtime resumes where it
+# stopped (rerun the notebook). The result is a small adapter you reload on the base model.
+#
+# Steps: preflight -> plan and estimate -> load 4-bit -> answers before -> prepare QLoRA -> find
+# the micro-batch -> train with the monitor -> plot -> save the adapter -> answers after ->
+# reload check -> cleanup.
+
+# %% [markdown]
 # ## 1. Preflight
 # GPU, versions, bitsandbytes, free memory, and whether the model fits at all.
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import mount_drive, preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 if MOUNT_DRIVE:  # Colab: asked once; a refused or closed pop-up goes on without Drive and says where files go
     print(mount_drive())

@@ -22,15 +22,9 @@
 # # 03 · Evaluate without losing a result
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/03_safe_eval.ipynb)
-#
-# The usual advice for evaluating on a small GPU is batch 1, `torch.cuda.empty_cache()` every 10
-# samples, and stop at the first OOM: slow, and a crash at sample 480 of 500 loses all 480.
-# `safe_generate` runs as fast as memory allows, adapts when memory runs short, and writes every
-# finished sample to disk at once. Steps: load with a plan -> look at the prompts -> evaluate, get
-# interrupted halfway in the demo -> resume -> report, plot and a check that every prompt is there exactly once.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -55,6 +49,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
+
 # %% tags=["parameters"]
 # hub id or local path
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # @param {type:"string"}
@@ -75,6 +74,13 @@ SCORE = "contains"  # @param {type:"raw"}
 INTERRUPT_AFTER = None  # @param {type:"raw"}
 # batch x tokens: make a CPU run behave like a small GPU (None on a real GPU)
 SIMULATED_BUDGET = None  # @param {type:"raw"}
+
+# %% [markdown]
+# The usual advice for evaluating on a small GPU is batch 1, `torch.cuda.empty_cache()` every 10
+# samples, and stop at the first OOM: slow, and a crash at sample 480 of 500 loses all 480.
+# `safe_generate` runs as fast as memory allows, adapts when memory runs short, and writes every
+# finished sample to disk at once. Steps: load with a plan -> look at the prompts -> evaluate, get
+# interrupted halfway in the demo -> resume -> report, plot and a check that every prompt is there exactly once.
 
 # %% [markdown]
 # ## Why batches of similar length, and why adaptive

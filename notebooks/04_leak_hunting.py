@@ -22,18 +22,9 @@
 # # 04 · Leak hunting: who holds the memory?
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/04_leak_hunting.ipynb)
-#
-# Memory that creeps up step after step until an OOM at step 1000, or memory that does not come
-# back after `del model`, is held by *something*. This notebook plants each classic leak in a small
-# loop, lets oomkit catch the growth within a few steps and **name the variable** that holds it,
-# applies the fix, and shows the curve going flat.
-#
-# - `watch(step, steps)`: memory per step, trend, acceleration, predicted OOM step, and who grew.
-# - `census()`: every live tensor, grouped, with the variable path that holds it.
-# - `leak_checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -58,6 +49,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
+
 # %% tags=["parameters"]
 # hub id or local path; a small model is enough to see leaks
 MODEL = "Qwen/Qwen2.5-0.5B"  # @param {type:"string"}
@@ -65,6 +61,16 @@ MODEL = "Qwen/Qwen2.5-0.5B"  # @param {type:"string"}
 STEPS = 25  # @param {type:"integer"}
 BATCH = 2  # @param {type:"integer"}
 SEQ = 64  # @param {type:"integer"}
+
+# %% [markdown]
+# Memory that creeps up step after step until an OOM at step 1000, or memory that does not come
+# back after `del model`, is held by *something*. This notebook plants each classic leak in a small
+# loop, lets oomkit catch the growth within a few steps and **name the variable** that holds it,
+# applies the fix, and shows the curve going flat.
+#
+# - `watch(step, steps)`: memory per step, trend, acceleration, predicted OOM step, and who grew.
+# - `census()`: every live tensor, grouped, with the variable path that holds it.
+# - `leak_checks()`: the usual culprits (graphs in lists, hooks, `Out`, tracebacks, caches, grads).
 
 # %% [markdown]
 # `%load_ext helpers` adds one line after every cell: GPU allocated change and peak (or, without a
@@ -76,13 +82,12 @@ SEQ = 64  # @param {type:"integer"}
 
 # %%
 import torch
-from transformers import AutoModelForCausalLM
 
-from helpers import census, cleanup, leak_checks, record_allocations, watch
+from helpers import LoadPlan, census, cleanup, leak_checks, load, record_allocations, watch
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32 if device == "cpu" else torch.float16)
-model = model.to(device)
+# load() checks the model first: offline or misspelled, one line with the fix (not the hub's retries)
+model, tokenizer, load_report = load(LoadPlan(MODEL, load="fp32" if device == "cpu" else "fp16"))
 x = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), device=device)
 
 # %% [markdown]

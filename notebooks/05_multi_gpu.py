@@ -20,23 +20,9 @@
 
 # %% [markdown]
 # # 05 · More than one GPU: Kaggle's 2×T4, device maps, CPU offload and DDP QLoRA
-#
-# When a model does not fit one T4, the next step is more cards: Kaggle gives two T4s free. This
-# notebook plans a model across them **before** loading anything (the device map transformers
-# will compute, each card's share of weights, KV cache and activations, what offload would cost),
-# loads with that plan, then fine-tunes with QLoRA on both cards with PyTorch DDP through
-# accelerate's launcher, memory reported per rank.
-#
-# Two different things "two GPUs" can mean: **splitting one model** (inference: layers 0-19 on GPU
-# 0, the rest on GPU 1; one card works at a time, so it holds a bigger model but is not faster) and
-# **data parallelism** (training: each card holds a whole copy and trains on its own batches;
-# ZeRO/FSDP shard the copies). Sections 2-5 are the first, 6-7 the second.
-#
-# Steps: preflight -> what fits where -> a 13B-class plan on 2×T4 -> training memory per strategy ->
-# plan your model -> load with the plan -> DDP QLoRA on every GPU -> cleanup.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -61,6 +47,11 @@ configure_allocator()  # expandable segments, set before anything touches CUDA (
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
 
+# %% [markdown]
+# > 1. Kaggle: *Accelerator > GPU T4 x2* (Colab's one T4 works too: the split is planned for two)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Run all**
+
 # %% tags=["parameters"]
 # the model to load and fine-tune (hub id or local path)
 MODEL = "codellama/CodeLlama-7b-Instruct-hf"  # @param {type:"string"}
@@ -82,6 +73,21 @@ LEARNING_RATE = 2e-4  # @param {type:"number"}
 OUTPUT_DIR = "runs/05_multi_gpu"  # @param {type:"string"}
 
 # %% [markdown]
+# When a model does not fit one T4, the next step is more cards: Kaggle gives two T4s free. This
+# notebook plans a model across them **before** loading anything (the device map transformers
+# will compute, each card's share of weights, KV cache and activations, what offload would cost),
+# loads with that plan, then fine-tunes with QLoRA on both cards with PyTorch DDP through
+# accelerate's launcher, memory reported per rank.
+#
+# Two different things "two GPUs" can mean: **splitting one model** (inference: layers 0-19 on GPU
+# 0, the rest on GPU 1; one card works at a time, so it holds a bigger model but is not faster) and
+# **data parallelism** (training: each card holds a whole copy and trains on its own batches;
+# ZeRO/FSDP shard the copies). Sections 2-5 are the first, 6-7 the second.
+#
+# Steps: preflight -> what fits where -> a 13B-class plan on 2×T4 -> training memory per strategy ->
+# plan your model -> load with the plan -> DDP QLoRA on every GPU -> cleanup.
+
+# %% [markdown]
 # ## 1. Preflight of every card
 # On Kaggle pick *Accelerator: GPU T4 x2*. Each GPU is listed with its capacity; the preflight
 # checks versions, bitsandbytes, each card's free memory and whether the model fits one card or,
@@ -89,8 +95,6 @@ OUTPUT_DIR = "runs/05_multi_gpu"  # @param {type:"string"}
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import format_bytes, preflight
 from helpers.core.devices import resolve_devices
 
@@ -99,9 +103,11 @@ for label, dev in gpus:
     print(f"GPU {label}: {format_bytes(dev['capacity'])}, bf16 {'yes' if dev['bf16'] else 'no'}")
 if not gpus:
     print("no GPU here: every plan below is for the devices named, on the meta device (nothing is loaded)")
-report = preflight(MODEL, load=LOAD, max_new_tokens=64)
-display(report)
-report.raise_for_failures()  # "Run all" stops here (a 7B on a CPU runtime: before any download), with the fix
+report = preflight(MODEL, load=LOAD, max_new_tokens=64,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
+if not report.ok:  # sections 2-5 plan on the meta device: they run; section 6 loads, and stops first
+    print("FAIL above: its fix is on its line. Sections 2-5 plan without a GPU or a download, so they run; "
+          "section 6 stops before loading.")
 
 # %% [markdown]
 # ## 2. What fits where
@@ -204,6 +210,7 @@ plan
 # %%
 from helpers import LoadPlan, load
 
+report.raise_for_failures()  # "Run all" stops here (a 7B on a CPU runtime: before any download), with the fix
 if gpus:
     model, tokenizer, report = load(LoadPlan(MODEL, load=LOAD, gpus=len(gpus)))
 else:

@@ -22,19 +22,9 @@
 # # 06 · QLoRA on Whisper (speech to text) that fits a T4
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/oomkit/oomkit/blob/main/notebooks/06_family_finetune.ipynb)
-#
-# Notebook 02 fine-tunes a decoder-only LM; this one does the same for an encoder-decoder that
-# listens. Whisper's audio encoder stays frozen and in 16 bits (quantizing it costs transcripts more
-# than it saves), the decoder is loaded in 4 bits and LoRA adapts it. Each example is 30 s of mel
-# frames (whatever the clip's length) and its transcript; `safe_generate` transcribes held-out clips
-# before and after training, each result on disk as it comes, so an OOM or a disconnect loses nothing.
-#
-# Steps: preflight -> plan and estimate (the audio encoder's rows) -> load -> data -> transcripts
-# before -> prepare QLoRA -> measure the micro-batch -> train (resumable) -> transcripts after ->
-# save the adapter -> cleanup.
 
-# %%
-# Install oomkit in Colab or Kaggle (locally `make` installed it): quiet, skipped once installed, no restart needed.
+# %% cellView="form" jupyter={"source_hidden": true}
+# @title Install oomkit (Colab, Kaggle: quiet, skipped once installed) { display-mode: "form" }
 import importlib
 import importlib.metadata
 import importlib.util
@@ -58,6 +48,11 @@ from helpers import configure_allocator, gpu_notice  # noqa: E402
 configure_allocator()  # expandable segments, set before anything touches CUDA (else it needs a restart)
 if notice := gpu_notice():  # on a CPU runtime: how to switch to a T4
     print(notice)
+
+# %% [markdown]
+# > 1. **Runtime > Change runtime type > T4 GPU** (Kaggle: *Accelerator > GPU T4*)
+# > 2. Set **`MODEL`** in the form below: a hub id or a local folder with `config.json`
+# > 3. **Runtime > Run all**
 
 # %% tags=["parameters"]
 # hub id or local path of a Whisper checkpoint
@@ -90,17 +85,26 @@ DEVICE = "t4"  # @param {type:"string"}
 MAX_NEW_TOKENS = 32  # @param {type:"integer"}
 
 # %% [markdown]
+# Notebook 02 fine-tunes a decoder-only LM; this one does the same for an encoder-decoder that
+# listens. Whisper's audio encoder stays frozen and in 16 bits (quantizing it costs transcripts more
+# than it saves), the decoder is loaded in 4 bits and LoRA adapts it. Each example is 30 s of mel
+# frames (whatever the clip's length) and its transcript; `safe_generate` transcribes held-out clips
+# before and after training, each result on disk as it comes, so an OOM or a disconnect loses nothing.
+#
+# Steps: preflight -> plan and estimate (the audio encoder's rows) -> load -> data -> transcripts
+# before -> prepare QLoRA -> measure the micro-batch -> train (resumable) -> transcripts after ->
+# save the adapter -> cleanup.
+
+# %% [markdown]
 # ## 1. Preflight
 
 # %%
 # %load_ext helpers
-from IPython.display import display
-
 from helpers import mount_drive, preflight, snapshot
 
 start = snapshot()
-report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS)
-display(report)
+report = preflight(MODEL, load=LOAD, max_new_tokens=MAX_NEW_TOKENS,
+                   show=True, calibrate=True)  # each check as it finishes; calibrate: time estimates use this machine
 report.raise_for_failures()  # "Run all" stops here when this model cannot run on this runtime, with the fix
 if MOUNT_DRIVE:
     print(mount_drive())

@@ -428,6 +428,7 @@ UX_WIDTHS = (760, 1280)  # Colab's narrow notebook column and a laptop screen
 UX_THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
 UX_KNOBS = {"MAX_NEW_TOKENS": 256, "BATCH_SIZE": 4}  # the OOM cell's parameters: its fixes must name them
 UX_TRAIN_STEPS = 30  # about 3 s of the tiny model on a CPU: several updates at TrainView's 0.5 s pace
+OOM_CELL = 9  # ux_notebook's last cell, which runs out of memory on purpose
 
 
 def ux_notebook(dest_dir: Path, tiny: Path) -> Path:
@@ -454,6 +455,10 @@ def ux_notebook(dest_dir: Path, tiny: Path) -> Path:
         "import warnings\nwith warnings.catch_warnings():  # the answers cut at 128 tokens: said elsewhere\n"
         "    warnings.simplefilter('ignore')\n    data = build_dataset(tokenizer, load_instructions()[:48], plan.seq_len)\n"
         "result = train(model, tokenizer, plan, data, resume=False)",
+        # preflight's checks (a 7B on this CPU: FAILs with long fixes) and the leak views, in the narrow column
+        "from helpers import preflight\npreflight('codellama/CodeLlama-7b-hf', show=True)",
+        "from IPython.display import display\nfrom helpers import census, leak_checks\n"
+        "display(leak_checks())\ncensus()",
         knobs,
         'raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity '
         'of 14.74 GiB of which 1.02 GiB is free. Of the allocated memory 12.10 GiB is allocated by PyTorch")',
@@ -469,7 +474,7 @@ def ux_notebook(dest_dir: Path, tiny: Path) -> Path:
 
 # Every text the checks below look at, with its colour and the background it is drawn on (the first
 # ancestor with an opaque background), plus the number cells' heights and the slider readouts.
-_JS_LOOK = """() => {
+_JS_LOOK = """(skip = -1) => {
   const root = window.jupyterapp.shell.currentWidget.node;  // this notebook: not others an earlier test left open
   const bg = (el) => {
     for (let e = el; e; e = e.parentElement) {
@@ -511,7 +516,16 @@ _JS_LOOK = """() => {
     const r = el.getBoundingClientRect();
     if (r.width && r.right > window.innerWidth) overflow.push({text: el.innerText, right: r.right});
   }
-  return {texts, cells, readouts, aligned, overflow, light: document.body.dataset.jpThemeLight};
+  const sideways = [], warned = [];  // outputs that scroll sideways; stderr outputs (a library's warnings)
+  root.querySelectorAll('.jp-Cell').forEach((cell, i) => {
+    if (i === skip) return;  // the cell that fails on purpose: its traceback is wide and red by design
+    for (const el of cell.querySelectorAll('.jp-OutputArea-output')) {
+      if (el.scrollWidth > el.clientWidth + 1)
+        sideways.push({cell: i, text: el.innerText.slice(0, 60), scroll: el.scrollWidth, client: el.clientWidth});
+      if (el.dataset.mimeType === 'application/vnd.jupyter.stderr') warned.push({cell: i, text: el.innerText.slice(0, 200)});
+    }
+  });
+  return {texts, cells, readouts, aligned, overflow, sideways, warned, light: document.body.dataset.jpThemeLight};
 }"""
 
 
@@ -538,6 +552,10 @@ def look_problems(look: dict) -> list[str]:
         bad.append(f"{a['text']!r} aligned {a['got']}, not {a['want']}")
     for o in look["overflow"]:
         bad.append(f"bar figures {o['text']!r} past the window's edge (right {o['right']:.0f} px)")
+    for o in look.get("sideways", []):
+        bad.append(f"cell {o['cell']}'s output scrolls sideways ({o['scroll']} > {o['client']} px): {o['text']!r}")
+    for w in look.get("warned", []):
+        bad.append(f"cell {w['cell']} shows a warning on stderr: {w['text']!r}")
     for r in look["readouts"]:
         if r["scroll"] > r["client"] or r["right"] > r["width"]:
             bad.append(
@@ -579,7 +597,8 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     """Notebooks 00-02's outputs in JupyterLab at 760 px and 1280 px, light and dark theme, in one page:
     number cells one line high, every verdict and table text >= 4.5:1 against its real background,
     slider values not cut off (at 760 px with the file browser open too), the micro-batch dropdown showing "auto (measure)", the training view updating
-    at least 3 times during ``train()``, and the OOM card in the failing cell naming MAX_NEW_TOKENS.
+    at least 3 times during ``train()``, the OOM card in the failing cell naming MAX_NEW_TOKENS, and at every width
+    and theme (760 px with the file browser open too) no output that scrolls sideways and no warning on stderr.
 
     One notebook run per ipywidgets, every width and theme in the same page (about 30 s each here).
     """
@@ -604,7 +623,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     assert len(chart) >= 3 and chart == sorted(chart) and chart[-1] == UX_TRAIN_STEPS + 1, chart
 
     # the OOM card in the failing cell, above its traceback, with the notebook's knobs as fixes
-    oom = cell_output(page, 7)
+    oom = cell_output(page, OOM_CELL)
     wait_until(lambda: "Out of memory on GPU 0" in oom.inner_text(), "the OOM card in the failing cell")
     card = oom.inner_text()
     assert f"MAX_NEW_TOKENS = {UX_KNOBS['MAX_NEW_TOKENS'] // 2}" in card and "BATCH_SIZE = 2" in card
@@ -620,7 +639,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     page.set_viewport_size({"width": 760, "height": 1600})
     page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
     page.wait_for_timeout(500)
-    problems = {(760, "files open"): look_problems(page.evaluate(_JS_LOOK))}
+    problems = {(760, "files open"): look_problems(page.evaluate(_JS_LOOK, OOM_CELL))}  # none scrolls sideways
     for what, index in (("load_panel", 3), ("train_panel", 4)):
         ui.screenshot(shots / f"{what}-760-files-open.png", cell_output(page, index))
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
@@ -628,14 +647,15 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
         page.set_viewport_size({"width": width, "height": 1600})  # the OOM card whole, under no status bar
         for name, theme in UX_THEMES.items():
             set_theme(page, theme)
-            look = page.evaluate(_JS_LOOK)
+            look = page.evaluate(_JS_LOOK, OOM_CELL)
             assert look["light"] == ("true" if name == "light" else "false")
             assert len(look["cells"]) > 20 and len(look["readouts"]) >= 3 and len(look["texts"]) > 50
             verdicts = {t["text"].split()[0] for t in look["texts"] if "oomkit-" in t["cls"] and "td" not in t["cls"]}
             assert {"fits", "tight", "does"} <= verdicts, verdicts
             problems[(width, name)] = look_problems(look)
             for what, index in (("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
-                                ("training_view", train_cell), ("oom_card", 7)):  # fmt: skip
+                                ("training_view", train_cell), ("preflight", 6), ("leak_checks", 7),
+                                ("oom_card", OOM_CELL)):  # fmt: skip
                 area = cell_output(page, index)
                 if what == "oom_card":  # the card alone, not the traceback under it
                     area = area.locator(".jp-OutputArea-child").first

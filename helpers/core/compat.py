@@ -9,20 +9,27 @@ newest). Code elsewhere asks this module instead of comparing versions itself:
 - :func:`trainer_tokenizer_kwarg`: ``Trainer(processing_class=)`` since transformers 4.46, ``tokenizer=`` before.
 - :data:`OutOfMemoryError`: ``torch.OutOfMemoryError`` since torch 2.5, ``torch.cuda.OutOfMemoryError`` before.
 - :func:`bitsandbytes_runs_on_cpu`: bitsandbytes 0.48 (the oldest tested) runs int8 and 4-bit on the CPU; 0.45 does not.
+- :func:`library_notes_silenced`: the notes a library release logs or warns about a call oomkit made itself
+  (its wording changes between releases, so each caller names the notes by their words).
 
 Bottom layer: imports nothing from ``helpers``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import logging
 import re
+import warnings
+from collections.abc import Iterator
 
 import torch
 
 __all__ = [
     "version", "at_least", "DTYPE_KWARG_SINCE", "PROCESSING_CLASS_SINCE", "BNB_CPU_SINCE",
     "dtype_kwarg", "from_pretrained_dtype", "trainer_tokenizer_kwarg", "OutOfMemoryError", "bitsandbytes_runs_on_cpu",
+    "library_notes_silenced",
 ]  # fmt: skip
 
 DTYPE_KWARG_SINCE = (4, 56)  # transformers: from_pretrained(dtype=) replaced torch_dtype=
@@ -76,3 +83,41 @@ def supported_kwargs(fn, **kwargs) -> dict:
 def bitsandbytes_runs_on_cpu() -> bool:
     """Whether the installed bitsandbytes has CPU kernels (int8 / nf4 without a GPU)."""
     return at_least("bitsandbytes", BNB_CPU_SINCE)
+
+
+class _DropNotes(logging.Filter):
+    """Drops log records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(str(record.msg))
+
+
+@contextlib.contextmanager
+def library_notes_silenced(*notes: str, libraries: tuple[str, ...] = ("transformers",)) -> Iterator[None]:
+    """Within the block, drop the log records and Python warnings whose text matches one of ``notes`` (regular
+    expressions) from ``libraries``' loggers: the notes a library prints about a call oomkit made itself (a
+    user who called it would want them; under oomkit's call they name arguments the user never passed).
+    Everything else still prints."""
+    pattern = re.compile("|".join(f"(?:{n})" for n in notes))
+    drop = _DropNotes(pattern)
+    # a filter applies at the logger that makes the record, so every logger of the library gets it
+    # (transformers names one per module: transformers.generation.utils, transformers.models.llama...)
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n.split(".")[0] in libraries]
+    targets = [logging.getLogger(n) for n in {*names, *libraries}]
+    # and the handlers the library's records reach (transformers' own on its root logger): a module imported
+    # inside the block (transformers.integrations.bitsandbytes, on a quantized load) makes its logger then
+    targets += [h for lib in libraries for h in logging.getLogger(lib).handlers]
+    for target in targets:
+        target.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            for note in notes:
+                warnings.filterwarnings("ignore", message=f".*{note}")
+            yield
+    finally:
+        for target in targets:
+            target.removeFilter(drop)

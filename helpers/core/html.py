@@ -233,7 +233,7 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", *, 
     a long description and its figures), which wrap onto the next line instead; a text bar as tqdm makes it."""
     from tqdm.auto import tqdm
 
-    bar_ = tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, **kwargs)
+    bar_ = tqdm(iterable, total=total, desc=desc, unit=unit, disable=disable, **{"dynamic_ncols": True, **kwargs})
     container = getattr(bar_, "container", None)  # tqdm.notebook's HBox(description, bar, figures)
     if container is not None and len(getattr(container, "children", ())) == 3:
         container.layout.flex_flow = "row wrap"

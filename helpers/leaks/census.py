@@ -9,7 +9,7 @@ from html import escape
 
 import torch
 
-from ..core.html import table
+from ..core.html import Markup, table
 from ..core.session import caller_namespace
 from ..core.units import format_bytes
 from .object_walk import MAX_DEPTH, MAX_OBJECTS, walk
@@ -100,21 +100,24 @@ class TensorCensus:
         return "\n".join(lines)
 
     def _repr_html_(self, limit: int = 15) -> str:
-        rows = [
-            [
-                format_bytes(g.nbytes),
-                g.count,
-                g.device,
-                g.dtype,
-                str(list(g.shape)),
-                ", ".join(g.holders[:3]) + (f" (+{len(g.holders) - 3})" if len(g.holders) > 3 else "") or "(unnamed)",
-                g.with_graph or "",
-            ]
-            for g in self.groups[:limit]
-        ]
+        # four columns, the tensor's kind in one and its graph under its holder: seven scrolled sideways in
+        # Colab's ~420 px column
+        rows = [[format_bytes(g.nbytes), g.count, _kind_cell(g), _held_cell(g)] for g in self.groups[:limit]]
         title = f"Tensor census: {len(self.entries)} storages, {format_bytes(self.total)}"
-        html = table(["bytes", "count", "device", "dtype", "shape", "held by", "grad_fn"], rows, title)
+        html = table(["bytes", "count", "tensor", "held by"], rows, title)
         return html + "".join(f"<div>note: {escape(n)}</div>" for n in self.notes)
+
+
+def _kind_cell(g) -> Markup:
+    """``cpu · float32 · [512, 64]``, free to wrap between its parts."""
+    return Markup(" · ".join(escape(str(x)) for x in (g.device, g.dtype, list(g.shape))))
+
+
+def _held_cell(g) -> Markup:
+    """The group's holders, and how many of its tensors carry an autograd graph on the line below."""
+    held = ", ".join(g.holders[:3]) + (f" (+{len(g.holders) - 3})" if len(g.holders) > 3 else "") or "(unnamed)"
+    graph = f"<div>{g.with_graph} with grad_fn</div>" if g.with_graph else ""
+    return Markup(f"<div style='overflow-wrap:anywhere'>{escape(held)}</div>{graph}")
 
 
 _DIGITS = re.compile(r"(\d+)")  # compiled once: a census of 20,000 tensors sorts 20,000 holder names

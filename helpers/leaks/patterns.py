@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.arguments import whole_number
-from ..core.checks import Check
-from ..core.html import badge, table
+from ..core.checks import Check, checks_table
 from ..core.session import caller_namespace, ipython
 from ..core.units import format_bytes
 from .object_walk import walk
@@ -42,8 +41,7 @@ class LeakChecks:
         return "\n".join(str(c) for c in self.checks)
 
     def _repr_html_(self) -> str:
-        rows = [[badge(c.status), c.name, c.summary, c.fix or ""] for c in self.checks]
-        return table(["", "pattern", "finding", "fix"], rows, "Leak patterns")
+        return checks_table(self.checks, "Leak patterns", name="pattern")  # each fix under its finding
 
 
 def _bytes_of(obj, limit: int = 10_000) -> tuple[int, int]:

@@ -22,12 +22,14 @@ import torch
 
 from ..core import phases
 from ..core.arguments import number, whole_number
+from ..core.compat import library_notes_silenced
 from ..core.errors import ContextLengthError
 from ..core.html import progress_bar
 from ..core.vocab import DEFAULTS
 
 __all__ = [
     "check_generate_kwargs",
+    "GENERATE_NOTES",
     "Generated",
     "encode",
     "embedding_rows",
@@ -57,6 +59,21 @@ class Generated:
     texts: list[str]
     token_ids: torch.Tensor
     new_tokens: list[int]
+
+
+# What transformers says about the generate() call oomkit makes, not about anything the user passed: the model's
+# generation_config.json max_length beside the max_new_tokens oomkit always passes, its sampling flags beside
+# greedy decoding, a model just trained with gradient checkpointing (use_cache is turned back off by itself)
+GENERATE_NOTES = (
+    r"Both `max_new_tokens` .* and `max_length`",
+    r"Using the model-agnostic default `max_length`",
+    r"The following generation flags are not valid",
+    r"note that some of these attributes may be set through the model's `generation_config",
+    r"Passing `generation_config` together with generation-related arguments",
+    r"`use_cache=True` is incompatible with gradient checkpointing",
+    r"Caching is incompatible with gradient checkpointing",
+    r"Setting `pad_token_id` to `eos_token_id`",
+)
 
 
 def encode(tokenizer, prompts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
@@ -218,7 +235,7 @@ def generate_batch(
     if generate_kwargs.get("stop_strings") and "tokenizer" not in generate_kwargs:
         generate_kwargs = {**generate_kwargs, "tokenizer": tokenizer}  # generate reads stop strings with it
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), library_notes_silenced(*GENERATE_NOTES):
             out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
     finally:
         if steps is not None:

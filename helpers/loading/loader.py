@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..core.attention import keep_attention_fused
+from ..core.compat import library_notes_silenced
 from ..core.devices import (
     device_kind,
 )
@@ -59,7 +60,12 @@ __all__ = [
     "load",
     "setup_tokenizer",
     "keep_4bit_layout",
+    "LOAD_NOTES",
 ]  # fmt: skip
+
+# What transformers logs about a load oomkit planned: bitsandbytes' replacement finding no linear layer to quantize
+# on a CPU device map (in a message that names another backend, eetq); the load report says what stayed unquantized
+LOAD_NOTES = (r"but no linear modules were found in your model",)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -245,7 +251,8 @@ def _from_pretrained(model: str, kwargs: dict[str, Any], est):
     with a CPU share: the checks predicted no offload) becomes oomkit's, with the fix."""
     cls = model_class(model, kwargs.get("trust_remote_code", False), kwargs.get("token"))
     try:
-        return cls.from_pretrained(model, **kwargs)
+        with library_notes_silenced(*LOAD_NOTES):
+            return cls.from_pretrained(model, **kwargs)
     except ValueError as e:
         if "llm_int8_enable_fp32_cpu_offload" not in str(e):
             raise

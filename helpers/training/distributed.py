@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from html import escape
@@ -42,7 +43,7 @@ import torch
 from ..core.arguments import flag
 from ..core.devices import resolve_device
 from ..core.errors import OomkitError
-from ..core.html import table
+from ..core.html import progress_bar, table
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS
 from ..estimator.configs import resolve_config
@@ -392,7 +393,7 @@ def _torchrun(target: str, args_json: str, num_processes: int) -> None:
     comes (a notebook shows it) and its last lines make the :class:`DistributedError` of a failed run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
            "-m", "helpers.training.distributed", target, args_json]  # fmt: skip
-    run = run_streaming(cmd)
+    run = run_streaming(cmd, desc=f"torchrun, {num_processes} processes")
     if run.code != 0:
         raise DistributedError(_failure(target, run.code, run.tail))
 
@@ -406,12 +407,15 @@ class StreamedRun:
     timed_out: bool = False
 
 
-def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: int = 400) -> StreamedRun:
-    """Run a launcher (torchrun, accelerate launch) and wait for it. Its stderr goes on to this process's as
-    it comes (a notebook shows it) and its last ``tail_lines`` are kept for the error of a failed run; an
-    interrupted cell, or ``timeout`` seconds passed, terminates it (the launcher passes SIGTERM on to its
-    ranks), so no rank is left running."""
+def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: int = 400, desc: str = "launch",
+                  echo: bool = False) -> StreamedRun:  # fmt: skip
+    """Run a launcher (torchrun, accelerate launch) and wait for it. Its ranks' stderr is collapsed into one
+    progress line (``desc``, the time so far and the latest line any rank wrote: its loss, a load) instead of every
+    rank's lines interleaved; ``echo=True`` passes each line on as it comes. The last ``tail_lines`` are kept
+    for the error of a failed run; an interrupted cell, or ``timeout`` seconds passed, terminates it (the
+    launcher passes SIGTERM on to its ranks), so no rank is left running."""
     tail: deque[str] = deque(maxlen=tail_lines)
+    # text mode reads a "\r" as a line end: a rank's tqdm redraw is one line here
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
     fired = threading.Event()
 
@@ -422,9 +426,14 @@ def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: i
     watchdog = threading.Timer(timeout, stop) if timeout else None
     if watchdog:
         watchdog.start()
+    status = None if echo else _launch_line(desc)
     try:
         for line in proc.stderr:
-            sys.stderr.write(line)
+            if echo:
+                sys.stderr.write(line)
+            elif line.strip():
+                status.set_postfix_str(_latest(line), refresh=False)
+                status.update()
             tail.append(line.rstrip("\n"))
         code = proc.wait()
     except BaseException:
@@ -434,7 +443,24 @@ def run_streaming(cmd: list[str], *, timeout: float | None = None, tail_lines: i
     finally:
         if watchdog:
             watchdog.cancel()
+        if status is not None:
+            status.set_postfix_str("done" if proc.poll() == 0 else f"exited with status {proc.poll()}")
+            status.close()
     return StreamedRun(code, list(tail), fired.is_set())
+
+
+def _launch_line(desc: str):
+    """The one progress line of a launch: how long it has run, and the latest thing a rank said."""
+    return progress_bar(desc=desc, bar_format="{desc}: {elapsed}{postfix}", mininterval=0.5)
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+
+
+def _latest(line: str, width: int = 72) -> str:
+    """A rank's line as the launch line's postfix: its rank prefix dropped, cut to ``width``."""
+    text = " ".join(_RANK_PREFIX.sub("", line.strip()).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b.*)$")
@@ -493,6 +519,7 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     from .data import build_dataset, collate, load_instructions
     from .plan import TrainPlan
 
+    _quiet_rank()  # before the Accelerator, whose thread-count warning each rank would print
     acc = Accelerator(cpu=not torch.cuda.is_available())
     if acc.device.type == "cpu":
         torch.set_num_threads(1)  # N processes share the cores: one thread each is faster than oversubscribing
@@ -511,6 +538,7 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     proc = psutil.Process()
     losses, rss, started = [], [], time.perf_counter()
     ddp_model.train()
+    bar = _rank_bar(acc, steps)
     for step in range(steps):
         batch = {k: v.to(acc.device) for k, v in batches[step % len(batches)].items()}
         loss = ddp_model(**batch).loss
@@ -519,6 +547,9 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
         optimizer.zero_grad(set_to_none=True)
         losses.append(acc.reduce(loss.detach(), reduction="mean").item())
         rss.append(proc.memory_info().rss)
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
     checksum = sum(p.detach().double().abs().sum().item() for p in peft_model.parameters() if p.requires_grad)
     report = RankReport(acc.process_index, acc.num_processes, str(acc.state.backend), str(acc.device), losses, rss,
                         torch.cuda.max_memory_allocated() if acc.device.type == "cuda" else None,
@@ -528,6 +559,28 @@ def ddp_qlora_worker(model: str, out_dir: str, steps: int = 8, seq_len: int = 64
     (Path(out_dir) / f"rank{acc.process_index}.json").write_text(json.dumps(report.__dict__))
     acc.wait_for_everyone()
     acc.end_training()
+
+
+def _quiet_rank() -> None:
+    """In a rank, no progress bar of transformers' (each rank's weight-loading bar, interleaved with the others')
+    and no warning repeated once per rank: the launch shows one progress line, rank 0's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _rank_bar(acc, steps: int):
+    """Rank 0's bar of the training steps (the other ranks keep step with it: DDP syncs every step)."""
+    from tqdm import tqdm  # plain text: a forked rank cannot drive the kernel's widgets; a "\r" redraw is one line
+
+    # under torchrun our stderr is the launch's pipe, which the launching process folds into its one line; a
+    # rank forked from a notebook kernel writes to the kernel's streams, where stderr is a red warning block
+    forked = type(sys.stderr).__module__.split(".")[0] == "ipykernel"
+    return tqdm(total=steps, desc=f"DDP QLoRA, {acc.num_processes} processes, rank 0",
+                file=sys.stdout if forked else sys.stderr, disable=acc.process_index != 0, ncols=80,
+                mininterval=0.5)  # fmt: skip
 
 
 @dataclass

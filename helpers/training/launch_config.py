@@ -383,7 +383,8 @@ def launch_plan(
         if not here.fits:
             raise DistributedError(f"not launched: {here.check().summary} (every rank loads its own copy before "
                                    f"sharding). Fix: {here.fix}")  # fmt: skip
-    run = run_streaming(config.command(module, args), timeout=timeout, tail_lines=TAIL_LINES)
+    run = run_streaming(config.command(module, args), timeout=timeout, tail_lines=TAIL_LINES,
+                        desc=f"accelerate launch, {config.world_size} processes")  # fmt: skip
     if run.timed_out:
         raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped")
     code, tail = run.code, run.tail
