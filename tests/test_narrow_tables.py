@@ -39,7 +39,7 @@ def test_a_notebook_bar_keeps_a_minimum_width(monkeypatch):
     import tqdm.auto
 
     monkeypatch.setattr(tqdm.auto, "tqdm", notebook.tqdm)
-    bar = progress_bar(range(3), desc="safe_generate")
+    bar = progress_bar(iterable=range(3), desc="safe_generate")
     ltext, pbar, rtext = bar.container.children
     assert pbar.layout.min_width == BAR_MIN_WIDTH
     assert bar.container.layout.flex_flow == "row wrap"  # the figures wrap under the bar, not over it
@@ -47,7 +47,7 @@ def test_a_notebook_bar_keeps_a_minimum_width(monkeypatch):
 
 
 def test_outside_a_notebook_it_is_a_text_bar(capsys):
-    bar = progress_bar(range(2), desc="generating")
+    bar = progress_bar(iterable=range(2), desc="generating")
     assert not hasattr(bar, "container")
     list(bar)
     bar.close()
