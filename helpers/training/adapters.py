@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import shutil
 import time
 import warnings
@@ -22,6 +23,8 @@ from ..loading.loader import keep_4bit_layout
 from .plan import FinetuneError, TrainPlan, need_model, need_plan
 
 __all__ = ["prepare_qlora", "TrainableParams", "save_adapter", "AdapterReport", "AdapterSaveError", "merge_adapter"]
+
+ROUNDING_NOTE = re.compile(r"Merge lora module to (\d+-bit) linear")  # peft's per-layer warning
 
 
 @dataclass
@@ -214,4 +217,16 @@ def merge_adapter(model):
             f"merge_adapter() folds a LoRA adapter into its base; {type(model).__name__} has none: pass the model "
             "prepare_qlora() returned, or one loaded with LoadPlan(adapter=...)"
         )
-    return model.merge_and_unload()
+    # peft warns once per layer ("Merge lora module to 4-bit linear may get different generations due to
+    # rounding errors"): a pink block per module in a notebook; said once here as an oomkit note instead
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = model.merge_and_unload()
+    rounded = sorted({m.group(1) for w in caught if (m := ROUNDING_NOTE.search(str(w.message)))})
+    for w in caught:
+        if not ROUNDING_NOTE.search(str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if rounded:
+        print(f"[oomkit] note: merged into a {' and '.join(rounded)} base, the weights were quantized again, which "
+              "rounds them: answers may differ a little from the adapter's (load the base in fp16 for an exact merge)")
+    return merged
