@@ -32,7 +32,7 @@ from ..core.vocab import (
     loss_name,
 )
 from .configs import hub_repo, resolve_config
-from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
+from .families import CAUSAL, IMAGE_TEXT, family
 from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
 from .family_training import vlm_sequence
 from .hub_headers import header_rows, read_hub_headers
@@ -392,10 +392,6 @@ def _family_warnings(config, rows: list[EstimateRow], inputs: dict) -> list[str]
     if audio:
         out.append(f"{format_bytes(audio)} of the {format_bytes(total)} of weights are the audio encoder, kept in "
                    "16 bits (LoRA trains the decoder around it; quantizing it costs transcripts more)")  # fmt: skip
-    if isinstance(training, FullTraining) and fam != CAUSAL:
-        out.append(f"full fine-tuning ({FAMILIES[fam]}): its step is estimated with the decoder-only formulas "
-                   "(the family formulas are LoRA's, with the frozen encoder or vision tower); take the activation "
-                   "rows as a lower bound")  # fmt: skip
     if isinstance(training, LoraTraining) and fam == IMAGE_TEXT:
         seq, images, per, _ = vlm_sequence(config, training, inputs)
         if seq > training.seq_len:

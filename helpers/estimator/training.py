@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from ..core.arguments import flag, number, whole_number
 from ..core.vocab import DEFAULTS, MODES, QUANTIZED
 from .families import IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
-from .family_training import seq2seq_activation_rows, vision_training_rows, vlm_layer_bytes, vlm_sequence
+from .family_training import (
+    head_input_row,
+    seq2seq_activation_rows,
+    vision_training_rows,
+    vlm_layer_bytes,
+    vlm_sequence,
+)
 from .layout import Layout, adapted_linears, dims, should_convert
 from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
@@ -286,13 +292,15 @@ def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int =
                                        "exact", "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))  # fmt: skip
     else:
         (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
-    if lora and fam in (SEQ2SEQ, SPEECH_SEQ2SEQ):
-        rows += seq2seq_activation_rows(config, b, tr, adapted, extra or {}, cpu, _dequantized(lay, load, b))
-    elif lora and fam == IMAGE_TEXT:
+    if fam in (SEQ2SEQ, SPEECH_SEQ2SEQ):
+        adapted = adapted if lora else []
+        rows += seq2seq_activation_rows(config, b, tr, adapted, extra or {}, cpu, _dequantized(lay, load, b), not lora)
+    elif fam == IMAGE_TEXT:
         seq = vlm_sequence(config, tr, extra or {})[0]
-        own = vlm_layer_bytes(d, b, tr, adapted, cpu)
+        own = vlm_layer_bytes(d, b, tr, adapted if lora else [], cpu, full=not lora)
         lm = _activation_rows(lay, d, load, b, dataclasses.replace(tr, seq_len=seq), per_tok_lora, own)
-        rows += lm + vision_training_rows(config, tr, extra or {}, b, sum(r.bytes for r in lm))
+        lm += [] if lora else [head_input_row(d, tr, seq, b)]
+        rows += lm + vision_training_rows(config, tr, extra or {}, b, sum(r.bytes for r in lm), full=not lora)
     else:
         rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
     return (_offloaded(rows, d, b, tr) if tr.offload_activations else rows), trainable
