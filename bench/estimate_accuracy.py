@@ -143,6 +143,10 @@ def full_size_rows() -> list[dict]:
         cfg = json.loads(path.read_text())
         if "quantization_config" in cfg:  # loads only as saved (mxfp4, fp8): no fp16/int8/nf4 to set beside the peers
             continue
+        if cfg.get("text_config", cfg).get("num_local_experts"):
+            # accelerate builds its model under init_empty_weights(), which allocates fused expert tensors for
+            # real (Llama-4-Scout: minutes and GiBs, issue 47); bitsandbytes does not quantize them either
+            continue
         acc = accelerate_gather(path)
         ours = {m: estimate(hub_id, load=m).weights for m in ("fp16", "int8")}
         ours["nf4+dq"] = estimate(hub_id, load="nf4", double_quant=True).weights
