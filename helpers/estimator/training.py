@@ -163,14 +163,18 @@ def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[E
     pb = 4 if MODES[load].bits == 32 else b  # an fp32 load trains in fp32, a 16-bit one in its dtype
     rows.append(EstimateRow("training.gradients", f"gradients ({load})", pb * trainable, "exact"))
     per_param = OPTIMIZERS.get(tr.optimizer)
-    opt = _state_copies(tr.optimizer) * pb * trainable if per_param is None else per_param * trainable
+    # with fp32 master weights the optimizer steps the fp32 copy: its states are fp32 (mixed precision, K=12)
+    sb = 4 if tr.master_weights else pb
+    opt = _state_copies(tr.optimizer) * sb * trainable if per_param is None else per_param * trainable
     rows.append(
         EstimateRow(
             "training.optimizer",
             f"optimizer states ({tr.optimizer})",
             opt,
             "formula",
-            f"torch: {_state_copies(tr.optimizer)} state(s) per parameter in its dtype" if per_param is None else "",
+            f"torch: {_state_copies(tr.optimizer)} state(s) per parameter in {'fp32 (the master weights)' if sb == 4 and pb < 4 else 'its dtype'}"
+            if per_param is None
+            else "",
         )
     )
     if tr.master_weights and MODES[load].bits != 32:
