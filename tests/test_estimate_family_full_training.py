@@ -136,3 +136,21 @@ def test_the_whisper_source_documents_run_no_longer_fits_an_a100_40():
         _whisper_large_v2(), load="fp32", device="a100-40", training=FullTraining(micro_batch=4, seq_len=448)
     )
     assert fit_one_card(ckpt, "a100-40", suggest=False).verdict != DOES_NOT_FIT
+
+
+def test_a_lower_bound_row_never_fits_with_headroom(tiny_vlm):
+    """A trained vision tower whose config gives no depth is counted by its projector alone: a lower bound. The
+    verdict then says "at least" and is tight at best, however much room the total leaves."""
+    from helpers.core.vocab import FITS, TIGHT
+    from helpers.estimator.configs import resolve_config
+
+    config = resolve_config(str(tiny_vlm))[0]
+    tr = FullTraining(seq_len=64, micro_batch=2)
+    known = estimate(config, load="fp32", device="cpu", training=tr)
+    assert not known.lower_bounds and fit_one_card(known, 2**40, suggest=False).verdict == FITS
+    config.vision_config.num_hidden_layers = 0
+    est = estimate(config, load="fp32", device="cpu", training=tr)
+    assert [r.key for r in est.lower_bounds] == ["activations.vision"]
+    verdict = fit_one_card(est, 2**40, suggest=False)
+    assert verdict.verdict == TIGHT and verdict.note.startswith("at least ") and "lower bound" in verdict.note
+    assert "at least" in str(verdict)

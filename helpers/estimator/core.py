@@ -40,7 +40,7 @@ from .inference import Generation, generation_rows
 from .kernel_paths import dequantized_rows, kernel_path, native_rows, path_note
 from .layout import layout, weight_rows
 from .prequantized import NATIVE_FORMATS, PACKED_METHODS, SHIPS_PREQUANTIZED, packed_rows, repo_quantization
-from .rows import HOST, EstimateError, EstimateRow
+from .rows import HOST, LOWER_BOUND, EstimateError, EstimateRow
 from .training import FullTraining, LoraTraining, training_rows
 
 __all__ = ["MemoryEstimate", "estimate", "FRAGMENTATION", "cublas_workspace"]
@@ -80,6 +80,12 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return sum(r.bytes for r in self.rows)
+
+    @property
+    def lower_bounds(self) -> list[EstimateRow]:
+        """The rows that are only lower bounds (their formula leaves out what it cannot size): with any, the
+        estimate is at least :attr:`total`."""
+        return [r for r in self.rows if r.kind == LOWER_BOUND]
 
     def row(self, key: str) -> EstimateRow:
         """The row with this key (``"kv_cache"``, ``"weights.quant_state"``, ...)."""

@@ -40,7 +40,7 @@ from .families import SPEECH_SEQ2SEQ, family
 from .family_rows import EncDecDims, encdec_dims, encoder_peak, encoder_positions, image_tokens, vision_tower_peak
 from .layout import Param
 from .reducers import loss_bytes
-from .rows import EstimateRow
+from .rows import LOWER_BOUND, EstimateRow
 
 __all__ = [
     "seq2seq_activation_rows", "vlm_sequence", "vlm_layer_bytes", "vision_training_rows", "head_input_row",
@@ -318,10 +318,9 @@ def _trained_vision_row(config, tr, n: int, per: int, b: int) -> EstimateRow:
     h = config.get_text_config().hidden_size
     out = n * patches * (layers * per_layer + 2 * hv * b) + n * per * (hv + 2 * h) * b
     what = "one hidden state per layer (checkpointing)" if tr.gradient_checkpointing else "every layer's activations"
-    return EstimateRow(
-        "activations.vision",
-        "vision tower and projector (trained)",
-        out,
-        "formula",
-        f"{n} images x {patches} patches x {layers} layers: {what}; projector over {n} x {per} tokens",
-    )
+    note = f"{n} images x {patches} patches x {layers} layers: {what}; projector over {n} x {per} tokens"
+    if not (hv and layers):  # a tower whose config names its width or depth otherwise: the projector alone counted
+        return EstimateRow("activations.vision", "vision tower and projector (trained)", out, LOWER_BOUND,
+                           "the vision config gives no hidden size or layer count: its tower's activations are not "
+                           "counted, only the projector's; " + note)  # fmt: skip
+    return EstimateRow("activations.vision", "vision tower and projector (trained)", out, "formula", note)
