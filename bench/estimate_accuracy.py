@@ -143,6 +143,10 @@ def full_size_rows() -> list[dict]:
         cfg = json.loads(path.read_text())
         if "quantization_config" in cfg:  # loads only as saved (mxfp4, fp8): no fp16/int8/nf4 to set beside the peers
             continue
+        if cfg.get("text_config", cfg).get("num_local_experts"):
+            # accelerate builds its model under init_empty_weights(), which allocates fused expert tensors for
+            # real (Llama-4-Scout: minutes and GiBs, issue 47); bitsandbytes does not quantize them either
+            continue
         acc = accelerate_gather(path)
         ours = {m: estimate(hub_id, load=m).weights for m in ("fp16", "int8")}
         ours["nf4+dq"] = estimate(hub_id, load="nf4", double_quant=True).weights
@@ -280,6 +284,83 @@ def peak_rows(batch: int = 2, seq: int = 256) -> list[dict]:
             measured = base + pt.peak
             out.append(dict(case=label, measured=measured, predicted=predicted, error_pct=err(predicted, measured)))
             del model
+    return out
+
+
+TINY = Path(__file__).resolve().parents[1] / "data" / "tiny"
+# family -> (shapes: (micro-batch, label/LM tokens, encoder tokens or images)) for the full fine-tuning table
+FULL_FT_CASES = {"t5": [(2, 32, 128), (4, 64, 64)], "whisper": [(2, 32, None), (4, 96, None)],
+                 "llava": [(2, 64, 1), (4, 96, 2)]}  # fmt: skip
+
+
+def family_step_inputs(name: str, model, batch: int, tokens: int, extra) -> tuple[dict, dict]:
+    """A training batch of the tiny model's family and the estimate's family inputs for the same shape."""
+    torch.manual_seed(0)
+    ids = torch.randint(10, 1000, (batch, tokens))
+    if name == "t5":
+        enc = torch.randint(10, 1000, (batch, extra))
+        return {"input_ids": enc, "attention_mask": torch.ones_like(enc), "labels": ids}, {"encoder_tokens": extra}
+    if name == "whisper":
+        frames = 2 * model.config.max_source_positions
+        features = torch.randn(batch, model.config.num_mel_bins, frames)
+        return {"input_features": features, "labels": ids}, {"audio_seconds": frames / 100}
+    image = model.config.image_token_id
+    per = (model.config.vision_config.image_size // model.config.vision_config.patch_size) ** 2
+    ids[:, 1 : 1 + per * extra] = image
+    labels = ids.clone()
+    labels[:, : 1 + per * extra] = -100
+    size = model.config.vision_config.image_size
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "pixel_values": torch.randn(batch * extra, 3, size, size)}, {"images": extra}  # fmt: skip
+
+
+def family_full_rows() -> list[dict]:
+    """Full fine-tuning of the tiny T5, Whisper and LLaVA (fp32, AdamW, every parameter trains), checkpointing on
+    and off, two shapes each: the estimate against real steps on CPU. *step*: weights + the peak of every live
+    tensor over two AdamW steps (gradients, optimizer states, activations) against the estimate without its
+    allocator rows; *activations*: the peak of one forward + backward once the gradients exist against the
+    estimate's activation rows."""
+    from transformers import AutoModelForImageTextToText, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    from helpers.estimator.training import FullTraining
+
+    classes = {"t5": AutoModelForSeq2SeqLM, "whisper": AutoModelForSpeechSeq2Seq, "llava": AutoModelForImageTextToText}
+    out = []
+    for name, cases in FULL_FT_CASES.items():
+        if not (TINY / name).is_dir():
+            continue
+        for ckpt in (True, False):
+            for batch, tokens, extra in cases:
+                model = classes[name].from_pretrained(TINY / name, dtype=torch.float32)
+                if ckpt:
+                    model.gradient_checkpointing_enable()
+                model.train()
+                inputs, family = family_step_inputs(name, model, batch, tokens, extra)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                base = footprint(model)
+                with PeakTracker(model) as pt:
+                    for _ in range(2):  # the second step has the optimizer's states and the gradients
+                        model(**inputs).loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                model(**inputs).loss.backward()
+                model.zero_grad(set_to_none=False)
+                act = PeakTracker(model)
+                act.known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+                with act:
+                    model(**inputs).loss.backward()
+                tr = FullTraining(optimizer="adamw_torch", gradient_checkpointing=ckpt, seq_len=tokens,
+                                  micro_batch=batch)  # fmt: skip
+                est = estimate(str(TINY / name), load="fp32", device="cpu", training=tr, **family)
+                predicted = sum(r.bytes for r in est.rows if r.name not in OVERHEAD_ROWS)
+                shape = (f"{extra} encoder tokens" if name == "t5" else f"{extra} image(s)" if name == "llava"
+                         else f"{model.config.max_source_positions} encoder positions")  # fmt: skip
+                out.append(dict(model=name, checkpointing=ckpt, micro_batch=batch, tokens=tokens, shape=shape,
+                                measured=base + pt.peak, predicted=predicted,
+                                error_pct=err(predicted, base + pt.peak), measured_activations=act.peak,
+                                predicted_activations=est.group_bytes("activations"),
+                                activations_error_pct=err(est.group_bytes("activations"), act.peak)))  # fmt: skip
+                del model, opt
     return out
 
 
@@ -449,6 +530,15 @@ def main() -> int:
     print(format_table(["CPU peak (weights + live tensors)", "measured", "oomkit", "error"],
                        [[p["case"], f"{p['measured']:,}", f"{p['predicted']:,}", f"{p['error_pct']:+.1f} %"]
                         for p in peaks]))  # fmt: skip
+    family_full = family_full_rows()
+    print()
+    print(format_table(["full fine-tuning (fp32, AdamW)", "checkpointing", "batch x tokens", "step: measured",
+                        "oomkit", "error", "activations: measured", "oomkit", "error"],
+                       [[f["model"] + f" ({f['shape']})", "on" if f["checkpointing"] else "off",
+                         f"{f['micro_batch']} x {f['tokens']}", f"{f['measured']:,}", f"{f['predicted']:,}",
+                         f"{f['error_pct']:+.1f} %", f"{f['measured_activations']:,}",
+                         f"{f['predicted_activations']:,}", f"{f['activations_error_pct']:+.1f} %"]
+                        for f in family_full]))  # fmt: skip
     gpu = cuda_qlora_row()
     gpu_generate = cuda_generate_row()
     if gpu is not None or gpu_generate is not None:
@@ -469,6 +559,7 @@ def main() -> int:
             "param_counts": counts,
             "worst_error_pct": worst,
             "peaks": peaks,
+            "family_full": family_full,
             "cuda_qlora": gpu,
             "cuda_generate": gpu_generate,
             "counts_exact": all_exact,

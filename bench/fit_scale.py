@@ -1,4 +1,5 @@
-"""How long ``fit()`` takes as models grow: the largest shipped config, a machine's split, and 80- and
+"""How long ``fit()`` takes as models grow: the largest shipped config (Llama-4-Scout), gpt-oss-20b as saved,
+a machine's split, and 80- and
 1,024-layer configs of a 70B's width that do not fit (their fixes plan an offload over hundreds of layers).
 
 Target (issue 47): any config's ``fit()`` in seconds, under 30 s here. Each case runs in a fresh process
@@ -27,7 +28,13 @@ TARGET_S = 30
 WIDE = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8)
 # (label, model: a shipped id or the number of layers of a 70B-wide Llama, load, device)
 CASES = [
-    ("gpt-oss-20b (largest shipped), as saved", "openai/gpt-oss-20b", "auto", "t4"),
+    (
+        "Llama-4-Scout-17B-16E (largest shipped: 109 B, MoE + vision)",
+        "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        "auto",
+        "t4",
+    ),  # fmt: skip
+    ("gpt-oss-20b, as saved", "openai/gpt-oss-20b", "auto", "t4"),
     ("Llama-3.1-8B fp16 on a 2xT4 machine", "meta-llama/Llama-3.1-8B", "fp16", "kaggle-2xt4"),
     ("80 layers, 70B-wide, nf4", 80, "nf4", "t4"),
     ("1,024 layers, 70B-wide, nf4", 1024, "nf4", "t4"),

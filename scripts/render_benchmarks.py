@@ -224,7 +224,37 @@ records each output's storage until it dies, since a CPU has no `max_memory_allo
 These measurements set the activation formulas: the loss peaks at the start of backward with three
 fp32 `batch x seq x vocab` buffers (log-softmax output, its incoming gradient, the gradient it
 returns), and with gradient checkpointing that peak and one recomputed layer do not overlap.
-{cuda_note}"""
+{cuda_note}{family_full_ft(d.get("family_full") or [])}"""
+
+
+def family_full_ft(rows: list[dict]) -> str:
+    """The full fine-tuning table of the tiny T5, Whisper and LLaVA: estimate / measured, checkpointing on and off."""
+    if not rows:
+        return ""
+    ratio = lambda pred, meas: f"{pred / meas:.2f}x"  # noqa: E731
+    body = table(
+        ["full fine-tuning (fp32, AdamW)", "checkpointing", "batch x tokens", "activations: measured", "oomkit",
+         "estimate / measured", "step peak: measured", "oomkit", "estimate / measured"],
+        [[f"{r['model']} ({r['shape']})", "on" if r["checkpointing"] else "off", f"{r['micro_batch']} x {r['tokens']}",
+          f"{r['measured_activations']:,}", f"{r['predicted_activations']:,}",
+          ratio(r["predicted_activations"], r["measured_activations"]), f"{r['measured']:,}", f"{r['predicted']:,}",
+          ratio(r["predicted"], r["measured"])] for r in rows],
+    )  # fmt: skip
+    act = [r["predicted_activations"] / r["measured_activations"] for r in rows]
+    step = [r["predicted"] / r["measured"] for r in rows]
+    return f"""
+
+Full fine-tuning of the encoder-decoder and vision-language families: the tiny T5, Whisper and LLaVA of
+`data/tiny` (every parameter trains: both stacks, Whisper's audio encoder, the vision tower and projector), fp32
+on CPU. *activations*: the peak of live tensors in one forward + backward once the gradients exist, against the
+estimate's activation rows; *step peak*: weights + the peak of every live tensor over two AdamW steps, against
+the estimate without its allocator rows.
+
+{body}
+
+Activations: {min(act):.2f}-{max(act):.2f}x of measured. Whole step: {min(step):.2f}-{max(step):.2f}x, never under:
+the estimate holds the gradients and the loss's peak at once, where a step that frees its gradients
+(`zero_grad(set_to_none=True)`) peaks before they exist."""
 
 
 def batch_finder(d: dict) -> str:

@@ -123,18 +123,15 @@ def test_a_quantized_vlm_says_its_vision_tower_stays_16_bit(tiny_vlm):
     assert not any("vision tower" in w for w in estimate(str(tiny_vlm), load="fp16", device="t4").warnings)
 
 
-def test_training_a_non_decoder_family_says_what_is_not_counted_yet(tiny_models, tiny_t5, tiny_llama):
+def test_training_every_family_has_its_own_formulas(tiny_models):
     from helpers.estimator.training import FullTraining, LoraTraining
 
-    # LoRA steps of every family have their own formulas (tests/test_estimate_family_training.py) ...
+    # LoRA steps (tests/test_estimate_family_training.py) and full fine-tuning, which trains the frozen parts too
+    # (tests/test_estimate_family_full_training.py): no family is left to the decoder-only formulas
     for name in ("t5", "whisper", "llava", "llama"):
-        est = estimate(str(tiny_models[name]), load="nf4", device="t4", training=LoraTraining(seq_len=64))
-        assert not any("decoder-only formulas" in w for w in est.warnings), name
-    # ... full fine-tuning trains the frozen parts too, which they do not count
-    est = estimate(str(tiny_t5), load="fp16", device="t4", training=FullTraining())
-    assert any("full fine-tuning (encoder-decoder (text))" in w and "lower bound" in w for w in est.warnings)
-    llama = estimate(str(tiny_llama), load="fp16", device="t4", training=FullTraining())
-    assert not any("decoder-only formulas" in w for w in llama.warnings)
+        for tr, load in ((LoraTraining(seq_len=64), "nf4"), (FullTraining(seq_len=64), "fp16")):
+            est = estimate(str(tiny_models[name]), load=load, device="t4", training=tr)
+            assert not any("decoder-only formulas" in w or "lower bound" in w for w in est.warnings), name
 
 
 def test_fit_suggests_fewer_images_and_a_shorter_encoder_input(tiny_vlm, tiny_t5):

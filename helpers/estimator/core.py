@@ -32,7 +32,7 @@ from ..core.vocab import (
     loss_name,
 )
 from .configs import hub_repo, resolve_config
-from .families import CAUSAL, FAMILIES, IMAGE_TEXT, family
+from .families import CAUSAL, IMAGE_TEXT, family
 from .family_rows import check_family_inputs, encoder_decoder_rows, image_tokens, vision_rows
 from .family_training import vlm_sequence
 from .hub_headers import header_rows, read_hub_headers
@@ -40,7 +40,7 @@ from .inference import Generation, generation_rows
 from .kernel_paths import dequantized_rows, kernel_path, native_rows, path_note
 from .layout import layout, weight_rows
 from .prequantized import NATIVE_FORMATS, PACKED_METHODS, SHIPS_PREQUANTIZED, packed_rows, repo_quantization
-from .rows import HOST, EstimateError, EstimateRow
+from .rows import HOST, LOWER_BOUND, EstimateError, EstimateRow
 from .training import FullTraining, LoraTraining, training_rows
 
 __all__ = [
@@ -87,6 +87,12 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return sum(r.bytes for r in self.rows)
+
+    @property
+    def lower_bounds(self) -> list[EstimateRow]:
+        """The rows that are only lower bounds (their formula leaves out what it cannot size): with any, the
+        estimate is at least :attr:`total`."""
+        return [r for r in self.rows if r.kind == LOWER_BOUND]
 
     def row(self, key: str) -> EstimateRow:
         """The row with this key (``"kv_cache"``, ``"weights.quant_state"``, ...)."""
@@ -483,10 +489,6 @@ def _family_warnings(config, rows: list[EstimateRow], inputs: dict) -> list[str]
     if audio:
         out.append(f"{format_bytes(audio)} of the {format_bytes(total)} of weights are the audio encoder, kept in "
                    "16 bits (LoRA trains the decoder around it; quantizing it costs transcripts more)")  # fmt: skip
-    if isinstance(training, FullTraining) and fam != CAUSAL:
-        out.append(f"full fine-tuning ({FAMILIES[fam]}): its step is estimated with the decoder-only formulas "
-                   "(the family formulas are LoRA's, with the frozen encoder or vision tower); take the activation "
-                   "rows as a lower bound")  # fmt: skip
     if isinstance(training, LoraTraining) and fam == IMAGE_TEXT:
         seq, images, per, _ = vlm_sequence(config, training, inputs)
         if seq > training.seq_len:

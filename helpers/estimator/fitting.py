@@ -19,6 +19,7 @@ from ..core.vocab import (
     FITS,
     FOUR_BIT,
     QUANTIZED,
+    TIGHT,
     TIGHT_FRACTION,
     VERDICT_STATUS,
     lighter_loads,
@@ -318,7 +319,11 @@ def fit_one_card(
         est = est.replace(device=device)  # compute dtype, attention kernel and cuBLAS workspace follow the device
     cap = dev["capacity"]
     result = verdict(est.total, cap)
-    out = FitVerdict(result, cap - est.total, cap, label + of, est, note=_capacity_note(est.total, dev))
+    note = _capacity_note(est.total, dev)
+    if est.lower_bounds and result != DOES_NOT_FIT:  # at least the total: never "fits" with the headroom shown
+        result, note = TIGHT, (f"at least {format_bytes(est.total)}: {', '.join(r.name for r in est.lower_bounds)} "
+                               f"is only a lower bound, so the headroom is at most {format_bytes(cap - est.total)}")  # fmt: skip
+    out = FitVerdict(result, cap - est.total, cap, label + of, est, note=note)
     out.seconds = step_seconds(est, device)
     if suggest and (result != FITS or spilled) and est.source is not None:
         out.suggestions = _suggestions(est, device, cap, bf16=bool(dev.get("bf16")))

@@ -189,16 +189,10 @@ def _file_header(repo, revision, filename: str, budget: NetBudget, auth: dict) -
 
 def _shards(repo, revision, budget: NetBudget, auth: dict) -> list[str] | None:
     """The shard files the repo's index lists (``None`` without an index); at most ``MAX_SHARDS``."""
-    reply = _hub_get(repo, revision, SAFE_INDEX, budget, auth, MAX_INDEX_BYTES + 1)
-    if reply is None:
+    index = _capped_json(repo, revision, SAFE_INDEX, budget, auth, MAX_INDEX_BYTES, "weight index")
+    if index is None:
         return None
-    if len(reply.body) > MAX_INDEX_BYTES:
-        raise NetError(f"{repo}/{SAFE_INDEX} is over {MAX_INDEX_BYTES >> 20} MiB: no weight index", "size")
-    try:
-        index = json.loads(reply.body)
-    except (ValueError, RecursionError):
-        raise NetError(f"{repo}/{SAFE_INDEX} is not JSON", "format") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise NetError(f"{repo}/{SAFE_INDEX} has no weight_map of tensor names to shard files", "format")
     shards = sorted(set(weight_map.values()))
@@ -212,12 +206,34 @@ def _shards(repo, revision, budget: NetBudget, auth: dict) -> list[str] | None:
     return shards
 
 
-def _read_repo(repo: str, revision: str | None, budget: NetBudget) -> HeaderWeights:
+def _capped_json(repo, revision, filename: str, budget: NetBudget, auth: dict, cap: int, what: str) -> dict | None:
+    """A repo's JSON object of at most ``cap`` bytes (its weight index, its config) in one request; ``None`` where
+    the hub has no such file. :class:`NetError` when it is larger (``size``) or no JSON object (``format``)."""
+    reply = _hub_get(repo, revision, filename, budget, auth, cap + 1)
+    if reply is None:
+        return None
+    if len(reply.body) > cap:
+        raise NetError(f"{repo}/{filename} is over {cap >> 20} MiB: no {what}", "size")
+    try:
+        data = json.loads(reply.body)
+    except (ValueError, RecursionError):
+        raise NetError(f"{repo}/{filename} is not JSON", "format") from None
+    if not isinstance(data, dict):
+        raise NetError(f"{repo}/{filename} holds a JSON {type(data).__name__}, not an object", "format")
+    return data
+
+
+def _auth() -> dict:
+    """The request headers of every hub read: a token where one is saved (not huggingface_hub's build_hf_headers:
+    it asks the endpoint for a registry of agents, unbounded)."""
     from huggingface_hub import get_token
 
-    # not huggingface_hub's build_hf_headers: it asks the endpoint for a registry of agents, unbounded
     token = get_token()
-    auth = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    return {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
+
+
+def _read_repo(repo: str, revision: str | None, budget: NetBudget) -> HeaderWeights:
+    auth = _auth()
     single = _file_header(repo, revision, SAFE_WEIGHTS, budget, auth)
     if single is not None:
         return HeaderWeights(repo, [SAFE_WEIGHTS], single)
@@ -248,24 +264,14 @@ def read_hub_json(
     """A repo's small JSON file (its ``config.json``) in one bounded request: ``timeout_s`` seconds (default
     ``$OOMKIT_NET_TIMEOUT`` or 15), at most ``MAX_CONFIG_BYTES``. Raises :class:`NetError`: kind ``missing``
     (no such repo or file), ``gated``, or a bound or failure of the read. Read once per session."""
-    from huggingface_hub import constants, get_token
+    from huggingface_hub import constants
 
     key = (constants.ENDPOINT, repo, revision, filename)
     if key not in _JSON_CACHE:
-        token = get_token()
-        auth = {"User-Agent": "oomkit"} | ({"Authorization": f"Bearer {token}"} if token else {})
         budget = NetBudget(timeout_s, max_bytes=MAX_CONFIG_BYTES + 1, max_requests=8)
-        reply = _hub_get(repo, revision, filename, budget, auth, MAX_CONFIG_BYTES + 1)
-        if reply is None:
+        data = _capped_json(repo, revision, filename, budget, _auth(), MAX_CONFIG_BYTES, "config")
+        if data is None:
             raise NetError(f"the hub has no {filename} for {repo!r} (a typo, or a private repo?)", "missing")
-        if len(reply.body) > MAX_CONFIG_BYTES:
-            raise NetError(f"{repo}/{filename} is over {MAX_CONFIG_BYTES >> 20} MiB: no config", "size")
-        try:
-            data = json.loads(reply.body)
-        except (ValueError, RecursionError):
-            raise NetError(f"{repo}/{filename} is not JSON", "format") from None
-        if not isinstance(data, dict):
-            raise NetError(f"{repo}/{filename} holds a JSON {type(data).__name__}, not an object", "format")
         _JSON_CACHE[key] = data
     return copy.deepcopy(_JSON_CACHE[key])  # callers change what they get; the next one starts from the file
 

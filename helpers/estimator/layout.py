@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class Layout:
     )  # a VLM's vision tower and projector, Whisper's encoder: never quantized
     speech: bool = False  # kept is an audio encoder (Whisper), not a vision tower
     keep_fp32_strict: list[str] = field(default_factory=list)  # kept in fp32 in bf16 loads too
+    # answers computed from the entries, per setting: a panel move or a fit()'s fixes re-estimate the same
+    # layout a dozen times, and each walk over a 70B's 720 entries took milliseconds (bench/panel_latency.py)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def fp32_modules(lay: Layout, load: str) -> list[str]:
@@ -298,9 +302,12 @@ def _not_convert(lay: Layout, skip_modules: list[str] | None) -> list[str]:
 
 def largest_quantized_linear(lay: Layout, skip_modules: list[str] | None = None) -> tuple[int, int] | None:
     """``(out, in)`` of the biggest linear bitsandbytes would quantize (``None`` if there is none)."""
-    not_convert = _not_convert(lay, skip_modules)
-    shapes = [e.linear for e in lay.entries if e.linear is not None and should_convert(e.module, not_convert)]
-    return max(shapes, key=lambda s: s[0] * s[1], default=None)
+    key = ("largest_quantized_linear", None if skip_modules is None else tuple(skip_modules))
+    if key not in lay.memo:
+        not_convert = _not_convert(lay, skip_modules)
+        shapes = [e.linear for e in lay.entries if e.linear is not None and should_convert(e.module, not_convert)]
+        lay.memo[key] = max(shapes, key=lambda s: s[0] * s[1], default=None)
+    return lay.memo[key]
 
 
 def _quantized_bytes(e: Param, load: str, double_quant: bool, blocksize: int) -> tuple[int, int]:
@@ -333,6 +340,15 @@ def weight_rows(
     blocksize: int = 64,
 ) -> list[EstimateRow]:
     """The exact bytes of the weights as bitsandbytes/transformers lay them out for ``load``."""
+    key = ("weight_rows", load, dtype_bytes, double_quant, None if skip_modules is None else tuple(skip_modules),
+           blocksize)  # fmt: skip
+    if key not in lay.memo:
+        lay.memo[key] = _weight_rows(lay, load, dtype_bytes, double_quant, skip_modules, blocksize)
+    return [dataclasses.replace(r) for r in lay.memo[key]]  # copies: callers extend and annotate their rows
+
+
+def _weight_rows(lay: Layout, load: str, dtype_bytes: int, double_quant: bool, skip_modules: list[str] | None,
+                 blocksize: int) -> list[EstimateRow]:  # fmt: skip
     not_convert = _not_convert(lay, skip_modules)
     q_bytes = state_bytes = plain = buffers = experts = kept = n_q = 0
     half = 4 if load == FP32 else dtype_bytes

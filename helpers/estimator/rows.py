@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..core.errors import OomkitError
 
-__all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS", "HOST"]
+__all__ = ["EstimateError", "EstimateRow", "ROW_GROUPS", "HOST", "LOWER_BOUND"]
 
 # A row's key is "<group>.<what>" (or just "<group>"); code selects rows by key or group, and the
 # label (``name``) is free to change. Groups in the order the panel's bar shows them:
@@ -14,6 +14,9 @@ ROW_GROUPS = ("weights", "kv_cache", "activations", "training", "overhead")
 # Host RAM rows ("host.<what>": what a reducer offloads to the CPU) are kept apart from the GPU's rows:
 # MemoryEstimate.host_rows, never in its total.
 HOST = "host"
+# A row's kind when its formula leaves out what it cannot size: the estimate is then at least its total, and no
+# verdict on it may say "fits" with the headroom it shows (MemoryEstimate.lower_bounds; fit_one_card)
+LOWER_BOUND = "lower bound"
 
 
 class EstimateError(OomkitError, ValueError):
@@ -23,7 +26,7 @@ class EstimateError(OomkitError, ValueError):
 @dataclass
 class EstimateRow:
     """One line of the breakdown: ``key`` identifies it, ``name`` is its label, ``kind`` is "exact",
-    "formula" or "rule of thumb"."""
+    "formula", "rule of thumb" or "lower bound"."""
 
     key: str
     name: str

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from ..core.arguments import flag, number, whole_number
 from ..core.vocab import DEFAULTS, MODES, QUANTIZED
 from .families import IMAGE_TEXT, SEQ2SEQ, SPEECH_SEQ2SEQ, family
-from .family_training import seq2seq_activation_rows, vision_training_rows, vlm_layer_bytes, vlm_sequence
+from .family_training import (
+    head_input_row,
+    seq2seq_activation_rows,
+    vision_training_rows,
+    vlm_layer_bytes,
+    vlm_sequence,
+)
 from .layout import Layout, adapted_linears, dims, should_convert
 from .reducers import loss_bytes, offload_rows
 from .rows import EstimateError, EstimateRow
@@ -157,14 +163,18 @@ def _full_rows(lay: Layout, load: str, b: int, tr: FullTraining) -> tuple[list[E
     pb = 4 if MODES[load].bits == 32 else b  # an fp32 load trains in fp32, a 16-bit one in its dtype
     rows.append(EstimateRow("training.gradients", f"gradients ({load})", pb * trainable, "exact"))
     per_param = OPTIMIZERS.get(tr.optimizer)
-    opt = _state_copies(tr.optimizer) * pb * trainable if per_param is None else per_param * trainable
+    # with fp32 master weights the optimizer steps the fp32 copy: its states are fp32 (mixed precision, K=12)
+    sb = 4 if tr.master_weights else pb
+    opt = _state_copies(tr.optimizer) * sb * trainable if per_param is None else per_param * trainable
     rows.append(
         EstimateRow(
             "training.optimizer",
             f"optimizer states ({tr.optimizer})",
             opt,
             "formula",
-            f"torch: {_state_copies(tr.optimizer)} state(s) per parameter in its dtype" if per_param is None else "",
+            f"torch: {_state_copies(tr.optimizer)} state(s) per parameter in {'fp32 (the master weights)' if sb == 4 and pb < 4 else 'its dtype'}"
+            if per_param is None
+            else "",
         )
     )
     if tr.master_weights and MODES[load].bits != 32:
@@ -286,13 +296,15 @@ def training_rows(lay: Layout, config, load: str, b: int, tr, unquantized: int =
                                        "exact", "prepare_model_for_kbit_training trains around fp32 norms and embeddings"))  # fmt: skip
     else:
         (rows, trainable), per_tok_lora = _full_rows(lay, load, b, tr), 0
-    if lora and fam in (SEQ2SEQ, SPEECH_SEQ2SEQ):
-        rows += seq2seq_activation_rows(config, b, tr, adapted, extra or {}, cpu, _dequantized(lay, load, b))
-    elif lora and fam == IMAGE_TEXT:
+    if fam in (SEQ2SEQ, SPEECH_SEQ2SEQ):
+        adapted = adapted if lora else []
+        rows += seq2seq_activation_rows(config, b, tr, adapted, extra or {}, cpu, _dequantized(lay, load, b), not lora)
+    elif fam == IMAGE_TEXT:
         seq = vlm_sequence(config, tr, extra or {})[0]
-        own = vlm_layer_bytes(d, b, tr, adapted, cpu)
+        own = vlm_layer_bytes(d, b, tr, adapted if lora else [], cpu, full=not lora)
         lm = _activation_rows(lay, d, load, b, dataclasses.replace(tr, seq_len=seq), per_tok_lora, own)
-        rows += lm + vision_training_rows(config, tr, extra or {}, b, sum(r.bytes for r in lm))
+        lm += [] if lora else [head_input_row(d, tr, seq, b)]
+        rows += lm + vision_training_rows(config, tr, extra or {}, b, sum(r.bytes for r in lm), full=not lora)
     else:
         rows += _activation_rows(lay, d, load, b, tr, per_tok_lora)
     return (_offloaded(rows, d, b, tr) if tr.offload_activations else rows), trainable

@@ -66,8 +66,6 @@ STRATEGIES: dict[str, tuple[bool, bool, bool]] = {
     "zero3": (True, True, True),
     "fsdp": (True, True, True),  # FULL_SHARD; SHARD_GRAD_OP is zero2's sharding
 }
-# bytes of optimizer state per trainable parameter, fp32 master copy included under mixed precision (K)
-OPTIMIZER_K = {"adamw": 12, "adamw_8bit": 6, "sgd": 4}
 # a model state's rows: full training's own, and the trained adapters' under QLoRA (the estimator's keys)
 STATE_KEYS = {"params": ("states.params", "training.adapters"), "grads": ("states.grads", "training.gradients"),
               "optimizer": ("states.optimizer", "training.optimizer")}  # fmt: skip
@@ -145,12 +143,16 @@ def largest_layer_params(config) -> int:
     return max(per_layer.values())
 
 
-def _states(psi: int, n: int, shard: tuple[bool, bool, bool], k: int, half: bool) -> list[tuple]:
-    pb, gb = (2, 2) if half else (4, 4)
-    k = k if half else k - 4  # without mixed precision there is no fp32 master copy
-    parts = [("states.params", f"parameters ({'16-bit' if half else 'fp32'})", pb * psi, shard[0]),
-             ("states.grads", f"gradients ({'16-bit' if half else 'fp32'})", gb * psi, shard[1]),
-             ("states.optimizer", f"optimizer states (K={k} bytes/param)", k * psi, shard[2])]  # fmt: skip
+def _states(est, n: int, shard: tuple[bool, bool, bool], half: bool) -> list[tuple]:
+    """The model states of the estimator's full fine-tuning rows, each divided where the strategy shards it: the
+    ZeRO paper's K (optimizer bytes per parameter, the fp32 master copy included) is the estimator's optimizer
+    and master-weight rows (mixed-precision AdamW: 12)."""
+    psi = est.params
+    opt = sum(r.bytes for r in est.rows if r.key in ("training.optimizer", "training.master_weights"))
+    parts = [("states.params", f"parameters ({'16-bit' if half else 'fp32'})", est.weights, shard[0]),
+             ("states.grads", f"gradients ({'16-bit' if half else 'fp32'})", est.row("training.gradients").bytes,
+              shard[1]),
+             ("states.optimizer", f"optimizer states (K={opt / max(1, psi):g} bytes/param)", opt, shard[2])]  # fmt: skip
     return [(key, label, b // n if s else b, f"/{n} (sharded)" if s and n > 1 else "") for key, label, b, s in parts]
 
 
@@ -195,8 +197,8 @@ def training_memory(
         raise DistributedError(f"world_size is the number of GPUs, a whole number >= 1, got {world_size!r}")
     if strategy == "single" and world_size != 1:
         raise DistributedError("strategy='single' runs on one GPU; use 'ddp', 'zero2', 'zero3' or 'fsdp' for more")
-    if optimizer not in OPTIMIZER_K:
-        raise DistributedError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_K)}")
+    if optimizer not in ESTIMATOR_OPTIMIZER:
+        raise DistributedError(f"unknown optimizer {optimizer!r}; use one of {', '.join(ESTIMATOR_OPTIMIZER)}")
     for name, value in (("qlora", qlora), ("mixed_precision", mixed_precision),
                         ("quant_storage_sharded", quant_storage_sharded)):  # fmt: skip
         flag(name, value, error=DistributedError)
@@ -204,16 +206,16 @@ def training_memory(
     _, dev = resolve_device(device) if device is not None else (None, None)
     shard, n = STRATEGIES[strategy], world_size
     largest = largest_layer_params(config)
-    k = OPTIMIZER_K[optimizer]
     if qlora:
         est = _qlora_estimate(config, optimizer, seq_len, micro_batch, r, device)
         psi, trainable = est.params, _lora_params(est)
         rows = _qlora_rows(est, n, shard, quant_storage_sharded)
     else:
-        est = estimate(config, load="bf16" if mixed_precision else "fp32",
-                       training=FullTraining(seq_len=seq_len, micro_batch=micro_batch))  # fmt: skip
+        tr = FullTraining(seq_len=seq_len, micro_batch=micro_batch, optimizer=ESTIMATOR_OPTIMIZER[optimizer],
+                          master_weights=mixed_precision)  # fmt: skip
+        est = estimate(config, load="bf16" if mixed_precision else "fp32", training=tr)
         psi = trainable = est.params
-        rows = _states(psi, n, shard, k, mixed_precision)
+        rows = _states(est, n, shard, mixed_precision)
     if shard[0] and n > 1 and not qlora:
         rows.append(("working", "gathered largest layer (16-bit params + grads)", 4 * largest,
                      f"{largest:,} parameters, gathered for its forward/backward"))  # fmt: skip
