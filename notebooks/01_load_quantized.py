@@ -224,8 +224,6 @@ print(f"model weights: {format_bytes(weights)}")
 if after.gpu is not None:
     print(f"GPU allocated: {format_bytes(loaded.gpu.allocated)} loaded -> {format_bytes(after.gpu.allocated)} "
           f"after unload ({format_bytes(start.gpu.allocated)} before loading)")
-print(f"process RAM: {format_bytes(loaded.ram.process_rss)} loaded -> {format_bytes(after.ram.process_rss)} "
-      "after unload (on the CPU the allocator may keep some freed pages for reuse)")
 
 # %% [markdown]
 # ## 7. What each load mode costs in quality, on your own text

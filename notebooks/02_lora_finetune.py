@@ -259,9 +259,10 @@ print(adapter)
 # ## 10. Before and after
 
 # %%
+from helpers import side_by_side
+
 after = answer(model, tokenizer, heldout, max_new_tokens=MAX_NEW_TOKENS)
-for prompt, old, new in zip(heldout, before, after, strict=True):
-    print(f"> {prompt}\n--- before ---\n{old.strip()[:300]}\n--- after ---\n{new.strip()[:300]}\n")
+side_by_side(before, after, heldout)  # a row per prompt: its answer before training and after
 
 # %% [markdown]
 # ## 11. Reload the adapter on a fresh base
@@ -300,5 +301,4 @@ from helpers import format_bytes
 if after_cleanup.gpu is not None:
     print(f"GPU allocated: {format_bytes(loaded.gpu.allocated)} -> {format_bytes(after_cleanup.gpu.allocated)} "
           f"(before loading: {format_bytes(start.gpu.allocated)})")
-print(f"process RAM: {format_bytes(loaded.ram.process_rss)} -> {format_bytes(after_cleanup.ram.process_rss)}")
 after_cleanup

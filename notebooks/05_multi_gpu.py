@@ -195,7 +195,6 @@ else:
     weights = estimate(MODEL, load=LOAD, compute_dtype="fp16").weights
     fake = FAKE_GPU_BYTES or int(weights * 0.9) + GiB  # 1 GiB kept free on each for the runtime
     plan = plan_devices(MODEL, load=LOAD, devices=[fake, fake], headroom=GiB, compute_dtype="fp16")
-print(plan.summary)
 plan
 
 # %% [markdown]
@@ -253,7 +252,6 @@ from helpers.training.distributed import run_ddp_qlora
 
 n = min(DDP_PROCESSES, torch.cuda.device_count()) if gpus else DDP_PROCESSES
 run = run_ddp_qlora(MODEL, OUTPUT_DIR, num_processes=n, steps=DDP_STEPS, seq_len=SEQ_LEN, learning_rate=LEARNING_RATE)
-print(run)
 run
 
 # %% [markdown]

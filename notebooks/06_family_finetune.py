@@ -224,10 +224,10 @@ print(result)
 # %%
 after = safe_generate(model, processor, heldout, max_new_tokens=MAX_NEW_TOKENS, results=out / "after.jsonl",
                       resume=not FRESH, score="contains", progress=False)  # fmt: skip
-for old, new in zip(sorted(before.records, key=lambda r: r["id"]), sorted(after.records, key=lambda r: r["id"]),
-                    strict=True):  # fmt: skip
-    print(f"{old['reference']!r:14} before: {old['output'].strip()[:60]!r:40} after: {new['output'].strip()[:60]!r}")
+from helpers import side_by_side
+
 print(f"contains the word: {before.scores} before, {after.scores} after")
+side_by_side(before, after)  # a row per clip: its reference, the transcript before training and after
 
 # %% [markdown]
 # ## 10. Save the adapter, clean up
