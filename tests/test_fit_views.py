@@ -186,7 +186,7 @@ def test_the_readme_table_is_a_heatmap_of_few_columns_and_fits_80_columns():
 
     table = fits_table(loads=("nf4", "fp16"), machines={"T4": ["t4"], "2×T4": "kaggle-2xt4"})
     html = table._repr_html_()
-    grid = html[html.index("<table"):]
+    grid = html[html.index("<table") :]
     assert grid.count("<tr>") == 1 + 3 * 2 and grid.split("</tr>", 1)[0].count("<th") == 3  # model/load x 2 machines
     assert f"background:{verdict_fill('does not fit')}" in grid and "class='oomkit-heat'" in grid
     assert max(map(len, str(table).splitlines())) <= 80

@@ -227,6 +227,8 @@ def merge_adapter(model):
         if not ROUNDING_NOTE.search(str(w.message)):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if rounded:
-        print(f"[oomkit] note: merged into a {' and '.join(rounded)} base, the weights were quantized again, which "
-              "rounds them: answers may differ a little from the adapter's (load the base in fp16 for an exact merge)")
+        print(
+            f"[oomkit] note: merged into a {' and '.join(rounded)} base, the weights were quantized again, which "
+            "rounds them: answers may differ a little from the adapter's (load the base in fp16 for an exact merge)"
+        )
     return merged
