@@ -196,8 +196,20 @@ def _launch_tiny(tiny_llama, tmp_path, strategy: str, load: str) -> tuple[list[R
     written = write_launch_config(plan, tmp_path / "config", devices=2, strategy=strategy)
     assert written.on_cpu and _accelerate(written.config_file).num_processes == 2
     started = time.perf_counter()
-    run = retry_gloo_connect(lambda: launch_qlora(written, str(tiny_llama), tmp_path / "ranks", timeout=600, steps=4,
-                                                  seq_len=32, micro_batch=2, r=8, learning_rate=1e-3, load=load))  # fmt: skip
+
+    def once():
+        return retry_gloo_connect(lambda: launch_qlora(written, str(tiny_llama), tmp_path / "ranks", timeout=300,
+                                                       steps=4, seq_len=32, micro_batch=2, r=8, learning_rate=1e-3,
+                                                       load=load))  # fmt: skip
+
+    try:
+        run = once()
+    except DistributedError as e:
+        # one full-suite run of five (2026-11-28, a fresh clone) hung here until the timeout, with no rank error;
+        # run alone it takes ~10 s and the cause is not found yet: one more try, as for gloo's connect error
+        if "ran past timeout" not in str(e):
+            raise
+        run = once()
     return run.ranks, time.perf_counter() - started
 
 
