@@ -27,10 +27,11 @@ def test_leak_checks_put_each_fix_under_its_finding():
 
 
 def test_the_census_table_has_four_columns_with_the_graph_under_the_holder():
-    held = [torch.ones(64, 8, requires_grad=True) * 2 for _ in range(3)]  # noqa: F841 (held: the census finds it)
+    # 16 MiB each: larger than what other tests in the same pytest worker may leave alive (the census lists the largest)
+    held = [torch.ones(2048, 2048, requires_grad=True) * 2 for _ in range(3)]  # noqa: F841 (the census finds it)
     html = census(namespace={"held": held})._repr_html_()
     assert columns(html) == 4 and ">grad_fn<" not in html
-    assert "cpu · float32 · [64, 8]" in html and "with grad_fn</div>" in html
+    assert "cpu · float32 · [2048, 2048]" in html and "with grad_fn</div>" in html
 
 
 def test_a_notebook_bar_keeps_a_minimum_width(monkeypatch):

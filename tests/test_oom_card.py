@@ -85,7 +85,11 @@ def test_a_local_of_the_failed_call_keeps_its_own_name():
 
 
 def test_the_notebook_hook_shows_the_same_card_in_a_cell(model, ipython_shell, capsys):
-    ipython_shell.user_ns.update(model=model, BATCH_SIZE=BATCH, MAX_NEW_TOKENS=NEW, _over_budget=_over_budget)
+    # a 32 MiB tensor the notebook names: larger than what other tests in this worker may leave alive, so the
+    # card's largest live tensors include it (the model's weights are 512 KiB at most)
+    kept = torch.ones(4096, 2048)
+    ipython_shell.user_ns.update(model=model, BATCH_SIZE=BATCH, MAX_NEW_TOKENS=NEW, _over_budget=_over_budget,
+                                 kept_activations=kept)  # fmt: skip
     assert install(ipython_shell)
     try:
         ipython_shell.run_cell("_over_budget(model)")
@@ -95,8 +99,7 @@ def test_the_notebook_hook_shows_the_same_card_in_a_cell(model, ipython_shell, c
     out = captured.out + captured.err
     assert f"set BATCH_SIZE = {BATCH // 2} (now {BATCH})" in out and f"set MAX_NEW_TOKENS = {NEW // 2}" in out
     assert "NCCL" not in out and "not a memory shortage" not in out
-    assert "Largest live tensors:" in out and "model.lm_head.weight" in out
-    assert "model.model.embed_tokens.weight" in out  # the model's two largest weights by their census names
+    assert "Largest live tensors:" in out and "kept_activations" in out  # named from the notebook's namespace
 
 
 def test_a_generate_oom_is_explained_as_a_kv_cache_not_an_optimizer(model):
