@@ -3,6 +3,7 @@ embeddings, KV cache arithmetic, fit verdicts and fixes, preflight, CLI, bad inp
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import warnings
@@ -263,6 +264,9 @@ def _cpu_snapshot():
 @pytest.mark.parametrize("hub_id", sorted(shipped_configs()))
 def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_type = json.loads(shipped_configs()[hub_id].read_text()).get("model_type", "")
+    if model_type == "llama4" and importlib.util.find_spec("transformers.models.llama4") is None:
+        pytest.skip("this transformers predates Llama 4 (the compat matrix's lowest): its CLI output is not checked")
     prequantized = "quantization_config" in shipped_configs()[hub_id].read_text()  # loads only as saved
     code = estimate_main([hub_id, "--load", "auto" if prequantized else "nf4", "--json"])
     out = json.loads(capsys.readouterr().out)
