@@ -50,7 +50,7 @@ from ..loading.loader import load
 from ..loading.plan import LoadPlan
 from ..oom.messages import is_oom
 from ..oom.reclaim import unload
-from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot
+from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot, one_move
 from ..placement.device_plan import DevicePlan, bnb_prequantized
 from .gpus import (
     Alternative,
@@ -326,9 +326,10 @@ class Panel:
         plan = plan or self.plan
         if use_cache and key in self._cache:
             return self._cache[key]
-        est = self.estimate_plan(plan)
-        state = self.judge(plan, est)
-        state.time, state.time_text = self.time_for(plan, est)
+        with one_move():  # the decision, its fix and the fixes tried ask some placements twice: once each
+            est = self.estimate_plan(plan)
+            state = self.judge(plan, est)
+            state.time, state.time_text = self.time_for(plan, est)
         state.seconds = time.perf_counter() - started
         if use_cache and key is not None:
             self._cache[key] = state
@@ -558,7 +559,8 @@ class LoadPanel(Panel):
         if key not in self._decisions:
             specs = [resolve_device(d) for d in devices]
             gpus = [{"name": label, "capacity": d["capacity"], "bf16": d["bf16"]} for label, d in specs]
-            self._decisions[key] = decide_placement(plan, est, devices_snapshot(est, gpus))
+            # where it goes: the panel's fix is its own (fit()'s top fix, or _split_fix), so no refusal's fix
+            self._decisions[key] = decide_placement(plan, est, devices_snapshot(est, gpus), fixes=False)
         return self._decisions[key]
 
     def arrangement(self, plan: LoadPlan, est: MemoryEstimate) -> tuple[str, DevicePlan | None]:
@@ -620,6 +622,8 @@ class LoadPanel(Panel):
                     "bf16": all(d["bf16"] for _, d in self._gpus)}  # a T4 has no bf16: no bf16 fix  # fmt: skip
         candidates = [s for s in fit_one_card(est, together).suggestions if set(s.kwargs) <= SPLIT_KNOBS]
         for s in candidates[:MAX_FIX_TRIES]:
+            if not plan.allow_offload and s.estimate.weights > together["capacity"]:
+                continue  # its weights alone outgrow the cards: no split of it fits (nothing to plan)
             result, tried = self.arrangement(plan.replace(**s.kwargs), s.estimate)
             if result != DOES_NOT_FIT:
                 return SplitFix(s.change, dict(s.kwargs), result, tried)

@@ -10,6 +10,8 @@ read the same answer from a readout of their devices (:func:`devices_snapshot`),
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -51,6 +53,7 @@ from .device_plan import (
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan", "describe_split", "offload_ram", "NO_FIX", "ALLOW_OFFLOAD_FIX", "GpuDecision", "other_gpus_note", "held_hint", "first_fix", "offloaded_bytes", "unquantized_note", "map_strategy", "check_strategy", "check_split", "check_given_split", "check_given_max_memory",
     "device_fixes", "fit", "machine_verdict",
+    "one_move", "FIXES_NOT_ASKED",
     "PlacementDecision",
     "decide_placement",
     "devices_snapshot",
@@ -134,7 +137,7 @@ def devices_snapshot(estimate, devices: list[dict], ram: int = 0) -> MemorySnaps
     return MemorySnapshot("cuda", gpus, RAMReadout(ram, ram, 0, 0))
 
 
-def decide_placement(plan, estimate, snapshot: MemorySnapshot) -> PlacementDecision:
+def decide_placement(plan, estimate, snapshot: MemorySnapshot, *, fixes: bool = True) -> PlacementDecision:
     """Where ``estimate``'s model goes on the machine ``snapshot`` reads, placed as ``plan`` (a
     :class:`helpers.LoadPlan`, or None for load()'s defaults) asks: the answer :func:`helpers.load` raises or
     loads, the panel draws and preflight reports.
@@ -142,8 +145,32 @@ def decide_placement(plan, estimate, snapshot: MemorySnapshot) -> PlacementDecis
     ``device_map="auto"`` keeps a model that fits GPU 0 with room to spare there, when the placement
     transformers computes for that card alone keeps every weight on it (:func:`spill_why`); else it is split
     over the usable GPUs, checked card by card. What does not fit is offloaded to CPU RAM (or the
-    ``offload_folder``) only with ``allow_offload``, and never for a checkpoint saved quantized by bitsandbytes."""
+    ``offload_folder``) only with ``allow_offload``, and never for a checkpoint saved quantized by bitsandbytes.
+    ``fixes=False``: a refusal's fix does not re-estimate (it says ``FIXES_NOT_ASKED``), for a caller that
+    reads where the model goes and has the fixes from ``fit()`` (``fit()`` itself, the panel)."""
     plan = auto_placing() if plan is None else plan
+    asked = _FIXES.set(fixes)
+    try:
+        with one_move():
+            return _decide(plan, estimate, snapshot)
+    finally:
+        _FIXES.reset(asked)
+
+
+# whether a refusal's fix may re-estimate (the estimator's fixes: most of a decision's cost where it refuses)
+_FIXES: contextvars.ContextVar[bool] = contextvars.ContextVar("oomkit_placement_fixes", default=True)
+FIXES_NOT_ASKED = "helpers.fit(estimate, device) lists the fixes"
+
+
+def _estimator_fix(est, device, default: str = "") -> str:
+    """The estimator's top fix for ``est`` on ``device`` (``default``, else ``NO_FIX``, when it has none);
+    ``FIXES_NOT_ASKED`` where the caller of :func:`decide_placement` reads where the model goes, not the fix."""
+    if not _FIXES.get():
+        return FIXES_NOT_ASKED
+    return first_fix(_fit_once(est, device)) or default or NO_FIX
+
+
+def _decide(plan, estimate, snapshot: MemorySnapshot) -> PlacementDecision:
     try:
         check_strategy(plan.device_map)
         if snapshot.gpus:
@@ -188,7 +215,7 @@ def _over_gpus(plan, est, snap: MemorySnapshot) -> PlacementDecision | None:
     first_verdict, spill = FITS, 0
     if strategy == "auto" and plan.gpus is None:
         first = free_devices(est, gpus[:1])[0]
-        first_verdict = fit_one_card(est, device=first, suggest=False).verdict
+        first_verdict = _fit_once(est, first, suggest=False).verdict
         if first_verdict == FITS:
             spill = _first_card_spill(est, first)
             if not spill:
@@ -236,11 +263,11 @@ def _one_card(plan, est, snap: MemorySnapshot) -> PlacementDecision:
         if est.total > ram:
             return _refuse(est, f"the estimate ({format_bytes(est.total)}) is more than the {format_bytes(ram)} of "
                            "RAM available: the process would be killed",
-                           first_fix(fit_one_card(est, device=ram)) or "Use a smaller model, or a GPU runtime and int8/nf4",
+                           _estimator_fix(est, ram, "Use a smaller model, or a GPU runtime and int8/nf4"),
                            gpus=0, first_verdict=DOES_NOT_FIT)  # fmt: skip
         return PlacementDecision(ALONE, verdict(est.total, ram), est, verdict(est.total, ram), gpus=0)
     room = gpu_room(est, g)
-    verdict_ = fit_one_card(est, device=gpu_device(g, room), suggest=False)
+    verdict_ = _fit_once(est, gpu_device(g, room), suggest=False)
     strategy = map_strategy(plan.device_map)
     max_memory = plan.max_memory if plan.max_memory is not None or strategy is None else max_memory_for(est, snap)
     if verdict_.verdict != DOES_NOT_FIT:
@@ -251,7 +278,7 @@ def _one_card(plan, est, snap: MemorySnapshot) -> PlacementDecision:
         if not decided.refused:
             decided.max_memory = max_memory
         return decided
-    fix = first_fix(fit_one_card(est, device=gpu_device(g, room))) or NO_FIX  # its fixes: only when refused
+    fix = _estimator_fix(est, gpu_device(g, room))  # its fixes: only when refused
     too_big = f"the estimate ({format_bytes(est.total)}) does not fit the {format_bytes(g.free)} free on {g.name}"
     if strategy is None:
         return _refuse(est, too_big, fix, first_verdict=DOES_NOT_FIT)
@@ -396,11 +423,12 @@ def fit(est: MemoryEstimate, device: Any = None, *, suggest: bool = True, gpus: 
     (split over a machine's GPUs, else layers offloaded to CPU RAM) ranked among the same-card ones. On a machine
     (a preset, a set, a list of presets) the verdict is where :func:`decide_placement` puts the model, as
     ``load()``, preflight and ``fits_table`` render it: one answer to "will it fit"."""
-    out = fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
-    machine = est.inputs.get("device") if device is None else device
-    _, cards, _ = target_cards(machine or out.device, gpus)
-    out = machine_verdict(out, cards, _machine_name(machine or out.device, cards or []), suggest=suggest)
-    return _within_context(out, device, gpus, suggest)
+    with one_move():
+        out = fit_one_card(est, device, suggest=suggest, gpus=gpus, place=device_fixes)
+        machine = est.inputs.get("device") if device is None else device
+        _, cards, _ = target_cards(machine or out.device, gpus)
+        out = machine_verdict(out, cards, _machine_name(machine or out.device, cards or []), suggest=suggest)
+        return _within_context(out, device, gpus, suggest)
 
 
 def _within_context(out: FitVerdict, device: Any, gpus: int | None, suggest: bool) -> FitVerdict:
@@ -445,7 +473,7 @@ def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str, sugg
         return out
     ram = HOST_RAM if "current" not in cards else psutil.virtual_memory().available  # a preset machine: Colab's
     try:
-        decided = decide_placement(None, est, devices_snapshot(est, devices, ram))
+        decided = decide_placement(None, est, devices_snapshot(est, devices, ram), fixes=False)  # fit() has them
     except (OomkitError, ValueError):  # an architecture the meta device cannot build
         return out
     if decided.refused and decided.spill and out.verdict != DOES_NOT_FIT:
@@ -469,7 +497,7 @@ def _spilled(out: FitVerdict, decided: PlacementDecision, cards: list[Any], sugg
     devices = [resolve_device(c)[1] for c in cards]
     for s in fixes:  # a fix that keeps the weights (a shorter prompt, a smaller KV cache) still spills
         if not isinstance(s, DeviceSuggestion) and "model" not in s.kwargs:
-            placed = decide_placement(None, s.estimate, devices_snapshot(s.estimate, devices, HOST_RAM))
+            placed = decide_placement(None, s.estimate, devices_snapshot(s.estimate, devices, HOST_RAM), fixes=False)
             s.placed = DOES_NOT_FIT if placed.refused else None
     fixes = rank_fixes(fixes, out.estimate, out.capacity)
     note = "; ".join(filter(None, [decided.reason, out.note]))
@@ -558,6 +586,75 @@ def gpu_device(g: GPUReadout, capacity: int) -> dict:
     return {"name": g.name, "capacity": capacity, "bf16": g.supports_bf16}
 
 
+_SCOPES: list[dict] = []  # the memo of the outermost open one_move() scope
+
+
+@contextlib.contextmanager
+def one_move():
+    """Within it, each placement question (:func:`split_plan`, the fixes across GPUs) is answered once per
+    estimate and arguments: a panel move or a ``fit()`` asks the same ones from several places (the decision,
+    its fix, the panel's tries). Nothing outlives the scope, so no answer can be stale: a config changed in
+    place, a new load mode or dtype is asked afresh by the next move. Scopes nest (the outermost one keeps)."""
+    if _SCOPES:
+        yield
+        return
+    _SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SCOPES.clear()
+
+
+def _once(kind: str, estimate, args: tuple, compute):
+    """``compute()``, or its answer for the same ``estimate`` object and ``args`` within :func:`one_move`
+    (the memo keeps the estimate alive, so its id is not reused); a copy each time, as the caller may edit it."""
+    if not _SCOPES or args is None:
+        return compute()
+    memo = _SCOPES[0]
+    key = (kind, id(estimate), args)
+    if key not in memo:
+        try:
+            memo[key] = (estimate, compute(), None)
+        except PlacementError as e:  # asked again, it fails again: the same error
+            memo[key] = (estimate, None, e)
+    _, answer, error = memo[key]
+    if error is not None:
+        raise error
+    return _copy_plan(answer) if isinstance(answer, DevicePlan) else answer
+
+
+def _fit_once(est, device, suggest: bool = True) -> FitVerdict:
+    """``fit_one_card(est, device)`` once per :func:`one_move` (the decision reads its verdict and top fix only)."""
+    return _once("fit_one_card", est, _frozen((device, suggest)), lambda: fit_one_card(est, device, suggest=suggest))
+
+
+def _frozen(args: tuple) -> tuple | None:
+    """Arguments as a key (dicts as their items, lists as tuples); None where one cannot be (not memoised)."""
+
+    def freeze(x):
+        if isinstance(x, dict):
+            return ("dict", tuple((k, freeze(v)) for k, v in x.items()))
+        if isinstance(x, list | tuple):
+            return ("seq", tuple(freeze(v) for v in x))
+        hash(x)
+        return x
+
+    try:
+        return freeze(args)
+    except TypeError:
+        return None
+
+
+def _copy_plan(plan: DevicePlan) -> DevicePlan:
+    """A plan whose lists, maps and shares are its own (callers add notes, reasons and fixes)."""
+    return dataclasses.replace(
+        plan, shares=[dataclasses.replace(x) for x in plan.shares], device_map=dict(plan.device_map),
+        max_memory=dict(plan.max_memory), placed_max_memory=dict(plan.placed_max_memory), crossings=list(plan.crossings),
+        reasons=list(plan.reasons), fixes=list(plan.fixes), notes=list(plan.notes),
+        quantization_changes=dict(plan.quantization_changes),
+    )  # fmt: skip
+
+
 def usable_gpus(snap: MemorySnapshot, count: int | None) -> list[GPUReadout]:
     """The GPUs a load may use: the first ``count`` of the snapshot's (all of them for ``None``)."""
     return list(snap.gpus if count is None else snap.gpus[:count])
@@ -601,6 +698,13 @@ def split_plan(
 
     Raises :class:`PlacementError` when the architecture cannot be planned (the caller falls back
     to transformers' own placement), :class:`DeviceMapError` when the map or caps are wrong."""
+    args = (devices, ram, offload, disk, device_map, max_memory, offload_folder, strategy)
+    # a device as the placement reads it (resolve_device): fit()'s presets carry more keys than a readout's GPU
+    cards = [(d.get("name"), d.get("capacity"), bool(d.get("bf16", True))) if isinstance(d, dict) else d for d in devices]
+    return _once("split_plan", estimate, _frozen((cards, *args[1:])), lambda: _split_plan(estimate, *args))
+
+
+def _split_plan(estimate, devices, ram, offload, disk, device_map, max_memory, offload_folder, strategy) -> DevicePlan:
     inputs = estimate.inputs
     if estimate.load not in MODES or estimate.source is None:
         raise PlacementError(f"no placement for a {estimate.load} checkpoint")
@@ -746,7 +850,7 @@ def _fix_across(est, gpus: list[GPUReadout]) -> str:
     """The estimator's top fix for the GPUs' free memory added up, in a dtype every one of them computes in."""
     both = gpu_device(gpus[0], sum(gpu_room(est, g) for g in gpus))
     both["bf16"] = all(g.supports_bf16 for g in gpus)
-    return first_fix(fit_one_card(est, device=both)) or NO_FIX
+    return _estimator_fix(est, both)
 
 
 def check_split(plan, est, snap: MemorySnapshot, gpus: list[GPUReadout]) -> GpuDecision:
