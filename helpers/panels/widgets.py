@@ -35,7 +35,7 @@ from html import escape
 from typing import Any
 
 from ..core.devices import DEVICE_SETS, resolve_device
-from ..core.errors import LoadError
+from ..core.errors import LoadError, OomkitError
 from ..core.knobs import KNOBS, register_control
 from ..core.memory import ram_readout
 from ..core.reducers import kv_cache_available, kv_cache_choices, use_kv_cache
@@ -485,6 +485,7 @@ class LoadPanel(Panel):
         self._gpus = split_gpus(device)
         self._pair = None if self._gpus is not None else multi_gpu_set(device)
         self._decisions: dict[tuple, PlacementDecision] = {}
+        self._lightest: int | None = None  # the model's weights in 4-bit (_least_weights)
         self.CONTROLS = tuple(  # each KV cache kind labelled with whether it runs here
             Control(c.key, c.description, c.kind, kv_cache_choices()) if c.key == "kv_cache" else c
             for c in type(self).CONTROLS
@@ -620,14 +621,27 @@ class LoadPanel(Panel):
         places as fitting (:meth:`arrangement`); else the split's own advice."""
         together = {"name": "the GPUs' memory added up", "capacity": sum(g.capacity for g in split.gpus),
                     "bf16": all(d["bf16"] for _, d in self._gpus)}  # a T4 has no bf16: no bf16 fix  # fmt: skip
-        candidates = [s for s in fit_one_card(est, together).suggestions if set(s.kwargs) <= SPLIT_KNOBS]
-        for s in candidates[:MAX_FIX_TRIES]:
+        # a split holds every weight on a card: weights beyond the cards added up fit no split (nothing to plan),
+        # and no fix of these knobs weighs less than the model in 4-bit
+        hopeless = not plan.allow_offload and self._least_weights(est) > together["capacity"]
+        candidates = [] if hopeless else fit_one_card(est, together).suggestions
+        for s in [s for s in candidates if set(s.kwargs) <= SPLIT_KNOBS][:MAX_FIX_TRIES]:
             if not plan.allow_offload and s.estimate.weights > together["capacity"]:
-                continue  # its weights alone outgrow the cards: no split of it fits (nothing to plan)
+                continue
             result, tried = self.arrangement(plan.replace(**s.kwargs), s.estimate)
             if result != DOES_NOT_FIT:
                 return SplitFix(s.change, dict(s.kwargs), result, tried)
         return SplitFix(split.fixes[0]) if split.fixes else None
+
+    def _least_weights(self, est: MemoryEstimate) -> int:
+        """The fewest bytes of weights any setting of the panel's knobs gives this model: its 4-bit load (0 where
+        it has no other load mode, a pre-quantized checkpoint). Once per panel: the other plan fields stay."""
+        if self._lightest is None:
+            try:
+                self._lightest = min(est.replace(load=m, double_quant=True).weights for m in FOUR_BIT)
+            except (OomkitError, ValueError):  # a checkpoint that loads only as saved
+                self._lightest = 0
+        return min(self._lightest, est.weights)
 
     def _alternative(self, plan: LoadPlan, est: MemoryEstimate, devices: Any, how: str) -> Alternative | None:
         """``plan`` split across ``devices`` (a multi-GPU set, or this panel's GPUs), when it would fit there."""

@@ -471,6 +471,8 @@ def machine_verdict(out: FitVerdict, cards: list[Any] | None, machine: str, sugg
     devices = [resolve_device(c)[1] for c in cards]
     if any(d is None for d in devices):
         return out
+    if len(devices) < 2 and out.verdict == DOES_NOT_FIT:
+        return out  # one card: the decision is alone, offloaded or refused, never a split, and spills only what fits
     ram = HOST_RAM if "current" not in cards else psutil.virtual_memory().available  # a preset machine: Colab's
     try:
         decided = decide_placement(None, est, devices_snapshot(est, devices, ram), fixes=False)  # fit() has them
@@ -519,13 +521,19 @@ def device_fixes(est: MemoryEstimate, cards: list[Any], *, host_ram: int | None 
     if any(d is None for d in devices):
         return []
     step = step_seconds(est, cards[0])  # a pipeline runs at one card's speed
+    # a placement holds every weight somewhere it fits (offloaded bitsandbytes layers even unquantized, larger):
+    # weights beyond the cards' (and the RAM's) capacity added up place nowhere, with no need to plan them
+    ram = int((psutil.virtual_memory().available if host_ram is None else host_ram) * OFFLOAD_RAM_SHARE)
     try:
         for n in range(2, len(devices) + 1):
+            if est.weights > sum(d["capacity"] for d in devices[:n]):
+                continue
             plan = split_plan(est, devices[:n])
             if plan.fits:
                 return [_split_fix(est, plan, len(devices), step)]
-        ram = psutil.virtual_memory().available if host_ram is None else host_ram
-        plan = split_plan(est, devices, ram=int(ram * OFFLOAD_RAM_SHARE), offload=True)
+        if est.weights > sum(d["capacity"] for d in devices) + ram:
+            return []
+        plan = split_plan(est, devices, ram=ram, offload=True)
     except (OomkitError, ValueError):  # an architecture the meta device cannot build, a prequantized checkpoint
         return []
     if plan.fits and plan.offloaded("cpu"):

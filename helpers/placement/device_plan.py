@@ -497,10 +497,25 @@ def _headroom(headroom: Any, runtime: int) -> int:
 
 def _layer_devices(model, device_map: dict) -> list[Any]:
     """The device of each decoder layer (the model's no-split blocks), in order."""
+    return [_where(n, device_map) for n in _structure(model)[0]]
+
+
+_STRUCTURES: dict[int, tuple[list[str], frozenset[str]]] = {}  # per placement model (kept, never edited)
+
+
+def _structure(model) -> tuple[list[str], frozenset[str]]:
+    """(the no-split blocks' names in order, every module's name): a walk over every module, once per placement
+    model (a caller's own model is walked each time: it may change)."""
+    if id(model) in _STRUCTURES and _SIZES.get(id(model)) is not None and _SIZES[id(model)].model is model:
+        return _STRUCTURES[id(model)]
     no_split = set(getattr(model, "_no_split_modules", None) or [])
-    names = [n for n, m in model.named_modules() if type(m).__name__ in no_split]
+    modules = dict(model.named_modules())
+    names = [n for n, m in modules.items() if type(m).__name__ in no_split]
     names.sort(key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"\.", n)])
-    return [_where(n, device_map) for n in names]
+    out = (names, frozenset(modules))
+    if _SIZES.get(id(model)) is not None and _SIZES[id(model)].model is model:
+        _STRUCTURES[id(model)] = out
+    return out
 
 
 # a skip pattern every module name matches (transformers' rule also skips a name that ends with the pattern)
@@ -686,7 +701,7 @@ def _fill_shares(plan: DevicePlan, meta, config, est, gpus, rt: dict, b: int, do
     weights = _weights_by_device(lay, plan.device_map, plan.load, b, double_quant, offload)
     layer_devs = _layer_devices(meta, plan.device_map)
     n_layers = max(1, len(layer_devs))
-    head = _where("lm_head", plan.device_map) if "lm_head" in dict(meta.named_modules()) else None
+    head = _where("lm_head", plan.device_map) if "lm_head" in _structure(meta)[1] else None
     used = [d for d in ("cpu", "disk") if d in weights]
     for dev in [*range(len(gpus)), *used]:
         gpu = isinstance(dev, int)
