@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from helpers import GiB, MiB, estimate
+from helpers.estimator.fitting import fit_one_card
 from helpers.placement import decision, device_plan
 from helpers.placement.decision import (
     FIXES_NOT_ASKED,
@@ -159,3 +160,27 @@ def test_a_decision_without_fixes_says_the_same_where_it_goes(monkeypatch):
     assert full.where == bare.where == REFUSE and (full.verdict, full.reason) == (bare.verdict, bare.reason)
     assert full.fix and full.fix != FIXES_NOT_ASKED and bare.fix == FIXES_NOT_ASKED
     assert len(fitted) - asked < asked  # no re-estimate for the fix
+
+
+def test_an_offload_of_the_whole_model_names_no_empty_module():
+    """Every module on the CPU is the map {"": "cpu"}: the fix names the layers, not an empty "(with )"."""
+    from helpers.placement.decision import device_fixes
+
+    (fix,) = device_fixes(_estimate(), ["450MiB"], host_ram=8 * GiB)
+    assert "16 of 16 decoder layers to CPU RAM" in fix.change and "(with" not in fix.change
+
+
+def test_a_hopeless_split_skips_the_fixes_and_says_the_same(tmp_path, monkeypatch):
+    """Cards whose memory added up is less than the model's 4-bit weights: no fix of the panel's knobs can fit a
+    split, so the estimator's fixes are not asked; the answer is the one trying them all gives."""
+    from helpers.panels import widgets
+
+    panel = _panel(tmp_path, ["24MiB", "24MiB"])  # 4-bit: 61 MiB of weights
+    fitted = []
+    monkeypatch.setattr(widgets, "fit_one_card", lambda *a, **k: fitted.append(1) or fit_one_card(*a, **k))
+    panel.controls["max_new_tokens"].value = 32
+    skipped = panel.state.fix
+    assert not fitted and skipped is not None
+    monkeypatch.setattr(type(panel), "_least_weights", lambda self, est: 0)  # every candidate tried
+    panel.controls["max_new_tokens"].value = 48
+    assert fitted and panel.state.fix == skipped

@@ -564,7 +564,7 @@ def _offload_fix(est: MemoryEstimate, plan: DevicePlan, step: float | None) -> D
     layers = sum(s.layers for s in plan.shares)
     # the rest of what went to the CPU (lm_head: a large share of the bytes); a rotary embedding holds no weights
     others = [name for name, dev in plan.device_map.items()
-              if dev == "cpu" and not _BLOCK.search(name) and "rotary" not in name]  # fmt: skip
+              if dev == "cpu" and name and not _BLOCK.search(name) and "rotary" not in name]  # fmt: skip
     what = f"{cpu.layers} of {layers} decoder layers" if cpu.layers else ""
     if others:
         what = f"{what} (with {', '.join(others)})" if what else ", ".join(others)
@@ -708,7 +708,9 @@ def split_plan(
     to transformers' own placement), :class:`DeviceMapError` when the map or caps are wrong."""
     args = (devices, ram, offload, disk, device_map, max_memory, offload_folder, strategy)
     # a device as the placement reads it (resolve_device): fit()'s presets carry more keys than a readout's GPU
-    cards = [(d.get("name"), d.get("capacity"), bool(d.get("bf16", True))) if isinstance(d, dict) else d for d in devices]
+    cards = [
+        (d.get("name"), d.get("capacity"), bool(d.get("bf16", True))) if isinstance(d, dict) else d for d in devices
+    ]
     return _once("split_plan", estimate, _frozen((cards, *args[1:])), lambda: _split_plan(estimate, *args))
 
 
