@@ -17,10 +17,9 @@ from helpers.placement.decision import (
     REFUSE,
     decide_placement,
     devices_snapshot,
-    one_move,
     split_plan,
 )
-from helpers.placement.device_plan import ModuleSizes, device_map_for, module_sizes, placement_model
+from helpers.placement.device_plan import ModuleSizes, device_map_for, module_sizes, one_move, placement_model
 
 
 def _config(**changes) -> LlamaConfig:

@@ -50,8 +50,8 @@ from ..loading.loader import load
 from ..loading.plan import LoadPlan
 from ..oom.messages import is_oom
 from ..oom.reclaim import unload
-from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot, one_move
-from ..placement.device_plan import DevicePlan, bnb_prequantized
+from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot
+from ..placement.device_plan import DevicePlan, bnb_prequantized, one_move
 from .gpus import (
     Alternative,
     FirstGpuState,

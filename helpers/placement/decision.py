@@ -10,7 +10,6 @@ read the same answer from a readout of their devices (:func:`devices_snapshot`),
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import re
@@ -47,13 +46,16 @@ from .device_plan import (
     DevicePlan,
     PlacementError,
     bnb_prequantized,
+    frozen_key,
+    once_per_move,
+    one_move,
     plan_devices,
 )
 
 __all__ = [
     "gpu_room", "gpu_device", "usable_gpus", "map_gpus", "max_memory_gpus", "map_gpu", "free_devices", "split_plan", "describe_split", "offload_ram", "NO_FIX", "ALLOW_OFFLOAD_FIX", "GpuDecision", "other_gpus_note", "held_hint", "first_fix", "offloaded_bytes", "unquantized_note", "map_strategy", "check_strategy", "check_split", "check_given_split", "check_given_max_memory",
     "device_fixes", "fit", "machine_verdict",
-    "one_move", "FIXES_NOT_ASKED",
+    "FIXES_NOT_ASKED",
     "PlacementDecision",
     "decide_placement",
     "devices_snapshot",
@@ -594,73 +596,11 @@ def gpu_device(g: GPUReadout, capacity: int) -> dict:
     return {"name": g.name, "capacity": capacity, "bf16": g.supports_bf16}
 
 
-_SCOPES: list[dict] = []  # the memo of the outermost open one_move() scope
-
-
-@contextlib.contextmanager
-def one_move():
-    """Within it, each placement question (:func:`split_plan`, the fixes across GPUs) is answered once per
-    estimate and arguments: a panel move or a ``fit()`` asks the same ones from several places (the decision,
-    its fix, the panel's tries). Nothing outlives the scope, so no answer can be stale: a config changed in
-    place, a new load mode or dtype is asked afresh by the next move. Scopes nest (the outermost one keeps)."""
-    if _SCOPES:
-        yield
-        return
-    _SCOPES.append({})
-    try:
-        yield
-    finally:
-        _SCOPES.clear()
-
-
-def _once(kind: str, estimate, args: tuple, compute):
-    """``compute()``, or its answer for the same ``estimate`` object and ``args`` within :func:`one_move`
-    (the memo keeps the estimate alive, so its id is not reused); a copy each time, as the caller may edit it."""
-    if not _SCOPES or args is None:
-        return compute()
-    memo = _SCOPES[0]
-    key = (kind, id(estimate), args)
-    if key not in memo:
-        try:
-            memo[key] = (estimate, compute(), None)
-        except PlacementError as e:  # asked again, it fails again: the same error
-            memo[key] = (estimate, None, e)
-    _, answer, error = memo[key]
-    if error is not None:
-        raise error
-    return _copy_plan(answer) if isinstance(answer, DevicePlan) else answer
-
-
 def _fit_once(est, device, suggest: bool = True) -> FitVerdict:
     """``fit_one_card(est, device)`` once per :func:`one_move` (the decision reads its verdict and top fix only)."""
-    return _once("fit_one_card", est, _frozen((device, suggest)), lambda: fit_one_card(est, device, suggest=suggest))
-
-
-def _frozen(args: tuple) -> tuple | None:
-    """Arguments as a key (dicts as their items, lists as tuples); None where one cannot be (not memoised)."""
-
-    def freeze(x):
-        if isinstance(x, dict):
-            return ("dict", tuple((k, freeze(v)) for k, v in x.items()))
-        if isinstance(x, list | tuple):
-            return ("seq", tuple(freeze(v) for v in x))
-        hash(x)
-        return x
-
-    try:
-        return freeze(args)
-    except TypeError:
-        return None
-
-
-def _copy_plan(plan: DevicePlan) -> DevicePlan:
-    """A plan whose lists, maps and shares are its own (callers add notes, reasons and fixes)."""
-    return dataclasses.replace(
-        plan, shares=[dataclasses.replace(x) for x in plan.shares], device_map=dict(plan.device_map),
-        max_memory=dict(plan.max_memory), placed_max_memory=dict(plan.placed_max_memory), crossings=list(plan.crossings),
-        reasons=list(plan.reasons), fixes=list(plan.fixes), notes=list(plan.notes),
-        quantization_changes=dict(plan.quantization_changes),
-    )  # fmt: skip
+    return once_per_move(
+        "fit_one_card", est, frozen_key((device, suggest)), lambda: fit_one_card(est, device, suggest=suggest)
+    )
 
 
 def usable_gpus(snap: MemorySnapshot, count: int | None) -> list[GPUReadout]:
@@ -711,7 +651,7 @@ def split_plan(
     cards = [
         (d.get("name"), d.get("capacity"), bool(d.get("bf16", True))) if isinstance(d, dict) else d for d in devices
     ]
-    return _once("split_plan", estimate, _frozen((cards, *args[1:])), lambda: _split_plan(estimate, *args))
+    return once_per_move("split_plan", estimate, frozen_key((cards, *args[1:])), lambda: _split_plan(estimate, *args))
 
 
 def _split_plan(estimate, devices, ram, offload, disk, device_map, max_memory, offload_folder, strategy) -> DevicePlan:

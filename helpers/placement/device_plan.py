@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import re
@@ -65,7 +66,7 @@ from ..estimator.timing import offload_seconds
 __all__ = [
     "reference_configs",
     "DevicePlan", "DeviceShare", "PlacementError", "DeviceMapError", "plan_devices", "placement_model", "element_sizes",
-    "ModuleSizes", "module_sizes", "device_map_for",
+    "ModuleSizes", "module_sizes", "device_map_for", "one_move", "once_per_move", "frozen_key",
     "BNB_MARGIN", "bnb_prequantized", "PREQUANTIZED_OFFLOAD",
     "PREQUANTIZED_OFFLOAD_FIX", "DEVICE_MAP_STRATEGIES",
 ]  # fmt: skip
@@ -211,6 +212,15 @@ class DevicePlan:
     def rows(self) -> list[list[str]]:
         return [s.row() for s in self.shares]
 
+    def copy(self) -> DevicePlan:
+        """A plan whose lists, maps and shares are its own (callers add notes, reasons and fixes)."""
+        return dataclasses.replace(
+            self, shares=[dataclasses.replace(x) for x in self.shares], device_map=dict(self.device_map),
+            max_memory=dict(self.max_memory), placed_max_memory=dict(self.placed_max_memory),
+            crossings=list(self.crossings), reasons=list(self.reasons), fixes=list(self.fixes), notes=list(self.notes),
+            quantization_changes=dict(self.quantization_changes),
+        )  # fmt: skip
+
     def __str__(self) -> str:
         head = ["device", "layers", "weights", "KV cache", "activations", "context+margin", "total", "capacity", ""]
         rows = [head, *self.rows()]
@@ -242,6 +252,64 @@ class DevicePlan:
 
 def _mm_text(mm: dict) -> str:
     return "{" + ", ".join(f"{k!r}: {format_bytes(int(v))!r}" for k, v in mm.items()) + "}"
+
+
+# ----------------------------------------------------------------------------- one answer per question within a move
+
+
+_SCOPES: list[dict] = []  # the memo of the outermost open one_move() scope
+
+
+@contextlib.contextmanager
+def one_move():
+    """Within it, each placement question (``split_plan``, the estimate a plan sizes, the decision's fixes) is
+    answered once per subject and arguments: a panel move or a ``fit()`` asks the same ones from several places
+    (the decision, its fix, the panel's tries, the split beside the one-card offload). Nothing outlives the scope, so no answer can be stale: a config changed in
+    place, a new load mode or dtype is asked afresh by the next move. Scopes nest (the outermost one keeps)."""
+    if _SCOPES:
+        yield
+        return
+    _SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SCOPES.clear()
+
+
+def once_per_move(kind: str, subject, args: tuple | None, compute):
+    """``compute()``, or its answer for the same ``subject`` object (an estimate, a model) and ``args`` within
+    :func:`one_move` (the memo keeps the subject alive, so its id is not reused); a plan is copied each time,
+    as the caller may edit it. ``args`` None (unhashable): not memoised."""
+    if not _SCOPES or args is None:
+        return compute()
+    memo = _SCOPES[0]
+    key = (kind, id(subject), args)
+    if key not in memo:
+        try:
+            memo[key] = (subject, compute(), None)
+        except PlacementError as e:  # asked again, it fails again: the same error
+            memo[key] = (subject, None, e)
+    _, answer, error = memo[key]
+    if error is not None:
+        raise error
+    return answer.copy() if isinstance(answer, DevicePlan) else answer
+
+
+def frozen_key(args: tuple) -> tuple | None:
+    """Arguments as a key (dicts as their items, lists as tuples); None where one cannot be (not memoised)."""
+
+    def freeze(x):
+        if isinstance(x, dict):
+            return ("dict", tuple((k, freeze(v)) for k, v in x.items()))
+        if isinstance(x, list | tuple):
+            return ("seq", tuple(freeze(v) for v in x))
+        hash(x)
+        return x
+
+    try:
+        return freeze(args)
+    except TypeError:
+        return None
 
 
 # ----------------------------------------------------------------------------- the meta model
@@ -401,16 +469,20 @@ def _special_dtypes(model, load: str, quantized: set[int]) -> dict | None:
 
 @contextlib.contextmanager
 def _quiet_fake_devices():
-    # accelerate warns "Device 0 is not available" for every planned GPU this machine lacks
+    # accelerate warns "Device 0 is not available" for every planned GPU this machine lacks. A filter, not
+    # setLevel: each setLevel clears every logger's cache (~1 ms a plan)
     logs = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
-    levels = [lg.level for lg in logs]
     for lg in logs:
-        lg.setLevel(logging.ERROR)
+        lg.addFilter(_errors_only)
     try:
         yield
     finally:
-        for lg, lv in zip(logs, levels):
-            lg.setLevel(lv)
+        for lg in logs:
+            lg.removeFilter(_errors_only)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def device_map_for(
@@ -528,8 +600,18 @@ def _weights_by_device(
     """Exact weight bytes per device; int8/4-bit modules offloaded to CPU/disk stay unquantized (as transformers
     loads them with ``llm_int8_enable_fp32_cpu_offload``)."""
     groups: dict[Any, list] = {}
+    owners: dict[str, Any] = {}  # a module's device, looked up once for all its parameters
+
+    def device_of(name: str) -> Any:
+        if name in device_map:  # a parameter placed by its own name (the map split its module)
+            return device_map[name]
+        owner = name.rpartition(".")[0]
+        if owner not in owners:
+            owners[owner] = _where(owner, device_map)
+        return owners[owner]
+
     for e in lay.entries:
-        groups.setdefault(_where(e.name, device_map), []).append(e)
+        groups.setdefault(device_of(e.name), []).append(e)
     out = {}
     for dev, entries in groups.items():
         sub = Layout(lay.params, entries, lay.not_convert, lay.keep_fp32, lay.n_layers)
@@ -603,9 +685,10 @@ def plan_devices(
     gpus = resolve_devices(devices)
     cd = _compute_dtype(load, compute_dtype, gpus)
     b = DTYPE_BYTES[cd]
-    est = estimate(config, load=load, double_quant=double_quant, compute_dtype=cd, batch_size=batch_size,
-                   prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
-                   device=None)  # fmt: skip
+    sized = (load, double_quant, cd, batch_size, prompt_tokens, max_new_tokens, kv_cache)
+    est = once_per_move("estimate", model, frozen_key(sized), lambda: estimate(
+        config, load=load, double_quant=double_quant, compute_dtype=cd, batch_size=batch_size,
+        prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, kv_cache=kv_cache, device=None))  # fmt: skip
     rt = _runtime(est, len(gpus))
     room = _headroom(headroom, rt["headroom"])
     ram = int(psutil.virtual_memory().available * OFFLOAD_RAM_SHARE) if cpu_memory is None else int(cpu_memory)
