@@ -73,6 +73,9 @@ CARDS: dict[str, Card] = {
     "rtx4090": Card(1008 * GB, 165.2 * T, 660.6 * T, 82.6 * T, "NVIDIA Ada (AD102) whitepaper"),
     # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3; FP16/BF16 989 TFLOPS; INT8 1,979 TOPS; FP32 67 TFLOPS
     "h100": Card(3350 * GB, 989 * T, 1979 * T, 67 * T, "NVIDIA H100 datasheet (SXM5)"),
+    # NVIDIA H200 datasheet (SXM): 4.8 TB/s HBM3e; FP16/BF16 1,979 TFLOPS and INT8 3,958 TOPS with
+    # sparsity; FP32 67 TFLOPS (the lent GPU machine's card)
+    "h200": Card(4800 * GB, 989 * T, 1979 * T, 67 * T, "NVIDIA H200 datasheet (SXM, sparsity halved)"),
 }
 
 # Share of the datasheet bandwidth a decode step's reads reach: large device copies reach 75-90 % of peak
