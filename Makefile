@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
 CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
-.PHONY: setup demo test test-compat test-browser bench docs lint format sync-notebooks clean gpu-check gpu-wheels
+.PHONY: setup demo test test-compat test-browser bench docs lint format sync-notebooks clean gpu-check gpu-predict gpu-wheels
 
 setup: $(STAMP)
 
@@ -107,6 +107,11 @@ GPU_PYTHON ?= $(BIN)/python
 gpu-check: $(if $(DRY),setup $(TINY))
 	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY),--dry-run) $(if $(STAGES),--stages $(STAGES)) $(if $(FRESH),--fresh) \
 	  $(if $(MODELS),--models $(MODELS))
+
+# The times oomkit predicts for the GPU check's generate and QLoRA cells (T4 and H200 figures), written before
+# a GPU measures them: bench/results/gpu/time_predicted.json (no GPU needed)
+gpu-predict: setup
+	$(BIN)/python scripts/gpu_check.py --predict
 
 # GPU_PY="3.12" narrows the wheels to one Python minor; WITH_MPL=1 adds matplotlib (notebooks stage)
 gpu-wheels:

@@ -7,7 +7,9 @@ makes every call produce exactly its tokens):
   prefill), against :func:`helpers.estimator.timing.decode_step_seconds` at the mean context;
 - prefill tokens/s: one forward pass of batch 4 x 128 tokens, against ``prefill_seconds``;
 - a LoRA step (peft, all-linear, r=8, AdamW; micro-batch 4 x 128 tokens), with and without gradient
-  checkpointing, against ``lora_step_seconds``.
+  checkpointing, against ``lora_step_seconds``;
+- decode's speed-up from batch 1 to 8 within a round: the batch dependence alone (KV cache passes, logits,
+  FLOPs per sequence, the CPU's packed GEMM), whatever level the round's calibration measured.
 
 Each round recalibrates (``calibrate(refresh=True)``) and then measures every case once (the machine is
 shared: a round's prediction and measurement see the same load); ratios predicted / measured are taken
@@ -141,6 +143,12 @@ def _round(name: str, new: int) -> list[dict]:
     for r in rows:
         r["model"] = name
         r["ratio"] = r["predicted"] / r["measured"]
+    # the batch dependence alone: batch 8's speed-up over batch 1, within the round (the calibration's level,
+    # which moves between rounds on a shared machine, cancels out)
+    one, eight = rows[0], rows[1]
+    rows.append({"case": "decode speed-up, batch 8 / batch 1", "measured": eight["measured"] / one["measured"],
+                 "predicted": eight["predicted"] / one["predicted"], "ops": None, "ops_model": None, "model": name})  # fmt: skip
+    rows[-1]["ratio"] = rows[-1]["predicted"] / rows[-1]["measured"]
     return rows
 
 

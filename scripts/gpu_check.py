@@ -43,6 +43,7 @@ import gpu_stages  # noqa: E402
 import torch  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu"
+PREDICTED = RESULTS / "time_predicted.json"  # make gpu-predict: the times predicted before a GPU measures them
 # most valuable first (issue 29): one lent call of at most 9 minutes measures them in this order and
 # writes each row as it is measured, so a call cut off keeps what it got
 STAGES = (
@@ -287,7 +288,14 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="the full grids (batch 1/4/8 x prompt x new 256/1024; QLoRA mb 1/2/4 x checkpointing x "
                              "optimizer) instead of issue 29's cells: several lent sessions' worth")  # fmt: skip
+    parser.add_argument("--predict", action="store_true",
+                        help=f"write oomkit's time predictions for the generate and qlora cells to "
+                             f"{PREDICTED.relative_to(REPO)} (no GPU needed) and exit")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.predict:
+        _write(PREDICTED, gpu_stages.time_predictions(args.layers or None))
+        print(f"wrote {PREDICTED.relative_to(REPO)}")
+        return 0
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:

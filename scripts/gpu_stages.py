@@ -48,6 +48,16 @@ TARGETS = {  # issue 21: what a run must show, or state the gap
     "generate": ("generation peak: max abs error", 10.0),
     "qlora": ("QLoRA step peak: max abs error", 15.0),
 }
+# (batch, prompt, new tokens) of the generate stage: issue 29's cells (what one lent call can measure), and --full's
+GENERATE_GRID = [(b, p, 256) for b in (1, 4) for p in (512, 2048)]
+FULL_GENERATE_GRID = [(b, p, n) for b in (1, 4, 8) for p in (512, 2048) for n in (256, 1024)]
+# (micro-batch, checkpointing, optimizer) of the qlora stage: issue 29's cells with the optimizer TrainPlan picks
+# on CUDA, and --full's
+QLORA_CELLS = [(1, True, "paged_adamw_8bit"), (2, True, "paged_adamw_8bit")]
+FULL_QLORA_CELLS = [
+    (mb, gc, opt) for gc in (True, False) for opt in ("paged_adamw_8bit", "adamw_torch") for mb in (1, 2, 4)
+]
+TIME_CARDS = ("t4", "h200")  # the time predictions registered before a run: the target card and the lent one
 STAMP = ("gpu", "cap_bytes", "explanation", "figures", "message", "saved_census")  # in the JSON, not printed
 
 
@@ -401,12 +411,7 @@ def stage_generate(run) -> dict:
     """Peak memory of generate() over batch x prompt x new tokens vs the estimate's total."""
     if skipped := bnb_skipped(run, "the generate stage (7B in nf4)"):
         return skipped
-    if run.dry:
-        grid = [(1, 16, 8), (2, 16, 8)]
-    elif run.full:
-        grid = [(b, p, n) for b in (1, 4, 8) for p in (512, 2048) for n in (256, 1024)]
-    else:  # issue 29's cells: what one lent call can measure
-        grid = [(b, p, 256) for b in (1, 4) for p in (512, 2048)]
+    grid = [(1, 16, 8), (2, 16, 8)] if run.dry else FULL_GENERATE_GRID if run.full else GENERATE_GRID
     rows = partial_rows(run, "generate")
     done = {(r["batch"], r["prompt"], r["new"]) for r in rows}
     path = big_model(run)
@@ -418,12 +423,13 @@ def stage_generate(run) -> dict:
                          "measured": None, "error_pct": None, **run.stamp(),
                          "note": "not run: predicted over the T4 (one such cell runs as the confirmation)"})  # fmt: skip
     model = tokenizer = None
+    card = time_card(run)
     for b, p, n in to_run:
         if (b, p, n) in done or run.time_left() < 90:
             continue
         if model is None:
             model, tokenizer, _ = load(plan_for(path, "nf4", run), check=False)
-        rows.append({**_generate_row(model, tokenizer, ests[b, p, n], b, p, n), **run.stamp()})
+        rows.append({**_generate_row(model, tokenizer, ests[b, p, n], b, p, n, card), **run.stamp()})
         save_partial(run, "generate", rows)
     if model is not None:
         unload(model)
@@ -435,21 +441,134 @@ def _generate_estimate(path: Path, b: int, p: int, n: int, run):
                     compute_dtype="fp32" if run.dry else "fp16", device="current")  # fmt: skip
 
 
-def _generate_row(model, tokenizer, est, b: int, p: int, n: int) -> dict:
+def _generate_row(model, tokenizer, est, b: int, p: int, n: int, card: str = "t4") -> dict:
     ids = torch.randint(3, min(1000, tokenizer.vocab_size), (b, p), device=model.device)
-    sync_peak_reset()
+
+    def generate(tokens: int):
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+
     row = {"batch": b, "prompt": p, "new": n, "estimate": without_context(est), "predicted_fit": est.total <= _t4()}
     try:
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        prefill = timed(lambda: generate(1))  # the prompt's pass (and one token): before the peak is reset
+        sync_peak_reset()
+        total = timed(lambda: generate(n))
     except torch.OutOfMemoryError:
         del ids
         sync_peak_reset()
         return {**row, "measured": None, "error_pct": None, "note": "OOM under the T4 cap"}
     peak = peak_allocated()
     return {**row, "measured": peak, "reserved": torch.cuda.max_memory_reserved() if peak else None,
-            "error_pct": error_pct(row["estimate"], peak)}  # fmt: skip
+            "error_pct": error_pct(row["estimate"], peak), **generate_time(est, card, b, p, n, prefill, total)}  # fmt: skip
+
+
+# Time beside memory (issue 46): the generate and QLoRA rows time their calls and carry oomkit's prediction
+# (estimate_time on the datasheet figures of the card that runs; a T4's in the dry run or for a card without
+# figures), predicted / measured as a ratio: registered before any GPU has measured time.
+def time_card(run) -> str:
+    """The card whose figures predict this run's time."""
+    from helpers.estimator.timing import card_named
+
+    return (None if run.dry else card_named(torch.cuda.get_device_name(0))) or "t4"
+
+
+def timed(fn) -> float:
+    """Seconds of ``fn()``, the device synchronised before and after."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def ratio(predicted: float | None, measured: float | None) -> float | None:
+    return round(predicted / measured, 2) if predicted and measured else None
+
+
+def predicted_generate(est, card: str, b: int, n: int) -> tuple[float, float]:
+    """(decode tokens/s over the batch, prefill seconds) that oomkit predicts for one generate() call."""
+    from helpers.estimator.timing import estimate_time
+
+    t = estimate_time(est, card, answers=b, batches=(b,))
+    decode = t.decode_tokens_per_s[b]
+    return decode, t.answers_seconds[b] - n * b / decode  # one batch: its prefill, then n decode steps
+
+
+def generate_time(est, card: str, b: int, p: int, n: int, prefill_s: float | None = None,
+                  total_s: float | None = None) -> dict:  # fmt: skip
+    """The time columns of a generate row: predicted, measured (``generate(1)`` for the prefill; the
+    rest of ``generate(n)`` over ``n - 1`` steps for decode) and their ratio."""
+    decode, prefill = predicted_generate(est, card, b, n)
+    measured = b * (n - 1) / (total_s - prefill_s) if prefill_s and total_s and total_s > prefill_s and n > 1 else None
+    return {"time_card": card, "decode_tok_s_predicted": round(decode, 1),
+            "decode_tok_s_measured": round(measured, 1) if measured else None, "decode_ratio": ratio(decode, measured),
+            "prefill_s_predicted": round(prefill, 3), "prefill_s_measured": round(prefill_s, 3) if prefill_s else None,
+            "prefill_ratio": ratio(prefill, prefill_s)}  # fmt: skip
+
+
+def predicted_step(est, card: str) -> float | None:
+    """oomkit's seconds for one LoRA step of a TrainPlan's estimate on ``card``."""
+    from helpers.estimator.timing import estimate_time
+
+    return estimate_time(est, card).step_seconds
+
+
+def time_predictions(layers: int | None, cards: tuple[str, ...] = TIME_CARDS) -> dict:
+    """The times oomkit predicts for the generate and QLoRA cells (issue 29's and --full's) of the 7B cut to
+    ``layers`` decoder layers, per card, without a GPU: registered before the stages measure them
+    (``make gpu-predict``)."""
+    import tempfile
+
+    from helpers.estimator.configs import config_from_dict
+    from helpers.training.plan import TrainPlan
+
+    hub_id = GPU_MODELS[BIG]
+    config = config_from_dict(read_json(shipped_config(hub_id)), hub_id)
+    config.num_hidden_layers = min(layers or config.num_hidden_layers, config.num_hidden_layers)
+    found = {"model": f"{hub_id}, {config.num_hidden_layers} decoder layers, nf4", "generate": [], "qlora": []}
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        for card in cards:
+            for b, p, n in FULL_GENERATE_GRID:
+                est = estimate(folder, load="nf4", batch_size=b, prompt_tokens=p, max_new_tokens=n,
+                               compute_dtype="fp16", device="t4")  # fmt: skip  # memory as a T4; time per card
+                decode, prefill = predicted_generate(est, card, b, n)
+                found["generate"].append({"card": card, "batch": b, "prompt": p, "new": n, "issue_29": (b, p, n) in GENERATE_GRID,
+                                          "decode_tok_s_predicted": round(decode, 1), "prefill_s_predicted": round(prefill, 3)})  # fmt: skip
+            for mb, gc, opt in FULL_QLORA_CELLS:
+                plan = TrainPlan(folder, load="nf4", micro_batch=mb, batch_size=mb, gradient_checkpointing=gc,
+                                 optimizer=opt, seq_len=512, max_steps=2, save_steps=1000, output_dir=folder,
+                                 precision="fp16")  # fmt: skip
+                step = predicted_step(plan.estimate("t4"), card)
+                found["qlora"].append({"card": card, "micro_batch": mb, "checkpointing": gc, "optimizer": opt,
+                                       "issue_29": (mb, gc, opt) in QLORA_CELLS,
+                                       "step_s_predicted": round(step, 3) if step else None})  # fmt: skip
+    return found
+
+
+def step_timer():
+    """A Trainer callback keeping each optimizer step's seconds (the last one is past the warm-up)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+            self._started = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds.append(time.perf_counter() - self._started)
+
+    return StepTimer()
 
 
 def stage_qlora(run) -> dict:
@@ -458,14 +577,8 @@ def stage_qlora(run) -> dict:
 
     if skipped := bnb_skipped(run, "the qlora stage (7B in nf4)"):
         return skipped
-    if run.dry:
-        cells = [(1, True, "adamw_torch"), (2, True, "adamw_torch")]
-    elif run.full:
-        cells = [
-            (mb, gc, opt) for gc in (True, False) for opt in ("paged_adamw_8bit", "adamw_torch") for mb in (1, 2, 4)
-        ]
-    else:  # issue 29's cells, with the optimizer TrainPlan picks on CUDA
-        cells = [(1, True, "paged_adamw_8bit"), (2, True, "paged_adamw_8bit")]
+    dry = [(1, True, "adamw_torch"), (2, True, "adamw_torch")]
+    cells = dry if run.dry else FULL_QLORA_CELLS if run.full else QLORA_CELLS
     rows = partial_rows(run, "qlora")
     done = {(r["micro_batch"], r["checkpointing"], r["optimizer"]) for r in rows}
     path = big_model(run)
@@ -481,12 +594,13 @@ def stage_qlora(run) -> dict:
                          "estimate": without_context(ests[c]), "measured": None, "error_pct": None, **run.stamp(),
                          "note": "not run: predicted over the T4 (one such cell runs as the confirmation)"})  # fmt: skip
     base = None
+    card = time_card(run)
     for c in to_run:
         if c in done or run.time_left() < 120:
             continue
         if base is None:  # loaded once: every cell gets the same base model back, its adapters removed
             base, tokenizer, _ = load(plan_for(path, "nf4", run), check=False)
-        row, base = qlora_row(plans[c], ests[c], base, tokenizer, run)
+        row, base = qlora_row(plans[c], ests[c], base, tokenizer, run, card)
         rows.append({**row, **run.stamp()})
         save_partial(run, "qlora", rows)
     if base is not None:
@@ -494,7 +608,7 @@ def stage_qlora(run) -> dict:
     return incomplete(rows, len(cells), model_note(path))
 
 
-def qlora_row(plan, est, base, tokenizer, run):
+def qlora_row(plan, est, base, tokenizer, run, card: str = "t4"):
     """One cell on ``base``; returns the row and the base model to use next (reloaded if it could not be
     taken back from the adapters)."""
     from helpers.training.adapters import prepare_qlora
@@ -506,14 +620,19 @@ def qlora_row(plan, est, base, tokenizer, run):
     model, _ = prepare_qlora(base, plan)
     data = build_dataset(tokenizer, load_instructions()[: 8 * plan.micro_batch], plan.seq_len, packing=True)
     trainer = None
+    timer = step_timer()
     sync_peak_reset()
     try:
-        trainer = make_trainer(model, tokenizer, plan, data, report_to=[])
+        trainer = make_trainer(model, tokenizer, plan, data, callbacks=[timer], report_to=[])
         trainer.train()
         peak = peak_allocated()
         row.update(measured=peak, error_pct=error_pct(row["estimate"], peak))
     except torch.OutOfMemoryError:
         row.update(measured=None, error_pct=None, note="OOM under the T4 cap")
+    step = predicted_step(est, card)
+    measured = timer.seconds[-1] if timer.seconds else None
+    row.update(time_card=card, step_s_predicted=round(step, 3) if step else None,
+               step_s_measured=round(measured, 3) if measured else None, step_ratio=ratio(step, measured))  # fmt: skip
     del trainer, data
     if not plan.gradient_checkpointing and plan.micro_batch == 1 and row.get("measured"):
         row["saved_census"] = _saved_census(model, plan, est, run)

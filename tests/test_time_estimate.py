@@ -52,8 +52,8 @@ def test_decode_is_bandwidth_bound_with_the_kernel_efficiency():
     assert decode_step_seconds(shape, speed, load="fp16") == pytest.approx(10_000 / 1e6)
     # bitsandbytes' kernels read fewer bytes more slowly: the efficiency divides the bandwidth
     assert decode_step_seconds(shape, speed, load="nf4") == pytest.approx(10_000 / (1e6 * KERNEL_EFFICIENCY["nf4"]))
-    # each sequence's KV cache is read too, the weights once per step
-    assert decode_step_seconds(shape, speed, batch=4, context=50) == pytest.approx((10_000 + 4 * 50 * 100) / 1e6)
+    # each sequence's KV cache is read and copied on append too (3 passes), the weights once per step
+    assert decode_step_seconds(shape, speed, batch=4, context=50) == pytest.approx((10_000 + 3 * 4 * 50 * 100) / 1e6)
 
 
 def test_cpu_overhead_adds_gpu_overhead_overlaps():

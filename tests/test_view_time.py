@@ -124,5 +124,5 @@ def test_on_an_uncalibrated_gpu_the_card_is_found_by_its_name(monkeypatch):
     monkeypatch.setattr(calibration_module, "cached_calibration", lambda device=None: FAKE_CPU)
     assert time_basis("Tesla T4") == (None, FAKE_CPU) and time_basis("current") == (None, FAKE_CPU)
     names = {"NVIDIA A100-SXM4-80GB": "a100-80", "NVIDIA A100-SXM4-40GB": "a100-40", "NVIDIA L4": "l4",
-             "Tesla V100-SXM2-32GB": "v100-32", "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200": None}  # fmt: skip
+             "Tesla V100-SXM2-32GB": "v100-32", "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200": "h200", "NVIDIA B200": None}  # fmt: skip
     assert {n: card_named(n) for n in names} == names

@@ -143,17 +143,20 @@ def _missing_width(config, d: dict, where: str) -> None:
 def config_from_dict(d: dict, where: str):
     """A transformers config for a config.json dict; an unknown or missing ``model_type`` gives a
     generic config (counted from its dimensions, marked approximate) instead of an error."""
+    import transformers
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     check_config_values(d, where)
+    written = d.get("transformers_version")
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
     model_type = d.pop("model_type", None)
     why = None
     if model_type is None:
         why = f"{where} has no 'model_type' field, so the architecture is unknown"
     elif model_type not in CONFIG_MAPPING:
-        why = f"model_type {model_type!r} in {where} is not known to this transformers version"
+        why = f"model_type {model_type!r} in {where} is not known to transformers {transformers.__version__}"
+        why += f" (pip install -U 'transformers>={written}', the version that wrote it)" if written else ""
     else:
         try:
             # a deep copy: transformers rewrites nested dicts (rope_scaling) in place, and they are the caller's

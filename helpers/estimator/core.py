@@ -345,7 +345,7 @@ def estimate(
     lay = layout(config, loaded)
     cdtype, b = _compute_bytes(compute_dtype, load, dev)
     if path is not None:
-        rows, header_notes = _path_weights(lay, repo, path, b)
+        rows, header_notes = _path_weights(model, lay, repo, path, b)
     else:
         rows, header_notes = _weights(model, lay, load, b, repo, double_quant, skip_modules)
     if training is None:
@@ -402,12 +402,20 @@ def _weights(model, lay, load: str, b: int, repo, double_quant: bool, skip_modul
     return weight_rows(lay, load, b, double_quant, skip_modules), notes
 
 
-def _path_weights(lay, repo, path, b: int) -> tuple[list[EstimateRow], list]:
+def _path_weights(model, lay, repo, path, b: int) -> tuple[list[EstimateRow], list]:
     """An mxfp4/fp8/compressed-tensors checkpoint's weights on the path transformers takes on this device,
-    and a note naming it (and, when dequantized, what the packed format would hold and the fix)."""
+    and a note naming it (and, when dequantized, what the packed format would hold and the fix). Kept packed,
+    a hub repo's weights come from its safetensors headers where they can be read (as stored: exact)."""
     native = native_rows(lay, repo, b) if repo.method in NATIVE_FORMATS else []
-    rows = dequantized_rows(lay, path, repo) if path.dequantized else native
-    return rows, [path_note(path, repo, rows, native)]
+    if path.dequantized:
+        rows = dequantized_rows(lay, path, repo)
+        return rows, [path_note(path, repo, rows, native)]
+    repo_id = hub_repo(model)
+    headers, why = read_hub_headers(repo_id) if repo_id is not None else (None, None)
+    notes = [f"weights counted from the config, not the checkpoint: {why}"] if why else []
+    # fp32 modules as native_rows keeps them: the checkpoint's own dtype (bf16) rules, not an fp16 load's
+    rows = header_rows(headers, lay, BF16, b, prequantized=True, method=repo.method) if headers else native
+    return rows, [path_note(path, repo, rows, native), *notes]
 
 
 def _count_note(headers, lay, repo) -> list[str]:

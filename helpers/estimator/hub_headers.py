@@ -45,6 +45,8 @@ HEADER_NOTE = "from the safetensors headers"
 QUANT_STATE_SUFFIXES = (
     ".qzeros", ".scales", ".g_idx", ".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB",
     ".weight_format",
+    "_scales",  # mxfp4: one uint8 (e8m0) per 32 values, beside each expert tensor's ``_blocks``
+    ".weight_scale_inv", ".weight_scale", ".input_scale",  # fp8 and compressed-tensors: fp32 scales
 )  # fmt: skip
 # bitsandbytes saves each 4-bit layer's QuantState as a small uint8 JSON blob that load() parses into
 # Python values: it never becomes a GPU tensor
@@ -304,17 +306,24 @@ def read_hub_headers(
 
 
 def _is_packed(name: str, entries: dict[str, HeaderTensor]) -> bool:
-    """A quantized weight: GPTQ/AWQ ``qweight``, or a bitsandbytes weight stored with its absmax or SCB."""
+    """A quantized weight: GPTQ/AWQ ``qweight``, a bitsandbytes weight stored with its absmax or SCB, an mxfp4
+    expert tensor's ``_blocks`` (two fp4 values a byte), or an fp8 weight (one byte a value)."""
     return (
-        name.endswith(".qweight") or (name + ".absmax" in entries) or (name.removesuffix(".weight") + ".SCB" in entries)
+        name.endswith((".qweight", "_blocks"))
+        or entries[name].dtype.startswith("F8")
+        or (name + ".absmax" in entries)
+        or (name.removesuffix(".weight") + ".SCB" in entries)
     )
 
 
-def header_rows(h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, prequantized: bool) -> list[EstimateRow]:
+def header_rows(
+    h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, prequantized: bool, method: str | None = None
+) -> list[EstimateRow]:
     """The weight rows from the headers: a pre-quantized checkpoint's packed weights and state as stored,
     and its other floating tensors in the compute dtype; an ordinary checkpoint's floating tensors in the
     load dtype (fp32 where the model keeps them so). Buffers the checkpoint lacks (rotary tables) come
-    from the architecture."""
+    from the architecture. ``method`` "mxfp4": the expert biases are held in fp32 (``Mxfp4GptOssExperts``
+    declares them so), whatever the checkpoint stores."""
     half = 4 if load == FP32 else dtype_bytes
     fp32 = fp32_modules(lay, load)
     packed = state = plain = 0
@@ -328,6 +337,8 @@ def header_rows(h: HeaderWeights, lay: Layout, load: str, dtype_bytes: int, preq
             state += t.nbytes
         elif not t.floating:
             plain += t.nbytes
+        elif method == "mxfp4" and ".experts." in f".{name}":
+            plain += 4 * t.numel
         else:
             plain += t.numel * (4 if any(k in name for k in fp32) else half)
     buffers = sum(

@@ -211,6 +211,22 @@ def _logical_numel(p: torch.Tensor, linear: tuple[int, int] | None) -> int:
     return p.numel()
 
 
+def _unbuildable(config, why: str, missing: list[str]) -> EstimateError:
+    """The error when transformers cannot build a config and its dimensions cannot be counted either. A model
+    type this transformers knows but fails to build (Llama 4 under transformers 5.1: its class reads a
+    ``pad_token_id`` the config lacks) is that release's limit: the fix is another transformers, not the file."""
+    import transformers
+
+    model_type = getattr(config, "model_type", "") or ""
+    lacks = f"the config lacks {', '.join(missing)} for a count from its dimensions"
+    if model_type and not getattr(config, "oomkit_unknown", None):
+        return EstimateError(
+            f"transformers {transformers.__version__} cannot build model_type {model_type!r} from this config "
+            f"({why}), and {lacks}; upgrade transformers (pip install -U transformers) or pass another model"
+        )
+    return EstimateError(f"cannot build this architecture ({why}) and {lacks}; pass the model's full config.json")
+
+
 def _dimension_layout(config, why: str) -> Layout:
     """Fallback when the architecture cannot be built: a Llama-shaped count from the dimensions."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -221,10 +237,7 @@ def _dimension_layout(config, why: str) -> Layout:
         v = next((d[a] for a in alts if d.get(a)), None)
         (got.__setitem__(k, v) if v else missing.append(k))
     if missing:
-        raise EstimateError(
-            f"cannot build this architecture ({why}) and the config lacks {', '.join(missing)}, "
-            "needed for the fallback dimension-based count; pass the model's full config.json"
-        )
+        raise _unbuildable(config, why, missing)
     h, n, v = got["hidden_size"], got["num_hidden_layers"], got["vocab_size"]
     inter = d.get("intermediate_size") or d.get("n_inner") or 4 * h
     heads = d.get("num_attention_heads") or d.get("n_head") or max(1, h // 64)

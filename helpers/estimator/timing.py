@@ -3,10 +3,11 @@
 Pure functions of a model's shape and a device's speed (no probe runs here; :mod:`.calibration` measures
 this machine). The model of time, term by term:
 
-- **decode** (one new token for each of ``batch`` sequences) is memory-bandwidth bound: every weight and the
-  KV cache so far are read once per step, ``bytes / (bandwidth x the load mode's kernel efficiency)``; at a
-  large batch the matmuls' FLOPs take over (``2 x matmul params x batch / throughput``), so a step takes the
-  larger of the two;
+- **decode** (one new token for each of ``batch`` sequences) is memory-bandwidth bound: every weight once
+  per step, ``bytes / (bandwidth x the load mode's kernel efficiency)``, and per sequence its KV cache (read by
+  attention, and read and written again by the cache's append) and its logits over the vocabulary
+  (:func:`decode_step_work`); the matmuls' FLOPs grow with the batch (``2 x matmul params x batch /
+  throughput``). On a GPU a step takes the larger of reads and FLOPs (they overlap); on the CPU their sum;
 - **prefill** (the prompt's forward pass) and **training** are compute bound: FLOPs / throughput;
 - **overhead**: PyTorch eager and transformers' Python issue each op from the CPU (a few microseconds each).
   On a GPU that work overlaps the kernels (a step takes the larger of the two); on the CPU it adds to them.
@@ -33,7 +34,7 @@ from .rows import EstimateError
 
 __all__ = [
     "Card", "CARDS", "Speed", "ModelShape", "TimeEstimate", "speed_for", "model_shape",
-    "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
+    "DecodeWork", "decode_step_work", "decode_step_seconds", "prefill_seconds", "lora_step_seconds", "load_seconds", "answers_seconds",
     "estimate_time", "approx_duration", "time_line", "view_time", "time_basis", "card_named", "offload_seconds",
     "KERNEL_EFFICIENCY", "MEMORY_EFFICIENCY", "COMPUTE_EFFICIENCY",
     "CALIBRATED_PREFILL_EFFICIENCY", "CALIBRATED_TRAINING_EFFICIENCY",
@@ -72,6 +73,9 @@ CARDS: dict[str, Card] = {
     "rtx4090": Card(1008 * GB, 165.2 * T, 660.6 * T, 82.6 * T, "NVIDIA Ada (AD102) whitepaper"),
     # NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3; FP16/BF16 989 TFLOPS; INT8 1,979 TOPS; FP32 67 TFLOPS
     "h100": Card(3350 * GB, 989 * T, 1979 * T, 67 * T, "NVIDIA H100 datasheet (SXM5)"),
+    # NVIDIA H200 datasheet (SXM): 4.8 TB/s HBM3e; FP16/BF16 1,979 TFLOPS and INT8 3,958 TOPS with
+    # sparsity; FP32 67 TFLOPS (the lent GPU machine's card)
+    "h200": Card(4800 * GB, 989 * T, 1979 * T, 67 * T, "NVIDIA H200 datasheet (SXM, sparsity halved)"),
 }
 
 # Share of the datasheet bandwidth a decode step's reads reach: large device copies reach 75-90 % of peak
@@ -104,6 +108,18 @@ DEFAULT_OP_SECONDS = 12e-6
 DECODE_OPS = (72, 61)  # per layer, per step: one generate() token (logits processors and stopping included)
 FORWARD_OPS = (74, 24)  # one forward pass (prefill)
 LORA_STEP_OPS = {False: (526, 16), True: (733, 71)}  # forward+backward+AdamW, all-linear LoRA; key: checkpointing
+# Passes over each sequence's KV cache per decode step: transformers' DynamicCache appends the new token with
+# torch.cat (cache_utils.DynamicLayer.update), reading the whole cache and writing it anew, and attention reads
+# it once more. Passes over its logits (fp32, batch x vocab): the lm_head writes them, generate() copies the last
+# position to fp32 (generation/utils.py: ``.to(copy=True, dtype=torch.float32)``: a read and a write), the
+# logits processors and argmax read them.
+KV_CACHE_PASSES = 3
+LOGITS_PASSES = 4
+# Passes over the weights of a CPU decode step at a batch above 1: one row is a matrix-vector product that reads
+# each weight once, several rows a GEMM that first packs its weight operand (reads it, writes the packed copy,
+# reads that). Measured here (MKL, fp32, one thread): a 4096 x 4096 linear took 3.4 ms at 1 row, 15 ms at 2;
+# 1024 x 1024: 0.08 ms, 0.16 ms. A GPU's GEMM reads its operands in place.
+CPU_GEMM_WEIGHT_PASSES = 3
 # Loading: the checkpoint is read (DISK_BYTES_PER_S), quantized by bitsandbytes on the GPU and copied over
 # PCIe (PCIE_BYTES_PER_S); a download first unless cached. Both rates assumed: Colab's downloads from the
 # Hub vary from tens to hundreds of MB/s, and quantization runs at device speed (several GB/s).
@@ -158,6 +174,7 @@ class ModelShape:
     layers: int
     attn_width: int  # heads x head_dim: the attention FLOPs' width
     lora_params: int = 0
+    vocab: int = 0  # logits per sequence per decode step
 
 
 def _combine(speed: Speed, device_seconds: float, ops: int, extra: float = 0.0) -> float:
@@ -165,17 +182,48 @@ def _combine(speed: Speed, device_seconds: float, ops: int, extra: float = 0.0) 
     return max(device_seconds, overhead) if speed.overlap else device_seconds + overhead
 
 
+@dataclass(frozen=True)
+class DecodeWork:
+    """What one decode step moves and computes: the weights once, and per sequence its KV cache
+    (:data:`KV_CACHE_PASSES`) and logits (:data:`LOGITS_PASSES`); FLOPs for every sequence."""
+
+    weight_bytes: float
+    kv_bytes: float
+    logits_bytes: float
+    flops: float
+
+    def __str__(self) -> str:
+        return (f"decode step: weights {self.weight_bytes:,.0f} B, KV cache {self.kv_bytes:,.0f} B, "
+                f"logits {self.logits_bytes:,.0f} B, {self.flops:,.0f} FLOPs")  # fmt: skip
+
+
+def decode_step_work(shape: ModelShape, *, batch: int = 1, context: float = 0, cpu: bool = False) -> DecodeWork:
+    """Counts for one generate() step over ``batch`` sequences holding ``context`` tokens each (``cpu``: the
+    weights packed for a GEMM when ``batch`` > 1, :data:`CPU_GEMM_WEIGHT_PASSES`)."""
+    return DecodeWork(
+        weight_bytes=shape.weight_bytes * (CPU_GEMM_WEIGHT_PASSES if cpu and batch > 1 else 1),
+        kv_bytes=KV_CACHE_PASSES * batch * context * shape.kv_bytes_per_token,
+        logits_bytes=LOGITS_PASSES * batch * shape.vocab * 4,
+        flops=(2 * shape.matmul_params + 4 * context * shape.attn_width * shape.layers) * batch,
+    )  # fmt: skip
+
+
 def decode_step_seconds(
     shape: ModelShape, speed: Speed, *, batch: int = 1, context: float = 0, load: str = "fp16"
 ) -> float:
     """One generate() step: a new token for each of ``batch`` sequences holding ``context`` tokens each.
-    Memory bound (weights once, every sequence's KV cache) or, at a large batch, compute bound."""
-    read = shape.weight_bytes + batch * context * shape.kv_bytes_per_token
-    memory = read / (speed.bandwidth * KERNEL_EFFICIENCY.get(load, 1.0))
-    compute = (2 * shape.matmul_params + 4 * context * shape.attn_width * shape.layers) * batch / speed.flops
+    Reads (the weights at the load mode's kernel efficiency; each sequence's cache and logits) and FLOPs:
+    the larger on a GPU, where they overlap; their sum on the CPU, where the same cores stream the weights and
+    multiply them (a 4096 x 4096 fp32 linear at 8 rows took longer here than its packed reads plus its FLOPs
+    at the matmul probe's rate)."""
+    work = decode_step_work(shape, batch=batch, context=context, cpu=not speed.overlap)
+    memory = work.weight_bytes / (speed.bandwidth * KERNEL_EFFICIENCY.get(load, 1.0))
+    memory += (work.kv_bytes + work.logits_bytes) / speed.bandwidth
+    compute = work.flops / speed.flops
+    device = max(memory, compute) if speed.overlap else memory + compute
     if speed.decode_step_seconds is None:
-        return _combine(speed, max(memory, compute), DECODE_OPS[0] * shape.layers + DECODE_OPS[1])
-    return _combine(speed, max(memory, compute), DECODE_OPS[0] * shape.layers, speed.decode_step_seconds)
+        return _combine(speed, device, DECODE_OPS[0] * shape.layers + DECODE_OPS[1])
+    return _combine(speed, device, DECODE_OPS[0] * shape.layers, speed.decode_step_seconds)
 
 
 def _forward_flops(shape: ModelShape, batch: int, tokens: int) -> tuple[float, float]:
@@ -266,7 +314,7 @@ def model_shape(config, lay, weight_bytes: int, kv_dtype_bytes: int = 2, trainin
     return ModelShape(
         matmul_params=max(lay.params - embedding, 0), weight_bytes=int(weight_bytes),
         kv_bytes_per_token=kv_cache_bytes(config, 1, 1, kv_dtype_bytes), layers=d["layers"],
-        attn_width=d["heads"] * d["hd"], lora_params=lora,
+        attn_width=d["heads"] * d["hd"], lora_params=lora, vocab=d["vocab"],
     )  # fmt: skip
 
 
