@@ -9,23 +9,23 @@ one is checked, and a model that does not fit GPU 0 is planned across all of the
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .core.arguments import ArgumentError, flag, whole_number
 from .core.checks import Check, checks_table
 from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .core.errors import OomkitError
 from .core.html import Markup
-from .core.memory import GPUReadout, MemorySnapshot
+from .core.memory import GPUProcess, GPUReadout, MemorySnapshot, disk_readouts, ram_readout
 from .core.memory import snapshot as take_snapshot
 from .core.session import in_colab, ipython
 from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
@@ -44,21 +44,12 @@ from .core.vocab import (
     load_mode_name,
     verdict,
 )
-from .estimator.configs import resolve_config
-from .estimator.core import MemoryEstimate, estimate
-from .estimator.fitting import fit_one_card, format_params
-from .estimator.rows import EstimateError
 from .loading.checks import ram_for_loading, weight_file_check
-from .placement.decision import (
-    PlacementDecision,
-    auto_placing,
-    decide_placement,
-    devices_snapshot,
-    held_hint,
-    offload_ram,
-    spill_why,
-)
-from .placement.device_plan import DevicePlan
+
+if TYPE_CHECKING:  # the estimator and placement import torch: the fit check imports them, after the first lines
+    from .estimator.core import MemoryEstimate
+    from .placement.decision import PlacementDecision
+    from .placement.device_plan import DevicePlan
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -195,9 +186,123 @@ def versions() -> dict[str, str | None]:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
-    out["cuda"] = torch.version.cuda
+    out["cuda"] = _torch_build().get("cuda")
     out["python"] = sys.version.split()[0]
     return out
+
+
+def _torch_build() -> dict[str, str | None]:
+    """torch's build, ``{"cuda": "12.4", "hip": None}`` (both None: a CPU build), without importing torch where
+    nothing has yet (seconds): its ``version.py`` read as text. ``{}`` without torch; imported where the file
+    is not as expected."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            spec = importlib.util.find_spec("torch")
+            if spec is None:
+                return {}
+            tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+            values = {
+                node.target.id: ast.literal_eval(node.value)
+                for node in tree.body
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None
+            }
+            if {"cuda", "hip"} <= set(values):
+                return {"cuda": values["cuda"], "hip": values["hip"]}
+        except Exception:  # noqa: BLE001 - a torch laid out otherwise: ask it below
+            pass
+        import torch
+    return {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+
+
+def _machine_snapshot() -> MemorySnapshot:
+    """:func:`helpers.snapshot`, read without importing torch while nothing has, so the first cell's first
+    lines show seconds sooner: the GPUs as the driver (NVML) sees them, where that is what PyTorch will see."""
+    if "torch" not in sys.modules:
+        gpus = _driver_gpus()
+        if gpus is not None:
+            backend = "cuda" if gpus else "cpu"
+            return MemorySnapshot(backend=backend, gpus=gpus, ram=ram_readout(), disks=disk_readouts())
+    return take_snapshot()
+
+
+def _driver_gpus() -> list[GPUReadout] | None:
+    """The GPUs PyTorch will number 0, 1, ..., read from NVML before torch is imported (so this process holds
+    nothing on them: allocated and reserved 0, no CUDA context yet); [] for a CPU build of torch. None where
+    only torch can tell: macOS (MPS), ROCm, no NVML, MIG slices, a ``CUDA_VISIBLE_DEVICES`` NVML cannot follow,
+    or different GPUs in CUDA's default fastest-first order."""
+    build = _torch_build()
+    if sys.platform == "darwin" or not build or build.get("hip"):
+        return None
+    if build.get("cuda") is None:
+        return []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = _visible_handles(
+            pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        )
+        return None if handles is None else [_driver_readout(pynvml, i, h) for i, h in enumerate(handles)]
+    except Exception:  # noqa: BLE001 - no NVML library, driver or permission: torch reads them
+        return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _visible_handles(pynvml, handles: list) -> list | None:
+    """NVML's devices in PyTorch's order under ``CUDA_VISIBLE_DEVICES`` (indices or ``GPU-`` UUIDs), or None."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    chosen = handles if env is None else []
+    for item in [] if env is None else [x.strip() for x in env.split(",")]:
+        if item.isdigit() and int(item) < len(handles):
+            chosen.append(handles[int(item)])
+            continue
+        match = [h for h in handles if item.startswith("GPU-") and _text(pynvml.nvmlDeviceGetUUID(h)).startswith(item)]
+        if len(match) != 1:
+            return None  # MIG-..., -1, an index past the last: CUDA's own rules decide
+        chosen += match
+    if (
+        len({_text(pynvml.nvmlDeviceGetName(h)) for h in chosen}) > 1
+        and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
+    ):
+        return None  # CUDA numbers the fastest first, NVML by PCI bus
+    for h in chosen:
+        try:
+            if pynvml.nvmlDeviceGetMigMode(h)[0]:
+                return None
+        except pynvml.NVMLError:  # a card without MIG
+            pass
+    return chosen
+
+
+def _driver_readout(pynvml, index: int, handle) -> GPUReadout:
+    """One GPU from NVML: its memory as CUDA reports it (the total less what the driver reserves)."""
+    try:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    except Exception:  # noqa: BLE001 - a driver before the v2 call
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        procs = [GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid))
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]  # fmt: skip
+    except pynvml.NVMLError:
+        procs = None
+    total = mem.total - getattr(mem, "reserved", 0)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return GPUReadout(
+        index, _text(pynvml.nvmlDeviceGetName(handle)), (major, minor), total, mem.free, 0, 0, 0, 0, procs
+    )
+
+
+def _process_name(pid: int) -> str:
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return ""
 
 
 def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
@@ -392,8 +497,9 @@ def _usable_memory(gpu: GPUReadout) -> int:
 
 def _context_paid() -> bool:
     # reading a device's free memory (snapshot() does, for every GPU) starts its context, so once CUDA
-    # is initialized every card's context is paid, as load() counts it
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    # is initialized every card's context is paid, as load() counts it; before torch is imported none is
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 @dataclass
@@ -425,6 +531,8 @@ class _Host:
 def _decide(est: MemoryEstimate, caps: list[int], host: _Host, gpus: int | None = None) -> PlacementDecision:
     """:func:`decide_placement` of ``est`` on GPUs of ``caps`` usable bytes (a full GPU still counts as one:
     1 MiB, the smallest size a device takes, so the shares keep their GPU's index)."""
+    from .placement.decision import auto_placing, decide_placement, devices_snapshot
+
     devices = [{"name": f"GPU {i}", "capacity": max(c, MiB), "bf16": host.half == BF16} for i, c in enumerate(caps)]
     return decide_placement(auto_placing(gpus=gpus), est, devices_snapshot(est, devices, host.ram))
 
@@ -464,7 +572,9 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
 
 
 def _prequantized(model: Any) -> bool:
+    from .estimator.configs import resolve_config
     from .estimator.prequantized import repo_quantization
+    from .estimator.rows import EstimateError
 
     try:
         return repo_quantization(resolve_config(model)[0]) is not None
@@ -477,6 +587,12 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
     (as ``device_map="auto"`` splits it), or (without a GPU) a T4? Generating ``batch_size`` sequences of
     ``prompt_tokens`` + ``max_new_tokens`` tokens (a :class:`helpers.LoadPlan`'s budget, which sizes the KV cache)."""
+    # imported here, not at the top: they import torch and transformers, which the checks before this need not wait for
+    from .estimator.core import estimate
+    from .estimator.fitting import format_params
+    from .estimator.rows import EstimateError
+    from .placement.decision import held_hint, offload_ram
+
     budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
     gpus = list(snapshot.gpus) if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else []
     # What this process can use on each GPU; without one, Colab's T4
@@ -528,6 +644,9 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
                    load: str, budget: dict, seen: list[_Option], spill: str = "") -> Check:  # fmt: skip
     """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU; ``spill`` is the decision's fix where
     transformers' placement on the card would offload part of it."""
+    from .estimator.fitting import fit_one_card, format_params
+    from .placement.decision import spill_why
+
     cap = caps[0]
     if not gpus:
         where = f"a T4 ({format_bytes(cap)}; no GPU here, so checked against Colab's)"
@@ -616,6 +735,8 @@ def _load_now(chosen: _Option, gpus: list[GPUReadout], caps: list[int], host: _H
 
 def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
     """The fit ``check``, warning where the memory this process still holds changes what load() does now."""
+    from .placement.decision import held_hint
+
     if now.verdict == DOES_NOT_FIT:
         happens = "load() would refuse it now"
     elif now.split and not check.data.get("split"):
@@ -637,6 +758,8 @@ def _split_check(chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPURead
                  budget: dict, host: _Host) -> list[Check]:  # fmt: skip
     """The fit check for a model split across every GPU (each GPU's share, or why no split fits and the
     fix), and the placement's note on what a split costs."""
+    from .estimator.fitting import format_params
+
     est, plan, n = chosen.est, chosen.plan, len(gpus)
     shares = [
         {"index": g.index, "name": g.name, "capacity": s.capacity, "total": s.total, "weights": s.weights,
@@ -728,14 +851,15 @@ def _checks(report: PreflightReport, load: str, budget: dict, bnb: tuple[bool, s
     if model is not None:
         total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
         yield ram_for_loading(snap, total, largest, source)
-        files = weight_file_check(str(model), allow_pickle=allow_pickle)
-        if files is not None:
-            yield files
     else:
         yield Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
     disk = _check_disk(snap, model, total)
     if disk is not None:
         yield disk
+    # the checks so far import no torch (seconds in a fresh kernel): opening a weight file as transformers will does
+    files = weight_file_check(str(model), allow_pickle=allow_pickle) if model is not None else None
+    if files is not None:
+        yield files
     fits = fit_checks(model, load=load, snapshot=snap, **budget) if model is not None else []
     yield from fits
     planned = next((c.data.get("load") for c in fits if c.name == "fit"), None)
@@ -793,7 +917,7 @@ def preflight(
     flag("allow_pickle", allow_pickle)
     flag("show", show)
     flag("calibrate", calibrate)
-    snap = snapshot if snapshot is not None else take_snapshot()
+    snap = snapshot if snapshot is not None else _machine_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
     report = PreflightReport(checks=[], snapshot=snap, versions=vers, model=model, colab=colab)

@@ -12,15 +12,18 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from .arguments import ArgumentError, flag
 from .html import Markup, bar, table
 from .session import in_colab
 from .units import format_bytes
 from .vocab import supports_bf16
+
+if TYPE_CHECKING:  # imported where used: `import helpers` must not import torch (seconds)
+    import torch
 
 __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
@@ -197,23 +200,31 @@ def hf_cache_dir() -> Path:
 def allocated(device: int | torch.device | str | None = None) -> int:
     """Bytes held by tensors on a CUDA device, or on every GPU with ``"all"`` (a model split over two
     cards fills both); 0 without CUDA. Cheap: for use inside loops."""
+    import torch
+
     return _per_device(torch.cuda.memory_allocated, device)
 
 
 def reserved(device: int | torch.device | str | None = None) -> int:
     """Bytes reserved by PyTorch's CUDA caching allocator on a device, or on every GPU with ``"all"``
     (0 without CUDA)."""
+    import torch
+
     return _per_device(torch.cuda.memory_reserved, device)
 
 
 def peak_allocated(device: int | torch.device | str | None = None) -> int:
     """``max_memory_allocated`` of a device, or the sum of every GPU's with ``"all"`` (0 without CUDA)."""
+    import torch
+
     return _per_device(torch.cuda.max_memory_allocated, device)
 
 
 def reset_peak_allocated(device: int | torch.device | str | None = None) -> None:
     """Start ``peak_allocated`` over on a device, or on every GPU with ``"all"`` (``reset_peak_memory_stats()``
     alone resets the current card only); nothing without CUDA."""
+    import torch
+
     global _peak_resets
     if not torch.cuda.is_available():
         return
@@ -233,6 +244,8 @@ def peak_resets() -> int:
 
 def _cuda_index(device) -> int | None:
     """The CUDA index ``device`` names (``None`` for the current one); an ArgumentError for anything else."""
+    import torch
+
     if device is None:
         return None
     try:
@@ -250,6 +263,8 @@ def _cuda_index(device) -> int | None:
 
 
 def _per_device(read, device) -> int:
+    import torch
+
     if device != "all":
         index = _cuda_index(device)
     if not torch.cuda.is_available():
@@ -268,6 +283,8 @@ def nvml_handle(index: int):
     NVML's 1. The device's UUID is the same in both, so it is matched by that; the index is only the
     fallback (a MIG slice, or a torch that reports no UUID).
     """
+    import torch
+
     try:
         import pynvml
 
@@ -304,6 +321,8 @@ def _nvml_processes(index: int) -> list[GPUProcess] | None:
 
 def gpu_readouts(processes: bool = True) -> list[GPUReadout]:
     """One :class:`GPUReadout` per visible CUDA device; empty without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     out = []
@@ -328,6 +347,8 @@ def gpu_readouts(processes: bool = True) -> list[GPUReadout]:
 
 
 def _mps_readout() -> MPSReadout | None:
+    import torch
+
     mps = getattr(torch, "mps", None)
     if mps is None or not torch.backends.mps.is_available():
         return None
