@@ -232,10 +232,10 @@ def _driver_gpus() -> list[GPUReadout] | None:
     only torch can tell: macOS (MPS), ROCm, no NVML, MIG slices, a ``CUDA_VISIBLE_DEVICES`` NVML cannot follow,
     or different GPUs in CUDA's default fastest-first order."""
     build = _torch_build()
-    if sys.platform == "darwin" or not build or build.get("hip"):
+    if sys.platform == "darwin" or build.get("hip"):
         return None
     if build.get("cuda") is None:
-        return []
+        return []  # a CPU build (or no torch: the versions check fails with the fix)
     try:
         import pynvml
 

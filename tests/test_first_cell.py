@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import helpers.environment as environment
+from helpers.core.checks import Check
 from helpers.core.units import GiB, MiB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,14 +83,16 @@ def test_preflight_shows_gpu_versions_ram_and_disk_before_anything_imports_torch
     assert got["build"] == {"cuda": torch.version.cuda, "hip": torch.version.hip}
 
 
-def test_an_fp16_plan_never_runs_the_bitsandbytes_check(tiny_llama, monkeypatch):
-    def refuse(device):
-        raise AssertionError("bitsandbytes imported for a plan that quantizes nothing")
-
-    monkeypatch.setattr(environment, "bitsandbytes_status", refuse)
-    report = environment.preflight(str(tiny_llama), load="fp16")
-    assert report.check("fit").data["load"] == "fp16"
-    assert "bitsandbytes" not in [c.name for c in report.checks]
+def test_only_a_plan_that_quantizes_runs_the_bitsandbytes_check(tiny_llama, monkeypatch):
+    """bitsandbytes' import pulls in torch.compile (seconds): an fp16 plan never imports it."""
+    ran = []
+    monkeypatch.setattr(environment, "bitsandbytes_status", lambda device: ran.append(device) or (True, "ok"))
+    for load in ("fp16", "nf4"):  # the fit line says which load the plan ends up with
+        fit = Check("fit", "pass", f"fits with load={load}", data={"load": load})
+        monkeypatch.setattr(environment, "fit_checks", lambda model, fit=fit, **kw: [fit])
+        report = environment.preflight(str(tiny_llama), load=load)
+        assert ("bitsandbytes" in [c.name for c in report.checks]) == (load == "nf4")
+    assert ran == ["cpu"]
 
 
 class FakeNVML(types.ModuleType):
