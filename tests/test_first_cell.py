@@ -180,3 +180,27 @@ def test_a_cpu_build_of_torch_sees_no_gpu_whatever_the_driver_says(driver, monke
     assert environment._driver_gpus() == []
     monkeypatch.setattr(environment, "_torch_build", lambda: {"cuda": None, "hip": "6.0"})
     assert environment._driver_gpus() is None  # ROCm: torch reads it
+
+
+@pytest.mark.cuda
+def test_on_a_real_gpu_the_driver_readout_is_what_torch_reads_after_it():
+    """Before torch: the cards from NVML; after it, torch's own: same cards, capability, total (the driver's
+    reserve taken off), and free memory within the CUDA context torch's readout has paid by then."""
+    got = fresh("""
+        from helpers.environment import _driver_gpus
+        early = _driver_gpus()
+        assert "torch" not in sys.modules
+        import torch
+        late = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            late.append([p.name, [p.major, p.minor], total, free])
+        print(json.dumps({"early": [[g.name, list(g.capability), g.total, g.free] for g in early or []],
+                          "driver": early is not None, "late": late}))
+    """)
+    assert got["driver"] and len(got["early"]) == len(got["late"])
+    for (name, cap, total, free), (t_name, t_cap, t_total, t_free) in zip(got["early"], got["late"]):
+        assert (name, cap) == (t_name, t_cap)
+        assert abs(total - t_total) <= 0.01 * t_total
+        assert 0 <= free - t_free <= 2 * GiB  # torch's readout paid this process's CUDA context
