@@ -9,9 +9,7 @@ one is checked, and a model that does not fit GPU 0 is planned across all of the
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -25,7 +23,7 @@ from .core.checks import Check, checks_table
 from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .core.errors import OomkitError
 from .core.html import Markup
-from .core.memory import GPUProcess, GPUReadout, MemorySnapshot, disk_readouts, ram_readout
+from .core.memory import GPUReadout, MemorySnapshot, torch_build
 from .core.memory import snapshot as take_snapshot
 from .core.session import in_colab, ipython
 from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
@@ -186,123 +184,9 @@ def versions() -> dict[str, str | None]:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
-    out["cuda"] = _torch_build().get("cuda")
+    out["cuda"] = torch_build().get("cuda")
     out["python"] = sys.version.split()[0]
     return out
-
-
-def _torch_build() -> dict[str, str | None]:
-    """torch's build, ``{"cuda": "12.4", "hip": None}`` (both None: a CPU build), without importing torch where
-    nothing has yet (seconds): its ``version.py`` read as text. ``{}`` without torch; imported where the file
-    is not as expected."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            spec = importlib.util.find_spec("torch")
-            if spec is None:
-                return {}
-            tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
-            values = {
-                node.target.id: ast.literal_eval(node.value)
-                for node in tree.body
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None
-            }
-            if {"cuda", "hip"} <= set(values):
-                return {"cuda": values["cuda"], "hip": values["hip"]}
-        except Exception:  # noqa: BLE001 - a torch laid out otherwise: ask it below
-            pass
-        import torch
-    return {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
-
-
-def _machine_snapshot() -> MemorySnapshot:
-    """:func:`helpers.snapshot`, read without importing torch while nothing has, so the first cell's first
-    lines show seconds sooner: the GPUs as the driver (NVML) sees them, where that is what PyTorch will see."""
-    if "torch" not in sys.modules:
-        gpus = _driver_gpus()
-        if gpus is not None:
-            backend = "cuda" if gpus else "cpu"
-            return MemorySnapshot(backend=backend, gpus=gpus, ram=ram_readout(), disks=disk_readouts())
-    return take_snapshot()
-
-
-def _driver_gpus() -> list[GPUReadout] | None:
-    """The GPUs PyTorch will number 0, 1, ..., read from NVML before torch is imported (so this process holds
-    nothing on them: allocated and reserved 0, no CUDA context yet); [] for a CPU build of torch. None where
-    only torch can tell: macOS (MPS), ROCm, no NVML, MIG slices, a ``CUDA_VISIBLE_DEVICES`` NVML cannot follow,
-    or different GPUs in CUDA's default fastest-first order."""
-    build = _torch_build()
-    if sys.platform == "darwin" or build.get("hip"):
-        return None
-    if build.get("cuda") is None:
-        return []  # a CPU build (or no torch: the versions check fails with the fix)
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = _visible_handles(
-            pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        )
-        return None if handles is None else [_driver_readout(pynvml, i, h) for i, h in enumerate(handles)]
-    except Exception:  # noqa: BLE001 - no NVML library, driver or permission: torch reads them
-        return None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _visible_handles(pynvml, handles: list) -> list | None:
-    """NVML's devices in PyTorch's order under ``CUDA_VISIBLE_DEVICES`` (indices or ``GPU-`` UUIDs), or None."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    chosen = handles if env is None else []
-    for item in [] if env is None else [x.strip() for x in env.split(",")]:
-        if item.isdigit() and int(item) < len(handles):
-            chosen.append(handles[int(item)])
-            continue
-        match = [h for h in handles if item.startswith("GPU-") and _text(pynvml.nvmlDeviceGetUUID(h)).startswith(item)]
-        if len(match) != 1:
-            return None  # MIG-..., -1, an index past the last: CUDA's own rules decide
-        chosen += match
-    if (
-        len({_text(pynvml.nvmlDeviceGetName(h)) for h in chosen}) > 1
-        and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
-    ):
-        return None  # CUDA numbers the fastest first, NVML by PCI bus
-    for h in chosen:
-        try:
-            if pynvml.nvmlDeviceGetMigMode(h)[0]:
-                return None
-        except pynvml.NVMLError:  # a card without MIG
-            pass
-    return chosen
-
-
-def _driver_readout(pynvml, index: int, handle) -> GPUReadout:
-    """One GPU from NVML: its memory as CUDA reports it (the total less what the driver reserves)."""
-    try:
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
-    except Exception:  # noqa: BLE001 - a driver before the v2 call
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    try:
-        procs = [GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid))
-                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]  # fmt: skip
-    except pynvml.NVMLError:
-        procs = None
-    total = mem.total - getattr(mem, "reserved", 0)
-    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-    return GPUReadout(
-        index, _text(pynvml.nvmlDeviceGetName(handle)), (major, minor), total, mem.free, 0, 0, 0, 0, procs
-    )
-
-
-def _process_name(pid: int) -> str:
-    import psutil
-
-    try:
-        return psutil.Process(pid).name()
-    except (psutil.Error, OSError):
-        return ""
 
 
 def _check_gpu(snap: MemorySnapshot, colab: bool) -> list[Check]:
@@ -917,7 +801,7 @@ def preflight(
     flag("allow_pickle", allow_pickle)
     flag("show", show)
     flag("calibrate", calibrate)
-    snap = snapshot if snapshot is not None else _machine_snapshot()
+    snap = snapshot if snapshot is not None else take_snapshot()
     vers = package_versions if package_versions is not None else versions()
     colab = in_colab() if colab is None else colab
     report = PreflightReport(checks=[], snapshot=snap, versions=vers, model=model, colab=colab)

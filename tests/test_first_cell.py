@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import helpers.core.memory as memory
 import helpers.environment as environment
 from helpers.core.checks import Check
 from helpers.core.units import GiB, MiB
@@ -43,11 +44,13 @@ def test_load_ext_helpers_and_a_cell_without_torch_import_nothing_heavy():
         after_ext = [m for m in {HEAVY!r} if m in sys.modules]
         shell.run_cell("x = [0] * 10")  # the per-cell line reads memory around it: without importing torch
         after_cell = [m for m in {HEAVY!r} if m in sys.modules]
+        shell.run_cell("from helpers import snapshot\\nstart = snapshot()")  # notebooks 01, 02, 03, 06 begin so
+        after_snapshot = [m for m in {HEAVY!r} if m in sys.modules]
         handled = shell.custom_exceptions
-        print(json.dumps({{"import": after_import, "ext": after_ext, "cell": after_cell,
+        print(json.dumps({{"import": after_import, "ext": after_ext, "cell": after_cell, "snapshot": after_snapshot,
                           "hook": [t.__name__ for t in handled]}}))
     """)
-    assert got["import"] == [] and got["ext"] == [] and got["cell"] == []
+    assert got["import"] == [] and got["ext"] == [] and got["cell"] == [] and got["snapshot"] == []
     assert {"RuntimeError", "MemoryError"} <= set(got["hook"])  # torch.OutOfMemoryError is a RuntimeError
 
 
@@ -66,8 +69,8 @@ def test_preflight_shows_gpu_versions_ram_and_disk_before_anything_imports_torch
                         os._exit(0)
                 return super().write(text)
 
-        from helpers.environment import _torch_build
-        build = _torch_build()
+        from helpers.core.memory import torch_build
+        build = torch_build()
         assert "torch" not in sys.modules
         sys.stdout = Screen()
         shell.run_line_magic("load_ext", "helpers")
@@ -147,13 +150,13 @@ def driver(monkeypatch):
 
     def use(cards, visible=None, order=None):
         monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(cards))
-        monkeypatch.setattr(environment, "_torch_build", lambda: {"cuda": "12.4", "hip": None})
+        monkeypatch.setattr(memory, "torch_build", lambda: {"cuda": "12.4", "hip": None})
         for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("CUDA_DEVICE_ORDER", order)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, value)
-        return environment._driver_gpus()
+        return memory.driver_gpu_readouts()
 
     return use
 
@@ -176,10 +179,10 @@ def test_cuda_visible_devices_picks_and_orders_the_cards_as_cuda_does(driver):
 
 def test_a_cpu_build_of_torch_sees_no_gpu_whatever_the_driver_says(driver, monkeypatch):
     driver([T4])
-    monkeypatch.setattr(environment, "_torch_build", lambda: {"cuda": None, "hip": None})
-    assert environment._driver_gpus() == []
-    monkeypatch.setattr(environment, "_torch_build", lambda: {"cuda": None, "hip": "6.0"})
-    assert environment._driver_gpus() is None  # ROCm: torch reads it
+    monkeypatch.setattr(memory, "torch_build", lambda: {"cuda": None, "hip": None})
+    assert memory.driver_gpu_readouts() == []
+    monkeypatch.setattr(memory, "torch_build", lambda: {"cuda": None, "hip": "6.0"})
+    assert memory.driver_gpu_readouts() is None  # ROCm: torch reads it
 
 
 @pytest.mark.cuda
@@ -187,8 +190,8 @@ def test_on_a_real_gpu_the_driver_readout_is_what_torch_reads_after_it():
     """Before torch: the cards from NVML; after it, torch's own: same cards, capability, total (the driver's
     reserve taken off), and free memory within the CUDA context torch's readout has paid by then."""
     got = fresh("""
-        from helpers.environment import _driver_gpus
-        early = _driver_gpus()
+        from helpers.core.memory import driver_gpu_readouts
+        early = driver_gpu_readouts()
         assert "torch" not in sys.modules
         import torch
         late = []
