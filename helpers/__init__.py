@@ -1,8 +1,9 @@
 """oomkit: load, fine-tune and evaluate Hugging Face models on small GPUs without OOM crashes.
 
 The notebook API is importable from here (``from helpers import snapshot, estimate, LoadPlan``).
-Names load lazily, on first use, so ``import helpers`` costs little more than ``import torch``;
-each concern lives in its own module (see docs/architecture.md).
+Names load lazily, on first use, so neither ``import helpers`` nor ``%load_ext helpers`` imports torch (a
+notebook's first cell shows preflight's first lines before torch's seconds of import); each concern lives in its
+own module (see docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -16,16 +16,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .core.arguments import ArgumentError, flag, whole_number
 from .core.checks import Check, checks_table
 from .core.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, DEFAULT_DEVICE, DEVICES, bitsandbytes_status
 from .core.errors import OomkitError
 from .core.html import Markup
-from .core.memory import GPUReadout, MemorySnapshot
+from .core.memory import GPUReadout, MemorySnapshot, torch_build
 from .core.memory import snapshot as take_snapshot
 from .core.session import in_colab, ipython
 from .core.sources import checkpoint_size, closest_shipped, hub_offline_reason, looks_like_path, shipped_config
@@ -44,21 +42,12 @@ from .core.vocab import (
     load_mode_name,
     verdict,
 )
-from .estimator.configs import resolve_config
-from .estimator.core import MemoryEstimate, estimate
-from .estimator.fitting import fit_one_card, format_params
-from .estimator.rows import EstimateError
 from .loading.checks import ram_for_loading, weight_file_check
-from .placement.decision import (
-    PlacementDecision,
-    auto_placing,
-    decide_placement,
-    devices_snapshot,
-    held_hint,
-    offload_ram,
-    spill_why,
-)
-from .placement.device_plan import DevicePlan
+
+if TYPE_CHECKING:  # the estimator and placement import torch: the fit check imports them, after the first lines
+    from .estimator.core import MemoryEstimate
+    from .placement.decision import PlacementDecision
+    from .placement.device_plan import DevicePlan
 
 __all__ = ["PreflightReport", "PreflightFailed", "preflight", "versions", "fit_checks"]
 
@@ -195,7 +184,7 @@ def versions() -> dict[str, str | None]:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
-    out["cuda"] = torch.version.cuda
+    out["cuda"] = torch_build().get("cuda")
     out["python"] = sys.version.split()[0]
     return out
 
@@ -392,8 +381,9 @@ def _usable_memory(gpu: GPUReadout) -> int:
 
 def _context_paid() -> bool:
     # reading a device's free memory (snapshot() does, for every GPU) starts its context, so once CUDA
-    # is initialized every card's context is paid, as load() counts it
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    # is initialized every card's context is paid, as load() counts it; before torch is imported none is
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 @dataclass
@@ -425,6 +415,8 @@ class _Host:
 def _decide(est: MemoryEstimate, caps: list[int], host: _Host, gpus: int | None = None) -> PlacementDecision:
     """:func:`decide_placement` of ``est`` on GPUs of ``caps`` usable bytes (a full GPU still counts as one:
     1 MiB, the smallest size a device takes, so the shares keep their GPU's index)."""
+    from .placement.decision import auto_placing, decide_placement, devices_snapshot
+
     devices = [{"name": f"GPU {i}", "capacity": max(c, MiB), "bf16": host.half == BF16} for i, c in enumerate(caps)]
     return decide_placement(auto_placing(gpus=gpus), est, devices_snapshot(est, devices, host.ram))
 
@@ -464,7 +456,9 @@ def _choose(options) -> tuple[_Option, list[_Option]]:
 
 
 def _prequantized(model: Any) -> bool:
+    from .estimator.configs import resolve_config
     from .estimator.prequantized import repo_quantization
+    from .estimator.rows import EstimateError
 
     try:
         return repo_quantization(resolve_config(model)[0]) is not None
@@ -477,6 +471,12 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     """The "fit" check of :func:`preflight`: does ``model`` fit this GPU, split across this machine's GPUs
     (as ``device_map="auto"`` splits it), or (without a GPU) a T4? Generating ``batch_size`` sequences of
     ``prompt_tokens`` + ``max_new_tokens`` tokens (a :class:`helpers.LoadPlan`'s budget, which sizes the KV cache)."""
+    # imported here, not at the top: they import torch and transformers, which the checks before this need not wait for
+    from .estimator.core import estimate
+    from .estimator.fitting import format_params
+    from .estimator.rows import EstimateError
+    from .placement.decision import held_hint, offload_ram
+
     budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
     gpus = list(snapshot.gpus) if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else []
     # What this process can use on each GPU; without one, Colab's T4
@@ -528,6 +528,9 @@ def _one_gpu_check(est: MemoryEstimate, ests: list[MemoryEstimate], gpus: list[G
                    load: str, budget: dict, seen: list[_Option], spill: str = "") -> Check:  # fmt: skip
     """The fit check for ``est`` on GPU 0 alone, or on a T4 without a GPU; ``spill`` is the decision's fix where
     transformers' placement on the card would offload part of it."""
+    from .estimator.fitting import fit_one_card, format_params
+    from .placement.decision import spill_why
+
     cap = caps[0]
     if not gpus:
         where = f"a T4 ({format_bytes(cap)}; no GPU here, so checked against Colab's)"
@@ -616,6 +619,8 @@ def _load_now(chosen: _Option, gpus: list[GPUReadout], caps: list[int], host: _H
 
 def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
     """The fit ``check``, warning where the memory this process still holds changes what load() does now."""
+    from .placement.decision import held_hint
+
     if now.verdict == DOES_NOT_FIT:
         happens = "load() would refuse it now"
     elif now.split and not check.data.get("split"):
@@ -637,6 +642,8 @@ def _split_check(chosen: _Option, ests: list[MemoryEstimate], gpus: list[GPURead
                  budget: dict, host: _Host) -> list[Check]:  # fmt: skip
     """The fit check for a model split across every GPU (each GPU's share, or why no split fits and the
     fix), and the placement's note on what a split costs."""
+    from .estimator.fitting import format_params
+
     est, plan, n = chosen.est, chosen.plan, len(gpus)
     shares = [
         {"index": g.index, "name": g.name, "capacity": s.capacity, "total": s.total, "weights": s.weights,
@@ -728,14 +735,15 @@ def _checks(report: PreflightReport, load: str, budget: dict, bnb: tuple[bool, s
     if model is not None:
         total, largest, source = checkpoint if checkpoint is not None else checkpoint_size(model)
         yield ram_for_loading(snap, total, largest, source)
-        files = weight_file_check(str(model), allow_pickle=allow_pickle)
-        if files is not None:
-            yield files
     else:
         yield Check("RAM", "info", f"{format_bytes(snap.ram.available)} available of {format_bytes(snap.ram.total)}")
     disk = _check_disk(snap, model, total)
     if disk is not None:
         yield disk
+    # the checks so far import no torch (seconds in a fresh kernel): opening a weight file as transformers will does
+    files = weight_file_check(str(model), allow_pickle=allow_pickle) if model is not None else None
+    if files is not None:
+        yield files
     fits = fit_checks(model, load=load, snapshot=snap, **budget) if model is not None else []
     yield from fits
     planned = next((c.data.get("load") for c in fits if c.name == "fit"), None)

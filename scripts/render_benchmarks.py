@@ -627,9 +627,12 @@ mostly per-op overhead, which the calibration measures, and a shared machine mov
 def _first_cell(d: dict) -> str:
     return (
         "A notebook's first oomkit cell (`%load_ext helpers` + `preflight()` of the tiny model) in a fresh process, "
-        f"against a bare `import transformers` in another, {d['rounds']} interleaved rounds (target: "
-        f"{d['target_ratio']}x). preflight streams its checks, so the first line shows before the fit check reads "
-        "the model's config through transformers (most of what is left).\n\n" + d["table"]
+        "against what a notebook without oomkit runs first, each in another: a bare `import transformers` (the "
+        "first check line's target) and the fair baseline for 'does it fit' (torch and transformers imported, the "
+        "config read, the model built on the meta device and its weights counted: the whole cell's target), "
+        f"{d['rounds']} interleaved rounds in rotated order (target: {d['target_ratio']}x). `%load_ext helpers` "
+        "imports no torch and preflight streams its checks: GPU (from NVML), versions, RAM and disk show before "
+        "anything imports torch; the fit check then imports what the fair baseline imports.\n\n" + d["table"]
     )
 
 

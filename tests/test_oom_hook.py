@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import helpers.oom.hook as oom
+import helpers.oom.diagnosis as diagnosis
 from helpers.core.knobs import KNOBS, knob_fixes, register_control, register_knob, smaller
 from helpers.oom.diagnosis import explain_oom
 from helpers.oom.hook import BrokenContext, broken_context, install, uninstall
@@ -105,7 +105,7 @@ def test_broken_context_is_recognised_through_the_chain_and_in_colab_words():
 
 
 def test_a_failing_hook_shows_the_error_and_stays_installed(hooked, capsys, monkeypatch):
-    monkeypatch.setattr(oom, "explain_oom", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(diagnosis, "explain_oom", lambda *a, **k: 1 / 0)  # the hook imports it when an OOM comes
     hooked.run_cell("import torch\nraise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')")
     out = _out(capsys)
     assert "Tried to allocate 2.00 GiB" in out and "unregistering" not in out

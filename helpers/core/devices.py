@@ -7,13 +7,14 @@ OOM messages call "total capacity"), so a plan for "t4" on a laptop matches Cola
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import OomkitError
 from .units import MAX_BYTES, GiB, KiB, MiB, format_bytes, parse_bytes
 from .vocab import FP16, FP32, half_dtype, supports_bf16
+
+if TYPE_CHECKING:  # imported where used: `import helpers` must not import torch (seconds)
+    pass
 
 __all__ = [
     "MACHINE_RAM",
@@ -89,6 +90,8 @@ class DeviceError(OomkitError, ValueError):
 
 def device_kind() -> str:
     """``"cuda"``, ``"mps"`` or ``"cpu"``: where tensors go on this machine."""
+    import torch
+
     if torch.cuda.is_available():
         return "cuda"
     mps = getattr(torch.backends, "mps", None)
@@ -97,6 +100,8 @@ def device_kind() -> str:
 
 def cuda_capability() -> tuple[int, int] | None:
     """Compute capability of the current CUDA device, ``None`` without one (never starts CUDA otherwise)."""
+    import torch
+
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
@@ -104,6 +109,8 @@ def compute_dtype_rule(device: dict | str | None) -> str:
     """What "auto" compute dtype means, for every caller (estimate and load agree): a resolved device
     dict (``None`` = CPU) or a kind (``"cuda"``, ``"mps"``, ``"cpu"``). bf16 where the GPU computes in
     it, fp16 on older GPUs and MPS, fp32 on CPU (CPU kernels for half precision are slow or missing)."""
+    import torch
+
     if isinstance(device, str):
         if device == "cuda":
             return half_dtype(supports_bf16(torch.cuda.get_device_capability()))
@@ -114,6 +121,8 @@ def compute_dtype_rule(device: dict | str | None) -> str:
 
 
 def _current() -> tuple[str, dict | None]:
+    import torch
+
     if not torch.cuda.is_available():
         return "cpu", None
     index = torch.cuda.current_device()
@@ -183,6 +192,8 @@ def resolve_device(device: Any) -> tuple[str, dict | None]:
 
 
 def _current_gpus() -> list[tuple[str, dict]]:
+    import torch
+
     if not torch.cuda.is_available():
         return []
     out = []
@@ -235,6 +246,8 @@ def resolve_devices(devices: Any) -> list[tuple[str, dict]]:
 
 def bitsandbytes_status(device: str) -> tuple[bool, str]:
     """Whether bitsandbytes can really quantize on ``device``: a 4-bit round trip, not just an import."""
+    import torch
+
     try:
         import bitsandbytes.functional as bnbf
     except ImportError:

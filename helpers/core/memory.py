@@ -7,14 +7,17 @@ in :mod:`helpers.core.units`. ``snapshot()`` is the one call a notebook makes; `
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from .arguments import ArgumentError, flag
 from .html import Markup, bar, table
@@ -22,12 +25,15 @@ from .session import in_colab
 from .units import format_bytes
 from .vocab import supports_bf16
 
+if TYPE_CHECKING:  # imported where used: `import helpers` must not import torch (seconds)
+    import torch
+
 __all__ = [
     "GPUProcess", "GPUReadout", "MPSReadout", "RAMReadout", "DiskReadout", "MemorySnapshot",
     "snapshot", "gpu_readouts", "ram_readout", "disk_readouts", "allocated", "reserved", "peak_allocated",
     "reset_peak_allocated",
     "peak_resets",
-    "hf_cache_dir",
+    "hf_cache_dir", "driver_gpu_readouts", "torch_build",
 ]  # fmt: skip
 
 
@@ -197,23 +203,31 @@ def hf_cache_dir() -> Path:
 def allocated(device: int | torch.device | str | None = None) -> int:
     """Bytes held by tensors on a CUDA device, or on every GPU with ``"all"`` (a model split over two
     cards fills both); 0 without CUDA. Cheap: for use inside loops."""
+    import torch
+
     return _per_device(torch.cuda.memory_allocated, device)
 
 
 def reserved(device: int | torch.device | str | None = None) -> int:
     """Bytes reserved by PyTorch's CUDA caching allocator on a device, or on every GPU with ``"all"``
     (0 without CUDA)."""
+    import torch
+
     return _per_device(torch.cuda.memory_reserved, device)
 
 
 def peak_allocated(device: int | torch.device | str | None = None) -> int:
     """``max_memory_allocated`` of a device, or the sum of every GPU's with ``"all"`` (0 without CUDA)."""
+    import torch
+
     return _per_device(torch.cuda.max_memory_allocated, device)
 
 
 def reset_peak_allocated(device: int | torch.device | str | None = None) -> None:
     """Start ``peak_allocated`` over on a device, or on every GPU with ``"all"`` (``reset_peak_memory_stats()``
     alone resets the current card only); nothing without CUDA."""
+    import torch
+
     global _peak_resets
     if not torch.cuda.is_available():
         return
@@ -233,6 +247,8 @@ def peak_resets() -> int:
 
 def _cuda_index(device) -> int | None:
     """The CUDA index ``device`` names (``None`` for the current one); an ArgumentError for anything else."""
+    import torch
+
     if device is None:
         return None
     try:
@@ -250,6 +266,8 @@ def _cuda_index(device) -> int | None:
 
 
 def _per_device(read, device) -> int:
+    import torch
+
     if device != "all":
         index = _cuda_index(device)
     if not torch.cuda.is_available():
@@ -268,6 +286,8 @@ def nvml_handle(index: int):
     NVML's 1. The device's UUID is the same in both, so it is matched by that; the index is only the
     fallback (a MIG slice, or a torch that reports no UUID).
     """
+    import torch
+
     try:
         import pynvml
 
@@ -304,6 +324,8 @@ def _nvml_processes(index: int) -> list[GPUProcess] | None:
 
 def gpu_readouts(processes: bool = True) -> list[GPUReadout]:
     """One :class:`GPUReadout` per visible CUDA device; empty without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     out = []
@@ -328,6 +350,8 @@ def gpu_readouts(processes: bool = True) -> list[GPUReadout]:
 
 
 def _mps_readout() -> MPSReadout | None:
+    import torch
+
     mps = getattr(torch, "mps", None)
     if mps is None or not torch.backends.mps.is_available():
         return None
@@ -367,9 +391,117 @@ def disk_readouts(paths: dict[str, str | Path] | None = None) -> list[DiskReadou
 
 
 def snapshot(*, processes: bool = True, disks: dict[str, str | Path] | None = None) -> MemorySnapshot:
-    """Read GPU, RAM and disk now. ``processes=False`` skips the NVML per-process list."""
+    """Read GPU, RAM and disk now. ``processes=False`` skips the NVML per-process list. Before anything imports
+    torch the GPUs come from the driver (:func:`driver_gpu_readouts`), so a first cell's readout does not wait for
+    torch's import."""
     flag("processes", processes)
-    gpus = gpu_readouts(processes)
-    mps = None if gpus else _mps_readout()
+    # while nothing has imported torch (seconds), the driver's view where it is the one PyTorch will have
+    early = None if "torch" in sys.modules else driver_gpu_readouts(processes)
+    gpus = early if early is not None else gpu_readouts(processes)
+    mps = None if gpus or early is not None else _mps_readout()
     backend = "cuda" if gpus else ("mps" if mps is not None else "cpu")
     return MemorySnapshot(backend=backend, gpus=gpus, ram=ram_readout(), disks=disk_readouts(disks), mps=mps)
+
+
+# ----------------------------------------------------------------------------- before torch is imported
+
+
+def torch_build() -> dict[str, str | None]:
+    """torch's build, ``{"cuda": "12.4", "hip": None}`` (both None: a CPU build), without importing torch where
+    nothing has yet (seconds): its ``version.py`` read as text. ``{}`` without torch; imported where the file
+    is not as expected."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            spec = importlib.util.find_spec("torch")
+            if spec is None:
+                return {}
+            tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+            values = {
+                node.target.id: ast.literal_eval(node.value)
+                for node in tree.body
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None
+            }
+            if {"cuda", "hip"} <= set(values):
+                return {"cuda": values["cuda"], "hip": values["hip"]}
+        except Exception:  # noqa: BLE001 - a torch laid out otherwise: ask it below
+            pass
+        import torch
+    return {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+
+
+def driver_gpu_readouts(processes: bool = True) -> list[GPUReadout] | None:
+    """The GPUs PyTorch will number 0, 1, ..., read from NVML before torch is imported (so this process holds
+    nothing on them: allocated and reserved 0, no CUDA context yet); [] for a CPU build of torch. None where
+    only torch can tell: macOS (MPS), ROCm, no NVML, MIG slices, a ``CUDA_VISIBLE_DEVICES`` NVML cannot follow,
+    or different GPUs in CUDA's default fastest-first order."""
+    build = torch_build()
+    if sys.platform == "darwin" or build.get("hip"):
+        return None
+    if build.get("cuda") is None:
+        return []  # a CPU build, or no torch: PyTorch sees no GPU
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = _visible_handles(
+            pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        )
+        return None if handles is None else [_driver_readout(pynvml, i, h, processes) for i, h in enumerate(handles)]
+    except Exception:  # noqa: BLE001 - no NVML library, driver or permission: torch reads them
+        return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _visible_handles(pynvml, handles: list) -> list | None:
+    """NVML's devices in PyTorch's order under ``CUDA_VISIBLE_DEVICES`` (indices or ``GPU-`` UUIDs), or None."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    chosen = handles if env is None else []
+    for item in [] if env is None else [x.strip() for x in env.split(",")]:
+        if item.isdigit() and int(item) < len(handles):
+            chosen.append(handles[int(item)])
+            continue
+        match = [h for h in handles if item.startswith("GPU-") and _text(pynvml.nvmlDeviceGetUUID(h)).startswith(item)]
+        if len(match) != 1:
+            return None  # MIG-..., -1, an index past the last: CUDA's own rules decide
+        chosen += match
+    if (
+        len({_text(pynvml.nvmlDeviceGetName(h)) for h in chosen}) > 1
+        and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
+    ):
+        return None  # CUDA numbers the fastest first, NVML by PCI bus
+    for h in chosen:
+        try:
+            if pynvml.nvmlDeviceGetMigMode(h)[0]:
+                return None
+        except pynvml.NVMLError:  # a card without MIG
+            pass
+    return chosen
+
+
+def _driver_readout(pynvml, index: int, handle, processes: bool) -> GPUReadout:
+    """One GPU from NVML: its memory as CUDA reports it (the total less what the driver reserves)."""
+    try:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    except Exception:  # noqa: BLE001 - a driver before the v2 call
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        procs = [GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid))
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)] if processes else None  # fmt: skip
+    except pynvml.NVMLError:
+        procs = None
+    total = mem.total - getattr(mem, "reserved", 0)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return GPUReadout(
+        index, _text(pynvml.nvmlDeviceGetName(handle)), (major, minor), total, mem.free, 0, 0, 0, 0, procs
+    )
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return ""

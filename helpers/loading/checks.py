@@ -11,7 +11,7 @@ import importlib.util
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.arguments import ArgumentError
 from ..core.checks import Check
@@ -36,10 +36,11 @@ from ..core.sources import (
 )
 from ..core.units import format_bytes
 from ..core.vocab import MODES, QUANTIZED
-from ..estimator.hub_headers import MAX_HEADER_BYTES, parse_safetensors_header
-from ..placement.decision import PlacementDecision, decide_placement
-from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized
-from .plan import LoadPlan
+
+if TYPE_CHECKING:  # imported where used: preflight's RAM and file checks come before anything imports torch
+    from ..placement.decision import PlacementDecision
+    from ..placement.device_plan import DevicePlan
+    from .plan import LoadPlan
 
 __all__ = ["check_plan", "PlanCheck", "check_model_source", "check_adapter", "check_bitsandbytes", "ram_for_loading",
            "check_ram_for_loading", "check_prequantized_map", "find_token", "weight_file_check",
@@ -305,6 +306,8 @@ def check_prequantized_backend(plan: LoadPlan) -> None:
 def check_prequantized_map(plan: LoadPlan, estimate) -> None:
     """Refuse a ``device_map`` of the user's that offloads part of a checkpoint saved quantized by bitsandbytes:
     transformers cannot load it so (``PREQUANTIZED_OFFLOAD``). Every module on the CPU is no offload."""
+    from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
+
     if not bnb_prequantized(estimate) or not isinstance(plan.device_map, dict):
         return
     places = {str(v) for v in plan.device_map.values()}
@@ -340,6 +343,8 @@ def check_plan(
     so tests can simulate a T4 or a machine without bitsandbytes.
     """
     from ..core.memory import snapshot as take_snapshot
+    from ..placement.decision import decide_placement
+    from .plan import LoadPlan
 
     if not isinstance(plan, LoadPlan):
         raise ArgumentError(f"check_plan() checks a LoadPlan, got {plan!r:.60}: e.g. check_plan(LoadPlan('org/name'))")
@@ -386,6 +391,8 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M
 
 def _header_problem(f: Path, size: int) -> tuple[int, dict] | str:
     """``(header length, tensors)`` of a safetensors file, or a sentence saying why it has no header."""
+    from ..estimator.hub_headers import MAX_HEADER_BYTES, parse_safetensors_header
+
     with open(f, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:

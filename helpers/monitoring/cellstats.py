@@ -9,14 +9,14 @@ Turned on by ``%load_ext helpers``; ``%oomkit off`` / ``%oomkit on`` switch the 
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
+import psutil
 
 from ..core.memory import allocated, peak_allocated, peak_resets
 from ..core.units import MiB, format_bytes
-from ..oom.reclaim import held
 
 __all__ = ["CellRecord", "CellStats", "SHOWN_FROM"]
 
@@ -46,6 +46,8 @@ class CellRecord:
     peak_reset: bool = False  # the peak counters were reset during the cell: gpu_peak is a lower bound
 
     gpu_start: int | None = None  # GPU allocated when the cell started: its peak above this is the cell's own
+    # torch was first imported during the cell: its RAM change is mostly the libraries' code, not data
+    imported_torch: bool = False
 
     @property
     def growing(self) -> bool:
@@ -56,7 +58,8 @@ class CellRecord:
         """The cell moved memory by ``SHOWN_FROM`` or more (or keeps growing): worth its line."""
         kept = self.gpu_change if self.gpu_change is not None else self.tensor_change or 0
         peak = (self.gpu_peak or 0) - (self.gpu_start or 0) if self.peak_new and self.gpu_peak is not None else 0
-        return self.growing or max(abs(kept), peak, abs(self.ram_change)) >= SHOWN_FROM
+        ram = 0 if self.imported_torch else abs(self.ram_change)
+        return self.growing or max(abs(kept), peak, ram) >= SHOWN_FROM
 
     def __str__(self) -> str:
         if self.peak_reset:  # a monitor or an evaluation restarted the counters mid-cell
@@ -65,12 +68,13 @@ class CellRecord:
             peak = (
                 f"peak {format_bytes(self.gpu_peak)}" if self.peak_new else f"peak under {format_bytes(self.gpu_peak)}"
             )
-        gpu = (
-            f"GPU {_signed(self.gpu_change)} ({peak})"
-            if self.gpu_change is not None
-            else f"tensors {_signed(self.tensor_change or 0)} (no GPU)"
-        )
-        line = f"[oomkit] {gpu} · RAM {_signed(self.ram_change)} · {self.seconds:.2f} s"
+        if self.gpu_change is not None:
+            gpu = f"GPU {_signed(self.gpu_change)} ({peak}) · "
+        elif self.tensor_change is not None or self.gpu_peak is not None:
+            gpu = f"tensors {_signed(self.tensor_change or 0)} (no GPU) · "
+        else:  # torch not imported yet: no tensor exists, only RAM moved
+            gpu = ""
+        line = f"[oomkit] {gpu}RAM {_signed(self.ram_change)} · {self.seconds:.2f} s"
         if self.growing:
             line += (
                 f"\n[oomkit] WARN: each of the last {self.growing_runs} runs of this cell left about "
@@ -98,7 +102,8 @@ class CellStats:
 
     @staticmethod
     def _gpu() -> tuple[int | None, int | None]:
-        if not torch.cuda.is_available():
+        torch = sys.modules.get("torch")  # not imported yet: PyTorch holds nothing (and importing it takes seconds)
+        if torch is None or not torch.cuda.is_available():
             return None, None
         return allocated("all"), peak_allocated("all")  # every GPU: a split model's cell grows both
 
@@ -110,19 +115,19 @@ class CellStats:
         _, self._peak_before = self._gpu()  # peak stats are not reset: other tools read them
         self._resets_before = peak_resets()
         # what the process holds, measured as cleanup() measures it: the line and its report agree
-        self._start = (time.perf_counter(), held(), hashlib.sha1(src.encode()).hexdigest(), src)
+        self._start = (time.perf_counter(), _held(), _rss(), hashlib.sha1(src.encode()).hexdigest(), src)
 
     def post_run_cell(self, result=None) -> None:
         if not self.enabled or self._start is None:
             return
-        started, before, key, src = self._start
+        started, before, rss_before, key, src = self._start
         self._start = None
         if src.lstrip().startswith(("%oomkit", "%load_ext", "%reload_ext", "%unload_ext")):
             return
         _, peak = self._gpu()
-        change = held() - before
+        change = _change(before, _held(), rss_before)
         # what a cell left behind: GPU allocated, or live tensor bytes without CUDA (both exact)
-        left = change.memory
+        left = change.memory if change is not None else 0
         runs, total = self._history.get(key, (0, 0))
         runs, total = (runs + 1, total + left) if left >= self.threshold else (0, 0)
         self._history[key] = (runs, total)
@@ -132,20 +137,46 @@ class CellStats:
         reset = peak_resets() != self._resets_before
         rec = CellRecord(
             cell,
-            change.gpu_allocated,
+            change.gpu_allocated if change is not None else None,
             peak,
-            change.rss,
+            _rss() - rss_before,
             time.perf_counter() - started,
             runs,
             total // runs if runs else 0,
-            change.tensors,
+            change.tensors if change is not None else None,
             peak_new,
             reset and peak is not None,
-            before.gpu_allocated,
+            before.gpu_allocated if before is not None else (0 if peak is not None else None),
+            before is None and change is not None,
         )
         self.records.append(rec)
         if self.every_cell or rec.meaningful:
             print(rec)
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _held():
+    """:func:`~helpers.oom.reclaim.held` now, or None while torch is not imported: no tensor exists yet, and
+    reading would import torch (seconds) in a cell that may not need it, such as ``%load_ext helpers``."""
+    if "torch" not in sys.modules:
+        return None
+    from ..oom.reclaim import held
+
+    return held()
+
+
+def _change(before, after, rss_before: int):
+    """``after - before`` (a :class:`~helpers.oom.reclaim.Held`); a cell that imported torch started from
+    nothing held; None while torch is still not imported."""
+    if after is None:
+        return None
+    if before is None:
+        zero = [None if getattr(after, n) is None else 0 for n in ("gpu_allocated", "gpu_reserved", "tensors")]
+        before = type(after)(*zero, rss_before)
+    return after - before
 
 
 def _oomkit_magic(line: str) -> None:

@@ -14,11 +14,8 @@ import traceback
 from dataclasses import dataclass
 from html import escape
 
-import torch
-
 from ..core.units import format_bytes
 from .causes import CAUSES as CAUSES
-from .diagnosis import explain_oom
 from .messages import EXCEPTION_GROUPS, oom_in
 
 __all__ = [
@@ -88,6 +85,8 @@ def _show_broken(shell, etype, value, tb, tb_offset):
 
 
 def _show_oom(shell, etype, value, tb, oom: BaseException):
+    # imported here: `%load_ext helpers` must not import torch (the diagnosis's tensor census does)
+    from .diagnosis import explain_oom
     from .reclaim import cleanup, clear_exception_frames, freed_text, held
 
     before = held()
@@ -133,7 +132,8 @@ def install(shell=None) -> bool:
         theirs = shell.CustomTB if shell.custom_exceptions else None
         _INSTALLED[id(shell)] = (tuple(shell.custom_exceptions), theirs)
     previous_types = _INSTALLED[id(shell)][0]
-    ours = (torch.OutOfMemoryError, MemoryError, RuntimeError, *EXCEPTION_GROUPS)
+    # torch.OutOfMemoryError is a RuntimeError: caught without naming it, so installing does not import torch
+    ours = (MemoryError, RuntimeError, *EXCEPTION_GROUPS)
     shell.set_custom_exc(tuple(dict.fromkeys(ours + previous_types)), _handler)
     return True
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import builtins
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..core.units import parse_bytes
+
+if TYPE_CHECKING:  # imported where used: `import helpers` must not import torch (seconds)
+    pass
 
 __all__ = [
     "OOM_SIGNATURES",
@@ -95,6 +97,8 @@ def is_oom(exc: BaseException) -> bool:
 def oom_in(exc: BaseException | None, _depth: int = 0) -> BaseException | None:
     """The out-of-memory error ``exc`` is or holds: itself, one in its ``__cause__``/``__context__`` chain,
     or one inside an ``ExceptionGroup`` (``asyncio.TaskGroup``, trio); ``None`` when there is none."""
+    import torch
+
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen and _depth < 50:
         seen.add(id(exc))
