@@ -171,7 +171,8 @@ class ModelFits:
         grid = _heatmap("machine", [r.load for r in self.rows], cells, self.batch_size,
                         "where it fits, and decode speed at that batch")  # fmt: skip
         head = f"<div style='font-family:monospace'><b>{escape(self.title())}</b></div>"
-        return head + sizes + grid
+        # the sizes in the heatmap's narrow padding too: 4 columns within Colab's column with the Files pane open
+        return f"{head}<div class='oomkit-fits oomkit-fits-sizes'>{sizes}</div>{grid}"
 
 
 @dataclass
