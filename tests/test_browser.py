@@ -640,7 +640,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
     page.wait_for_timeout(500)
     problems = {(760, "files open"): look_problems(page.evaluate(_JS_LOOK, OOM_CELL))}  # none scrolls sideways
-    for what, index in (("load_panel", 3), ("train_panel", 4)):
+    for what, index in (("fits_table", 1), ("load_panel", 3), ("train_panel", 4), ("preflight", 6)):
         ui.screenshot(shots / f"{what}-760-files-open.png", cell_output(page, index))
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
     for width in UX_WIDTHS:
@@ -653,7 +653,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
             verdicts = {t["text"].split()[0] for t in look["texts"] if "oomkit-" in t["cls"] and "td" not in t["cls"]}
             assert {"fits", "tight", "does"} <= verdicts, verdicts
             problems[(width, name)] = look_problems(look)
-            for what, index in (("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
+            for what, index in (("fits_table", 1), ("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
                                 ("training_view", train_cell), ("preflight", 6), ("leak_checks", 7),
                                 ("oom_card", OOM_CELL)):  # fmt: skip
                 area = cell_output(page, index)
