@@ -640,7 +640,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
     page.wait_for_timeout(500)
     problems = {(760, "files open"): look_problems(page.evaluate(_JS_LOOK, OOM_CELL))}  # none scrolls sideways
-    for what, index in (("load_panel", 3), ("train_panel", 4)):
+    for what, index in (("fits_table", 1), ("load_panel", 3), ("train_panel", 4), ("preflight", 6)):
         ui.screenshot(shots / f"{what}-760-files-open.png", cell_output(page, index))
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
     for width in UX_WIDTHS:
@@ -653,7 +653,7 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
             verdicts = {t["text"].split()[0] for t in look["texts"] if "oomkit-" in t["cls"] and "td" not in t["cls"]}
             assert {"fits", "tight", "does"} <= verdicts, verdicts
             problems[(width, name)] = look_problems(look)
-            for what, index in (("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
+            for what, index in (("fits_table", 1), ("estimate_table", 2), ("load_panel", 3), ("train_panel", 4),
                                 ("training_view", train_cell), ("preflight", 6), ("leak_checks", 7),
                                 ("oom_card", OOM_CELL)):  # fmt: skip
                 area = cell_output(page, index)
@@ -664,14 +664,10 @@ def test_what_a_person_sees_light_and_dark_narrow_and_wide(lab, page, tiny_model
     set_theme(page, UX_THEMES["light"])
     for (width, name), found in problems.items():  # all of them in the captured output, the first few below
         print(f"{width} px, {name}: {len(found)} problem(s)", *found, sep="\n  ")
-    # issue 44, still open: the sideways and stderr checks found the fits table 350 px in a 328 px column
-    # (ipywidgets 7.7, 760 px with the file browser open) and transformers' rope_parameters note on a shipped
-    # Llama-3.1 config; every other problem fails the test as before, these mark it an expected failure
-    open_items = ("scrolls sideways", "warning on stderr")
-    others = {k: [p for p in v if not any(o in p for o in open_items)] for k, v in problems.items()}
-    assert not any(others.values()), {k: v[:5] for k, v in others.items() if v}
-    if any(problems.values()):
-        pytest.xfail(f"issue 44 open: {[p for v in problems.values() for p in v][:3]}")
+    # every problem fails the test: a number cell wrapped, text under 4.5:1, a slider value cut off, an output
+    # that scrolls sideways (the fits table was 350 px in a 328 px column, issue 44) or a library's warning on
+    # stderr (transformers' rope_parameters note on the shipped Llama-4-Scout config, issue 44)
+    assert not any(problems.values()), {k: v[:5] for k, v in problems.items() if v}
     if os.environ.get("OOMKIT_UPDATE_DOCS"):  # ipywidgets 8's pictures, and Colab's 7.7 in the narrow column
         if lab.ipywidgets == "8":
             publish_screenshots(shots, DOCS_SHOTS)

@@ -154,7 +154,7 @@ def test_the_fits_grid_has_machines_as_rows_and_escapes_names(tmp_path, tiny_lla
     shutil.copytree(tiny_llama, odd)
     html = fits_table(str(odd), tokens=64, loads=("fp16", "nf4"))._repr_html_()
     assert "<b>model" not in html.replace("<b>What", "") and "&lt;b&gt;model" in html
-    grid = html[html.index("class='oomkit-fits'") :]
+    grid = html[html.index("class='oomkit-fits oomkit-heatmap'") :]
     assert grid.count("<tr>") == 1 + len(FITS_DEVICES)  # the header, then one row per machine
     assert "padding:2px 3px" in html and "white-space:nowrap" not in grid.split("</tr>", 1)[1]
 

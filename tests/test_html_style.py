@@ -73,7 +73,7 @@ def test_what_reads_as_a_number(text, number):
 def test_table_puts_numbers_right_and_unwrapped_and_labels_left():
     html = table(["", "bytes", "note"], [["weights", "3.50 GiB", "4-bit"], ["kv cache", "1.63 MiB", "<b>x</b>"]])
     assert html.startswith(STYLE) and "class='oomkit-table'" in html
-    assert "<th class='oomkit-num' style='text-align:right;white-space:nowrap'>bytes</th>" in html
+    assert "<th class='oomkit-num' style='text-align:right'>bytes</th>" in html  # a header may wrap at its spaces
     assert "<td class='oomkit-num' style='text-align:right;white-space:nowrap'>1.63 MiB</td>" in html
     # labels left inline: JupyterLab's own `td` rule (right) outranks the stylesheet's class selector
     assert "<td style='text-align:left'>weights</td>" in html and "<th style='text-align:left'>note</th>" in html

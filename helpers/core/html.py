@@ -42,6 +42,7 @@ LIGHT_BACKGROUND = "#ffffff"
 DARK_BACKGROUNDS = ("#111111", "#212121")  # JupyterLab dark theme: --jp-layout-color0 and -color1
 _DARK = ("body[data-jp-theme-light='false'] .oomkit-{0}", "html[theme='dark'] .oomkit-{0}")
 NUMBER_STYLE = "text-align:right;white-space:nowrap"
+HEADER_NUMBER_STYLE = "text-align:right"
 # inline too: JupyterLab right-aligns every cell with a more specific rule than a class selector
 # (`:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`), which turned labels right (browser-tested)
 LABEL_STYLE = "text-align:left"
@@ -49,8 +50,10 @@ STYLE = (
     "<style>"
     ".oomkit-table{border-collapse:collapse;font-family:monospace}"
     ".oomkit-table th,.oomkit-table td{padding:2px 8px;text-align:left;vertical-align:top}"
-    f".oomkit-table .oomkit-num{{{NUMBER_STYLE}}}"
-    ".oomkit-table caption{text-align:left;font-weight:bold;white-space:nowrap}"
+    f".oomkit-table td.oomkit-num{{{NUMBER_STYLE}}}.oomkit-table th.oomkit-num{{{HEADER_NUMBER_STYLE}}}"
+    # a title wraps (a long model id anywhere) only where the column is narrower than it: unwrapped, it widened
+    # preflight's table to 380 px in Colab's 328 px column (browser-tested); table() sets the table's min-width
+    ".oomkit-table caption{text-align:left;font-weight:bold;overflow-wrap:anywhere}"
     + "".join(f"{','.join(d.format(s) for d in _DARK)}{{color:{dark} !important}}"
               for s, (_, dark) in TEXT_COLORS.items())
     + "</style>"
@@ -199,15 +202,20 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], title: str | 
         bool(column) and all(is_number(str(c)) for c in column if not isinstance(c, Markup))
         for column in ([str(r[i]) for r in rows if i < len(r) and str(r[i]).strip()] for i in range(len(header)))
     ]
+    # a numbers column's header right-aligned but free to wrap at its spaces ("KV @ 768 tok" on two lines):
+    # the numbers under it never wrap, and in a narrow column their width, not the header's, sets the column's
     head = "".join(
-        f"<th class='oomkit-num' style='{NUMBER_STYLE}'>{escape(h)}</th>"
+        f"<th class='oomkit-num' style='{HEADER_NUMBER_STYLE}'>{escape(h)}</th>"
         if num
         else f"<th style='{LABEL_STYLE}'>{escape(h)}</th>"
         for h, num in zip(header, numeric, strict=True)
     )
     body = "".join("<tr>" + "".join(cell(c) for c in r) + "</tr>" for r in rows)
     cap = f"<caption>{escape(title)}</caption>" if title else ""
-    return f"{STYLE}<table class='oomkit-table'>{cap}<tr>{head}</tr>{body}</table>"
+    # as wide as the title where the column has room (a narrow table keeps its title on one line), never wider
+    # than the column (monospace: 1ch is one character of the bold title too)
+    wide = f" style='min-width:min(100%,{len(title) + 1}ch)'" if title else ""
+    return f"{STYLE}<table class='oomkit-table'{wide}>{cap}<tr>{head}</tr>{body}</table>"
 
 
 class Markup(str):

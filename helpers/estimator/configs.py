@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..core.compat import library_notes_silenced
 from ..core.sources import (
     NetError,
     SourceError,
@@ -29,7 +30,14 @@ from .hub_headers import read_hub_json
 from .rows import EstimateError
 
 __all__ = ["resolve_config", "hub_repo", "config_from_dict", "check_config_values", "MAX_LAYERS", "MAX_DIMENSION",
-           "base_shipped", "suggest_shipped", "model_size"]  # fmt: skip
+           "base_shipped", "suggest_shipped", "model_size", "CONFIG_NOTES"]  # fmt: skip
+
+# What transformers logs while it builds a config oomkit reads for the user: transformers 5.x says "`rope_parameters`'s
+# high_freq_factor field must be greater than low_freq_factor" of the shipped Llama-4-Scout config (Meta's own file
+# states 1.0 and 1.0), under fits_table and fit() whenever they try the shipped configs as smaller models. A note on
+# the library's parsing of a published file that the user can neither act on nor avoid; silenced where a config is
+# built (the parse is cached per file, so a repeated estimate pays nothing for it).
+CONFIG_NOTES = (r"`rope_parameters`'s \w+ field must",)
 
 # The sizes a config.json states, by their names across architectures (text_config's too). Each must be a
 # whole number >= 1; a hostile or broken file (a negative width, 10**12 layers, "32" as text) is refused
@@ -160,12 +168,14 @@ def config_from_dict(d: dict, where: str):
     else:
         try:
             # a deep copy: transformers rewrites nested dicts (rope_scaling) in place, and they are the caller's
-            config = AutoConfig.for_model(model_type, **copy.deepcopy(d))
+            with library_notes_silenced(*CONFIG_NOTES):
+                config = AutoConfig.for_model(model_type, **copy.deepcopy(d))
         except Exception as e:  # noqa: BLE001 - every refusal of the config's own validation, named below
             raise _rejected(e, d, where, model_type) from None
         _missing_width(config, d, where)
         return config
-    config = PretrainedConfig(**d)
+    with library_notes_silenced(*CONFIG_NOTES):
+        config = PretrainedConfig(**d)
     config.oomkit_unknown = why
     return config
 
@@ -271,7 +281,8 @@ def _from_hub(name: str):
             return _from_base(name, str(e))
         return config_from_dict(d, f"the config of {name!r}"), name, None
     try:
-        config = AutoConfig.from_pretrained(name, local_files_only=True)
+        with library_notes_silenced(*CONFIG_NOTES):
+            config = AutoConfig.from_pretrained(name, local_files_only=True)
     except Exception as e:
         rejected = _rejected_on_hub(e, name)
         if rejected is not None:

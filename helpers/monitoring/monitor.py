@@ -7,7 +7,8 @@ puts named events on the timeline and ``phase()`` named spans (load, prefill, de
 eval batch: oomkit's own code emits these into a running monitor through :mod:`helpers.core.phases`);
 ``plot()`` draws it with each phase shaded and labelled, ``to_csv()`` keeps it. When usage crosses
 ``threshold`` of a card (of the RAM without a GPU) it warns once per crossing, naming the card and
-the largest live tensors at that moment.
+the largest live tensors at that moment by who holds them (the census of the notebook's namespace, or of
+``namespace=``; without one it says how to get the names).
 
 ``MemoryCallback`` adds memory figures to the Hugging Face ``Trainer``'s logs (allocated, reserved,
 peak since the last log, RAM) and says so when memory grows steadily from one log to the next.
@@ -34,9 +35,10 @@ import psutil
 import torch
 
 from ..core import phases as phase_hub
-from ..core.arguments import ArgumentError, flag, whole_number
+from ..core.arguments import ArgumentError, flag, namespace_dict, whole_number
 from ..core.html import theme_figure
 from ..core.memory import nvml_handle
+from ..core.session import user_namespace
 from ..core.units import format_bytes
 from ..core.vocab import TIGHT_FRACTION
 
@@ -56,6 +58,7 @@ __all__ = [
     "Mark",
     "Phase",
     "ThresholdCrossing",
+    "UNNAMED_NOTE",
     "MemoryMonitor",
 ]
 # a crossing warns once; it re-arms when memory falls this far under the threshold again (no flapping)
@@ -152,6 +155,7 @@ class ThresholdCrossing:
     what: str
     top: list[tuple[str, int, str]] = field(default_factory=list)
     device: int | None = None
+    note: str = ""  # where the tensors could not be named, how to get their names
 
     def __str__(self) -> str:
         lines = [
@@ -159,7 +163,14 @@ class ThresholdCrossing:
             f"({self.used / self.capacity:.0%}) at t={self.t:.1f} s; largest live tensors:"
         ]
         lines += [f"  {format_bytes(b):>10}  {name}  {desc}" for name, b, desc in self.top] or ["  (none found)"]
-        return "\n".join(lines)
+        return "\n".join(lines + ([f"  {self.note}"] if self.note else []))
+
+
+# said under a crossing's tensors where no namespace names them (a script, or a thread with no notebook)
+UNNAMED_NOTE = (
+    "(unnamed): the sampling thread sees no notebook namespace; for who holds them, run census() in the "
+    "notebook, or pass MemoryMonitor(namespace=globals())"
+)
 
 
 class MemoryMonitor:
@@ -174,6 +185,9 @@ class MemoryMonitor:
             model split over two cards can fill the second while the first has room).
         top: how many live tensors a threshold warning names.
         warn: also emit a Python warning on a crossing (the crossings are kept in ``.crossings``).
+        namespace: where a crossing looks for who holds the tensors (``globals()``); default the notebook's
+            (IPython's ``user_ns``, readable from the sampling thread). Without either the tensors are
+            listed unnamed, with a note saying how to name them.
 
     >>> with MemoryMonitor() as mon:  # doctest: +SKIP
     ...     mon.mark("train")
@@ -191,6 +205,7 @@ class MemoryMonitor:
         top: int = 5,
         warn: bool = True,
         max_samples: int = 100_000,
+        namespace: dict | None = None,
     ) -> None:
         if (
             isinstance(interval, bool)
@@ -220,6 +235,7 @@ class MemoryMonitor:
             )
         _check_settings(device, top, warn, max_samples)
         self.interval, self.threshold, self.top, self.warn = interval, threshold, top, warn
+        self.namespace = namespace_dict("namespace", namespace)
         self.cuda = torch.cuda.is_available()
         self.devices: tuple[int, ...] = _watched(device) if self.cuda else ()
         self.device = self.devices[0] if self.devices else None  # the first watched card
@@ -342,18 +358,30 @@ class MemoryMonitor:
         limit = self.threshold * capacity
         if used >= limit and not self._above.get(device):
             self._above[device] = True
-            from ..leaks.tensors import largest_tensors
-
             try:
-                top = largest_tensors(self.top)
-            except Exception:  # noqa: BLE001 - a census must never kill the sampler
-                top = []
-            crossing = ThresholdCrossing(t, used, capacity, f"{what} crossed {self.threshold:.0%}", top, device)
+                top, note = self.largest()
+            except Exception as e:  # noqa: BLE001 - a census must never kill the sampler
+                top, note = [], f"(the census failed: {type(e).__name__}: {str(e)[:120]})"
+            crossing = ThresholdCrossing(t, used, capacity, f"{what} crossed {self.threshold:.0%}", top, device, note)
             self.crossings.append(crossing)
             if self.warn:
                 warnings.warn(str(crossing), MemoryWarning, stacklevel=4)
         elif used < REARM_SHARE * limit:
             self._above[device] = False
+
+    def largest(self) -> tuple[list[tuple[str, int, str]], str]:
+        """The ``top`` largest live tensors as ``(holder, bytes, "shape dtype device")`` and a note: named by the
+        census of ``namespace`` (else the notebook's), else unnamed with :data:`UNNAMED_NOTE`. Safe from the
+        sampling thread (it only reads the namespace)."""
+        from ..leaks.census import census
+        from ..leaks.tensors import largest_tensors
+
+        ns = self.namespace if self.namespace is not None else user_namespace()
+        if not ns:
+            return largest_tensors(self.top), UNNAMED_NOTE
+        found = census(dict(ns))  # a copy: the main thread may bind a name while the walk runs
+        top = [(e.holder, e.nbytes, f"{e.shape} {e.dtype} {e.device}") for e in found.entries[: self.top]]
+        return top, ""
 
     def _run(self) -> None:
         in_a_row = 0

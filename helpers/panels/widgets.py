@@ -49,7 +49,7 @@ from ..estimator.timing import view_time
 from ..loading.loader import load
 from ..loading.plan import LoadPlan
 from ..oom.messages import is_oom
-from ..oom.reclaim import unload
+from ..oom.reclaim import clear_exception_frames, unload
 from ..placement.decision import SPLIT, PlacementDecision, decide_placement, devices_snapshot
 from ..placement.device_plan import DevicePlan, bnb_prequantized, one_move
 from .gpus import (
@@ -694,8 +694,13 @@ class LoadPanel(Panel):
                 print(f"Not loaded: {e}")
             except Exception as e:  # keep the panel usable; the message says what happened
                 out.clear_output()
-                kind = "out of memory" if is_oom(e) else type(e).__name__
-                print(f"Not loaded ({kind}): {str(e).splitlines()[0][:400] if str(e) else ''}")
+                if is_oom(e):  # the card the notebook's OOM handler shows (fixes naming this panel's controls)
+                    from ..oom.diagnosis import explain_oom
+
+                    display(explain_oom(e))
+                    clear_exception_frames(e)  # the failed load's frames pin what it had placed (self.error stays)
+                else:
+                    print(f"Not loaded ({type(e).__name__}): {str(e).splitlines()[0][:400] if str(e) else ''}")
             finally:
                 button.disabled = False
 

@@ -33,7 +33,14 @@ FITS_DEVICES = {"T4": ["t4"], "2×T4 (Kaggle)": "kaggle-2xt4", "L4": ["l4"], "A1
 NOT_PLANNED = "n/a"  # a machine the model could not be placed on (the cell's ``why`` says why)
 TEXT_WIDTH = 80  # a terminal's columns: every text view fits them
 # narrow columns: a cell's padding halved (the shared style's 8 px each side made 6 machines 500 px wide)
-_NARROW = "<style>.oomkit-fits .oomkit-table th,.oomkit-fits .oomkit-table td{padding:2px 3px}</style>"
+# In a column under 480 px (Colab's with its Files pane open is ~330 px: the container's width, not the window's),
+# the heatmap's cells take a smaller font and padding and each the width of a 5-letter word, so its 7 columns fit
+# with their words whole ("tight", "tok/s"; at 300 px too); overflow-wrap:anywhere stays the last resort
+_NARROW = ("<style>.oomkit-fits{container-type:inline-size}"
+           ".oomkit-fits .oomkit-table th,.oomkit-fits .oomkit-table td{padding:2px 3px}"
+           "@container (max-width: 480px){.oomkit-heatmap .oomkit-table th,.oomkit-heatmap .oomkit-table td{padding:1px}"
+           ".oomkit-heatmap .oomkit-fits-cell{font-size:80%;padding:1px 2px !important;min-width:5.2ch}"
+           ".oomkit-heatmap .oomkit-table td:first-child{font-size:80%}}</style>")  # fmt: skip
 LEGEND = (f"green fits (under {TIGHT_FRACTION:.0%} of the fullest card), amber tight (under 100 %), red does not fit "
           "(placed as load() places it); tokens/s: decoding on that card, estimated (estimate_time)")  # fmt: skip
 
@@ -67,7 +74,7 @@ class FitsCell:
         """The heatmap cell: the verdict on its fill (white text: >= 4.5:1 on each fill), the speed under it."""
         speed = f"<div style='font-size:85%'>{escape(self.rate(batch))} tok/s</div>" if self.seconds else ""
         tip = escape(self.why or str(self), quote=True)
-        return Markup(f"<div title='{tip}' style='background:{verdict_fill(self.word)};color:#ffffff;padding:1px 3px;"
+        return Markup(f"<div class='oomkit-fits-cell' title='{tip}' style='background:{verdict_fill(self.word)};color:#ffffff;padding:1px 3px;"
                       f"border-radius:3px;overflow-wrap:anywhere'><span class='oomkit-heat'>{escape(str(self))}</span>{speed}</div>")  # fmt: skip
 
 
@@ -104,7 +111,7 @@ def _heatmap(corner: str, names: list[str], cells: dict[str, list[FitsCell]], ba
     """A grid of coloured cells: ``cells`` maps each row's name to its cells under ``names``; the few columns
     are the short names (one model's load modes, or the machines), so a narrow column stays narrow."""
     rows = [[name, *(c.html(batch) for c in row)] for name, row in cells.items()]
-    return (f"{_NARROW}<div class='oomkit-fits' style='max-width:100%'><div><b>{escape(title)}</b></div>"
+    return (f"{_NARROW}<div class='oomkit-fits oomkit-heatmap' style='max-width:100%'><div><b>{escape(title)}</b></div>"
             + table([corner, *names], rows)
             + f"<div style='font-family:monospace;font-size:85%'>{escape(LEGEND)}</div></div>")  # fmt: skip
 
@@ -171,7 +178,8 @@ class ModelFits:
         grid = _heatmap("machine", [r.load for r in self.rows], cells, self.batch_size,
                         "where it fits, and decode speed at that batch")  # fmt: skip
         head = f"<div style='font-family:monospace'><b>{escape(self.title())}</b></div>"
-        return head + sizes + grid
+        # the sizes in the heatmap's narrow padding too: 4 columns within Colab's column with the Files pane open
+        return f"{head}<div class='oomkit-fits oomkit-fits-sizes'>{sizes}</div>{grid}"
 
 
 @dataclass
