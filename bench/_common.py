@@ -41,14 +41,14 @@ MEASURES: dict[str, list[str]] = {
                   "helpers/monitoring/monitor.py", "helpers/evaluation/evaluate.py"],
     "leak_detection": ["helpers/leaks", "helpers/leaks/tensors.py"],
     "monitor_overhead": ["helpers/monitoring/monitor.py", "helpers/monitoring/memory_callback.py"],
-    "panel_latency": ["helpers/panels/widgets.py", "helpers/panels/state.py", "helpers/panels/gpus.py"],
+    "panel_latency": ["helpers/panels/widgets.py", "helpers/panels/state.py", "helpers/panels/gpus.py", "helpers/placement"],
     "readout_overhead": ["helpers/core/memory.py"],
     "resume_scale": ["helpers/evaluation/results_file.py", "helpers/evaluation/evaluate.py",
                      "helpers/loading/fingerprint.py"],
 }  # fmt: skip
 MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
 MEASURES["first_cell"] = ["helpers/environment.py", "helpers/__init__.py", "helpers/oom/hook.py",
-                          "helpers/monitoring/cellstats.py"]  # fmt: skip
+                          "helpers/monitoring/cellstats.py", "helpers/core/memory.py"]  # fmt: skip
 
 
 def _blob_hash(data: bytes) -> str:
