@@ -35,7 +35,8 @@ demo: setup $(TINY)
 
 # Two workers, one torch thread each (tests/conftest.py): both cores busy without oversubscription; the
 # tests of one module share a worker (--dist loadscope --no-loadscope-reorder), so the built wheel (tests/test_wheel.py) is built
-# and its notebooks run once. TEST_WORKERS=0 runs everything in this process.
+# and its notebooks run once; the longest modules start first (tests/conftest.py LONGEST_MODULES).
+# TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: setup $(TINY)
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)

@@ -156,10 +156,29 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
     if hasattr(config, "workerinput"):
         # a pytest-xdist worker (make test: -n 2 --dist loadscope --no-loadscope-reorder, so modules go
-        # to workers in this order, each whole to one): the built wheel's module, the longest (its
-        # notebooks run about two minutes), starts first and the other worker takes the rest meanwhile.
-        # (xdist_group cannot do it: pytest 9 ignores the node id xdist 3.8 rewrites for it.)
-        items.sort(key=lambda item: item.path.name != "test_wheel.py")
+        # to workers in this order, each whole to one): the longest modules start first (the built
+        # wheel's, whose notebooks run about two minutes, on one worker while the other takes the next),
+        # and the many short ones come last, to fill whichever worker is free: a long module started
+        # last would leave the other worker idle at the end. (xdist_group cannot do it: pytest 9
+        # ignores the node id xdist 3.8 rewrites for it.)
+        first = {name: i for i, name in enumerate(LONGEST_MODULES)}
+        items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
+# Modules by their share of make test (--durations=0, summed per module, 2026-11-28), longest first.
+LONGEST_MODULES = (
+    "test_wheel.py",
+    "test_checkpoint_kills.py",
+    "test_notebooks.py",
+    "test_gpu_check.py",
+    "test_first_screen.py",
+    "test_checkpoints.py",
+    "test_loading.py",
+    "test_finetune.py",
+    "test_evaluate.py",
+    "test_leaks.py",
+    "test_docs.py",
+)
 
 
 class FakeCuda:

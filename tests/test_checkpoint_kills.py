@@ -3,9 +3,11 @@
 The run (fp32 LoRA on the tiny Llama, 7 steps, a checkpoint every 2, keep 1) is killed while it saves
 checkpoint-6 and deletes checkpoint-4: once before each file operation (open for writing, write of a
 tensor file, rename, delete, fsync, mkdir), and once with each tensor file cut in half as it was
-written. Each kill happens in a forked copy of the test process (``os._exit``: no cleanup runs, as
-when Colab's runtime dies); a second fork resumes and trains to the end. Its losses must be the
-uninterrupted run's, step for step.
+written. A kill (``os._exit`` in a forked copy of the test process: no cleanup runs, as when Colab's
+runtime dies) leaves the folder as it is on disk at that moment, so one run copies its folder at every
+operation instead of being killed once per operation (the copies are checked against real kills, file
+by file); each copy is put back in the run's folder and a fork resumes it and trains to the end. Its
+losses must be the uninterrupted run's, step for step.
 """
 
 from __future__ import annotations
@@ -44,19 +46,42 @@ def _plan(model, out):
 
 class Ops:
     """Counts the file operations of a save (once armed) and kills the process at the ``kill_at``-th:
-    before it, or (``torn``) right after a tensor file was written, with the file cut in half."""
+    before it, or (``torn``) right after a tensor file was written, with the file cut in half. With
+    ``copies``, it copies the run's folder ``out`` instead, as a kill before each operation (but an fsync)
+    and after each tensor file write, cut, would leave it: ``copies/kill-<n>[-torn]``."""
 
-    def __init__(self, kill_at: int | None = None, torn: bool = False):
+    def __init__(self, kill_at: int | None = None, torn: bool = False, out=None, copies=None):
         self.kill_at, self.torn, self.armed, self.count, self.log = kill_at, torn, False, 0, []
+        self.out, self.copies = out, copies
 
     def before(self, what: str) -> bool:
         if not self.armed:
             return False
         self.count += 1
         self.log.append(what)
+        if self.copies is not None and what != "fsync":  # a kill before an fsync is the kill after the op before
+            self.copy(f"kill-{self.count}")
         if self.count == self.kill_at and not self.torn:
             os._exit(KILLED)
         return self.count == self.kill_at  # torn: the caller writes, cuts, then exits
+
+    def after_write(self, path: str, cut: bool) -> None:
+        """A tensor file was written: cut it and exit (``cut``), or copy the folder with it cut."""
+        if cut:
+            with self.real_open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            os._exit(KILLED)
+        if self.copies is not None and self.armed:
+            copy = self.copy(f"kill-{self.count}-torn")
+            with self.real_open(copy / os.path.relpath(path, self.out), "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+
+    def copy(self, name: str):
+        armed, self.armed = self.armed, False  # the copy's own file operations are not the save's
+        try:
+            return shutil.copytree(self.out, self.copies / name)
+        finally:
+            self.armed = armed
 
     def install(self) -> None:
         real_open, real_os_open, real_save = builtins.open, os.open, torch.save
@@ -79,14 +104,12 @@ class Ops:
                 path = str(a[name_at])
                 cut = self.before(f"write {os.path.basename(path)}")
                 out = real(*a, **kw)
-                if cut:
-                    with real_open(path, "r+b") as f:
-                        f.truncate(os.path.getsize(path) // 2)
-                    os._exit(KILLED)
+                self.after_write(path, cut)
                 return out
 
             return write
 
+        self.real_open = real_open
         builtins.open = io.open = opened
         os.open = os_opened
         torch.save = tensor_file(real_save, 1)
@@ -167,8 +190,8 @@ def _in_fork(fn) -> tuple[int, object]:
     return code, (json.loads(data) if data else None)
 
 
-def _killed_run(model_path, out, kill_at, torn):
-    ops = Ops(kill_at, torn)
+def _killed_run(model_path, out, kill_at=None, torn=False, copies=None):
+    ops = Ops(kill_at, torn, out, copies)
     ops.install()
     result = _train(model_path, out, callbacks=[Arm(ops)])
     return {"count": ops.count, "log": ops.log, "step": result.global_step}
@@ -179,9 +202,31 @@ def _resumed(model_path, out):
     return {"losses": result.losses, "from": result.resumed_from, "skipped": [str(s) for s in result.skipped]}
 
 
+def _put_back(folder, out):
+    """``out`` as ``folder`` is: the copies resume where the run that left them was killed (same paths)."""
+    shutil.rmtree(out, ignore_errors=True)
+    return shutil.copytree(folder, out)
+
+
+def _files(folder) -> dict[str, object]:
+    """Each file's bytes; Trainer's state without the wall-clock figures it logs (runtime, per second)."""
+
+    def content(f):
+        if f.name != "trainer_state.json":
+            return f.read_bytes()
+        state = json.loads(f.read_bytes())
+        for entry in state.get("log_history", []):
+            for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
+                del entry[key]
+        return state
+
+    return {str(f.relative_to(folder)): content(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_llama, tmp_path_factory):
-    """The uninterrupted run's losses, the folder as of checkpoint-4, and the save's operations."""
+    """The uninterrupted run's losses, the folder as of checkpoint-4, the save's operations, and the
+    folder as a kill at each of them leaves it."""
     root = tmp_path_factory.mktemp("kills")
     _load(tiny_llama)  # here, once: every fork starts from this copy of the prepared model
     code, reference = _in_fork(lambda: _resumed(tiny_llama, root / "reference"))
@@ -190,13 +235,15 @@ def runs(tiny_llama, tmp_path_factory):
     code, got = _in_fork(lambda: _train(tiny_llama, before, callbacks=[StopAfter(4)]) and None)
     assert code == 1 and "KeyboardInterrupt" in got["error"]
     assert [f.name for f in checkpoint_folders(before)] == ["checkpoint-4"]  # checkpoint-2 rotated out
-    code, counted = _in_fork(lambda: _killed_run(tiny_llama, shutil.copytree(before, root / "count"), None, False))
+    out, copies = root / "run", root / "copies"
+    copies.mkdir()
+    code, counted = _in_fork(lambda: _killed_run(tiny_llama, _put_back(before, out), copies=copies))
     assert code == 0 and counted["step"] == LAST, counted
-    return dict(reference["losses"]), before, counted
+    return dict(reference["losses"]), before, counted, out, copies
 
 
 def test_the_save_and_rotation_are_counted_operation_by_operation(runs):
-    _, _, counted = runs
+    _, _, counted, _, copies = runs
     log = counted["log"]
     # the tensor files, then the marker (written last), then checkpoint-4's deletion, renamed away first
     assert {"write adapter_model.safetensors", "write optimizer.pt", "write rng_state.pth"} <= set(log)
@@ -205,27 +252,41 @@ def test_the_save_and_rotation_are_counted_operation_by_operation(runs):
     deletes = [i for i, op in enumerate(log) if op in ("unlink", "rmdir")]
     assert deletes and min(deletes) > log.index("replace", marker + 1) > marker, log
     assert counted["count"] >= 15
+    # one copy of the folder per kill: before each operation but the fsyncs, and each tensor file cut
+    kills = {f"kill-{k}" for k, op in enumerate(log, start=1) if op != "fsync"}
+    kills |= {f"kill-{k}-torn" for k, op in enumerate(log, start=1) if op.startswith("write ")}
+    assert {c.name for c in copies.iterdir()} == kills
 
 
-def test_a_kill_at_every_file_operation_of_a_save_and_rotation_resumes_with_the_reference_losses(
-    runs, tiny_llama, tmp_path
-):
+@pytest.mark.parametrize("which", ["marker", "torn"])
+def test_a_copy_is_what_a_real_kill_there_leaves(runs, tiny_llama, which):
+    """The copies stand for kills: a forked run killed for real (``os._exit``) before the marker is
+    written, and right after the first tensor file is written and cut, leaves the same files, byte for byte
+    (but the timings Trainer logs)."""
+    _, before, counted, out, copies = runs
+    log = counted["log"]
+    k = log.index(f"open .{COMPLETE}.tmp") + 1 if which == "marker" else next(
+        i for i, op in enumerate(log, start=1) if op.startswith("write "))  # fmt: skip
+    torn = which == "torn"
+    code, _ = _in_fork(lambda: _killed_run(tiny_llama, _put_back(before, out), k, torn))
+    assert code == KILLED, (k, torn, log[k - 1])
+    killed, copied = _files(out), _files(copies / f"kill-{k}{'-torn' if torn else ''}")
+    assert killed.keys() == copied.keys()
+    assert [name for name in killed if killed[name] != copied[name]] == []
+
+
+def test_a_kill_at_every_file_operation_of_a_save_and_rotation_resumes_with_the_reference_losses(runs, tiny_llama):
     """Before: killed while Trainer deleted checkpoint-4 (after writing checkpoint-6, before its marker),
     resume found neither complete and stopped with CheckpointError; steps 7 on never ran."""
-    reference, before, counted = runs
+    reference, _, counted, out, copies = runs
     assert sorted(reference) == list(range(1, LAST + 1))
-    # an fsync changes nothing a killed process leaves behind (only what a power cut would): a kill before
-    # one is the kill after the operation before it
-    kills = [(k, False) for k, op in enumerate(counted["log"], start=1) if op != "fsync"]
-    kills += [(k, True) for k, op in enumerate(counted["log"], start=1) if op.startswith("write ")]
     outcomes = {}
-    for k, torn in kills:
-        out = shutil.copytree(before, tmp_path / f"kill-{k}{'-torn' if torn else ''}")
-        code, _ = _in_fork(lambda out=out, k=k, torn=torn: _killed_run(tiny_llama, out, k, torn))
-        assert code == KILLED, (k, torn, counted["log"][k - 1])
+    for copy in sorted(copies.iterdir(), key=lambda c: (int(c.name.split("-")[1]), c.name)):
+        k, torn = int(copy.name.split("-")[1]), copy.name.endswith("-torn")
+        _put_back(copy, out)
         point = find_resume(out)  # the newest complete one: checkpoint-6 once its marker is in place, else 4
         assert point.checkpoint is not None, (k, counted["log"][k - 1])
-        code, resumed = _in_fork(lambda out=out: _resumed(tiny_llama, out))
+        code, resumed = _in_fork(lambda: _resumed(tiny_llama, out))
         assert code == 0, (k, torn, counted["log"][k - 1], resumed)
         losses = dict(resumed["losses"])
         assert sorted(losses) == sorted(reference), (k, losses)

@@ -3,7 +3,8 @@
 - it holds the package data the notebooks read (``importlib.resources``);
 - installed in a fresh virtualenv, it runs every notebook from an empty directory, once per session
   (the ``wheel_notebooks`` fixture), and each planned run ends without an error (slow);
-- installing it beside a torch of another version leaves that torch alone (``pip --dry-run --report``, slow).
+- installing it beside a torch of another version leaves that torch alone (``pip --dry-run --report``, slow;
+  started before the notebooks run, as it mostly waits on the package index).
 
 Every test of the wheel lives in this one module: under pytest-xdist (``--dist loadscope``) a module
 runs on one worker, so the wheel is built and the notebooks run once, not once per worker.
@@ -15,6 +16,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -33,8 +35,9 @@ def test_wheel_holds_the_package_data(wheel):
 
 
 @pytest.mark.slow
-def test_wheel_runs_every_notebook_from_an_empty_directory(wheel_notebooks):
-    """The way Colab runs them (the session's one notebook execution, shared with test_notebook_executes)."""
+def test_wheel_runs_every_notebook_from_an_empty_directory(install_beside_colab_torch, wheel_notebooks):
+    """The way Colab runs them (the session's one notebook execution, shared with test_notebook_executes).
+    The pip dry run beside Colab's torch is started first: it waits on the index meanwhile."""
     runs = compat_script().notebook_runs(None, REPO, wheel_notebooks.work)
     assert len(wheel_notebooks.lines) == len(runs), wheel_notebooks.output
     assert all(ln.startswith("ok ") and f"helpers from {wheel_notebooks.target}" in ln
@@ -57,20 +60,45 @@ def _fake_torch_wheel(directory: Path, version: str) -> Path:
     return path
 
 
+COLAB_TORCH = "2.5.1"
+
+
+@dataclass
+class DryRun:
+    """``pip install --dry-run --report`` of the wheel, running in the background until :meth:`wait`."""
+
+    process: subprocess.Popen
+    report: Path
+
+    def wait(self) -> subprocess.CompletedProcess:
+        out, err = self.process.communicate(timeout=600)
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def install_beside_colab_torch(wheel, tmp_path_factory):
+    """The wheel's install (a dry run) into a virtualenv holding Colab's torch, started now and left
+    running: the resolver mostly waits on the package index (about a minute), so it waits while the
+    notebooks run (test_wheel_runs_every_notebook_from_an_empty_directory starts it first)."""
+    tmp = tmp_path_factory.mktemp("colab-torch")
+    venv_dir = tmp / "colab"
+    # no pip of its own (ensurepip costs seconds): this environment's pip acts on it (``pip --python``)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv_dir], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", venv_dir / "bin" / "python"]
+    subprocess.run([*pip, "install", "-q", "--no-deps", _fake_torch_wheel(tmp, COLAB_TORCH)], check=True)
+    report = tmp / "report.json"
+    cmd = [str(c) for c in [*pip, "install", "--dry-run", "--quiet", "--report", report, wheel]]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield DryRun(process, report)
+    if process.poll() is None:  # its test was deselected or failed first
+        process.kill()
+        process.communicate()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("colab_torch", ["2.5.1"])
-def test_installing_beside_another_torch_leaves_it_alone(wheel, tmp_path, colab_torch):
-    venv_dir = tmp_path / "colab"
-    subprocess.run([sys.executable, "-m", "venv", venv_dir], check=True)
-    pip = [venv_dir / "bin" / "python", "-m", "pip"]
-    subprocess.run([*pip, "install", "-q", "--no-deps", _fake_torch_wheel(tmp_path, colab_torch)], check=True)
-    report = tmp_path / "report.json"
-    done = subprocess.run(
-        [*pip, "install", "--dry-run", "--quiet", "--report", report, wheel],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_installing_beside_another_torch_leaves_it_alone(install_beside_colab_torch):
+    colab_torch, report = COLAB_TORCH, install_beside_colab_torch.report
+    done = install_beside_colab_torch.wait()
     assert done.returncode == 0, done.stderr[-3000:]
     installs = {
         i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
