@@ -31,7 +31,9 @@ def test_a_crossing_names_the_holders_from_the_given_namespace():
     assert any(desc == "(4194304,) float32 cpu" for _, _, desc in crossing.top)
 
 
-def test_without_a_namespace_it_says_how_to_get_the_names():
+def test_without_a_namespace_it_says_how_to_get_the_names(monkeypatch):
+    # a script: no notebook namespace (another test in this worker may have started an IPython shell)
+    monkeypatch.setattr("helpers.monitoring.monitor.user_namespace", lambda: {})
     hog = torch.zeros(4 * MiB)  # noqa: F841 - listed, but no namespace names it outside a notebook
     mon = MemoryMonitor(interval=1, capacity=1 * MiB, threshold=0.9, warn=False)
     crossing = crossing_from_a_thread(mon)

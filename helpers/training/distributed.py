@@ -22,9 +22,11 @@ the tests. :func:`run_ddp_qlora` launches :func:`ddp_qlora_worker` and collects 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -661,6 +663,8 @@ def run_ddp_qlora(
 def _main(argv: list[str]) -> None:
     """``python -m helpers.training.distributed module:function '<json args>'``: one rank, as torchrun starts it."""
     module, _, name = argv[0].partition(":")
+    # a rank stopped at a launch's timeout writes where each of its threads was, for the launch's error
+    faulthandler.register(signal.SIGTERM, chain=True)
     getattr(importlib.import_module(module), name)(*json.loads(argv[1]))
 
 

@@ -59,6 +59,7 @@ __all__ = ["LAUNCH_STRATEGIES", "OFFLOADS", "LaunchConfig", "write_launch_config
 LAUNCH_STRATEGIES = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
 OFFLOADS = ("optimizer", "params")
 TAIL_LINES = 400  # lines of the launch's stderr kept for the error of a failed run
+TIMEOUT_LINES = 40  # of them, shown when a launch is stopped at its timeout (each stopped rank dumps its stacks)
 
 
 @dataclass
@@ -386,7 +387,9 @@ def launch_plan(
     run = run_streaming(config.command(module, args), timeout=timeout, tail_lines=TAIL_LINES,
                         desc=f"accelerate launch, {config.world_size} processes")  # fmt: skip
     if run.timed_out:
-        raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped")
+        last = "\n".join(f"  {line}" for line in list(run.tail)[-TIMEOUT_LINES:])
+        raise DistributedError(f"accelerate launch of {module} ran past timeout={timeout} s and was stopped; "
+                               f"the last lines (a stopped rank writes where it was):\n{last}")  # fmt: skip
     code, tail = run.code, run.tail
     if code != 0:
         errors = [line for line in tail if "Error" in line or "Exception" in line][-3:]
