@@ -8,7 +8,7 @@ BROWSER_STAMP := $(VENV)/.oomkit-browser-installed
 CHROMIUM ?= /usr/bin/chromium
 TINY   := data/tiny/BUILD.json
 
-.PHONY: setup demo test test-compat test-browser bench docs lint format sync-notebooks clean gpu-check gpu-predict gpu-wheels
+.PHONY: setup demo test test-wheel test-compat test-browser bench docs lint format sync-notebooks clean gpu-check gpu-predict gpu-wheels
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ demo: setup $(TINY)
 TEST_WORKERS ?= 2
 test: setup $(TINY)
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
+
+# The built wheel, installed in a fresh virtualenv, runs every notebook from an empty directory, and a pip dry run
+# beside Colab's torch (tests/test_wheel.py, marker "wheel": ~2.5 minutes, kept out of make test's quick loop)
+test-wheel: setup $(TINY)
+	$(BIN)/python -m pytest -q -m wheel tests/test_wheel.py
 
 # The compatibility matrix: the built wheel in fresh virtualenvs cached in ~/.cache/oomkit-compat
 # (OOMKIT_COMPAT_CACHE; kept between runs and clones, rebuilt when their requirements change): the

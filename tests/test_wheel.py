@@ -6,6 +6,8 @@
 - installing it beside a torch of another version leaves that torch alone (``pip --dry-run --report``, slow;
   started before the notebooks run, as it mostly waits on the package index).
 
+The slow ones (marked ``wheel``: the notebooks and the dry run, ~2.5 minutes) run in ``make test-wheel``, a part
+of CI of its own, so that ``make test`` stays a quick loop; the package-data check runs in both.
 Every test of the wheel lives in this one module: under pytest-xdist (``--dist loadscope``) a module
 runs on one worker, so the wheel is built and the notebooks run once, not once per worker.
 """
@@ -34,6 +36,7 @@ def test_wheel_holds_the_package_data(wheel):
     assert {"helpers/data/instructions.jsonl", "helpers/data/eval_prompts.jsonl"} <= set(names)
 
 
+@pytest.mark.wheel
 @pytest.mark.slow
 def test_wheel_runs_every_notebook_from_an_empty_directory(install_beside_colab_torch, wheel_notebooks):
     """The way Colab runs them (the session's one notebook execution, shared with test_notebook_executes).
@@ -95,6 +98,7 @@ def install_beside_colab_torch(wheel, tmp_path_factory):
         process.communicate()
 
 
+@pytest.mark.wheel
 @pytest.mark.slow
 def test_installing_beside_another_torch_leaves_it_alone(install_beside_colab_torch):
     colab_torch, report = COLAB_TORCH, install_beside_colab_torch.report
@@ -111,6 +115,7 @@ def test_installing_beside_another_torch_leaves_it_alone(install_beside_colab_to
 RUNS = run_notebooks.planned_runs()
 
 
+@pytest.mark.wheel
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS, ids=[r.label for r in RUNS])
 def test_notebook_executes(run, wheel_notebooks):
@@ -125,6 +130,7 @@ def test_notebook_executes(run, wheel_notebooks):
     assert not errors
 
 
+@pytest.mark.wheel
 @pytest.mark.slow
 def test_notebook_05s_ddp_runs_trained_in_step_on_two_gloo_processes(wheel_notebooks):
     """Notebook 05's two DDP QLoRA runs on the tiny model (2 CPU processes, gloo), checked from the reports
