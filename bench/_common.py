@@ -46,6 +46,7 @@ MEASURES: dict[str, list[str]] = {
     "resume_scale": ["helpers/evaluation/results_file.py", "helpers/evaluation/evaluate.py",
                      "helpers/loading/fingerprint.py"],
 }  # fmt: skip
+MEASURES["oom_parse_cost"] = ["helpers/oom/messages.py", "helpers/oom/diagnosis.py", "helpers/oom/causes.py"]
 MEASURES["time_estimate"] = ["helpers/estimator/timing.py", "helpers/estimator/calibration.py"]
 MEASURES["first_cell"] = ["helpers/environment.py", "helpers/__init__.py", "helpers/oom/hook.py",
                           "helpers/monitoring/cellstats.py", "helpers/core/memory.py"]  # fmt: skip

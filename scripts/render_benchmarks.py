@@ -586,6 +586,13 @@ def fingerprint_cost(d: dict) -> str:
     return d["table"]  # the bench writes its table and the sentence of ratios under it
 
 
+def oom_parse_cost(d: dict) -> str:
+    return (
+        "`explain_oom` on hostile messages (long runs of digits, whitespace and repeated signatures) and on logs of "
+        "real messages from tests/data/oom_messages.jsonl, CPU time of the measuring thread per call.\n\n" + d["table"]
+    )
+
+
 def fit_scale(d: dict) -> str:
     hits = sum(c["within_target"] for c in d["cases"])
     return (
@@ -647,6 +654,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "leak_detection": ("Leak detection", leak_detection),
     "hot_spots": ("Hot spots, before and after", hot_spots),
     "fingerprint_cost": ("Fingerprint cost", fingerprint_cost),
+    "oom_parse_cost": ("Reading an OOM message", oom_parse_cost),
     "time_estimate": ("Time estimates", time_estimate),
     "resume_scale": ("Resuming an evaluation", resume_scale),
     "fit_scale": ("fit() as models grow", fit_scale),

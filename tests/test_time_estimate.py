@@ -127,8 +127,9 @@ def test_calibrate_measures_once_per_process(monkeypatch):
     assert cal_mod.cached_calibration("cpu") is None
     first = cal_mod.calibrate("cpu")
     assert first.device == "cpu" and first.dtype == "fp32"
-    assert first.bandwidth > 1e8 and first.flops > 1e8 and 0 < first.op_seconds < 1e-3
-    assert 0 <= first.decode_step_seconds < 0.1
+    # measured, so only plausible: a loaded machine may be many times slower (the speed is bench/time_estimate.py's)
+    assert first.bandwidth > 0 and first.flops > 0 and 0 < first.op_seconds < 1
+    assert 0 <= first.decode_step_seconds < 10
     assert cal_mod.calibrate("cpu") is first and cal_mod.cached_calibration("cpu") is first
     assert "GB/s" in str(first) and "us per op" in str(first)
 

@@ -541,7 +541,9 @@ def explain_oom(
 def _generating(exc: BaseException | None, text: str) -> bool:
     """It ran out inside a ``generate()`` call: a frame of that name in the traceback (transformers', a
     wrapper's), a pasted traceback's ``in generate`` line, or simulated_budget's message (it only wraps generate)."""
-    if SIMULATED.search(text) or re.search(r"\bin generate\b", text):
+    if SIMULATED.search(text) or any(
+        m.start() == 0 or not _WORD.match(text, m.start() - 1) for m in _IN_GENERATE.finditer(text)
+    ):
         return True
     while exc is not None:
         tb = exc.__traceback__
@@ -553,6 +555,8 @@ def _generating(exc: BaseException | None, text: str) -> bool:
     return False
 
 
+# a literal start lets the regex engine skip to each candidate (a leading \b made it scan 1 MB in 28 ms)
+_IN_GENERATE, _WORD = re.compile(r"in generate\b"), re.compile(r"\w")
 # how simulated_budget (helpers.testing) marks the T4-shaped message it raises on a CPU
 SIMULATED = re.compile(r"\(simulated on this machine for a T4: ([^)]*)\)")
 LARGEST_SHOWN = 5  # live tensors a card lists
