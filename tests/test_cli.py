@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import resource
-import statistics
 import subprocess
 import sys
 
@@ -19,29 +17,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True)
 
 
-def test_help_imports_neither_torch_nor_transformers():
+# what ``--help`` must not import: torch alone takes seconds (why a CLI's help is compared with ``import torch``,
+# as accelerate does); that it costs less is this test's, counted in modules, not timed
+HEAVY = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "numpy", "matplotlib", "ipywidgets", "IPython")
+
+
+def test_help_imports_nothing_heavy():
     probe = ("import runpy, sys; sys.argv = ['helpers', '--help']\ntry: runpy.run_module('helpers', run_name='__main__')\n"
-             "except SystemExit: pass\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")  # fmt: skip
+             f"except SystemExit: pass\nprint('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")  # fmt: skip
     out = _run("-c", probe).stdout
     assert "python -m helpers COMMAND" in out and "HEAVY []" in out
-
-
-def _child_cpu_s() -> float:
-    """CPU seconds (user + system) of every finished child process so far."""
-    use = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return use.ru_utime + use.ru_stime
-
-
-def test_help_costs_no_more_than_importing_torch():
-    """As accelerate checks its CLI: ``--help`` within ``import torch`` + 20 % (median of interleaved runs),
-    in the CPU seconds each child used: other processes on a busy machine do not count."""
-    help_s, torch_s = [], []
-    for _ in range(3):
-        for cmd, into in ((["-m", "helpers", "--help"], help_s), (["-c", "import torch"], torch_s)):
-            started = _child_cpu_s()
-            _run(*cmd)
-            into.append(_child_cpu_s() - started)
-    assert statistics.median(help_s) <= 1.2 * statistics.median(torch_s), (help_s, torch_s)
 
 
 @pytest.mark.parametrize(("command", "option"), [("preflight", "--model"), ("estimate", "--lora"),
