@@ -17,6 +17,7 @@ import time
 
 import psutil
 import torch
+from gpu_cap import uncapped
 
 from helpers import cleanup, explain_oom, find_max_batch_size, safe_generate
 from helpers.core.units import GiB, MiB, format_bytes
@@ -93,8 +94,6 @@ def _uncapped(run):
     """The reference run of the comparison: the whole card, so no OOM happens (nothing to lift in a dry run)."""
     if run.dry:
         return contextlib.nullcontext()
-    from gpu_stages import uncapped  # gpu_stages imports this module when it runs the stage
-
     return uncapped()
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_cap import uncapped
 
 from helpers import footprint, unload
 from helpers.core.sources import read_json, shipped_config
@@ -104,21 +105,6 @@ def without_context(est) -> int:
 
 
 # -- models ----------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def uncapped():
-    """The whole card for a moment (building a model is no measurement: Qwen fp16 alone passes a T4)."""
-    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-    if not torch.cuda.is_available() or get is None:
-        yield
-        return
-    fraction = get(0)
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(fraction, 0)
 
 
 def check_disk(folder: Path, need: int) -> None:
