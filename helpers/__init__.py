@@ -30,7 +30,7 @@ _API: dict[str, str] = {
     **dict.fromkeys(["estimate_time", "TimeEstimate"], "estimator.timing"),
     **dict.fromkeys(["calibrate"], "estimator.calibration"),
     **dict.fromkeys(["module_memory", "ModuleMemory"], "loading.model_parts"),
-    **dict.fromkeys(["fit"], "placement.decision"),
+    **dict.fromkeys(["fit"], "placement.machine_fit"),
     **dict.fromkeys(
         ["data_path", "shipped_configs", "persistent_path", "no_config_help", "mount_drive"],
         "core.sources"),

@@ -193,7 +193,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     from .estimator.core import estimate
     from .estimator.rows import EstimateError
     from .estimator.training import FullTraining
-    from .placement.decision import fit
+    from .placement.machine_fit import fit
 
     try:
         device: Any = args.device

@@ -475,7 +475,8 @@ def fit_checks(model: Any, *, load: str = "auto", max_new_tokens: int = DEFAULTS
     from .estimator.core import estimate
     from .estimator.fitting import format_params
     from .estimator.rows import EstimateError
-    from .placement.decision import held_hint, offload_ram
+    from .placement.gpu_room import offload_ram
+    from .placement.split_checks import held_hint
 
     budget = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompt_tokens": prompt_tokens}
     gpus = list(snapshot.gpus) if snapshot is not None and getattr(snapshot, "backend", None) == "cuda" else []
@@ -619,7 +620,7 @@ def _load_now(chosen: _Option, gpus: list[GPUReadout], caps: list[int], host: _H
 
 def _held_check(check: Check, now: _Option, gpus: list[GPUReadout]) -> Check:
     """The fit ``check``, warning where the memory this process still holds changes what load() does now."""
-    from .placement.decision import held_hint
+    from .placement.split_checks import held_hint
 
     if now.verdict == DOES_NOT_FIT:
         happens = "load() would refuse it now"

@@ -17,7 +17,7 @@ from helpers.estimator.fitting import DeviceSuggestion
 from helpers.estimator.reducers import HOST_RAM
 from helpers.estimator.rows import EstimateError
 from helpers.estimator.training import LoraTraining
-from helpers.placement import decision as device_fixes_module
+from helpers.placement import machine_fit as device_fixes_module
 from helpers.placement.device_plan import plan_devices
 
 LLAMA3 = "meta-llama/Llama-3.1-8B"

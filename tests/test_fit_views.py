@@ -10,7 +10,7 @@ import pytest
 
 from helpers.estimator.core import estimate
 from helpers.estimator.timing import estimate_time, offload_seconds
-from helpers.placement.decision import fit
+from helpers.placement.machine_fit import fit
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_an_offload_fix_adds_the_pcie_copy_of_its_offloaded_layers(qwen7b_t4):
 
 
 def test_a_split_runs_at_one_cards_speed():
-    from helpers.placement.decision import device_fixes
+    from helpers.placement.machine_fit import device_fixes
 
     est = estimate("Qwen2.5-7B", load="fp32", device="t4")
     (split,) = device_fixes(est, ["t4"] * 4)

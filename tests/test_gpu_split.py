@@ -13,7 +13,7 @@ from helpers.estimator.core import estimate
 from helpers.loading.checks import check_plan
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
-from helpers.placement import decision as gpu_split
+from helpers.placement import gpu_room
 from helpers.placement.device_plan import PlacementError, plan_devices, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
@@ -155,7 +155,9 @@ def test_without_a_placement_an_offload_larger_than_the_ram_is_refused(monkeypat
     def unplaceable(*args, **kwargs):
         raise PlacementError("cannot build this architecture on the meta device (ValueError: model_type 'x')")
 
-    monkeypatch.setattr(gpu_split, "split_plan", unplaceable)
+    monkeypatch.setattr(
+        gpu_room, "plan_devices", unplaceable
+    )  # every split_plan call: the architecture has no placement
     est = estimate(reference_configs()["Llama-2-70b"], load="nf4", device="t4")
     plan = LoadPlan(str(tiny_llama), load="nf4", allow_offload=True)
     with pytest.raises(LoadRefused, match=r"would offload .* of weights to CPU RAM \(offloaded bitsandbytes layers "
@@ -210,7 +212,9 @@ def test_an_architecture_without_a_placement_is_capped_per_card_not_offloaded(mo
     def unplaceable(*args, **kwargs):
         raise PlacementError("cannot build this architecture on the meta device (ValueError: model_type 'x')")
 
-    monkeypatch.setattr(gpu_split, "split_plan", unplaceable)
+    monkeypatch.setattr(
+        gpu_room, "plan_devices", unplaceable
+    )  # every split_plan call: the architecture has no placement
     est = llama8b("fp16")
     checked = check_plan(LoadPlan(str(tiny_llama), load="fp16"), snapshot=kaggle(), bnb=BNB_OK, estimate=est)
     assert checked.split is None and set(checked.max_memory) == {0, 1}  # no "cpu": never a silent offload

@@ -23,7 +23,7 @@ from helpers.loading.checks import check_plan
 from helpers.loading.generation import generate_batched
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
-from helpers.placement import decision as gpu_split
+from helpers.placement import gpu_room as gpu_split
 from helpers.placement.decision import max_memory_for  # fmt: skip
 from helpers.placement.device_plan import PlacementError, reference_configs
 

@@ -11,15 +11,11 @@ from transformers import LlamaConfig
 
 from helpers import GiB, MiB, estimate
 from helpers.estimator.fitting import fit_one_card
-from helpers.placement import decision, device_plan
-from helpers.placement.decision import (
-    FIXES_NOT_ASKED,
-    REFUSE,
-    decide_placement,
-    devices_snapshot,
-    split_plan,
-)
+from helpers.placement import device_plan, gpu_room, split_checks
+from helpers.placement.decision import REFUSE, decide_placement, devices_snapshot
 from helpers.placement.device_plan import ModuleSizes, device_map_for, module_sizes, one_move, placement_model
+from helpers.placement.gpu_room import split_plan
+from helpers.placement.split_checks import FIXES_NOT_ASKED
 
 
 def _config(**changes) -> LlamaConfig:
@@ -128,8 +124,8 @@ def _estimate():
 
 def test_one_move_plans_each_question_once_and_never_outlives_it(monkeypatch):
     calls = []
-    real = decision.plan_devices
-    monkeypatch.setattr(decision, "plan_devices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gpu_room.plan_devices
+    monkeypatch.setattr(gpu_room, "plan_devices", lambda *a, **k: calls.append(1) or real(*a, **k))
     est, cards = _estimate(), [{"name": "small", "capacity": 800 * MiB, "bf16": False}] * 2
     split_plan(est, cards)
     split_plan(est, cards)
@@ -151,8 +147,8 @@ def test_a_decision_without_fixes_says_the_same_where_it_goes(monkeypatch):
     est = _estimate()
     snap = devices_snapshot(est, [{"name": "small", "capacity": 700 * MiB, "bf16": False}] * 2)
     fitted = []
-    real = decision.fit_one_card
-    monkeypatch.setattr(decision, "fit_one_card", lambda *a, **k: fitted.append(k) or real(*a, **k))
+    real = split_checks.fit_one_card
+    monkeypatch.setattr(split_checks, "fit_one_card", lambda *a, **k: fitted.append(k) or real(*a, **k))
     full = decide_placement(None, est, snap)
     asked = len(fitted)
     bare = decide_placement(None, est, snap, fixes=False)
@@ -163,7 +159,7 @@ def test_a_decision_without_fixes_says_the_same_where_it_goes(monkeypatch):
 
 def test_an_offload_of_the_whole_model_names_no_empty_module():
     """Every module on the CPU is the map {"": "cpu"}: the fix names the layers, not an empty "(with )"."""
-    from helpers.placement.decision import device_fixes
+    from helpers.placement.machine_fit import device_fixes
 
     (fix,) = device_fixes(_estimate(), ["450MiB"], host_ram=8 * GiB)
     assert "16 of 16 decoder layers to CPU RAM" in fix.change and "(with" not in fix.change

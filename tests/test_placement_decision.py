@@ -51,7 +51,7 @@ def saved_bnb_70b():
 
 
 def test_a_readout_of_devices_gives_each_card_its_capacity_as_room():
-    from helpers.placement.decision import gpu_room
+    from helpers.placement.gpu_room import gpu_room
 
     est = estimate("mistralai/Mistral-7B-v0.1", load="nf4", device="t4")
     snap = devices_snapshot(est, [T4, {"name": "A100", "capacity": 40 * GiB, "bf16": True}], ram=3 * GiB)

@@ -38,8 +38,9 @@ from ..estimator.families import auto_class
 from ..estimator.footprint import footprint
 from ..estimator.layout import quantization_skip_modules
 from ..estimator.rows import EstimateError
-from ..placement.decision import map_strategy, spill_fix
+from ..placement.decision import spill_fix
 from ..placement.device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, bnb_prequantized
+from ..placement.gpu_room import map_strategy
 from .checks import (
     PlanCheck,
     check_adapter,

@@ -34,9 +34,7 @@ from ..core.vocab import (
 )
 from ..estimator.core import estimate as estimate_memory
 from ..estimator.rows import EstimateError
-from ..placement.decision import (
-    check_strategy,
-)
+from ..placement.gpu_room import check_strategy
 
 # what transformers' attn_implementation takes (a hub kernel "org/name" too)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

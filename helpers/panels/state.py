@@ -17,7 +17,7 @@ from ..estimator.core import MemoryEstimate
 from ..estimator.fitting import Suggestion
 from ..estimator.reducers import host_cost
 from ..estimator.timing import approx_duration
-from ..placement.decision import fit
+from ..placement.machine_fit import fit
 
 __all__ = [
     "SEGMENTS",
