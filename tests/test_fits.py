@@ -9,7 +9,7 @@ import pytest
 from helpers.cli import main
 from helpers.core.units import GiB
 from helpers.core.vocab import LOAD_MODES
-from helpers.placement.device_plan import PlacementError
+from helpers.placement.device_map import PlacementError
 from helpers.placement.fits import ModelFits, fits_table, verdict_fill
 
 

@@ -14,7 +14,8 @@ from helpers.loading.checks import check_plan
 from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
 from helpers.placement import gpu_room
-from helpers.placement.device_plan import PlacementError, plan_devices, reference_configs
+from helpers.placement.device_map import PlacementError
+from helpers.placement.device_plan import plan_devices, reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

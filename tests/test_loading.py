@@ -25,7 +25,8 @@ from helpers.loading.loader import load
 from helpers.loading.plan import LoadPlan
 from helpers.placement import gpu_room as gpu_split
 from helpers.placement.decision import max_memory_for  # fmt: skip
-from helpers.placement.device_plan import PlacementError, reference_configs
+from helpers.placement.device_map import PlacementError
+from helpers.placement.device_plan import reference_configs
 
 T4_TOTAL = int(14.74 * GiB)
 BNB_OK = (True, "bitsandbytes quantizes")

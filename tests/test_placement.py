@@ -13,7 +13,8 @@ from helpers.core.devices import DeviceError, resolve_devices
 from helpers.core.sources import shipped_configs
 from helpers.core.vocab import torch_dtype
 from helpers.estimator.configs import resolve_config
-from helpers.placement.device_plan import PlacementError, placement_model, plan_devices, reference_configs
+from helpers.placement.device_map import PlacementError, placement_model
+from helpers.placement.device_plan import plan_devices, reference_configs
 from helpers.placement.fits import fits_table
 
 # a pre-quantized config (gpt-oss mxfp4, Qwen3 fp8) loads only as saved: no fp16 or nf4 plan

@@ -11,9 +11,10 @@ from transformers import LlamaConfig
 
 from helpers import GiB, MiB, estimate
 from helpers.estimator.fitting import fit_one_card
-from helpers.placement import device_plan, gpu_room, split_checks
+from helpers.placement import device_map, gpu_room, split_checks
 from helpers.placement.decision import REFUSE, decide_placement, devices_snapshot
-from helpers.placement.device_plan import ModuleSizes, device_map_for, module_sizes, one_move, placement_model
+from helpers.placement.device_map import ModuleSizes, device_map_for, module_sizes, placement_model
+from helpers.placement.device_plan import one_move
 from helpers.placement.gpu_room import split_plan
 from helpers.placement.split_checks import FIXES_NOT_ASKED
 
@@ -110,12 +111,12 @@ def test_a_warm_move_walks_the_modules_at_most_twice(tmp_path, walks):
 
 @contextlib.contextmanager
 def _uncached():
-    saved = device_plan._sizes_from
-    device_plan._sizes_from = lambda sizes: contextlib.nullcontext()
+    saved = device_map._sizes_from
+    device_map._sizes_from = lambda sizes: contextlib.nullcontext()
     try:
         yield
     finally:
-        device_plan._sizes_from = saved
+        device_map._sizes_from = saved
 
 
 def _estimate():

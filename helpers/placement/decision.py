@@ -20,14 +20,8 @@ from ..core.errors import LoadRefused
 from ..core.memory import GPUReadout, MemorySnapshot, RAMReadout
 from ..core.units import format_bytes
 from ..core.vocab import DOES_NOT_FIT, FITS, QUANTIZED, VERDICTS, lighter_load, verdict
-from .device_plan import (
-    PREQUANTIZED_OFFLOAD,
-    PREQUANTIZED_OFFLOAD_FIX,
-    DevicePlan,
-    PlacementError,
-    bnb_prequantized,
-    one_move,
-)
+from .device_map import PlacementError
+from .device_plan import PREQUANTIZED_OFFLOAD, PREQUANTIZED_OFFLOAD_FIX, DevicePlan, bnb_prequantized, one_move
 from .gpu_room import (
     check_strategy,
     free_devices,

@@ -22,7 +22,8 @@ from ..core.vocab import DEFAULTS, FITS, FITS_TOKENS, LOAD_MODES, TIGHT, TIGHT_F
 from ..estimator.configs import resolve_config
 from ..estimator.core import estimate
 from ..estimator.prequantized import repo_quantization
-from .device_plan import PlacementError, reference_configs
+from .device_map import PlacementError
+from .device_plan import reference_configs
 from .machine_fit import fit
 
 __all__ = ["FITS_DEVICES", "NOT_PLANNED", "FitsCell", "FitsRow", "ModelFits", "FitsTable", "fits_table", "text_grid",

@@ -12,14 +12,8 @@ from ..core.errors import LoadRefused
 from ..core.memory import GPUReadout, MemorySnapshot
 from ..core.units import format_bytes
 from ..core.vocab import DEFAULTS, MODES, QUANTIZED, half_dtype
-from .device_plan import (
-    DEVICE_MAP_STRATEGIES,
-    DevicePlan,
-    PlacementError,
-    frozen_key,
-    once_per_move,
-    plan_devices,
-)
+from .device_map import PlacementError
+from .device_plan import DEVICE_MAP_STRATEGIES, DevicePlan, frozen_key, once_per_move, plan_devices
 
 __all__ = [
     "gpu_room",

@@ -15,12 +15,12 @@ from ..estimator.fitting import (
     FitVerdict,
     fit_one_card,
 )
+from .device_map import PlacementError
 from .device_plan import (
     PREQUANTIZED_OFFLOAD,
     PREQUANTIZED_OFFLOAD_FIX,
     DeviceMapError,
     DevicePlan,
-    PlacementError,
     bnb_prequantized,
     frozen_key,
     once_per_move,
