@@ -88,3 +88,15 @@ def test_the_last_message_of_a_log_is_the_one_explained():
     last = next(t for t in texts if "capacty of 12.00 GiB" in t)  # request larger than the card
     report = explain_oom("\n".join(texts * 200 + [last]))
     assert report.cause == "request_too_large" and report.total == 12 * 2**30
+
+
+def test_a_pasted_generate_frame_counts_only_as_a_whole_word():
+    """The "in generate" search runs on a literal (a leading \\b made it scan every input whole) and checks the
+    word boundaries itself: "in generated" or "within generate" is no generate() frame."""
+    from helpers.oom.diagnosis import explain_oom
+
+    msg = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    assert explain_oom(f'  File "x.py", line 3, in generate\n{msg}').generating
+    assert explain_oom(f"in generate\n{msg}").generating
+    for frame in ("in generated", "xin generate", "_in generate", "within generate"):
+        assert not explain_oom(f'  File "x.py", line 3, {frame}\n{msg}').generating, frame
